@@ -1,0 +1,29 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Both install into ./.venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet torch==$(TORCH_VERSION)
+	$(PIP) install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m usp.train recipe=tiny hydra.run.dir=outputs/demo
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf outputs runs .pytest_cache

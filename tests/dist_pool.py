@@ -1,0 +1,178 @@
+"""A pool of gloo worker processes, one per rank, started once per world size and reused by many tests.
+
+``pool.run(fn, *args)`` runs the module-level function ``fn(*args)`` on every rank (inside an initialized gloo
+world) and returns the list of per-rank results, in rank order. If any rank raises, ``run`` raises
+``WorkerError`` with every failing rank's traceback; if the ranks don't all answer within ``timeout`` seconds,
+``run`` raises ``WorkerTimeout``. After any failure the pool is torn down and restarted, so one bad case never
+hangs or poisons the next. Every collective inside the workers has the process-group timeout
+``collective_timeout_s``, so a rank left waiting on a peer that died raises instead of hanging.
+
+Results travel through a pipe: return CPU tensors, numbers, dicts or lists of them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    def __init__(self, message: str, tracebacks: dict[int, str]):
+        super().__init__(message)
+        self.tracebacks = tracebacks
+
+
+class WorkerTimeout(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, collective_timeout_s: float) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
+        )
+        results.put(("ready", rank, True, None))
+    except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
+        results.put(("ready", rank, False, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            out = fn(*args, **kwargs)
+            results.put((task_id, rank, True, out))
+        except BaseException:  # noqa: BLE001 - send the traceback to the test
+            results.put((task_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    """``world_size`` gloo ranks in spawned processes; see the module docstring."""
+
+    def __init__(self, world_size: int, *, timeout: float = 300.0, collective_timeout_s: float = 60.0):
+        self.world_size = world_size
+        self.timeout = timeout
+        self.collective_timeout_s = collective_timeout_s
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._next_id = 0
+        self._start()
+
+    def _start(self) -> None:
+        port = _free_port()
+        self._results = self._ctx.Queue()
+        self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            self._ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self._tasks[r], self._results, self.collective_timeout_s),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect("ready", self.timeout)
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        self._procs = []
+
+    def _collect(self, task_id: Any, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(out) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if errors:
+                # one rank failed: give the others a short grace to report, then restart the world
+                remaining = min(remaining, self.collective_timeout_s + 10)
+            if remaining <= 0 or any(not p.is_alive() for p in self._procs):
+                if remaining > 0:
+                    time.sleep(0.5)  # a dead process may still have a message in flight
+                    while not self._results.empty() and len(out) + len(errors) < self.world_size:
+                        self._accept(self._results.get(), task_id, out, errors)
+                    if len(out) + len(errors) == self.world_size:
+                        break
+                missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+                self._kill()
+                msg = f"ranks {missing} did not answer within {timeout:.0f}s"
+                if errors:
+                    raise WorkerError(msg + "\n" + _format(errors), errors)
+                raise WorkerTimeout(msg)
+            try:
+                item = self._results.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty
+                continue
+            self._accept(item, task_id, out, errors)
+        if errors:
+            self._kill()
+            raise WorkerError(_format(errors), errors)
+        return [out[r] for r in range(self.world_size)]
+
+    @staticmethod
+    def _accept(item: tuple, task_id: Any, out: dict, errors: dict) -> None:
+        tid, rank, ok, payload = item
+        if tid != task_id:
+            return  # stale answer from a task that already failed
+        (out if ok else errors)[rank] = payload
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        if not self._procs:
+            self._start()
+        self._next_id += 1
+        task_id = self._next_id
+        for q in self._tasks:
+            q.put((task_id, fn, args, kwargs))
+        try:
+            return self._collect(task_id, self.timeout if timeout is None else timeout)
+        except (WorkerError, WorkerTimeout):
+            self._procs = [] if not any(p.is_alive() for p in self._procs) else self._procs
+            self._kill()
+            raise
+
+    def close(self) -> None:
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+        self._kill()
+
+
+def _format(errors: dict[int, str]) -> str:
+    return "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))

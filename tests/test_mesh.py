@@ -1,0 +1,93 @@
+"""The parallel layout object: degree validation, rank groups, and the sequence layout helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.mesh_cache import cached_sp_mesh
+from usp.parallel import ParallelDims, gather_sequence, local_token_indices, shard_sequence, sp_permutation
+
+
+def test_groups_world16_node8_ulysses8_ring2():
+    dims = ParallelDims(world_size=16, ulysses_degree=8, ring_degree=2, node_size=8)
+    assert dims.dp_degree == 1
+    assert dims.groups("ulysses") == [list(range(0, 8)), list(range(8, 16))]
+    assert dims.groups("ring") == [[i, i + 8] for i in range(8)]
+    assert dims.groups("fsdp") == [list(range(16))]
+
+
+def test_groups_world16_node8_ulysses4_ring2_dp2():
+    dims = ParallelDims(world_size=16, ulysses_degree=4, ring_degree=2, dp_degree=-1, node_size=8)
+    assert dims.dp_degree == 2
+    assert dims.groups("ulysses") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert dims.groups("ring") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert dims.groups("dp") == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    assert dims.groups("sp") == [list(range(8)), list(range(8, 16))]
+    assert dims.coordinates(13) == {"dp": 1, "ring": 1, "ulysses": 1}
+    # every Ulysses group stays inside one node of 8
+    for g in dims.groups("ulysses"):
+        assert len({r // 8 for r in g}) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(world_size=8, ulysses_degree=3, ring_degree=1), "does not divide the world size 8"),
+        (dict(world_size=8, ulysses_degree=0, ring_degree=1), "parallel.ulysses_degree=0"),
+        (dict(world_size=8, ulysses_degree=2, ring_degree=-1), "parallel.ring_degree=-1"),
+        (dict(world_size=8, ulysses_degree=2, ring_degree=2, dp_degree=3), "parallel.dp_degree=3"),
+        (dict(world_size=16, ulysses_degree=16, ring_degree=1, node_size=8), "span nodes"),
+        (dict(world_size=12, ulysses_degree=4, ring_degree=1, node_size=6), "span nodes"),
+        (dict(world_size=8, ulysses_degree=1, ring_degree=1, node_size=3), "node_size=3"),
+    ],
+)
+def test_bad_degrees_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims(**kwargs)
+
+
+def test_cross_node_ulysses_allowed_explicitly():
+    dims = ParallelDims(world_size=16, ulysses_degree=16, node_size=8, allow_cross_node_ulysses=True)
+    assert dims.groups("ulysses") == [list(range(16))]
+
+
+def test_zigzag_indices_cover_sequence_once():
+    for ring, uly in [(1, 1), (2, 1), (1, 4), (2, 2), (4, 2)]:
+        for layout in ("zigzag", "contiguous"):
+            perm = sp_permutation(32, ring, uly, layout)
+            assert sorted(perm.tolist()) == list(range(32))
+    # ring 2, zigzag: 4 chunks of 4; ring rank 0 holds chunks 0 and 3, split over 2 ulysses ranks
+    assert local_token_indices(16, 2, 2, 0, 0, "zigzag").tolist() == [0, 1, 2, 3]
+    assert local_token_indices(16, 2, 2, 0, 1, "zigzag").tolist() == [12, 13, 14, 15]
+    assert local_token_indices(16, 2, 2, 1, 0, "zigzag").tolist() == [4, 5, 6, 7]
+    assert local_token_indices(16, 2, 1, 1, 0, "contiguous").tolist() == list(range(8, 16))
+
+
+def test_bad_sequence_length_names_nearest():
+    with pytest.raises(ValueError, match=r"trainer.seq_len = 24 or 32"):
+        local_token_indices(30, 2, 2, 0, 0, "zigzag")
+
+
+def _shard_gather_roundtrip(ulysses: int, ring: int, layout: str):
+    mesh = cached_sp_mesh(ulysses, ring, layout)
+    torch.manual_seed(0)
+    x = torch.randn(2, 48, 3)
+    local = shard_sequence(x, mesh, dim=1)
+    back = gather_sequence(local, mesh, dim=1)
+    torch.testing.assert_close(back, x, rtol=0, atol=0)
+    pos = shard_sequence(torch.arange(48)[None], mesh)
+    return pos[0].tolist(), mesh.sp_rank, mesh.describe()
+
+
+@pytest.mark.parametrize("ulysses, ring", [(1, 4), (2, 2), (4, 1)])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_shard_gather_world4(dist_pools, ulysses, ring, layout):
+    results = dist_pools(4).run(_shard_gather_roundtrip, ulysses, ring, layout)
+    seen = sorted(p for positions, _, _ in results for p in positions)
+    assert seen == list(range(48))
+    for rank, (positions, sp_rank, desc) in enumerate(results):
+        assert sp_rank == rank  # dp = 1: sp rank == global rank
+        assert desc["ring_degree"] == ring and desc["ulysses_degree"] == ulysses
+        r, u = rank // ulysses, rank % ulysses
+        assert positions == local_token_indices(48, ring, ulysses, r, u, layout).tolist()
