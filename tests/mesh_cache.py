@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 from usp.parallel import SPMesh, init_sp_mesh
 
 
-@lru_cache(maxsize=None)
+@cache
 def cached_sp_mesh(
     ulysses_degree: int, ring_degree: int, ring_layout: str = "zigzag", dp_degree: int = -1
 ) -> SPMesh:
