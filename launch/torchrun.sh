@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Start usp.train on this machine: one torchrun, one process per GPU (or N CPU processes on gloo).
+#
+#   launch/torchrun.sh [--nproc-per-node N] [--cpu] [--] [hydra overrides...]
+#
+#   launch/torchrun.sh recipe=llama31_8b_128k                       # one process per GPU nvidia-smi lists
+#   launch/torchrun.sh --nproc-per-node 4 recipe=llama31_8b_128k    # 4 GPUs (pick them with CUDA_VISIBLE_DEVICES)
+#   launch/torchrun.sh --cpu --nproc-per-node 4 recipe=tiny         # 4 CPU processes on gloo
+#
+# It runs:  torchrun --standalone --nproc-per-node N -m usp.train [trainer.device=cpu parallel.backend=gloo] OVERRIDES
+#
+# torchrun exports LOCAL_WORLD_SIZE=N to every rank; the mesh takes it as the node size, so Ulysses groups
+# (adjacent ranks) stay on this node. `usp-launch torchrun ... --dry-run` prints the same command and checks
+# the parallel.* degrees against N first. Multi-node runs: launch/slurm.sbatch.
+set -euo pipefail
+
+die() {
+  echo "torchrun.sh: $*" >&2
+  exit 2
+}
+
+nproc=""
+cpu=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --nproc-per-node | --gpus-per-node)
+      [[ $# -ge 2 ]] || die "$1 needs a value, e.g. $1 4"
+      nproc="$2"
+      shift 2
+      ;;
+    --nproc-per-node=* | --gpus-per-node=*)
+      nproc="${1#*=}"
+      shift
+      ;;
+    --cpu)
+      cpu=1
+      shift
+      ;;
+    -h | --help)
+      sed -n '2,15p' "$0"
+      exit 0
+      ;;
+    --)
+      shift
+      break
+      ;;
+    -*) die "unknown option $1 (options: --nproc-per-node N, --cpu; then Hydra overrides key=value)" ;;
+    *) break ;;
+  esac
+done
+
+if [[ -n "$nproc" ]] && ! [[ "$nproc" =~ ^[1-9][0-9]*$ ]]; then
+  die "--nproc-per-node=$nproc is invalid: use an integer >= 1."
+fi
+if [[ -z "$nproc" ]]; then
+  if [[ "$cpu" == 1 ]]; then
+    die "--cpu needs --nproc-per-node N (the number of CPU processes, e.g. 4)."
+  fi
+  gpus=0
+  if command -v nvidia-smi > /dev/null 2>&1; then
+    gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ' || true)
+  fi
+  if [[ "$gpus" -lt 1 ]]; then
+    die "no GPUs found (nvidia-smi lists none): pass --nproc-per-node N, or --cpu --nproc-per-node N for CPU processes on gloo."
+  fi
+  nproc="$gpus"
+fi
+
+# The user's overrides win: a launcher default is added only when its key is not on the command line.
+has_key() {
+  local key="$1" word
+  shift
+  for word in "$@"; do
+    word="${word#"${word%%[!+~]*}"}"
+    [[ "${word%%=*}" == "$key" ]] && return 0
+  done
+  return 1
+}
+defaults=()
+if [[ "$cpu" == 1 ]]; then
+  has_key trainer.device "$@" || defaults+=("trainer.device=cpu")
+  has_key parallel.backend "$@" || defaults+=("parallel.backend=gloo")
+fi
+
+torchrun_bin=torchrun
+if ! command -v torchrun > /dev/null 2>&1; then
+  repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  [[ -x "$repo/.venv/bin/torchrun" ]] || die "torchrun is not on PATH: activate the environment (source .venv/bin/activate) or run 'make install'."
+  export PATH="$repo/.venv/bin:$PATH"
+fi
+
+cmd=("$torchrun_bin" --standalone --nproc-per-node "$nproc" -m usp.train ${defaults[@]+"${defaults[@]}"} "$@")
+echo "+ ${cmd[*]}" >&2
+exec "${cmd[@]}"

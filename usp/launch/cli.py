@@ -1,0 +1,219 @@
+"""``usp-launch``: print, run or submit the command that starts ``usp.train`` from one set of Hydra overrides.
+
+::
+
+    usp-launch local    [--cpu] [overrides...] [--dry-run]
+    usp-launch torchrun [--nproc-per-node N] [--cpu] [overrides...] [--dry-run]
+    usp-launch slurm    [--nodes N] [--gpus-per-node G] [--partition P] [--time T] [--account A]
+                        [--job-name J] [--gres] [--submit] [overrides...] [--dry-run]
+
+``local`` runs one plain process. ``torchrun`` runs one node; ``--nproc-per-node`` defaults to the GPUs that
+``nvidia-smi`` lists, and it is what torchrun exports as ``LOCAL_WORLD_SIZE``, the node size the mesh uses to
+keep Ulysses groups inside a node. ``slurm`` submits ``launch/slurm.sbatch`` with sbatch; inside an allocation
+(``SLURM_JOB_ID`` set, e.g. under salloc) it runs ``srun ... torchrun ...`` directly, as the script would.
+
+Degrees given as integer overrides are checked against the processes about to start before anything runs.
+Errors print one line naming the setting and the fix, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from usp.launch import commands
+from usp.launch.overrides import check_degrees, validate_override_syntax
+
+MODES = ("local", "torchrun", "slurm")
+SLURM_ONLY = ("partition", "time", "account", "job_name", "gres", "submit", "script", "nodes")
+DEFAULT_GPUS_PER_NODE = 8
+
+
+class LaunchError(ValueError):
+    """A user mistake found before launching; the message names the setting and the fix."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="usp-launch",
+        description="Print, run or submit the command that starts usp.train with the given Hydra overrides.",
+        epilog="Example: usp-launch torchrun --cpu --nproc-per-node 4 recipe=tiny --dry-run",
+        allow_abbrev=False,
+    )
+    p.add_argument("mode", choices=MODES, help="local: one process; torchrun: one node; slurm: several nodes")
+    p.add_argument(
+        "--nproc-per-node", "--gpus-per-node", dest="nproc_per_node", type=int, default=None, metavar="N",
+        help="processes (GPUs) per node; torchrun default: GPUs listed by nvidia-smi; slurm default: the "
+        f"allocation's SLURM_GPUS_ON_NODE, else {DEFAULT_GPUS_PER_NODE}",
+    )  # fmt: skip
+    p.add_argument("--nodes", type=int, default=None, help="slurm: number of nodes (default 1 / SLURM_NNODES)")
+    p.add_argument("--partition", help="slurm: sbatch --partition")
+    p.add_argument("--time", help="slurm: sbatch --time (e.g. 04:00:00)")
+    p.add_argument("--account", help="slurm: sbatch --account")
+    p.add_argument("--job-name", dest="job_name", default=None, help="slurm: sbatch --job-name (default usp)")
+    p.add_argument("--gres", action="store_true", help="slurm: request GPUs with --gres=gpu:N")
+    p.add_argument("--submit", action="store_true", help="slurm: submit with sbatch even inside an allocation")
+    p.add_argument("--script", default=None, help="slurm: the batch script (default launch/slurm.sbatch)")
+    p.add_argument("--cpu", action="store_true", help="local/torchrun: CPU processes on gloo")
+    p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the command(s); run nothing")
+    return p
+
+
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise LaunchError(f"{flag}={value} is invalid: use an integer >= 1.")
+
+
+def _slurm_gpus(env: dict[str, str]) -> int | None:
+    """GPUs per node of the current allocation, from SLURM_GPUS_ON_NODE or SLURM_GPUS_PER_NODE (``h100:8``)."""
+    if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        return int(env["SLURM_GPUS_ON_NODE"])
+    numbers = re.findall(r"\d+", env.get("SLURM_GPUS_PER_NODE", "").split("(", 1)[0])
+    return int(numbers[-1]) if numbers else None
+
+
+def plan_commands(args: argparse.Namespace, overrides: list[str], env: dict[str, str]) -> list[list[str]]:
+    """The command(s) ``args`` asks for, after every check. Raises LaunchError (or ValueError) on bad input."""
+    _positive(args.nproc_per_node, "--nproc-per-node")
+    _positive(args.nodes, "--nodes")
+    if args.mode != "slurm":
+        misplaced = [f"--{name.replace('_', '-')}" for name in SLURM_ONLY if getattr(args, name) not in (None, False)]
+        if misplaced:
+            raise LaunchError(
+                f"{', '.join(misplaced)}: only for `usp-launch slurm`; "
+                f"`{args.mode}` runs on this machine{' as one process' if args.mode == 'local' else ''}."
+            )
+    if args.mode == "slurm" and args.cpu:
+        raise LaunchError("--cpu applies to local and torchrun; SLURM runs use GPUs (drop --cpu).")
+    if args.cpu:
+        overrides = commands.with_defaults(overrides, commands.cpu_defaults())
+
+    if args.mode == "local":
+        if args.nproc_per_node not in (None, 1):
+            raise LaunchError(
+                f"--nproc-per-node={args.nproc_per_node}: `local` runs one process. "
+                f"Use `usp-launch torchrun --nproc-per-node {args.nproc_per_node}` for several."
+            )
+        check_degrees(overrides, nodes=1, nproc_per_node=1)
+        return [commands.local_command(overrides, python=sys.executable)]
+
+    if args.mode == "torchrun":
+        nproc = args.nproc_per_node
+        if nproc is None:
+            if args.cpu:
+                raise LaunchError("--cpu needs --nproc-per-node N (the number of CPU processes, e.g. 4).")
+            nproc = commands.count_gpus()
+            if nproc == 0:
+                raise LaunchError(
+                    "no GPUs found (nvidia-smi lists none): pass --nproc-per-node N, "
+                    "or --cpu --nproc-per-node N for CPU processes on gloo."
+                )
+        check_degrees(overrides, nodes=1, nproc_per_node=nproc)
+        return [commands.torchrun_command(overrides, nproc_per_node=nproc)]
+
+    job_id = env.get("SLURM_JOB_ID")
+    if job_id and not args.submit:
+        return [_srun_in_allocation(args, overrides, env, job_id)]
+    return [_sbatch(args, overrides)]
+
+
+def _srun_in_allocation(
+    args: argparse.Namespace, overrides: list[str], env: dict[str, str], job_id: str
+) -> list[str]:
+    sbatch_only = [f"--{n.replace('_', '-')}" for n in ("partition", "time", "account", "job_name", "gres", "script")
+                   if getattr(args, n) not in (None, False)]  # fmt: skip
+    if sbatch_only:
+        raise LaunchError(
+            f"{', '.join(sbatch_only)} are sbatch options, but this shell is inside SLURM job {job_id}, where "
+            f"usp-launch runs srun directly. Add --submit to queue a new job with sbatch instead."
+        )
+    allocated = int(env["SLURM_NNODES"]) if env.get("SLURM_NNODES", "").isdigit() else None
+    if allocated is None:
+        raise LaunchError(f"SLURM_JOB_ID={job_id} is set but SLURM_NNODES is not: cannot tell the node count.")
+    nodes = args.nodes or allocated
+    if nodes > allocated:
+        raise LaunchError(f"--nodes={nodes} is more than the {allocated} node(s) of SLURM job {job_id}.")
+    nproc = args.nproc_per_node or _slurm_gpus(env)
+    if nproc is None:
+        raise LaunchError(
+            f"SLURM job {job_id} shows no GPUs (SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE unset): "
+            f"pass --gpus-per-node N, or allocate with --gpus-per-node=N."
+        )
+    check_degrees(overrides, nodes=nodes, nproc_per_node=nproc)
+    head = commands.first_hostname(env.get("SLURM_JOB_NODELIST", ""), shutil.which("scontrol"))
+    return commands.srun_command(
+        commands.slurm_overrides(overrides, job_id), nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head
+    )
+
+
+def _sbatch(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    nodes = args.nodes or 1
+    gpus = args.nproc_per_node or DEFAULT_GPUS_PER_NODE
+    check_degrees(overrides, nodes=nodes, nproc_per_node=gpus)
+    script = Path(args.script) if args.script else commands.default_sbatch_script()
+    if not script.is_file():
+        raise LaunchError(f"--script {script}: no such file. Pass --script PATH to your copy of slurm.sbatch.")
+    return commands.sbatch_command(
+        overrides,
+        script=commands.display_path(script, Path.cwd()),
+        nodes=nodes,
+        gpus_per_node=gpus,
+        partition=args.partition,
+        time=args.time,
+        account=args.account,
+        job_name=args.job_name or "usp",
+        gres=args.gres,
+    )
+
+
+def _run(cmd: list[str]) -> int:
+    """Run ``cmd`` with this interpreter's bin dir first on PATH (torchrun, and the job's torchrun via sbatch)."""
+    bindir = str(Path(sys.executable).parent)
+    env = dict(os.environ, PATH=os.pathsep.join([bindir, os.environ.get("PATH", "")]))
+    exe = shutil.which(cmd[0], path=env["PATH"])
+    if exe is None:
+        where = "a SLURM login node" if cmd[0] in ("sbatch", "srun") else "an environment with torch installed"
+        raise LaunchError(f"`{cmd[0]}` is not on PATH: run this on {where}, or use --dry-run to print the command.")
+    print(f"usp-launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.run([exe, *cmd[1:]], env=env).returncode
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``usp-launch``; returns the exit status (the launched command's, or 2 on bad input)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    after_dashes: list[str] = []
+    if "--" in words:
+        cut = words.index("--")
+        words, after_dashes = words[:cut], words[cut + 1 :]
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(words)
+    except SystemExit as exc:  # argparse already printed the usage / help
+        return int(exc.code or 0)
+    overrides = [*extra, *after_dashes]
+    try:
+        validate_override_syntax(overrides)
+        cmds = plan_commands(args, overrides, dict(os.environ))
+        if args.dry_run:
+            for cmd in cmds:
+                print(shlex.join(cmd))
+            return 0
+        for cmd in cmds:
+            status = _run(cmd)
+            if status != 0:
+                return status
+        return 0
+    except ValueError as exc:
+        print(f"usp-launch: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

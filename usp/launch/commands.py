@@ -1,0 +1,172 @@
+"""The command lines usp launches: one process, torchrun on one node, srun + torchrun on a SLURM allocation,
+and the sbatch submission of ``launch/slurm.sbatch``.
+
+Pure functions from plain arguments to ``argv`` lists, so that ``usp-launch --dry-run``, the shell scripts and
+the tests agree on one exact form. The SLURM form is the same one ``launch/slurm.sbatch`` runs inside the job:
+one task per node, each task a torchrun agent that starts ``nproc_per_node`` ranks and meets the others through
+a c10d rendezvous hosted on the first node of the allocation.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from usp.launch.overrides import RUN_DIR_KEY, has_override
+
+TRAIN_MODULE = "usp.train"
+"""The entry point every launcher runs with ``-m``."""
+
+RDZV_PORT_BASE = 20000
+RDZV_PORT_SPAN = 10000
+
+
+def with_defaults(overrides: Sequence[str], defaults: Sequence[tuple[str, str]]) -> list[str]:
+    """Launcher-chosen ``key=value`` overrides first, then the user's; a key the user sets is not added."""
+    added = [f"{key}={value}" for key, value in defaults if not has_override(overrides, key)]
+    return [*added, *overrides]
+
+
+def cpu_defaults() -> list[tuple[str, str]]:
+    """Overrides that pin a run to CPU processes talking over gloo (the ``tiny`` recipe, laptops, CI)."""
+    return [("trainer.device", "cpu"), ("parallel.backend", "gloo")]
+
+
+def slurm_run_dir(job_id: str) -> str:
+    """The Hydra run dir of a SLURM job: derived from the job id, so every rank on every node agrees on it."""
+    return f"runs/slurm-{job_id}"
+
+
+def rdzv_port(job_id: str) -> int:
+    """Rendezvous port for a SLURM job: ``20000 + job_id % 10000``.
+
+    Derived from the job id so that every node computes the same port without talking, and two jobs sharing a
+    head node rarely collide. ``launch/slurm.sbatch`` uses the same formula.
+    """
+    digits = re.sub(r"\D", "", job_id)
+    if not digits:
+        raise ValueError(f"SLURM_JOB_ID={job_id!r} has no digits; cannot derive a rendezvous port from it.")
+    return RDZV_PORT_BASE + int(digits) % RDZV_PORT_SPAN
+
+
+def first_hostname(nodelist: str, scontrol: str | None = None) -> str:
+    """The first host of a SLURM node list (``SLURM_JOB_NODELIST``): the rendezvous head.
+
+    Uses ``scontrol show hostnames`` when ``scontrol`` (a path) is given, as the sbatch script does; otherwise
+    expands the compressed form itself (``gpu[003-005,9],cpu1`` -> ``gpu003``).
+
+    Raises:
+        ValueError: when the list is empty or not in SLURM's hostlist form.
+    """
+    if not nodelist.strip():
+        raise ValueError("SLURM_JOB_NODELIST is empty: cannot choose the rendezvous head node.")
+    if scontrol:
+        out = subprocess.run(
+            [scontrol, "show", "hostnames", nodelist], check=True, capture_output=True, text=True
+        ).stdout.split()
+        if out:
+            return out[0]
+    match = re.match(r"([^,\[]*)(?:\[([^\]]+)\])?([^,\[]*)", nodelist.strip())
+    if match is None or not (match.group(1) or match.group(2)):
+        raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r} is not a SLURM host list (e.g. gpu[001-004]).")
+    prefix, ranges, suffix = match.groups()
+    if ranges is None:
+        return prefix + suffix
+    first = ranges.split(",", 1)[0].split("-", 1)[0]
+    if not first.isdigit():
+        raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r}: cannot read the first host of [{ranges}].")
+    return prefix + first + suffix
+
+
+def local_command(overrides: Sequence[str], *, python: str) -> list[str]:
+    """One process, no launcher: ``python -m usp.train <overrides>``."""
+    return [python, "-m", TRAIN_MODULE, *overrides]
+
+
+def torchrun_command(overrides: Sequence[str], *, nproc_per_node: int) -> list[str]:
+    """One node: ``torchrun --standalone --nproc-per-node N -m usp.train <overrides>``.
+
+    torchrun exports ``LOCAL_WORLD_SIZE=N`` to every rank, which the mesh reads as the node size.
+    """
+    return ["torchrun", "--standalone", "--nproc-per-node", str(nproc_per_node), "-m", TRAIN_MODULE, *overrides]
+
+
+def srun_command(
+    overrides: Sequence[str], *, nodes: int, nproc_per_node: int, job_id: str, head: str
+) -> list[str]:
+    """Inside a SLURM allocation: one torchrun agent per node, c10d rendezvous on ``head``.
+
+    ``--kill-on-bad-exit=1`` ends every node's agent when one fails, instead of leaving the others waiting in
+    a collective until the NCCL timeout.
+    """
+    return [
+        "srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        "torchrun",
+        "--nnodes", str(nodes),
+        "--nproc-per-node", str(nproc_per_node),
+        "--rdzv-id", job_id,
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{head}:{rdzv_port(job_id)}",
+        "-m", TRAIN_MODULE,
+        *overrides,
+    ]  # fmt: skip
+
+
+def slurm_overrides(overrides: Sequence[str], job_id: str) -> list[str]:
+    """The user's overrides plus the job's run dir (unless ``hydra.run.dir`` is given)."""
+    return with_defaults(overrides, [(RUN_DIR_KEY, slurm_run_dir(job_id))])
+
+
+def sbatch_command(
+    overrides: Sequence[str],
+    *,
+    script: str,
+    nodes: int,
+    gpus_per_node: int,
+    partition: str | None = None,
+    time: str | None = None,
+    account: str | None = None,
+    job_name: str = "usp",
+    gres: bool = False,
+) -> list[str]:
+    """Submit ``script`` (``launch/slurm.sbatch``) for ``nodes`` nodes of ``gpus_per_node`` GPUs.
+
+    GPUs are requested with ``--gpus-per-node=N``, or ``--gres=gpu:N`` when ``gres`` (older or gres-only
+    clusters). The script receives ``--nproc-per-node N`` and the overrides; it adds ``hydra.run.dir`` from the
+    job id itself, since the id is only known once the job starts.
+    """
+    cmd = ["sbatch", f"--nodes={nodes}", "--ntasks-per-node=1"]
+    cmd.append(f"--gres=gpu:{gpus_per_node}" if gres else f"--gpus-per-node={gpus_per_node}")
+    for flag, value in (("partition", partition), ("time", time), ("account", account)):
+        if value is not None:
+            cmd.append(f"--{flag}={value}")
+    cmd.append(f"--job-name={job_name}")
+    return [*cmd, script, "--nproc-per-node", str(gpus_per_node), *overrides]
+
+
+def default_sbatch_script() -> Path:
+    """``launch/slurm.sbatch`` of this checkout (the package is installed editable from the repository)."""
+    return Path(__file__).resolve().parents[2] / "launch" / "slurm.sbatch"
+
+
+def display_path(path: Path, cwd: Path) -> str:
+    """``path`` relative to ``cwd`` when it lies below it (``launch/slurm.sbatch``), else absolute."""
+    try:
+        return str(path.resolve().relative_to(cwd.resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def count_gpus() -> int:
+    """GPUs on this machine as ``nvidia-smi -L`` lists them; 0 without nvidia-smi or a working driver."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], check=True, capture_output=True, text=True, timeout=30).stdout
+    except (subprocess.SubprocessError, OSError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
