@@ -82,13 +82,12 @@ if [[ "$cpu" == 1 ]]; then
   has_key parallel.backend "$@" || defaults+=("parallel.backend=gloo")
 fi
 
-torchrun_bin=torchrun
 if ! command -v torchrun > /dev/null 2>&1; then
   repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
   [[ -x "$repo/.venv/bin/torchrun" ]] || die "torchrun is not on PATH: activate the environment (source .venv/bin/activate) or run 'make install'."
   export PATH="$repo/.venv/bin:$PATH"
 fi
 
-cmd=("$torchrun_bin" --standalone --nproc-per-node "$nproc" -m usp.train ${defaults[@]+"${defaults[@]}"} "$@")
+cmd=(torchrun --standalone --nproc-per-node "$nproc" -m usp.train ${defaults[@]+"${defaults[@]}"} "$@")
 echo "+ ${cmd[*]}" >&2
 exec "${cmd[@]}"

@@ -1,0 +1,250 @@
+"""usp-launch: the exact command lines of --dry-run, and the errors it gives before launching anything."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from usp.launch import cli, commands
+from usp.launch.overrides import check_degrees, find_override, override_key
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
+
+
+@pytest.fixture(autouse=True)
+def _no_slurm_no_launch(monkeypatch):
+    """No SLURM allocation unless a test sets one, the repo as cwd, and nothing may actually be started."""
+    for var in SLURM_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(REPO)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"usp-launch tried to run {args}")
+
+    monkeypatch.setattr(cli.subprocess, "run", refuse)
+    monkeypatch.setattr(commands, "count_gpus", lambda: 0)
+
+
+def dry_run(capsys, *argv: str) -> str:
+    rc = cli.main([*argv, "--dry-run"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert err == ""
+    return out
+
+
+def fails(capsys, *argv: str) -> str:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert out == ""
+    return err
+
+
+# --- the command lines --------------------------------------------------------------------------------
+def test_local_is_one_plain_process(capsys):
+    out = dry_run(capsys, "local", "recipe=tiny", "trainer.max_steps=5")
+    assert out == shlex.join([sys.executable, "-m", "usp.train", "recipe=tiny", "trainer.max_steps=5"]) + "\n"
+
+
+def test_local_cpu_pins_device_and_backend(capsys):
+    out = dry_run(capsys, "local", "--cpu", "recipe=tiny")
+    expected = [sys.executable, "-m", "usp.train", "trainer.device=cpu", "parallel.backend=gloo", "recipe=tiny"]
+    assert out == shlex.join(expected) + "\n"
+
+
+def test_torchrun_cpu_tiny_demo(capsys):
+    out = dry_run(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "recipe=tiny",
+                  "parallel.ulysses_degree=2", "parallel.ring_degree=2", "parallel.node_size=2")  # fmt: skip
+    assert out == (
+        "torchrun --standalone --nproc-per-node 4 -m usp.train trainer.device=cpu parallel.backend=gloo "
+        "recipe=tiny parallel.ulysses_degree=2 parallel.ring_degree=2 parallel.node_size=2\n"
+    )
+
+
+def test_torchrun_user_override_wins_over_cpu_default(capsys):
+    assert cli.main(["torchrun", "--dry-run", "--cpu", "--nproc-per-node=2", "trainer.device=cpu", "--", "recipe=tiny"]) == 0
+    assert capsys.readouterr().out == (
+        "torchrun --standalone --nproc-per-node 2 -m usp.train parallel.backend=gloo trainer.device=cpu recipe=tiny\n"
+    )
+
+
+def test_torchrun_uses_detected_gpus(capsys, monkeypatch):
+    monkeypatch.setattr(commands, "count_gpus", lambda: 8)
+    out = dry_run(capsys, "torchrun", "recipe=llama31_8b_128k", "parallel.ulysses_degree=8")
+    assert out == "torchrun --standalone --nproc-per-node 8 -m usp.train recipe=llama31_8b_128k parallel.ulysses_degree=8\n"
+
+
+def test_sbatch_outside_slurm(capsys):
+    out = dry_run(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu", "--time",
+                  "04:00:00", "--account", "proj1", "--job-name", "ctx128k", "recipe=llama31_8b_128k",
+                  "parallel.ulysses_degree=8", "parallel.ring_degree=2")  # fmt: skip
+    assert out == (
+        "sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 --partition=gpu --time=04:00:00 --account=proj1 "
+        "--job-name=ctx128k launch/slurm.sbatch --nproc-per-node 8 recipe=llama31_8b_128k "
+        "parallel.ulysses_degree=8 parallel.ring_degree=2\n"
+    )
+
+
+def test_sbatch_defaults_and_gres(capsys):
+    out = dry_run(capsys, "slurm", "--gres", "recipe=x")
+    assert out == (
+        "sbatch --nodes=1 --ntasks-per-node=1 --gres=gpu:8 --job-name=usp launch/slurm.sbatch "
+        "--nproc-per-node 8 recipe=x\n"
+    )
+
+
+def test_sbatch_script_path_outside_cwd_is_absolute(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    out = dry_run(capsys, "slurm", "--nodes", "4", "recipe=x")
+    script = str(REPO / "launch" / "slurm.sbatch")
+    assert out == f"sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --job-name=usp {script} --nproc-per-node 8 recipe=x\n"
+
+
+def _allocation(monkeypatch, **extra: str) -> None:
+    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[007-008]", **extra}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(cli.shutil, "which", lambda name, path=None: None)  # no scontrol: parse the list
+
+
+def test_srun_inside_allocation(capsys, monkeypatch):
+    _allocation(monkeypatch, SLURM_GPUS_ON_NODE="8")
+    out = dry_run(capsys, "slurm", "recipe=llama31_8b_128k", "parallel.ulysses_degree=8", "parallel.ring_degree=2")
+    assert out == (
+        "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes 2 --nproc-per-node 8 "
+        "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 -m usp.train "
+        "hydra.run.dir=runs/slurm-4242 recipe=llama31_8b_128k parallel.ulysses_degree=8 parallel.ring_degree=2\n"
+    )
+
+
+def test_srun_keeps_given_run_dir_and_reads_gpus_per_node(capsys, monkeypatch):
+    _allocation(monkeypatch, SLURM_GPUS_PER_NODE="h100:4")
+    out = dry_run(capsys, "slurm", "hydra.run.dir=runs/slurm-4000", "trainer.resume=auto")
+    assert out == (
+        "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes 2 --nproc-per-node 4 "
+        "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 -m usp.train "
+        "hydra.run.dir=runs/slurm-4000 trainer.resume=auto\n"
+    )
+
+
+def test_submit_inside_allocation_uses_sbatch(capsys, monkeypatch):
+    _allocation(monkeypatch, SLURM_GPUS_ON_NODE="8")
+    out = dry_run(capsys, "slurm", "--submit", "--nodes", "2", "recipe=x")
+    assert out.startswith("sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 --job-name=usp ")
+
+
+# --- errors before launch ----------------------------------------------------------------------------
+def test_degrees_not_dividing_world(capsys):
+    err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "parallel.ulysses_degree=3", "--dry-run")
+    assert "parallel.ulysses_degree=3 does not divide the world size" in err
+    assert "1 node(s) x 4 process(es) per node = 4 ranks" in err
+    assert "[1, 2, 4]" in err
+
+
+def test_ulysses_across_nodes_rejected(capsys):
+    err = fails(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "8",
+                "parallel.ulysses_degree=16", "parallel.ring_degree=1", "--dry-run")  # fmt: skip
+    assert "parallel.ulysses_degree=16 does not divide the ranks per node (LOCAL_WORLD_SIZE) = 8" in err
+    assert "parallel.allow_cross_node_ulysses=true" in err
+
+
+def test_ulysses_checked_against_node_size_override(capsys):
+    err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "parallel.ulysses_degree=4",
+                "parallel.node_size=2", "--dry-run")  # fmt: skip
+    assert "does not divide the parallel.node_size = 2" in err
+
+
+def test_auto_degrees_accepted(capsys):
+    out = dry_run(capsys, "torchrun", "--nproc-per-node", "8", "parallel.ulysses_degree=auto",
+                  "parallel.ring_degree=auto")  # fmt: skip
+    assert out.endswith("-m usp.train parallel.ulysses_degree=auto parallel.ring_degree=auto\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["local", "parallel.ring_degree=2"], "parallel.ring_degree=2 does not divide the world size"),
+        (["slurm", "--nodes", "2", "parallel.ulysses_degree=4", "parallel.ring_degree=2", "parallel.dp_degree=4"],
+         "parallel.dp_degree=4 x ulysses_degree=4 x ring_degree=2 = 32 != 2 node(s)"),
+        (["torchrun", "--nproc-per-node", "4", "parallel.ring_degree=two"], "parallel.ring_degree=two is invalid"),
+        (["torchrun", "--nproc-per-node", "0"], "--nproc-per-node=0 is invalid"),
+        (["torchrun", "recipe=tiny"], "no GPUs found"),
+        (["torchrun", "--cpu", "recipe=tiny"], "--cpu needs --nproc-per-node N"),
+        (["torchrun", "--nproc-per-node", "2", "--partition", "gpu"], "--partition: only for `usp-launch slurm`"),
+        (["local", "--nproc-per-node", "4"], "`local` runs one process"),
+        (["slurm", "--cpu"], "--cpu applies to local and torchrun"),
+        (["local", "tiny"], "'tiny' is not a Hydra override"),
+        (["local", "--bogus", "recipe=tiny"], "unknown option '--bogus'"),
+        (["slurm", "--script", "nowhere.sbatch"], "--script nowhere.sbatch: no such file"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_with_message(capsys, argv, message):
+    err = fails(capsys, *argv, "--dry-run")
+    assert err.startswith("usp-launch: error: ")
+    assert message in err
+
+
+def test_sbatch_option_inside_allocation_rejected(capsys, monkeypatch):
+    _allocation(monkeypatch, SLURM_GPUS_ON_NODE="8")
+    err = fails(capsys, "slurm", "--partition", "gpu", "--dry-run")
+    assert "inside SLURM job 4242" in err and "--submit" in err
+
+
+def test_unknown_mode_is_a_usage_error(capsys):
+    assert cli.main(["kubernetes", "recipe=tiny"]) == 2
+    assert "invalid choice: 'kubernetes'" in capsys.readouterr().err
+
+
+# --- running --------------------------------------------------------------------------------------------
+def test_run_returns_the_commands_exit_status(capsys, monkeypatch):
+    seen = []
+
+    def fake_run(cmd, env):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 3)
+
+    monkeypatch.setattr(cli.subprocess, "run", fake_run)
+    assert cli.main(["local", "recipe=tiny"]) == 3
+    assert seen == [[sys.executable, "-m", "usp.train", "recipe=tiny"]]
+    assert "usp-launch: " in capsys.readouterr().err
+
+
+def test_run_without_sbatch_says_where_to_run(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(cli.sys, "executable", str(tmp_path / "python"))
+    err = fails(capsys, "slurm", "recipe=x")
+    assert "`sbatch` is not on PATH: run this on a SLURM login node" in err
+
+
+# --- helpers --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("nodelist", "head"),
+    [("gpu[001-004]", "gpu001"), ("a1,b2", "a1"), ("node[3,5-7]-ib,x9", "node3-ib"), ("solo", "solo")],
+)
+def test_first_hostname(nodelist, head):
+    assert commands.first_hostname(nodelist) == head
+
+
+def test_first_hostname_empty():
+    with pytest.raises(ValueError, match="SLURM_JOB_NODELIST is empty"):
+        commands.first_hostname(" ")
+
+
+def test_rdzv_port():
+    assert commands.rdzv_port("4242") == 24242
+    assert commands.rdzv_port("123456") == 23456
+
+
+def test_override_parsing():
+    assert override_key("++parallel.ring_degree=2") == "parallel.ring_degree"
+    assert override_key("~logging.wandb") == "logging.wandb"
+    assert find_override(["a.b=1", "+a.b=2", "c=3"], "a.b") == "2"
+    assert find_override(["c=3"], "a.b") is None
+    check_degrees(["parallel.ulysses_degree=2", "parallel.ring_degree=2", "parallel.node_size=2"],
+                  nodes=1, nproc_per_node=4)  # fmt: skip
