@@ -178,6 +178,7 @@ def test_auto_degrees_accepted(capsys):
         (["torchrun", "--cpu", "recipe=tiny"], "--cpu needs --nproc-per-node N"),
         (["torchrun", "--nproc-per-node", "2", "--partition", "gpu"], "--partition: only for `usp-launch slurm`"),
         (["local", "--nproc-per-node", "4"], "`local` runs one process"),
+        (["torchrun", "--nodes", "2", "--nproc-per-node", "8"], "For 2 nodes use `usp-launch slurm --nodes 2`"),
         (["slurm", "--cpu"], "--cpu applies to local and torchrun"),
         (["local", "tiny"], "'tiny' is not a Hydra override"),
         (["local", "--bogus", "recipe=tiny"], "unknown option '--bogus'"),

@@ -32,7 +32,7 @@ from usp.launch import commands
 from usp.launch.overrides import check_degrees, validate_override_syntax
 
 MODES = ("local", "torchrun", "slurm")
-SLURM_ONLY = ("partition", "time", "account", "job_name", "gres", "submit", "script", "nodes")
+SLURM_ONLY = ("partition", "time", "account", "job_name", "gres", "submit", "script")
 DEFAULT_GPUS_PER_NODE = 8
 
 
@@ -89,6 +89,11 @@ def plan_commands(args: argparse.Namespace, overrides: list[str], env: dict[str,
             raise LaunchError(
                 f"{', '.join(misplaced)}: only for `usp-launch slurm`; "
                 f"`{args.mode}` runs on this machine{' as one process' if args.mode == 'local' else ''}."
+            )
+        if args.nodes not in (None, 1):
+            raise LaunchError(
+                f"--nodes={args.nodes}: `{args.mode}` starts processes on this machine only. "
+                f"For {args.nodes} nodes use `usp-launch slurm --nodes {args.nodes}`."
             )
     if args.mode == "slurm" and args.cpu:
         raise LaunchError("--cpu applies to local and torchrun; SLURM runs use GPUs (drop --cpu).")
