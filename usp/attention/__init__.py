@@ -1,0 +1,20 @@
+"""USP attention: Ulysses all-to-all x zigzag ring attention, exact forward and backward.
+
+Public entry: :func:`usp_attention`. Building blocks: :mod:`.kernels` (local ``(out, lse)`` kernels),
+:mod:`.ulysses` (all-to-all), :mod:`.ring` (ring attention), :mod:`.blocks` (which blocks are computed),
+:mod:`.comm` (instrumented communication).
+"""
+
+from usp.attention.comm import CommStats, record_comm
+from usp.attention.kernels import BACKENDS, attention_backward, attention_forward, resolve_backend
+from usp.attention.usp import usp_attention
+
+__all__ = [
+    "BACKENDS",
+    "CommStats",
+    "attention_backward",
+    "attention_forward",
+    "record_comm",
+    "resolve_backend",
+    "usp_attention",
+]

@@ -1,0 +1,149 @@
+"""Which part of each ring block is computed: layout rules for causal skipping, and document segments.
+
+After the Ulysses all-to-all, ring rank ``r`` holds its whole *part* of the sequence (``L = S / R`` tokens):
+``contiguous``: positions ``[r*L, (r+1)*L)``; ``zigzag``: chunks ``r`` and ``2R-1-r`` of ``c = L / 2`` tokens.
+At ring step ``t`` it holds the K/V part of ring rank ``src = (r - t) mod R``. The block (queries of ``r``,
+keys of ``src``) is reduced to the rectangle that can attend at all:
+
+- non-causal: the whole block;
+- causal, ``src == r`` (step 0): the diagonal block, causal (local order is increasing in position);
+- causal contiguous: ``src < r`` whole block, ``src > r`` skipped;
+- causal zigzag: ``src < r`` -> the *first half of K/V only* (chunk ``src``; chunk ``2R-1-src`` is in the
+  future of both query chunks); ``src > r`` -> the *second half of Q only* (chunk ``2R-1-r`` sees both key
+  chunks, chunk ``r`` sees neither). Every rank does the same work: balanced.
+
+With document boundaries ``cu_seqlens`` the rectangle is further cut into per-document *segments*
+(``(q0, q1, k0, k1)`` rows, see :mod:`usp.attention.kernels`): a block sharing no document is skipped, and a
+block that is one document throughout needs no mask at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from usp.parallel import local_token_indices
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """The computed rectangle of one ring block: rows ``[q_start, q_end)`` x keys ``[k_start, k_end)``."""
+
+    q_start: int
+    q_end: int
+    k_start: int
+    k_end: int
+    causal: bool
+    segments: torch.Tensor | None = None  # int64 [n, 4], relative to the rectangle; None = no document mask
+
+    @property
+    def q_slice(self) -> slice:
+        return slice(self.q_start, self.q_end)
+
+    @property
+    def k_slice(self) -> slice:
+        return slice(self.k_start, self.k_end)
+
+    def pairs(self) -> int:
+        """(query, key) pairs that attend in this block (per batch row and head)."""
+        if self.segments is None:
+            sq, sk = self.q_end - self.q_start, self.k_end - self.k_start
+            return sq * (sq + 1) // 2 if self.causal else sq * sk
+        q_len = self.segments[:, 1] - self.segments[:, 0]
+        k_len = self.segments[:, 3] - self.segments[:, 2]
+        per = q_len * (q_len + 1) // 2 if self.causal else q_len * k_len
+        return int(per.sum())
+
+
+def part_positions(seq_len: int, ring_degree: int, ring_rank: int, layout: str) -> torch.Tensor:
+    """Global positions (int64 ``[S / R]``) of the part ring rank ``ring_rank`` holds after the all-to-all."""
+    return local_token_indices(seq_len, ring_degree, 1, ring_rank, 0, layout)
+
+
+def _layout_block(rank: int, src: int, part_len: int, layout: str, causal: bool) -> BlockSpec | None:
+    if not causal:
+        return BlockSpec(0, part_len, 0, part_len, False)
+    if src == rank:
+        return BlockSpec(0, part_len, 0, part_len, True)
+    if layout == "contiguous":
+        return BlockSpec(0, part_len, 0, part_len, False) if src < rank else None
+    assert layout == "zigzag", layout
+    half = part_len // 2
+    if src < rank:
+        return BlockSpec(0, part_len, 0, half, False)  # first half of K/V only
+    return BlockSpec(half, part_len, 0, part_len, False)  # second half of Q only
+
+
+def _document_block(
+    block: BlockSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, cu_seqlens: torch.Tensor
+) -> BlockSpec | None:
+    """Cut ``block`` into per-document segments; None when no query and key share a document."""
+    q_pos = q_pos[block.q_slice]
+    k_pos = k_pos[block.k_slice]
+    q_doc = torch.searchsorted(cu_seqlens, q_pos, right=True) - 1  # sorted, since positions are
+    k_doc = torch.searchsorted(cu_seqlens, k_pos, right=True) - 1
+    docs = torch.unique_consecutive(q_doc)
+    docs = docs[torch.isin(docs, k_doc)]
+    if docs.numel() == 0:
+        return None
+    seg = torch.stack(
+        [
+            torch.searchsorted(q_doc, docs),
+            torch.searchsorted(q_doc, docs, right=True),
+            torch.searchsorted(k_doc, docs),
+            torch.searchsorted(k_doc, docs, right=True),
+        ],
+        dim=1,
+    )  # [n, 4] (q0, q1, k0, k1)
+    if block.causal:
+        assert torch.equal(seg[:, :2], seg[:, 2:]), "a causal block has the same positions for q and k"
+    q_off, k_off = int(seg[0, 0]), int(seg[0, 2])
+    q_end, k_end = int(seg[-1, 1]), int(seg[-1, 3])
+    seg = seg - torch.tensor([q_off, q_off, k_off, k_off])
+    one_doc = seg.size(0) == 1
+    return BlockSpec(
+        block.q_start + q_off,
+        block.q_start + q_end,
+        block.k_start + k_off,
+        block.k_start + k_end,
+        block.causal,
+        None if one_doc else seg,
+    )
+
+
+def plan_ring_blocks(
+    seq_len: int,
+    ring_degree: int,
+    ring_rank: int,
+    layout: str,
+    causal: bool,
+    cu_seqlens: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> list[BlockSpec | None]:
+    """The block to compute at each ring step (``None`` = skipped), for ring rank ``ring_rank``.
+
+    ``cu_seqlens``: int ``[num_docs + 1]`` boundaries of the global sequence (validated by the caller).
+    Segments are placed on ``device`` (where the kernels run).
+    """
+    part_len = seq_len // ring_degree
+    q_pos = part_positions(seq_len, ring_degree, ring_rank, layout) if cu_seqlens is not None else None
+    cu = cu_seqlens.detach().to("cpu", torch.int64) if cu_seqlens is not None else None
+    plans: list[BlockSpec | None] = []
+    for step in range(ring_degree):
+        src = (ring_rank - step) % ring_degree
+        block = _layout_block(ring_rank, src, part_len, layout, causal)
+        if block is not None and cu is not None:
+            k_pos = part_positions(seq_len, ring_degree, src, layout)
+            block = _document_block(block, q_pos, k_pos, cu)
+            if block is not None and block.segments is not None and device is not None:
+                block = BlockSpec(
+                    block.q_start,
+                    block.q_end,
+                    block.k_start,
+                    block.k_end,
+                    block.causal,
+                    block.segments.to(device),
+                )
+        plans.append(block)
+    return plans

@@ -1,0 +1,123 @@
+"""The communication layer of USP attention, instrumented: every byte a rank sends goes through here.
+
+- :func:`all_to_all` wraps ``all_to_all_single`` over the Ulysses group (the piece a rank keeps for itself
+  is not counted: it never leaves the device).
+- :class:`RingExchange` posts one ``batch_isend_irecv`` (send to ring rank ``r + 1``, receive from ``r - 1``)
+  and returns at once, so the caller computes on the current block while the next one travels.
+
+Inside ``with record_comm() as stats:`` every call adds to ``stats.bytes_sent`` (and the ring adds the
+attention pairs it computed to ``stats.attention_pairs``), which is how the benchmark *measures* traffic.
+The recorder is a context variable of the calling thread: nothing is recorded outside the ``with``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """What this rank sent and computed while recording."""
+
+    bytes_sent: int = 0
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    attention_pairs: int = 0
+    """(query, key) pairs scored by the local kernels, summed over batch and heads (FLOPs = 4 * D * pairs fwd)."""
+    attention_flops: int = 0
+
+    def add_bytes(self, kind: str, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + nbytes
+
+
+_RECORDER: ContextVar[CommStats | None] = ContextVar("usp_attention_comm_stats", default=None)
+
+
+@contextmanager
+def record_comm() -> Iterator[CommStats]:
+    """Count the bytes sent (and attention work done) by USP attention on this rank inside the block."""
+    stats = CommStats()
+    token = _RECORDER.set(stats)
+    try:
+        yield stats
+    finally:
+        _RECORDER.reset(token)
+
+
+def _record_bytes(kind: str, nbytes: int) -> None:
+    stats = _RECORDER.get()
+    if stats is not None:
+        stats.add_bytes(kind, nbytes)
+
+
+def record_attention_work(pairs: int, head_dim: int, backward: bool) -> None:
+    """Add one kernel call's work: ``pairs`` scored (q, k) pairs x heads x batch; fwd 4*D, bwd 10*D FLOPs."""
+    stats = _RECORDER.get()
+    if stats is not None:
+        stats.attention_pairs += pairs
+        stats.attention_flops += (10 if backward else 4) * head_dim * pairs
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+    """``all_to_all_single`` along dim 0 (``x.size(0) == group size``): row ``j`` goes to rank ``j``.
+
+    Returns the received rows, row ``j`` from rank ``j``. Sends ``(P - 1) / P`` of ``x``.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    assert x.size(0) == world, "all_to_all input must be split into one row per rank along dim 0"
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    _record_bytes(kind, nbytes(x) * (world - 1) // world)
+    return out
+
+
+class RingExchange:
+    """Send tensors to the next ring rank and receive same-shaped ones from the previous, asynchronously.
+
+    ``start(tensors)`` posts the transfer and returns immediately; ``wait()`` returns the received tensors.
+    Both ring neighbours must post the same list (same shapes, dtypes and order) in the same step.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, kind: str, tag: int = 0):
+        self.group = group
+        self.kind = kind
+        self.tag = tag
+        self.world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        self.next_rank = dist.get_global_rank(group, (rank + 1) % self.world)
+        self.prev_rank = dist.get_global_rank(group, (rank - 1) % self.world)
+        self._reqs: list = []
+        self._recv: list[torch.Tensor] = []
+
+    def start(self, tensors: list[torch.Tensor]) -> None:
+        assert not self._reqs, "wait() for the previous transfer before starting another"
+        ops = []
+        self._recv = []
+        for t in tensors:
+            t = t.contiguous()
+            buf = torch.empty_like(t)
+            ops.append(dist.P2POp(dist.isend, t, self.next_rank, self.group, self.tag))
+            ops.append(dist.P2POp(dist.irecv, buf, self.prev_rank, self.group, self.tag))
+            self._recv.append(buf)
+            _record_bytes(self.kind, nbytes(t))
+        self._reqs = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[torch.Tensor]:
+        for req in self._reqs:
+            req.wait()
+        self._reqs = []
+        out, self._recv = self._recv, []
+        return out

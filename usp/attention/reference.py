@@ -1,0 +1,48 @@
+"""Single-process attention on the whole sequence: the ground truth the sharded attention is tested against."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def document_mask(cu_seqlens: torch.Tensor, seq_len: int, causal: bool, device: torch.device) -> torch.Tensor:
+    """Boolean ``[S, S]`` (True = attend): same document (and key not after query when ``causal``)."""
+    pos = torch.arange(seq_len, device=device)
+    doc = torch.searchsorted(cu_seqlens.to(device=device, dtype=torch.int64), pos, right=True) - 1
+    mask = doc[:, None] == doc[None, :]
+    if causal:
+        mask &= pos[:, None] >= pos[None, :]
+    return mask
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain softmax attention, ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` -> ``[B, S, Hq, D]``.
+
+    Computed in the inputs' dtype (pass float64 for a tight reference); differentiable by autograd.
+    ``cu_seqlens``: document boundaries ``[num_docs + 1]``; attention stays inside each document.
+    """
+    b, s, hq, d = q.shape
+    group = hq // k.size(2)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    kx = k.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, Hq, S, D]
+    vx = v.repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = torch.matmul(q.transpose(1, 2), kx.transpose(-1, -2)) * scale  # [B, Hq, S, S]
+    if cu_seqlens is not None:
+        mask = document_mask(cu_seqlens, s, causal, q.device)
+    elif causal:
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    else:
+        mask = None
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), vx).transpose(1, 2)  # [B, S, Hq, D]

@@ -1,0 +1,144 @@
+"""Ring attention over one ring group: local Q stays, K/V parts rotate, out/lse merged in fp32.
+
+Shapes (per rank, after any Ulysses all-to-all): ``q [B, L, Hq, D]``, ``k, v [B, L, Hkv, D]`` (only the real
+KV heads travel; GQA is expanded inside the local kernel), ``out`` like ``q``; ``L = S / R`` is this ring
+rank's part in the ring layout (see :mod:`usp.attention.blocks`).
+
+Forward, step ``t = 0 .. R-1``: post the send of the current K/V part to ring rank ``r + 1`` (and the receive
+from ``r - 1``), compute this step's block (:func:`~usp.attention.blocks.plan_ring_blocks`) while it travels,
+merge its ``(out, lse)`` into the running fp32 result, then wait. ``R - 1`` transfers of ``k`` and ``v``.
+
+Backward runs the same ring: each rank computes its block's ``dq`` (kept) and ``dk, dv`` (added to an fp32
+accumulator that travels *with* the K/V part, one hop behind it), using the merged ``out`` and ``lse`` saved by
+the forward. After ``R`` hops every accumulator is home: each rank holds the exact ``dk, dv`` of its own K/V.
+Bytes sent per rank: forward ``(R-1) * 2 * |kv|``; backward ``(R-1) * 2 * |kv| + R * 2 * |kv|_fp32``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from usp.attention.blocks import BlockSpec
+from usp.attention.comm import RingExchange, record_attention_work
+from usp.attention.kernels import attention_backward, attention_forward
+
+_TAG_KV, _TAG_DKV = 11, 12
+
+
+def merge_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """In place: ``(out_acc, lse_acc) <- softmax-merge of (out_acc, lse_acc) and (out, lse)``.
+
+    ``out_acc [B, S, H, D]`` and ``lse_acc [B, H, S]`` are fp32; ``-inf`` lse (rows that saw no key yet, or
+    none in this block) merge without NaN: both weights are ``exp(lse_i - lse_new) <= 1``.
+    """
+    new = torch.logaddexp(lse_acc, lse)
+    safe = torch.where(torch.isinf(new), 0.0, new)  # rows with no key anywhere so far: weights 0, out stays 0
+    w_acc = torch.exp(lse_acc - safe).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
+    w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
+    out_acc.mul_(w_acc).add_(out.float() * w_new)
+    lse_acc.copy_(new)
+
+
+def _exchange(group: dist.ProcessGroup, kind: str, tag: int) -> RingExchange | None:
+    return RingExchange(group, kind, tag) if dist.get_world_size(group) > 1 else None
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, plans, softmax_scale, backend):
+        ring = len(plans)
+        b, _, hq, d = q.shape
+        out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse_acc = torch.full((b, hq, q.size(1)), float("-inf"), dtype=torch.float32, device=q.device)
+        exchange = _exchange(group, "ring_kv", _TAG_KV)
+        kc, vc = k, v
+        for step in range(ring):
+            if step + 1 < ring:
+                exchange.start([kc, vc])  # the next block travels while this one is computed
+            spec: BlockSpec | None = plans[step]
+            if spec is not None:
+                qs, ks = spec.q_slice, spec.k_slice
+                o, lse = attention_forward(
+                    q[:, qs],
+                    kc[:, ks],
+                    vc[:, ks],
+                    causal=spec.causal,
+                    softmax_scale=softmax_scale,
+                    backend=backend,
+                    segments=spec.segments,
+                )
+                merge_block_(out_acc[:, qs], lse_acc[:, :, qs], o, lse)
+                record_attention_work(spec.pairs() * b * hq, d, backward=False)
+            if step + 1 < ring:
+                kc, vc = exchange.wait()
+        out = out_acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse_acc)
+        ctx.group, ctx.plans, ctx.softmax_scale, ctx.backend = group, plans, softmax_scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plans, group = ctx.plans, ctx.group
+        ring = len(plans)
+        b, _, hq, d = q.shape
+        dout = dout.contiguous()
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        kv_exchange = _exchange(group, "ring_kv_bwd", _TAG_KV)
+        dkv_exchange = _exchange(group, "ring_dkv", _TAG_DKV)
+        kc, vc = k, v
+        for step in range(ring):
+            if step + 1 < ring:
+                kv_exchange.start([kc, vc])
+            spec: BlockSpec | None = plans[step]
+            grads = None
+            if spec is not None:
+                qs, ks = spec.q_slice, spec.k_slice
+                grads = attention_backward(
+                    dout[:, qs],
+                    q[:, qs],
+                    kc[:, ks],
+                    vc[:, ks],
+                    out[:, qs],
+                    lse[:, :, qs],
+                    causal=spec.causal,
+                    softmax_scale=ctx.softmax_scale,
+                    backend=ctx.backend,
+                    segments=spec.segments,
+                )
+                dq_acc[:, qs] += grads[0]
+                record_attention_work(spec.pairs() * b * hq, d, backward=True)
+            if step > 0:
+                dk_acc, dv_acc = dkv_exchange.wait()  # the accumulator of the K/V part we hold now
+            if grads is not None:
+                dk_acc[:, ks] += grads[1]
+                dv_acc[:, ks] += grads[2]
+            if dkv_exchange is not None:
+                dkv_exchange.start([dk_acc, dv_acc])  # one hop behind its K/V; the last hop brings it home
+            if step + 1 < ring:
+                kc, vc = kv_exchange.wait()
+        if dkv_exchange is not None:
+            dk_acc, dv_acc = dkv_exchange.wait()
+        return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    plans: list[BlockSpec | None],
+    softmax_scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """Exact attention of this rank's queries over the ring group's whole K/V (see the module docstring).
+
+    ``plans[t]`` is the block computed at ring step ``t`` (from :func:`usp.attention.blocks.plan_ring_blocks`,
+    one per ring rank); ``backend`` is a resolved kernel name. Differentiable w.r.t. ``q, k, v``.
+    """
+    assert len(plans) == dist.get_world_size(group), "one block plan per ring step"
+    return _RingAttention.apply(q, k, v, group, plans, softmax_scale, backend)

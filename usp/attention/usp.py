@@ -1,0 +1,114 @@
+"""Hybrid USP attention: Ulysses all-to-all inside the node, ring across nodes, all-to-all back.
+
+Per rank, for ``U = ulysses_degree``, ``R = ring_degree``, ``S`` global tokens, ``L = S / (R U)`` local:
+
+1. ``q [B, L, Hq, D]`` -> ``[B, S/R, Hq/U, D]`` by the Ulysses all-to-all (K/V likewise, with
+   ``max(Hkv, U) / U`` heads after GQA replication); the rank now holds its ring rank's whole part.
+2. Ring attention over the ring group on that part (zigzag or contiguous, as ``mesh.ring_layout``).
+3. ``out [B, S/R, Hq/U, D]`` -> ``[B, L, Hq, D]`` by the inverse all-to-all.
+
+Bytes sent per rank per call (element size ``e``, ``Hk' = max(Hkv, U)``; see :func:`usp.attention.cost.analytic_bytes_sent`):
+forward ``(U-1)/U * B*L*D*e * (2*Hq + 2*Hk')`` + ``(R-1) * 2 * B*(S/R)*(Hk'/U)*D*e``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from usp.attention.blocks import plan_ring_blocks
+from usp.attention.kernels import default_scale, resolve_backend
+from usp.attention.ring import ring_attention
+from usp.attention.ulysses import head_to_seq, kv_replication, kv_seq_to_head, seq_to_head
+from usp.parallel import SPMesh, check_sequence_length
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh) -> None:
+    if not isinstance(mesh, SPMesh):
+        raise ValueError(
+            f"mesh must be a usp.parallel.SPMesh (from init_sp_mesh), got {type(mesh).__name__}."
+        )
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"usp_attention expects q [B, S_local, Hq, D] and k, v [B, S_local, Hkv, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}. Transpose [B, H, S, D] inputs with .transpose(1, 2)."
+        )
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)}, v {tuple(v.shape)} disagree: batch, local sequence and "
+            f"head dim must match, and k and v must have the same shape."
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}.")
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
+    if batch != 1:
+        raise ValueError(
+            f"cu_seqlens (document masking) needs batch size 1, got {batch}: pack the documents of the batch into "
+            f"one sequence (one row per step) or drop cu_seqlens."
+        )
+    cu = cu_seqlens.detach().to("cpu")
+    if cu.dim() != 1 or cu.numel() < 2 or cu.is_floating_point():
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor [num_docs + 1] of document boundaries, got "
+            f"{cu.dtype} {tuple(cu.shape)}."
+        )
+    cu = cu.to(torch.int64)
+    if int(cu[0]) != 0 or int(cu[-1]) != seq_len or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to the GLOBAL sequence length {seq_len} (S_local x ring x ulysses), "
+            f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''} ending at {int(cu[-1])}; pass the boundaries "
+            f"of the whole packed sequence, identical on every rank, not this rank's slice."
+        )
+    return cu
+
+
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mesh: SPMesh,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact attention over the whole sequence, sharded over ``mesh``'s ulysses x ring ranks.
+
+    Args:
+        q: ``[B, S_local, Hq, D]``, this rank's slice in ``mesh.ring_layout`` (as ``shard_sequence`` cuts it).
+        k, v: ``[B, S_local, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA).
+        mesh: the job's :class:`~usp.parallel.SPMesh`; its ulysses and ring groups are used.
+        causal: causal mask over *global* positions.
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        backend: ``"auto"`` or one of :data:`usp.attention.kernels.BACKENDS`.
+        cu_seqlens: optional int32 ``[num_docs + 1]`` boundaries of the global packed sequence (``0 .. S``, the
+            same on every rank; batch size 1): no attention crosses a document boundary, forward or backward.
+
+    Returns:
+        ``out [B, S_local, Hq, D]`` like ``q``. Differentiable w.r.t. ``q, k, v`` (exact gradients).
+
+    Raises:
+        ValueError: before any communication, for shapes, heads that don't fit ``ulysses_degree`` (naming
+            degrees that work), sequence lengths that don't fit the layout, bad ``cu_seqlens`` or backend.
+    """
+    _check_inputs(q, k, v, mesh)
+    u, r = mesh.ulysses_degree, mesh.ring_degree
+    b, s_local, hq, d = q.shape
+    seq_len = s_local * u * r
+    check_sequence_length(seq_len, r, u, mesh.ring_layout)
+    replication = kv_replication(hq, k.size(2), u)
+    kernel = resolve_backend(backend, q.device)
+    scale = default_scale(d, softmax_scale)
+    cu = _check_cu_seqlens(cu_seqlens, seq_len, b) if cu_seqlens is not None else None
+    plans = plan_ring_blocks(seq_len, r, mesh.ring_rank, mesh.ring_layout, causal, cu, device=q.device)
+
+    ulysses_group = mesh.ulysses_group
+    qh = seq_to_head(q, ulysses_group, "ulysses_q")  # [B, S/R, Hq/U, D]
+    kh = kv_seq_to_head(k, ulysses_group, replication, "ulysses_k")  # [B, S/R, max(Hkv, U)/U, D]
+    vh = kv_seq_to_head(v, ulysses_group, replication, "ulysses_v")
+    oh = ring_attention(qh, kh, vh, group=mesh.ring_group, plans=plans, softmax_scale=scale, backend=kernel)
+    return head_to_seq(oh, ulysses_group, "ulysses_out")  # [B, S/(R U), Hq, D]
