@@ -37,7 +37,7 @@ while [[ $# -gt 0 ]]; do
       shift
       ;;
     -h | --help)
-      sed -n '2,15p' "$0"
+      sed -n '2,14s/^# \{0,1\}//p' "$0"
       exit 0
       ;;
     --)

@@ -249,3 +249,15 @@ def test_override_parsing():
     assert find_override(["c=3"], "a.b") is None
     check_degrees(["parallel.ulysses_degree=2", "parallel.ring_degree=2", "parallel.node_size=2"],
                   nodes=1, nproc_per_node=4)  # fmt: skip
+
+
+def test_module_entry_out_of_process(monkeypatch):
+    """``python -m usp.launch.cli`` (what the usp-launch console script calls) prints the command and exits 0."""
+    monkeypatch.undo()  # a real subprocess: drop the in-process guards
+    argv = ["torchrun", "--cpu", "--nproc-per-node", "4", "recipe=tiny", "--dry-run"]
+    result = subprocess.run([sys.executable, "-m", "usp.launch.cli", *argv], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        "torchrun --standalone --nproc-per-node 4 -m usp.train trainer.device=cpu parallel.backend=gloo recipe=tiny\n"
+    )

@@ -43,6 +43,7 @@ class LaunchError(ValueError):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="usp-launch",
+        usage="usp-launch {local,torchrun,slurm} [options] [hydra overrides...] [--dry-run]",
         description="Print, run or submit the command that starts usp.train with the given Hydra overrides.",
         epilog="Example: usp-launch torchrun --cpu --nproc-per-node 4 recipe=tiny --dry-run",
         allow_abbrev=False,
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes (GPUs) per node; torchrun default: GPUs listed by nvidia-smi; slurm default: the "
         f"allocation's SLURM_GPUS_ON_NODE, else {DEFAULT_GPUS_PER_NODE}",
     )  # fmt: skip
-    p.add_argument("--nodes", type=int, default=None, help="slurm: number of nodes (default 1 / SLURM_NNODES)")
+    p.add_argument("--nodes", type=int, default=None, help="slurm: number of nodes (default: the allocation's SLURM_NNODES, else 1)")
     p.add_argument("--partition", help="slurm: sbatch --partition")
     p.add_argument("--time", help="slurm: sbatch --time (e.g. 04:00:00)")
     p.add_argument("--account", help="slurm: sbatch --account")

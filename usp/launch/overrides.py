@@ -31,7 +31,7 @@ def validate_override_syntax(overrides: Sequence[str]) -> None:
     for word in overrides:
         if word.startswith("-"):
             raise ValueError(
-                f"unknown option {word!r}. Launcher options go before the overrides; see `usp-launch --help`."
+                f"unknown option {word!r}: see `usp-launch --help` for the options (Hydra overrides are key=value)."
             )
         if "=" not in word and not word.startswith("~"):
             raise ValueError(
