@@ -123,6 +123,14 @@ def test_sbatch_script_without_gpus_says_how_to_ask(stubs, tmp_path):
     assert stubs.calls("srun") == []
 
 
+def test_sbatch_script_without_head_node_starts_nothing(stubs, tmp_path):
+    stubs.add("scontrol")  # prints no hosts
+    result = run_script(SLURM_SBATCH, ["recipe=x"], stubs, tmp_path, SLURM_GPUS_ON_NODE="8", **SLURM_ENV)
+    assert result.returncode == 1
+    assert "scontrol found no hosts in SLURM_JOB_NODELIST='gpu[007-008]'" in result.stderr
+    assert stubs.calls("srun") == []
+
+
 # --- torchrun.sh ------------------------------------------------------------------------------------------
 def test_torchrun_script_cpu_matches_usp_launch(stubs, tmp_path):
     args = ["--cpu", "--nproc-per-node", "4", "recipe=tiny"]
