@@ -1,0 +1,35 @@
+"""The long-context data pipeline: sources -> tokenized documents -> packed rows -> sharded, resumable batches.
+
+``usp-prepare-data`` (:mod:`usp.data.prepare`) writes packed rows once; :func:`build_dataloaders` serves them
+to every rank (and prepares small corpora on the fly with the same code).
+"""
+
+from usp.data.batch import IGNORE_INDEX, collate_rows, cu_seqlens_of, row_labels, row_positions
+from usp.data.loader import PackedLoader, build_dataloaders, split_rows
+from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
+from usp.data.prepare import PreparedData, prepare_dataset, read_stats
+from usp.data.sources import is_prepared_dataset, load_text_sources
+from usp.data.tokenize import check_tokenizer, load_tokenizer, tokenize_documents
+
+__all__ = [
+    "IGNORE_INDEX",
+    "PACKED_FEATURES",
+    "LengthShaping",
+    "PackStats",
+    "PackedLoader",
+    "PreparedData",
+    "build_dataloaders",
+    "check_tokenizer",
+    "collate_rows",
+    "cu_seqlens_of",
+    "is_prepared_dataset",
+    "load_text_sources",
+    "load_tokenizer",
+    "pack_documents",
+    "prepare_dataset",
+    "read_stats",
+    "row_labels",
+    "row_positions",
+    "split_rows",
+    "tokenize_documents",
+]

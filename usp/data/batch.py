@@ -1,0 +1,93 @@
+"""From packed rows to one rank's training batch: labels, position ids, boundaries, then the sp slice.
+
+Everything is computed on the GLOBAL packed sequence first and only then sharded with
+:func:`usp.parallel.shard_sequence`, so a label whose target token lives on another sp rank is still right,
+and every rank of an sp group derives identical ``cu_seqlens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from usp.parallel import SPMesh, shard_sequence
+
+IGNORE_INDEX = -100
+
+
+def row_labels(
+    input_ids: torch.Tensor, document_lengths: Sequence[int], document_masking: bool
+) -> torch.Tensor:
+    """Next-token targets of one packed row ``[S]``: ``input_ids`` shifted left by one.
+
+    ``IGNORE_INDEX`` where there is no target: the last token of the row and, with document masking, the last
+    token of every document piece (its successor belongs to another document, or to the next row).
+    """
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[:-1] = input_ids[1:]
+    if document_masking:
+        ends = torch.as_tensor(np.cumsum(document_lengths), dtype=torch.long) - 1
+        labels[ends] = IGNORE_INDEX
+    return labels
+
+
+def row_positions(
+    seq_len: int, document_lengths: Sequence[int], first_position: int, document_masking: bool
+) -> torch.Tensor:
+    """Position ids of one packed row ``[S]``.
+
+    With document masking they restart at 0 at each document, except that the row's first piece continues
+    from ``first_position`` (the part of a split document that was in the previous row). Without it: 0..S-1.
+    """
+    if not document_masking:
+        return torch.arange(seq_len)
+    lengths = torch.as_tensor(list(document_lengths), dtype=torch.long)
+    assert int(lengths.sum()) == seq_len, "document_lengths must sum to the row length"
+    starts = torch.cumsum(lengths, 0) - lengths
+    positions = torch.arange(seq_len) - torch.repeat_interleave(starts, lengths)
+    positions[: int(lengths[0])] += int(first_position)
+    return positions
+
+
+def cu_seqlens_of(document_lengths: Sequence[int]) -> torch.Tensor:
+    """Boundaries ``[num_docs + 1]`` (int32, 0 .. S) of the pieces of one packed row."""
+    return torch.as_tensor(np.concatenate([[0], np.cumsum(document_lengths)]), dtype=torch.int32)
+
+
+def collate_rows(
+    rows: Sequence[dict[str, Any]], *, mesh: SPMesh | None, document_masking: bool
+) -> dict[str, Any]:
+    """Packed rows (``input_ids``, ``document_lengths``, ``first_position``) -> this rank's batch dict.
+
+    Returns ``input_ids``, ``labels``, ``position_ids`` (int64 ``[B, S_local]``), ``cu_seqlens`` (int32
+    ``[num_docs + 1]`` of the global row when ``B == 1`` and document masking, else ``None``) and
+    ``document_lengths`` (per sample, the global lengths of the attention segments: the document pieces
+    with document masking, the whole row ``[S]`` without it).
+    """
+    ids = torch.stack([torch.as_tensor(np.asarray(r["input_ids"]), dtype=torch.long) for r in rows])  # [B, S]
+    seq_len = ids.size(1)
+    doc_lengths = [[int(n) for n in r["document_lengths"]] for r in rows]
+    for lengths in doc_lengths:
+        assert sum(lengths) == seq_len, (
+            f"a packed row's document_lengths sum to {sum(lengths)}, not {seq_len}"
+        )
+    labels = torch.stack([row_labels(ids[i], doc_lengths[i], document_masking) for i in range(len(rows))])
+    positions = torch.stack(
+        [
+            row_positions(seq_len, doc_lengths[i], int(rows[i].get("first_position", 0)), document_masking)
+            for i in range(len(rows))
+        ]
+    )
+    cu_seqlens = cu_seqlens_of(doc_lengths[0]) if len(rows) == 1 and document_masking else None
+    if mesh is not None and mesh.sp_degree > 1:
+        ids, labels, positions = (shard_sequence(t, mesh, dim=1) for t in (ids, labels, positions))
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": positions,
+        "cu_seqlens": cu_seqlens,
+        "document_lengths": doc_lengths if document_masking else [[seq_len] for _ in rows],
+    }

@@ -1,0 +1,293 @@
+"""Resumable loaders over packed rows, and ``build_dataloaders`` (the trainer's one entry point to data).
+
+Sample order. The training rows are read as one endless stream: epoch ``e`` is a permutation of the rows
+drawn from ``(seed, e)``, and epochs follow each other. Every step takes the next ``dp_degree x B`` samples
+of the stream; data-parallel rank ``d`` takes samples ``[d*B, (d+1)*B)`` of them, and every sp rank of that
+dp group gets its slice of the same samples. So within an epoch every row is used exactly once across all
+ranks (no drop, no duplicate; a step may straddle two epochs). The state is one number, the samples
+consumed, so resume continues with the next unseen sample, even under a different ``dp_degree``.
+
+The validation loader is finite: one pass over the held-out rows in a fixed order per ``iter()``, in whole
+steps of ``dp_degree x B`` (the few rows that cannot fill a last step are skipped: ``tokens_dropped``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from datasets import Dataset, load_from_disk
+
+from usp.config import DataConfig
+from usp.data.batch import collate_rows
+from usp.data.pack import LengthShaping
+from usp.data.prepare import preparation_key, prepare_dataset, read_stats
+from usp.data.sources import check_inputs, is_prepared_dataset
+from usp.data.tokenize import check_tokenizer
+from usp.parallel import SPMesh, check_sequence_length
+
+logger = logging.getLogger(__name__)
+STATE_VERSION = 1
+
+
+class PackedLoader:
+    """Iterable of this rank's batches (see :func:`usp.data.batch.collate_rows` for the item layout).
+
+    Args:
+        dataset: packed rows (``input_ids``, ``document_lengths``, ``first_position``).
+        indices: the rows of ``dataset`` this loader serves (its split), ``int64 [N]``.
+        micro_batch_size: rows per dp rank per step (``B``).
+        seed: shuffle seed (the order of epoch ``e`` is a permutation drawn from ``(seed, e)``).
+        dp_rank, dp_degree: this rank's data-parallel coordinate.
+        mesh: the sp layout used to slice each row (``None``: no slicing, one process).
+        document_masking: labels/positions/cu_seqlens per document (see ``collate_rows``).
+        infinite: endless shuffled epochs (training) or one ordered pass per ``iter()`` (validation).
+        tokens_dropped: tokens of the corpus this loader never yields (reported, not used).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        indices: np.ndarray,
+        *,
+        micro_batch_size: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_degree: int = 1,
+        mesh: SPMesh | None = None,
+        document_masking: bool = True,
+        infinite: bool = True,
+        tokens_dropped: int = 0,
+    ) -> None:
+        assert 0 <= dp_rank < dp_degree and micro_batch_size >= 1
+        self.dataset = dataset.with_format("numpy")
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.mesh = mesh
+        self.document_masking = document_masking
+        self.infinite = infinite
+        self.samples_per_step = dp_degree * micro_batch_size
+        if len(self.indices) < self.samples_per_step:
+            raise ValueError(
+                f"only {len(self.indices)} rows for one step of dp_degree x micro_batch_size = "
+                f"{self.samples_per_step}; prepare more data, lower trainer.micro_batch_size, or lower "
+                "data.validation_fraction."
+            )
+        self._consumed = 0  # samples of the stream consumed by all dp ranks together
+        self._perm_cache: tuple[int, np.ndarray] | None = None
+        self.tokens_dropped = tokens_dropped
+        if not infinite:
+            self.tokens_dropped += (len(self.indices) % self.samples_per_step) * self.seq_len
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.indices)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.dataset[int(self.indices[0])]["input_ids"])
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Steps for one pass over the rows (validation: exactly the steps of one ``iter()``)."""
+        return self.num_samples // self.samples_per_step
+
+    def __len__(self) -> int:
+        if self.infinite:
+            raise TypeError("the training loader is endless; use steps_per_epoch")
+        return self.steps_per_epoch
+
+    def _row_index(self, sample: int) -> int:
+        epoch, offset = divmod(sample, self.num_samples)
+        if not self.infinite:
+            return int(self.indices[offset])
+        if self._perm_cache is None or self._perm_cache[0] != epoch:
+            self._perm_cache = (
+                epoch,
+                np.random.default_rng([self.seed, epoch]).permutation(self.num_samples),
+            )
+        return int(self.indices[self._perm_cache[1][offset]])
+
+    def sample_ids(self, step_start: int) -> list[int]:
+        """Dataset rows this rank reads for the step that starts at stream position ``step_start``."""
+        first = step_start + self.dp_rank * self.micro_batch_size
+        return [self._row_index(first + j) for j in range(self.micro_batch_size)]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            if not self.infinite and self._consumed + self.samples_per_step > self.num_samples:
+                self._consumed = 0  # the next iter() is a fresh pass
+                return
+            rows = [self.dataset[i] for i in self.sample_ids(self._consumed)]
+            self._consumed += self.samples_per_step
+            yield collate_rows(rows, mesh=self.mesh, document_masking=self.document_masking)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "samples_consumed": self._consumed,
+            "epoch": self._consumed // self.num_samples,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after the last sample recorded in ``state`` (same rows and seed required)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data loader state version {state.get('version')!r} is not {STATE_VERSION}.")
+        if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
+            raise ValueError(
+                f"the checkpoint's data loader state was made for {state['num_samples']} rows with seed "
+                f"{state['seed']}, but this run has {self.num_samples} rows with seed {self.seed}: the data, "
+                "data.validation_fraction or the seed changed. Resume with the same data and seeds, or start "
+                "a fresh run."
+            )
+        self._consumed = int(state["samples_consumed"])
+
+
+def _run_once_on_rank0(fn: Callable[[], Path]) -> Path:
+    """Run ``fn`` on global rank 0, share its result (or its ValueError) with every rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn()
+    box: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", str(fn()))
+        except BaseException as e:  # noqa: BLE001 - every rank must learn of the failure, not hang
+            failure = e
+            box[0] = ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    kind, payload = box[0]
+    if kind == "error":
+        raise ValueError(f"data preparation failed on rank 0: {payload}")
+    path = Path(payload)
+    if not path.exists():
+        raise ValueError(
+            f"rank {dist.get_rank()} cannot see the prepared data at {path}: the cache_dir must be on a "
+            "filesystem shared by all nodes, or prepare once with usp-prepare-data and set data.prepared_path."
+        )
+    return path
+
+
+def _shaping(cfg: DataConfig) -> LengthShaping:
+    return LengthShaping(
+        min_doc_tokens=getattr(cfg, "min_doc_tokens", 0),
+        long_doc_threshold=getattr(cfg, "long_doc_threshold", None),
+        long_doc_factor=getattr(cfg, "long_doc_factor", 1.0),
+    )
+
+
+def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_dir: Path) -> Path:
+    """The packed dataset to train on: ``prepared_path``, a prepared input, or an on-the-fly cache entry."""
+    if cfg.prepared_path:
+        if not is_prepared_dataset(cfg.prepared_path):
+            raise ValueError(
+                f"data.prepared_path={cfg.prepared_path!r} is not a usp-prepare-data output (a directory with "
+                "input_ids and document_lengths). Run usp-prepare-data --output there, or fix the path."
+            )
+        return Path(cfg.prepared_path)
+    if len(cfg.inputs) == 1 and is_prepared_dataset(cfg.inputs[0]):
+        return Path(cfg.inputs[0])
+    inputs = list(cfg.inputs)
+    tiny = not inputs and cfg.build_tiny_corpus
+    if tiny:
+        inputs = [str(cache_dir / "tiny_corpus.jsonl")]
+    else:
+        check_inputs(inputs, cfg.weights)
+    check_tokenizer(tokenizer, setting="model.path")
+    shaping = _shaping(cfg)
+    hf_cache = cfg.cache_dir or str(cache_dir / "hf_datasets")
+
+    def prepare() -> Path:
+        if tiny and not Path(inputs[0]).exists():
+            from usp.tiny import build_tiny_corpus
+
+            build_tiny_corpus(inputs[0], seed=cfg.seed, text_field=cfg.text_field)
+        key = preparation_key(
+            inputs, tokenizer=tokenizer, seq_len=seq_len, text_field=cfg.text_field, weights=cfg.weights,
+            seed=cfg.seed, streaming=cfg.streaming, shaping=shaping,
+        )  # fmt: skip
+        entry = cache_dir / "packed" / f"seq{seq_len}-{key}"
+        if is_prepared_dataset(entry):
+            logger.info("reusing prepared data at %s", entry)
+            return entry
+        prepare_dataset(
+            inputs, tokenizer=tokenizer, seq_len=seq_len, output=entry, text_field=cfg.text_field,
+            weights=cfg.weights, seed=cfg.seed, streaming=cfg.streaming, num_proc=cfg.num_proc,
+            cache_dir=hf_cache, shaping=shaping, log=logger.info,
+        )  # fmt: skip
+        return entry
+
+    return _run_once_on_rank0(prepare)
+
+
+def split_rows(num_rows: int, validation_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint sorted row indices ``(train, val)``; ``val`` is ``round(fraction * num_rows)`` seeded rows."""
+    n_val = int(round(validation_fraction * num_rows)) if validation_fraction > 0 else 0
+    perm = np.random.default_rng([seed, 0x5EED]).permutation(num_rows)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def build_dataloaders(
+    cfg: DataConfig,
+    *,
+    tokenizer: Any,
+    seq_len: int,
+    mesh: SPMesh | None,
+    micro_batch_size: int,
+    seed: int,
+    cache_dir: str | os.PathLike,
+) -> tuple[PackedLoader, PackedLoader | None]:
+    """Train and validation loaders for this rank (validation ``None`` when ``validation_fraction == 0``).
+
+    Preparation (tokenize + pack, when the inputs are not already prepared) runs once, on global rank 0,
+    into ``cache_dir/packed/<hash>``; the other ranks wait for it and read the same memory-mapped rows.
+    ``cfg.seed`` decides the data (mixing, upsampling, validation split); ``seed`` decides the training
+    order. Raises ``ValueError`` for a ``seq_len`` that does not suit ``mesh`` before any tokenization.
+    """
+    if mesh is not None:
+        check_sequence_length(seq_len, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_layout)
+    elif seq_len < 1:
+        raise ValueError(f"trainer.seq_len={seq_len} must be a positive number of tokens.")
+    if micro_batch_size < 1:
+        raise ValueError(f"trainer.micro_batch_size={micro_batch_size} must be >= 1.")
+    if not 0.0 <= cfg.validation_fraction < 1.0:
+        raise ValueError(f"data.validation_fraction={cfg.validation_fraction} must be in [0, 1).")
+    if not cfg.inputs and not cfg.prepared_path and not cfg.build_tiny_corpus:
+        raise ValueError(
+            "no data: set data.inputs (files or hub names), data.prepared_path (a usp-prepare-data output), "
+            "or data.build_tiny_corpus=true for the synthetic demo corpus."
+        )
+    cache_dir = Path(cache_dir)
+    path = _resolve_prepared(cfg, tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache_dir)
+    dataset = load_from_disk(str(path))
+    row_len = len(dataset[0]["input_ids"])
+    if row_len != seq_len:
+        raise ValueError(
+            f"the prepared data at {str(path)!r} has rows of {row_len} tokens but trainer.seq_len={seq_len}. "
+            f"Re-run usp-prepare-data with --seq-len {seq_len}, or set trainer.seq_len={row_len}."
+        )
+    dp_rank, dp_degree = (mesh.dp_rank, mesh.dp_degree) if mesh is not None else (0, 1)
+    train_rows, val_rows = split_rows(len(dataset), cfg.validation_fraction, cfg.seed)
+    common = dict(micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_degree=dp_degree, mesh=mesh,
+                  document_masking=cfg.document_masking)  # fmt: skip
+    tail = int(read_stats(path).get("tokens_dropped", 0))
+    train = PackedLoader(dataset, train_rows, seed=seed, infinite=True, tokens_dropped=tail, **common)
+    val = None
+    if len(val_rows):
+        val = PackedLoader(dataset, val_rows, seed=seed, infinite=False, **common)
+    logger.info(
+        "data: %d rows x %d tokens from %s (%d train, %d validation); %d tail tokens dropped in preparation",
+        len(dataset), seq_len, path, len(train_rows), len(val_rows), tail,
+    )  # fmt: skip
+    return train, val

@@ -1,0 +1,306 @@
+"""``usp-prepare-data``: sources -> tokenized documents -> packed ``seq_len`` rows, saved with ``save_to_disk``.
+
+Example (a Llama 3 checkpoint, 128K rows, long documents upsampled 2x)::
+
+    usp-prepare-data --input corpus/*.jsonl --input owner/books --weights 0.7 0.3 \\
+        --tokenizer /ckpt/Meta-Llama-3-8B --seq-len 131072 --num-proc 16 \\
+        --long-doc-threshold 32768 --long-doc-factor 2 --output /data/prepared-128k
+
+The output loads with ``datasets.load_from_disk(output)`` (memory-mapped); every row has ``input_ids``
+(exactly ``seq_len`` int32), ``document_lengths`` (summing to ``seq_len``) and ``first_position``. A summary
+(documents, tokens, dropped tail, tokens/s) is printed and saved next to the data as ``usp_prepare.json``.
+The same :func:`prepare_dataset` runs on the fly inside ``build_dataloaders`` for small corpora.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from datasets import Dataset, IterableDataset
+
+from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
+from usp.data.sources import check_inputs, is_prepared_dataset, load_text_sources
+from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, load_tokenizer, tokenize_documents
+
+STATS_FILE = "usp_prepare.json"
+FORMAT_VERSION = "usp-packed-v1"
+
+
+@dataclass
+class PreparedData:
+    path: Path
+    stats: PackStats
+
+
+def document_windows(ds: Dataset | IterableDataset, window: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Tokenized documents in order, ``window`` at a time, as ``(flat int32 tokens, lengths)``."""
+    if isinstance(ds, Dataset):
+        for table in ds.with_format("arrow").iter(batch_size=window):
+            col = table.column(TOKENS_COLUMN).combine_chunks()
+            yield (
+                col.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False),
+                col.value_lengths().to_numpy(zero_copy_only=False),
+            )
+        return
+    for batch in ds.iter(batch_size=window):
+        docs = batch[TOKENS_COLUMN]
+        if not docs:
+            continue
+        lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+        yield np.concatenate([np.asarray(d, dtype=np.int32) for d in docs]), lengths
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        return
+    if not overwrite:
+        raise ValueError(f"--output {str(output)!r} already exists; choose a new path or pass --overwrite.")
+    if not is_prepared_dataset(output):
+        raise ValueError(
+            f"--output {str(output)!r} exists and is not a usp-prepare-data output; refusing to overwrite it. "
+            "Choose a new path."
+        )
+
+
+def prepare_dataset(
+    inputs: Sequence[str],
+    *,
+    tokenizer: Any,
+    seq_len: int,
+    output: str | os.PathLike,
+    text_field: str = "text",
+    weights: Sequence[float] | None = None,
+    seed: int = 0,
+    streaming: bool = False,
+    num_proc: int = 1,
+    cache_dir: str | os.PathLike | None = None,
+    shaping: LengthShaping | None = None,
+    add_bos: bool = True,
+    max_documents: int | None = None,
+    overwrite: bool = False,
+    window: int = 256,
+    log: Callable[[str], None] | None = None,
+) -> PreparedData:
+    """Tokenize, shape, pack and save ``inputs`` to ``output``; see the module docstring.
+
+    Writes into a sibling work directory and renames it into place at the end, so an interrupted run never
+    leaves a half-written ``output``. Peak extra disk: the tokenized documents plus one copy of the packed
+    rows. Raises ``ValueError`` for bad inputs before tokenizing, and for a corpus too small to fill a row.
+    """
+    log = log or (lambda msg: print(msg, flush=True))
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"--seq-len / trainer.seq_len={seq_len!r} must be a positive number of tokens.")
+    check_tokenizer(tokenizer)
+    check_inputs(inputs, weights, setting="--input / data.inputs")
+    output = Path(output)
+    _check_output(output, overwrite)
+    shaping = shaping or LengthShaping()
+    t0 = time.perf_counter()
+    raw = load_text_sources(
+        inputs, text_field=text_field, weights=weights, seed=seed, streaming=streaming, cache_dir=cache_dir
+    )
+    if max_documents is not None:
+        raw = (
+            raw.take(max_documents)
+            if isinstance(raw, IterableDataset)
+            else raw.select(range(min(max_documents, len(raw))))
+        )
+    work = output.parent / f".{output.name}.work-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        tokenized = tokenize_documents(
+            raw, tokenizer, num_proc=num_proc, add_bos=add_bos, cache_file_name=str(work / "tokenized.arrow")
+        )
+        stats = PackStats(seq_len=seq_len)
+        if isinstance(raw, Dataset):
+            stats.extra["documents_empty"] = len(raw) - len(tokenized)
+        packed_file = work / "packed.arrow"
+        with (
+            pa.OSFile(str(packed_file), "wb") as sink,
+            pa.ipc.new_stream(sink, PACKED_FEATURES.arrow_schema) as w,
+        ):
+            for batch in pack_documents(
+                document_windows(tokenized, window), seq_len, shaping=shaping, seed=seed, stats=stats
+            ):
+                w.write_batch(batch)
+        if stats.rows == 0:
+            what = "no non-empty documents" if stats.documents_in == 0 else f"only {stats.tokens_in} tokens"
+            raise ValueError(
+                f"the corpus {list(inputs)} gives {what} after tokenization"
+                f"{' and filtering' if shaping.min_doc_tokens else ''}, not enough for one row of --seq-len / "
+                f"trainer.seq_len={seq_len}. Add data, lower the sequence length, or relax --min-doc-tokens."
+            )
+        del tokenized
+        out_tmp = work / "out"
+        Dataset.from_file(str(packed_file)).save_to_disk(str(out_tmp))
+        stats.seconds = time.perf_counter() - t0
+        stats.extra.update(
+            tokens_per_s=stats.document_tokens / max(stats.seconds, 1e-9),
+            inputs=list(inputs),
+            text_field=text_field,
+            weights=None if weights is None else list(weights),
+            seed=seed,
+            tokenizer=getattr(tokenizer, "name_or_path", ""),
+            format=FORMAT_VERSION,
+        )
+        (out_tmp / STATS_FILE).write_text(json.dumps(stats.as_dict(), indent=2))
+        if output.exists():
+            shutil.rmtree(output) if output.is_dir() else output.unlink()  # checked above: a prepared dataset
+        os.replace(out_tmp, output)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(summary(stats, output))
+    return PreparedData(path=output, stats=stats)
+
+
+def summary(stats: PackStats, output: Path | str) -> str:
+    share = 100.0 * stats.tokens_dropped / max(stats.tokens_in, 1)
+    return (
+        f"usp-prepare-data: {stats.documents_in} documents ({stats.documents_filtered} filtered, "
+        f"{stats.documents_upsampled} upsampled copies, {stats.extra.get('documents_empty', 0)} empty skipped) -> "
+        f"{stats.rows} rows x {stats.seq_len} tokens at {output}; {stats.documents_split} documents split across "
+        f"rows; {stats.tokens_dropped} tail tokens dropped ({share:.3f}%); {stats.document_tokens} tokens in "
+        f"{stats.seconds:.1f}s = {stats.extra.get('tokens_per_s', 0.0):,.0f} tokens/s"
+    )
+
+
+def read_stats(path: str | os.PathLike) -> dict[str, Any]:
+    """The summary saved next to a prepared dataset (``{}`` if there is none)."""
+    f = Path(path) / STATS_FILE
+    return json.loads(f.read_text()) if f.exists() else {}
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(repr((len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)).encode())
+    return h.hexdigest()[:16]
+
+
+def _input_fingerprint(spec: str) -> list[Any]:
+    path = os.path.expanduser(spec)
+    files = glob.glob(path) if any(c in spec for c in "*?[") else [path]
+    out: list[Any] = []
+    for f in sorted(files):
+        p = Path(f)
+        if not p.exists():
+            out.append(spec)  # a hub name: identified by its name (pin a revision via a local copy)
+            continue
+        members = sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p]
+        out.extend((str(m.resolve()), m.stat().st_size, m.stat().st_mtime_ns) for m in members)
+    return out
+
+
+def preparation_key(
+    inputs: Sequence[str],
+    *,
+    tokenizer: Any,
+    seq_len: int,
+    text_field: str,
+    weights: Sequence[float] | None,
+    seed: int,
+    streaming: bool,
+    shaping: LengthShaping,
+    add_bos: bool = True,
+) -> str:
+    """A short hash of everything that decides the packed rows (used to name on-the-fly cache entries)."""
+    desc = {
+        "format": FORMAT_VERSION,
+        "inputs": [_input_fingerprint(s) for s in inputs],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "seq_len": seq_len,
+        "text_field": text_field,
+        "weights": None if weights is None else list(weights),
+        "seed": seed,
+        "streaming": streaming,
+        "shaping": asdict(shaping),
+        "add_bos": add_bos,
+    }
+    return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="usp-prepare-data",
+        description="Tokenize and pack a corpus into fixed-length rows for long-context training.",
+    )
+    p.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        help="file, glob, saved dataset dir or hub name (owner/name[:config]); repeat for several sources",
+    )
+    p.add_argument("--text-field", default="text", help="column holding the document text (default: text)")
+    p.add_argument("--tokenizer", required=True, help="checkpoint or tokenizer directory")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row (e.g. 131072)")
+    p.add_argument("--output", required=True, help="directory to write (datasets.save_to_disk layout)")
+    p.add_argument("--num-proc", type=int, default=1, help="tokenizer processes (default 1)")
+    p.add_argument("--weights", type=float, nargs="+", help="mixing weights, one per --input")
+    p.add_argument("--seed", type=int, default=0, help="seed for mixing and upsampling (default 0)")
+    p.add_argument(
+        "--streaming",
+        action="store_true",
+        help="read inputs as streams (corpora bigger than memory "
+        "or disk for a full download); tokenizes in this process",
+    )
+    p.add_argument("--cache-dir", help="datasets cache for raw inputs and hub downloads")
+    p.add_argument("--min-doc-tokens", type=int, default=0, help="drop documents shorter than this")
+    p.add_argument(
+        "--long-doc-threshold", type=int, help="documents with at least this many tokens are upsampled"
+    )
+    p.add_argument("--long-doc-factor", type=float, default=1.0, help="expected copies of each long document")
+    p.add_argument("--max-documents", type=int, help="use only the first N documents (a quick sample)")
+    p.add_argument(
+        "--no-bos", action="store_true", help="do not prepend BOS to each document (EOS is always added)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing usp-prepare-data output")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        shaping = LengthShaping(args.min_doc_tokens, args.long_doc_threshold, args.long_doc_factor)
+        tokenizer = load_tokenizer(args.tokenizer)
+        prepare_dataset(
+            args.input,
+            tokenizer=tokenizer,
+            seq_len=args.seq_len,
+            output=args.output,
+            text_field=args.text_field,
+            weights=args.weights,
+            seed=args.seed,
+            streaming=args.streaming,
+            num_proc=args.num_proc,
+            cache_dir=args.cache_dir,
+            shaping=shaping,
+            add_bos=not args.no_bos,
+            max_documents=args.max_documents,
+            overwrite=args.overwrite,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
