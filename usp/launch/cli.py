@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--submit", action="store_true", help="slurm: submit with sbatch even inside an allocation")
     p.add_argument("--script", default=None, help="slurm: the batch script (default launch/slurm.sbatch)")
     p.add_argument("--cpu", action="store_true", help="local/torchrun: CPU processes on gloo")
-    p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the command(s); run nothing")
+    p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the command; run nothing")
     return p
 
 
@@ -80,8 +80,8 @@ def _slurm_gpus(env: dict[str, str]) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
-def plan_commands(args: argparse.Namespace, overrides: list[str], env: dict[str, str]) -> list[list[str]]:
-    """The command(s) ``args`` asks for, after every check. Raises LaunchError (or ValueError) on bad input."""
+def plan_command(args: argparse.Namespace, overrides: list[str], env: dict[str, str]) -> list[str]:
+    """The command ``args`` asks for, after every check. Raises LaunchError (or ValueError) on bad input."""
     _positive(args.nproc_per_node, "--nproc-per-node")
     _positive(args.nodes, "--nodes")
     if args.mode != "slurm":
@@ -108,7 +108,7 @@ def plan_commands(args: argparse.Namespace, overrides: list[str], env: dict[str,
                 f"Use `usp-launch torchrun --nproc-per-node {args.nproc_per_node}` for several."
             )
         check_degrees(overrides, nodes=1, nproc_per_node=1)
-        return [commands.local_command(overrides, python=sys.executable)]
+        return commands.local_command(overrides, python=sys.executable)
 
     if args.mode == "torchrun":
         nproc = args.nproc_per_node
@@ -122,12 +122,12 @@ def plan_commands(args: argparse.Namespace, overrides: list[str], env: dict[str,
                     "or --cpu --nproc-per-node N for CPU processes on gloo."
                 )
         check_degrees(overrides, nodes=1, nproc_per_node=nproc)
-        return [commands.torchrun_command(overrides, nproc_per_node=nproc)]
+        return commands.torchrun_command(overrides, nproc_per_node=nproc)
 
     job_id = env.get("SLURM_JOB_ID")
     if job_id and not args.submit:
-        return [_srun_in_allocation(args, overrides, env, job_id)]
-    return [_sbatch(args, overrides)]
+        return _srun_in_allocation(args, overrides, env, job_id)
+    return _sbatch(args, overrides)
 
 
 def _srun_in_allocation(
@@ -206,16 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = [*extra, *after_dashes]
     try:
         validate_override_syntax(overrides)
-        cmds = plan_commands(args, overrides, dict(os.environ))
+        cmd = plan_command(args, overrides, dict(os.environ))
         if args.dry_run:
-            for cmd in cmds:
-                print(shlex.join(cmd))
+            print(shlex.join(cmd))
             return 0
-        for cmd in cmds:
-            status = _run(cmd)
-            if status != 0:
-                return status
-        return 0
+        return _run(cmd)
     except ValueError as exc:
         print(f"usp-launch: error: {exc}", file=sys.stderr)
         return 2
