@@ -11,6 +11,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Valid values of the string-enum fields (checked once, by ``validate_choices``).
+DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float16")
+ATTENTION_BACKENDS: tuple[str, ...] = (
+    "auto",
+    "flash_attn",
+    "sdpa_flash",
+    "sdpa_efficient",
+    "sdpa_cudnn",
+    "cpu_flash",
+    "math",
+)
+RING_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
+FSDP_MODES: tuple[str, ...] = ("full_shard", "hybrid_shard")
+AC_MODES: tuple[str, ...] = ("none", "full", "every_k")
+REDUCE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+BACKENDS: tuple[str | None, ...] = (None, "nccl", "gloo")
+DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
+WANDB_MODES: tuple[str, ...] = ("online", "offline", "disabled")
+
 
 @dataclass
 class ModelConfig:
@@ -90,6 +109,9 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Max global grad norm; 0 disables clipping."""
 
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # YAML gives a list
+
 
 @dataclass
 class TrainerConfig:
@@ -144,6 +166,10 @@ class ClusterConfig:
     inter_node_gbps: float | None = None
     """Network bandwidth per GPU, GB/s (planner)."""
     memory_gib: float | None = None
+    """Usable device memory, GiB (planner); default: the device table."""
+    num_nodes: int = 1
+    """Nodes the run expects; with ``gpus_per_node`` this is the world size a recipe declares (launchers and
+    the recipe tests use it; the launched world size is what counts at run time)."""
 
 
 @dataclass
@@ -157,3 +183,109 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     run_dir: str = "."
     """Filled in by the entry point from ``hydra.run.dir``; every rank agrees on it."""
+
+
+def _check_choice(name: str, value: object, valid: tuple) -> None:
+    if value not in valid:
+        shown = ", ".join("null" if v is None else str(v) for v in valid)
+        raise ValueError(f"{name}={value!r} is invalid; choose one of: {shown}.")
+
+
+def _check_degree(name: str, value: object) -> None:
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid: use an integer >= 1 or 'auto' (ask the planner).")
+
+
+def validate_choices(cfg: TrainConfig) -> None:
+    """Check the enum-like string fields and simple ranges; ``ValueError`` names the setting and the valid values.
+
+    Pure (no torch, no files): called once by the entry point right after composition.
+    """
+    _check_choice("model.dtype", cfg.model.dtype, DTYPES)
+    _check_choice("model.attention_backend", cfg.model.attention_backend, ATTENTION_BACKENDS)
+    if cfg.model.path in ("", "???"):
+        raise ValueError(
+            "model.path is not set: point it at a local Hugging Face checkpoint dir "
+            "(model.path=/path/to/Meta-Llama-3.1-8B), or use recipe=tiny."
+        )
+    d = cfg.data
+    if not d.inputs and not d.prepared_path and not d.build_tiny_corpus:
+        raise ValueError(
+            "no training data: set data.prepared_path=<a usp-prepare-data output dir>, or "
+            "data.inputs=[a.jsonl,owner/dataset] (local files or hub dataset names)."
+        )
+    if d.weights is not None and len(d.weights) != len(d.inputs):
+        raise ValueError(
+            f"data.weights has {len(d.weights)} entries but data.inputs has {len(d.inputs)}: give one weight "
+            "per input, or data.weights=null to concatenate."
+        )
+    p = cfg.parallel
+    _check_degree("parallel.ulysses_degree", p.ulysses_degree)
+    _check_degree("parallel.ring_degree", p.ring_degree)
+    if p.dp_degree != -1 and p.dp_degree < 1:
+        raise ValueError(
+            f"parallel.dp_degree={p.dp_degree} is invalid: use an integer >= 1, or -1 (remaining ranks)."
+        )
+    _check_choice("parallel.ring_layout", p.ring_layout, RING_LAYOUTS)
+    _check_choice("parallel.fsdp_mode", p.fsdp_mode, FSDP_MODES)
+    _check_choice("parallel.activation_checkpointing", p.activation_checkpointing, AC_MODES)
+    if p.activation_checkpointing == "every_k" and p.ac_every_k < 1:
+        raise ValueError(f"parallel.ac_every_k={p.ac_every_k} is invalid: use an integer >= 1.")
+    _check_choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
+    _check_choice("parallel.backend", p.backend, BACKENDS)
+    _check_choice("trainer.device", cfg.trainer.device, DEVICES)
+    _check_choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
+    t = cfg.trainer
+    for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "loss_chunk_size"):
+        if getattr(t, name) < 1:
+            raise ValueError(f"trainer.{name}={getattr(t, name)} is invalid: use an integer >= 1.")
+    if t.checkpoint_every < 0 or t.keep_last < 1:
+        raise ValueError(
+            f"trainer.checkpoint_every={t.checkpoint_every} / trainer.keep_last={t.keep_last}: "
+            "checkpoint_every must be >= 0 and keep_last >= 1."
+        )
+    mpe = cfg.model.max_position_embeddings
+    if mpe is not None and mpe < t.seq_len:
+        raise ValueError(
+            f"model.max_position_embeddings={mpe} is shorter than trainer.seq_len={t.seq_len}: set "
+            f"model.max_position_embeddings={t.seq_len} (or more) for context extension."
+        )
+    if cfg.optim.lr <= 0 or cfg.optim.grad_clip < 0:
+        raise ValueError(
+            f"optim.lr={cfg.optim.lr} must be > 0 and optim.grad_clip={cfg.optim.grad_clip} >= 0."
+        )
+    if cfg.logging.log_every < 1:
+        raise ValueError(f"logging.log_every={cfg.logging.log_every} is invalid: use an integer >= 1.")
+
+
+def validate_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int | None = None) -> None:
+    """Check the degrees against the launched world (``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``) and ``seq_len``
+    against the sequence layout, before anything expensive. Degrees set to ``auto`` are left to the planner
+    (only the given one is checked to divide the world size).
+
+    Raises ``ValueError`` with the numbers (from :class:`usp.parallel.ParallelDims`) and the fix.
+    """
+    from usp.parallel import ParallelDims, check_sequence_length
+
+    p = cfg.parallel
+    node_size = p.node_size if p.node_size is not None else local_world_size
+    if "auto" in (p.ulysses_degree, p.ring_degree):
+        for name in ("ulysses_degree", "ring_degree"):
+            value = getattr(p, name)
+            if value != "auto" and world_size % value != 0:
+                raise ValueError(
+                    f"parallel.{name}={value} does not divide the world size {world_size}; launch a multiple "
+                    f"of {value} ranks or change parallel.{name}."
+                )
+        return
+    ParallelDims(
+        world_size=world_size,
+        ulysses_degree=p.ulysses_degree,
+        ring_degree=p.ring_degree,
+        dp_degree=p.dp_degree,
+        node_size=node_size,
+        allow_cross_node_ulysses=p.allow_cross_node_ulysses,
+    )
+    check_sequence_length(cfg.trainer.seq_len, p.ring_degree, p.ulysses_degree, p.ring_layout)
