@@ -1,0 +1,398 @@
+"""Fit the device efficiencies to measurements and report predicted vs measured (the planner's honesty figure).
+
+Sources:
+
+- ``usp-bench`` JSON (any nesting; JSON or JSON lines): every object with an attention time (keys such as
+  ``fwd_bwd_ms``, ``fwd+bwd_s``, ``fwd_ms``) and either its FLOPs (``fwd_bwd_flops``, ``flops``), an
+  achieved rate (``fwd_bwd_tflops``, ``tflops``), or the shape (``seq_len``, ``num_heads``, ``head_dim``,
+  ``batch``, ``causal``) to count the FLOPs from. Gives the attention efficiency.
+- a training run: ``metrics.jsonl`` (``step``, ``step_time_s``, ``peak_mem_gib``...) and the resolved config
+  next to it (``config.yaml``, ``resolved_config.yaml``, ``.hydra/config.yaml`` or ``config.json``). The
+  median step time after warm-up is compared with :func:`usp.plan.search.evaluate_layout`.
+
+Fit: a step is ``dense_flops / (peak * e_dense) + attn_work / (peak * e_attn) + layers * c + comm``; with three
+or more runs all three of ``1/e_dense, 1/e_attn, c`` are fitted by least squares on relative error, with two the
+compute is scaled as one and ``c`` fitted, with one only the compute scale.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import numpy as np
+
+from usp.plan.compute import ATTN_BWD_OVER_FWD_HW
+from usp.plan.hardware import DeviceSpec
+from usp.plan.models import ModelSpec, load_model_spec
+from usp.plan.search import LayoutEstimate, evaluate_layout
+
+_UNITS = (
+    ("_ms", 1e-3),
+    ("ms", 1e-3),
+    ("_us", 1e-6),
+    ("_sec", 1.0),
+    ("_s", 1.0),
+    ("_time", 1.0),
+    ("time", 1.0),
+)
+CONFIG_NAMES = (
+    "config.yaml",
+    "resolved_config.yaml",
+    ".hydra/config.yaml",
+    "config.json",
+    "resolved_config.json",
+)
+
+
+# --- usp-bench ----------------------------------------------------------------------------------------------
+@dataclass
+class BenchRecord:
+    kind: str
+    """``fwd`` or ``fwd_bwd``."""
+    seconds: float | None
+    achieved_tflops: float
+
+
+def _norm(key: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", key.lower()).strip("_")
+
+
+def _kind(key: str) -> str | None:
+    k = key.replace("forward", "fwd").replace("backward", "bwd").replace("_and_", "_")
+    if "fwd_bwd" in k or "fwdbwd" in k:
+        return "fwd_bwd"
+    if k.startswith("fwd") and "bwd" not in k:
+        return "fwd"
+    return None
+
+
+def _time_scale(key: str) -> float | None:
+    if "flop" in key or "per_s" in key or "throughput" in key:
+        return None
+    for suffix, scale in _UNITS:
+        if key.endswith(suffix):
+            return scale
+    return None
+
+
+def _shape_flops(rec: dict[str, Any], kind: str) -> float | None:
+    get = {_norm(k): v for k, v in rec.items()}
+    seq = get.get("seq_len") or get.get("seqlen") or get.get("sequence_length")
+    heads = get.get("num_heads") or get.get("heads") or get.get("nheads") or get.get("num_attention_heads")
+    dim = get.get("head_dim") or get.get("headdim")
+    if not all(isinstance(x, (int, float)) for x in (seq, heads, dim)):
+        return None
+    batch = get.get("batch") or get.get("batch_size") or 1
+    fwd = 4.0 * seq * seq * heads * dim * batch * (0.5 if get.get("causal", True) else 1.0)
+    return fwd * (1 + ATTN_BWD_OVER_FWD_HW) if kind == "fwd_bwd" else fwd
+
+
+def _records_in(obj: Any) -> list[BenchRecord]:
+    found: list[BenchRecord] = []
+    if isinstance(obj, list):
+        for item in obj:
+            found += _records_in(item)
+        return found
+    if not isinstance(obj, dict):
+        return found
+    norm = {_norm(k): v for k, v in obj.items()}
+    for kind in ("fwd_bwd", "fwd"):
+        times = [
+            v * s
+            for k, v in norm.items()
+            if _kind(k) == kind and isinstance(v, (int, float)) and (s := _time_scale(k)) is not None
+        ]
+        rates = [
+            v
+            for k, v in norm.items()
+            if _kind(k) == kind and k.endswith("tflops") and isinstance(v, (int, float))
+        ]
+        flops = [
+            v
+            for k, v in norm.items()
+            if _kind(k) == kind and k.endswith("flops") and not k.endswith("tflops")
+        ]
+        seconds = times[0] if times else None
+        if seconds and flops and isinstance(flops[0], (int, float)):
+            found.append(BenchRecord(kind, seconds, flops[0] / seconds / 1e12))
+        elif rates:
+            found.append(BenchRecord(kind, seconds, float(rates[0])))
+        elif seconds and (f := _shape_flops(obj, kind)):
+            found.append(BenchRecord(kind, seconds, f / seconds / 1e12))
+    for v in obj.values():
+        if isinstance(v, (dict, list)):
+            found += _records_in(v)
+    return found
+
+
+def read_bench_json(path: str | Path) -> list[BenchRecord]:
+    """Attention timings in a ``usp-bench`` output (JSON or JSON lines), wherever they are nested."""
+    text = Path(path).read_text()
+    try:
+        data: Any = json.loads(text)
+    except json.JSONDecodeError:
+        data = [json.loads(line) for line in text.splitlines() if line.strip()]
+    records = _records_in(data)
+    if not records:
+        raise ValueError(
+            f"{path}: no attention timings found (expected keys like fwd_bwd_ms with flops or tflops)."
+        )
+    return records
+
+
+def fit_attention_efficiency(records: list[BenchRecord], device: DeviceSpec) -> float:
+    """Median achieved rate over peak, preferring fwd+bwd timings (what training runs)."""
+    use = [r for r in records if r.kind == "fwd_bwd"] or records
+    return median(r.achieved_tflops for r in use) / device.peak_tflops
+
+
+# --- training runs ------------------------------------------------------------------------------------------
+@dataclass
+class TrainingRun:
+    """One run's layout and what was measured in it."""
+
+    name: str
+    model: ModelSpec
+    seq_len: int
+    ulysses_degree: int
+    ring_degree: int
+    world_size: int
+    node_size: int
+    fsdp_mode: str
+    activation_checkpointing: str
+    ac_every_k: int
+    global_batch: int
+    loss_chunk_size: int
+    measured_step_s: float
+    measured_mem_gib: float | None
+
+
+def _load_config(run_dir: Path) -> dict[str, Any]:
+    for name in CONFIG_NAMES:
+        p = run_dir / name
+        if p.is_file():
+            if p.suffix == ".json":
+                return json.loads(p.read_text())
+            import yaml
+
+            return yaml.safe_load(p.read_text()) or {}
+    raise ValueError(f"{run_dir}: no resolved config ({', '.join(CONFIG_NAMES)}) next to metrics.jsonl.")
+
+
+def _model_from_config(cfg: dict[str, Any], run_dir: Path) -> ModelSpec:
+    model = cfg.get("model", {})
+    path = model.get("path")
+    if path and path != "???":
+        p = Path(path) if Path(path).is_absolute() else run_dir / path
+        for candidate in (Path(path), p):
+            if (candidate / "config.json").is_file():
+                return load_model_spec(str(candidate))
+    tiny = model.get("tiny_size") or {}
+    if tiny:  # the trainer builds the tiny checkpoint from LlamaConfig(**tiny_size): same defaults here
+        from transformers import LlamaConfig
+
+        return load_model_spec(LlamaConfig(**tiny).to_dict())
+    raise ValueError(f"{run_dir}: cannot find the model shape (model.path/config.json or model.tiny_size).")
+
+
+def read_training_run(
+    path: str | Path,
+    *,
+    model_config: dict[str, Any] | None = None,
+    model_spec: ModelSpec | None = None,
+    world_size: int | None = None,
+    node_size: int | None = None,
+    warmup_steps: int | None = None,
+) -> TrainingRun:
+    """A run dir (or its ``metrics.jsonl``): layout from the resolved config, median step time after warm-up."""
+    p = Path(path)
+    metrics = p if p.is_file() else p / "metrics.jsonl"
+    run_dir = metrics.parent
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if isinstance(r.get("step_time_s"), (int, float))]
+    if not rows:
+        raise ValueError(f"{metrics}: no rows with step_time_s.")
+    skip = warmup_steps if warmup_steps is not None else (min(2, len(rows) - 1) if len(rows) > 2 else 0)
+    steady = rows[skip:]
+    cfg = _load_config(run_dir)
+    par, trainer = cfg.get("parallel", {}), cfg.get("trainer", {})
+    if model_spec is not None:
+        model = model_spec
+    else:
+        model = load_model_spec(model_config) if model_config else _model_from_config(cfg, run_dir)
+    U, R = int(par.get("ulysses_degree", 1)), int(par.get("ring_degree", 1))
+    ws = world_size or cfg.get("world_size") or rows[-1].get("world_size")
+    if not ws:
+        dp = int(par.get("dp_degree", -1))
+        if dp < 1:
+            raise ValueError(f"{run_dir}: world size unknown (dp_degree=-1); pass world_size / --world-size.")
+        ws = dp * U * R
+    ws = int(ws)
+    node = int(node_size or par.get("node_size") or ws)
+    dp = ws // (U * R)
+    mems = [r["peak_mem_gib"] for r in steady if isinstance(r.get("peak_mem_gib"), (int, float))]
+    return TrainingRun(
+        name=str(run_dir),
+        model=model,
+        seq_len=int(trainer.get("seq_len", 0)),
+        ulysses_degree=U,
+        ring_degree=R,
+        world_size=ws,
+        node_size=min(node, ws),
+        fsdp_mode=str(par.get("fsdp_mode", "full_shard")),
+        activation_checkpointing=str(par.get("activation_checkpointing", "none")),
+        ac_every_k=int(par.get("ac_every_k", 2)),
+        global_batch=dp * int(trainer.get("micro_batch_size", 1)) * int(trainer.get("grad_accum_steps", 1)),
+        loss_chunk_size=int(trainer.get("loss_chunk_size", 4096)),
+        measured_step_s=median(r["step_time_s"] for r in steady),
+        measured_mem_gib=max(mems) if mems else None,
+    )
+
+
+def predict_run(run: TrainingRun, device: DeviceSpec) -> LayoutEstimate:
+    """What the cost model says about the run's layout (micro batch 1 x accumulation as the global batch)."""
+    return evaluate_layout(
+        run.model,
+        device,
+        seq_len=run.seq_len,
+        ulysses_degree=run.ulysses_degree,
+        ring_degree=run.ring_degree,
+        world_size=run.world_size,
+        node_size=run.node_size,
+        fsdp_mode=run.fsdp_mode,
+        activation_checkpointing=run.activation_checkpointing,
+        ac_every_k=run.ac_every_k,
+        global_batch=run.global_batch,
+        loss_chunk_size=run.loss_chunk_size,
+    )
+
+
+@dataclass
+class Calibration:
+    """Fitted device figures and the predicted-vs-measured table they give."""
+
+    device: str
+    dense_efficiency: float
+    attention_efficiency: float
+    layer_overhead_s: float
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    def apply(self, device: DeviceSpec) -> DeviceSpec:
+        return replace(
+            device,
+            dense_efficiency=self.dense_efficiency,
+            attention_efficiency=self.attention_efficiency,
+            layer_overhead_s=self.layer_overhead_s,
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        data = json.loads(Path(path).read_text())
+        return cls(
+            **{
+                k: data[k] for k in ("device", "dense_efficiency", "attention_efficiency", "layer_overhead_s")
+            },
+            runs=data.get("runs", []),
+        )
+
+
+def _terms(run: TrainingRun, device: DeviceSpec) -> tuple[float, float, float, float]:
+    """(dense work, attention work, layer count, fixed seconds) of a step: time = a/e_d + b/e_a + c*L + fixed."""
+    est = predict_run(run, device)
+    t = est.time_s
+    dense = t["dense_s"] * device.dense_efficiency
+    attn = t["attention_s"] * device.attention_efficiency
+    layers = (
+        t["overhead_s"] / device.layer_overhead_s
+        if device.layer_overhead_s
+        else run.model.num_layers * est.grad_accum_steps
+    )
+    fixed = est.step_time_s - t["dense_s"] - t["attention_s"] - t["overhead_s"]
+    return dense, attn, layers, fixed
+
+
+def _table(runs: list[TrainingRun], device: DeviceSpec) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        est = predict_run(run, device)
+        rows.append(
+            {
+                "run": run.name,
+                "layout": f"u{run.ulysses_degree} r{run.ring_degree} dp{est.dp_degree} {run.activation_checkpointing}",
+                "seq_len": run.seq_len,
+                "predicted_step_s": est.step_time_s,
+                "measured_step_s": run.measured_step_s,
+                "time_ratio": run.measured_step_s / est.step_time_s,
+                "predicted_mem_gib": est.mem_gib_per_gpu,
+                "measured_mem_gib": run.measured_mem_gib,
+                "mem_ratio": (run.measured_mem_gib / est.mem_gib_per_gpu) if run.measured_mem_gib else None,
+            }
+        )
+    return rows
+
+
+def calibrate(
+    device: DeviceSpec, runs: list[TrainingRun], bench: list[BenchRecord] | None = None
+) -> tuple[Calibration, list[dict[str, Any]]]:
+    """Fit the efficiencies; returns the calibration (with its after-fit table) and the before-fit table."""
+    if not runs and not bench:
+        raise ValueError("calibrate needs at least one training run (--run) or usp-bench file (--bench).")
+    before = _table(runs, device)
+    e_attn = fit_attention_efficiency(bench, device) if bench else device.attention_efficiency
+    e_dense, overhead = device.dense_efficiency, device.layer_overhead_s
+    if runs:
+        base = replace(device, attention_efficiency=e_attn)
+        rows = [_terms(r, base) for r in runs]
+        y = np.array([r.measured_step_s - t[3] for r, t in zip(runs, rows)])
+        w = 1.0 / np.array([r.measured_step_s for r in runs])
+        a, b, L = (np.array(col) for col in list(zip(*rows))[:3])
+        n = len(runs)
+        if n >= 3 and not bench:
+            X = np.stack([a, b, L], axis=1)
+        elif n >= 2:
+            X = np.stack([a / e_dense + b / e_attn, L], axis=1)
+        else:
+            X = np.stack([a / e_dense + b / e_attn + L * overhead], axis=1)
+        coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
+        if np.any(coef <= 0) and X.shape[1] > 1:  # an unphysical fit: fall back to one common scale
+            X = np.stack([a / e_dense + b / e_attn + L * overhead], axis=1)
+            coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
+        if X.shape[1] == 3:
+            e_dense, e_attn, overhead = 1 / coef[0], 1 / coef[1], float(coef[2])
+        elif X.shape[1] == 2:
+            e_dense, e_attn, overhead = e_dense / coef[0], e_attn / coef[0], float(coef[1])
+        else:
+            e_dense, e_attn, overhead = e_dense / coef[0], e_attn / coef[0], overhead * float(coef[0])
+    assert all(math.isfinite(x) for x in (e_dense, e_attn, overhead))
+    cal = Calibration(device.name, float(e_dense), float(e_attn), float(overhead))
+    cal.runs = _table(runs, cal.apply(device))
+    return cal, before
+
+
+def format_report(before: list[dict[str, Any]], cal: Calibration) -> str:
+    """Predicted vs measured, before and after the fit (ratio = measured / predicted)."""
+    lines = [
+        f"calibration for {cal.device}: dense_efficiency={cal.dense_efficiency:.4g} "
+        f"attention_efficiency={cal.attention_efficiency:.4g} layer_overhead_s={cal.layer_overhead_s:.4g}",
+        f"{'run':<28} {'layout':<22} {'seq':>8} {'pred s (default)':>16} {'pred s (fit)':>12} {'measured s':>11} "
+        f"{'ratio default':>13} {'ratio fit':>9} {'mem pred/meas GiB':>18}",
+    ]
+    for b, a in zip(before, cal.runs):
+        mem = f"{a['predicted_mem_gib']:.3f}/" + (
+            f"{a['measured_mem_gib']:.3f}" if a["measured_mem_gib"] else "-"
+        )
+        lines.append(
+            f"{Path(a['run']).name[:28]:<28} {a['layout']:<22} {a['seq_len']:>8} {b['predicted_step_s']:>16.4g} "
+            f"{a['predicted_step_s']:>12.4g} {a['measured_step_s']:>11.4g} {b['time_ratio']:>13.3f} "
+            f"{a['time_ratio']:>9.3f} {mem:>18}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Communication of one micro step: Ulysses all-to-all, ring K/V passing, FSDP all-gather / reduce-scatter.
+
+Bytes are what one rank sends; times are bytes over the per-GPU, per-direction bandwidth of the slowest link
+the collective crosses. Ulysses groups are adjacent ranks (NVLink, inside a node); ring groups are strided by
+``ulysses_degree`` and cross nodes once ``ulysses x ring`` exceeds the node (then the network sets the pace).
+"""
+
+from __future__ import annotations
+
+from usp.plan.compute import ATTN_BWD_OVER_FWD_HW
+from usp.plan.hardware import GB, DeviceSpec
+from usp.plan.models import ModelSpec
+
+ACT_BYTES = 2  # bf16 activations
+GRAD_REDUCE_BYTES = 4  # fp32 gradient reduce-scatter (parallel.reduce_dtype)
+
+
+def kv_block_bytes(model: ModelSpec, seq_len: int, ulysses_degree: int, ring_degree: int) -> float:
+    """K and V of one rank's ring block for one layer: ``S/R`` tokens x the rank's KV heads x ``head_dim``."""
+    tokens = seq_len / ring_degree
+    return 2 * tokens * model.kv_heads_per_rank(ulysses_degree) * model.head_dim * ACT_BYTES
+
+
+def ring_bandwidth_gbps(device: DeviceSpec, ulysses_degree: int, ring_degree: int, node_size: int) -> float:
+    """Ring neighbours are ``ulysses_degree`` ranks apart: NVLink while the whole group fits in a node."""
+    return device.intra_node_gbps if ulysses_degree * ring_degree <= node_size else device.inter_node_gbps
+
+
+def ring_comm(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    seq_len: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    node_size: int,
+    attention_s: float,
+) -> dict[str, float]:
+    """Ring P2P per micro step and the part that does not hide behind the attention of each step.
+
+    Forward: ``R - 1`` transfers of a K/V block per layer; backward: K/V again plus the fp32 dK/dV that travel
+    with it (3x the block). Each step overlaps its transfer with the attention of the block it holds, so the
+    exposed time per step is ``max(0, transfer - compute)``.
+    """
+    R = ring_degree
+    if R == 1:
+        return {"ring_bytes": 0.0, "ring_s": 0.0, "ring_exposed_s": 0.0, "ring_step_comm_s": 0.0}
+    block = kv_block_bytes(model, seq_len, ulysses_degree, R)
+    bw = ring_bandwidth_gbps(device, ulysses_degree, R, node_size) * GB
+    L = model.num_layers
+    fwd_step, bwd_step = block / bw, 3 * block / bw
+    # attention_s covers fwd + bwd of all layers; split it over the 2 x R steps per layer by pass weight.
+    per_layer = attention_s / L
+    passes = 1 + ATTN_BWD_OVER_FWD_HW
+    fwd_compute = per_layer / passes / R
+    bwd_compute = per_layer * ATTN_BWD_OVER_FWD_HW / passes / R
+    exposed = (R - 1) * L * (max(0.0, fwd_step - fwd_compute) + max(0.0, bwd_step - bwd_compute))
+    total_bytes = (R - 1) * L * 4 * block
+    return {
+        "ring_bytes": total_bytes,
+        "ring_s": (R - 1) * L * (fwd_step + bwd_step),
+        "ring_exposed_s": exposed,
+        "ring_step_comm_s": fwd_step,
+    }
+
+
+def ulysses_comm(
+    model: ModelSpec, device: DeviceSpec, *, seq_len: int, ulysses_degree: int, ring_degree: int
+) -> dict[str, float]:
+    """All-to-all per micro step: q, k, v in and the output back, forward and backward, on the critical path.
+
+    A rank sends ``(U - 1) / U`` of its local q/k/v/out; with GQA replication (``U`` > KV heads) each KV head
+    is repeated to ``U`` heads before the exchange.
+    """
+    U = ulysses_degree
+    if U == 1:
+        return {"ulysses_bytes": 0.0, "ulysses_s": 0.0}
+    local_tokens = seq_len / (U * ring_degree)
+    kv_heads = max(model.num_kv_heads, U)
+    elems = local_tokens * (2 * model.num_heads + 2 * kv_heads) * model.head_dim
+    per_layer = 2 * elems * ACT_BYTES * (U - 1) / U  # forward + backward
+    total = per_layer * model.num_layers
+    return {"ulysses_bytes": total, "ulysses_s": total / (device.intra_node_gbps * GB)}
+
+
+def fsdp_comm(
+    model: ModelSpec, device: DeviceSpec, *, world_size: int, node_size: int, fsdp_mode: str
+) -> dict[str, float]:
+    """Parameter all-gathers (forward and again in backward, bf16) and gradient reduction, per micro step.
+
+    ``full_shard``: ring collectives over all ranks, at the network bandwidth once the job spans nodes.
+    ``hybrid_shard``: all-gather and reduce-scatter inside the node (NVLink), then an all-reduce of each
+    rank's gradient shard across the nodes.
+    """
+    P = model.num_params
+    nodes = max(1, world_size // node_size)
+    if fsdp_mode == "full_shard":
+        n = world_size
+        if n == 1:
+            return {"fsdp_bytes": 0.0, "fsdp_s": 0.0}
+        bw = (device.intra_node_gbps if nodes == 1 else device.inter_node_gbps) * GB
+        frac = (n - 1) / n
+        nbytes = P * frac * (2 * ACT_BYTES + GRAD_REDUCE_BYTES)
+        return {"fsdp_bytes": nbytes, "fsdp_s": nbytes / bw}
+    if fsdp_mode == "hybrid_shard":
+        n = min(node_size, world_size)
+        frac = (n - 1) / n
+        intra = P * frac * (2 * ACT_BYTES + GRAD_REDUCE_BYTES)
+        inter = 2 * (nodes - 1) / nodes * P / n * GRAD_REDUCE_BYTES if nodes > 1 else 0.0
+        seconds = intra / (device.intra_node_gbps * GB) + inter / (device.inter_node_gbps * GB)
+        return {"fsdp_bytes": intra + inter, "fsdp_s": seconds}
+    raise ValueError(f"parallel.fsdp_mode={fsdp_mode!r} is invalid; choose full_shard or hybrid_shard.")

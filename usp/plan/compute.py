@@ -1,0 +1,103 @@
+"""FLOPs of a training step and how long one rank spends on them.
+
+Conventions (2 FLOPs per multiply-add):
+
+- dense: ``2 * matmul_params`` per token forward, ``6 *`` for forward + backward;
+- attention, forward, one layer, a sequence of ``S`` tokens: ``4 * S^2 * H * d`` without a mask (``Q K^T`` and
+  ``P V``), half of it causal; the backward costs 2.5 forwards in a fused kernel (it recomputes ``P``), the
+  model-FLOP count (for MFU) uses 2;
+- activation checkpointing recomputes the forward of the checkpointed layers (hardware FLOPs, not model FLOPs).
+
+Causal work per rank of a ring of ``N`` (tile-level masking, diagonal blocks cost half):
+zigzag gives every rank ``N/2`` block-equivalents, perfectly balanced; contiguous makes the last rank wait
+``N - 1/2`` of them, so its imbalance is ``(2N - 1) / N``. The seed article counts diagonal blocks as whole
+blocks and gets ``4N / (2N + 1)`` for the zigzag speedup (:func:`seed_zigzag_speedup`); both are 1.88 at N=8.
+"""
+
+from __future__ import annotations
+
+from usp.plan.hardware import DeviceSpec
+from usp.plan.models import ModelSpec
+
+ATTN_BWD_OVER_FWD_HW = 2.5
+ATTN_BWD_OVER_FWD_MODEL = 2.0
+
+
+def attention_fwd_flops(
+    model: ModelSpec, q_tokens: float, kv_tokens: float, heads: int | None = None
+) -> float:
+    """Unmasked attention FLOPs of one layer: ``4 * q * kv * heads * head_dim`` (the seed's per-step count)."""
+    h = model.num_heads if heads is None else heads
+    return 4.0 * q_tokens * kv_tokens * h * model.head_dim
+
+
+def causal_imbalance(ring_degree: int, ring_layout: str = "zigzag") -> float:
+    """Busiest rank's causal attention work over the balanced share ``S^2 / 2 / N`` (1 = balanced)."""
+    n = ring_degree
+    if ring_layout == "zigzag" or n == 1:
+        return 1.0
+    if ring_layout == "contiguous":
+        return (2 * n - 1) / n
+    raise ValueError(f"ring_layout={ring_layout!r} is invalid; choose 'zigzag' or 'contiguous'.")
+
+
+def seed_zigzag_speedup(ring_degree: int) -> float:
+    """The seed's block-count speedup of zigzag over contiguous: ``N / ((2N + 1) / 4) = 4N / (2N + 1)``."""
+    n = ring_degree
+    return 4 * n / (2 * n + 1)
+
+
+def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token used for MFU: ``6 * matmul_params`` + causal attention (fwd + 2x bwd)."""
+    dense = 6.0 * model.matmul_params
+    attn_fwd = attention_fwd_flops(model, 1, seq_len) / 2 * model.num_layers  # causal: average key count S/2
+    return dense + attn_fwd * (1 + ATTN_BWD_OVER_FWD_MODEL)
+
+
+def block_efficiency(flops_per_call: float, device: DeviceSpec) -> float:
+    """Attention kernel efficiency for a call of ``flops_per_call``: saturates for large blocks."""
+    half = device.attention_half_s * device.peak_flops
+    return device.attention_efficiency * flops_per_call / (flops_per_call + half)
+
+
+def compute_time(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    seq_len: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    ring_layout: str = "zigzag",
+    recompute_layers: float = 0.0,
+) -> dict[str, float]:
+    """Seconds one rank computes per micro step (one sequence sharded over ``ulysses x ring`` ranks).
+
+    ``recompute_layers``: how many decoder layers run their forward twice (activation checkpointing).
+    Returns ``dense_s``, ``attention_s``, ``overhead_s``, ``ring_step_flops`` (one rank's attention FLOPs per
+    ring step and layer, forward) and ``hw_flops`` (what the rank executes).
+    """
+    sp = ulysses_degree * ring_degree
+    local_tokens = seq_len / sp
+    L = model.num_layers
+    layer_frac = model.num_layers * model.layer_params / model.matmul_params
+    dense_flops = 6.0 * model.matmul_params * local_tokens
+    dense_flops += 2.0 * model.matmul_params * local_tokens * layer_frac * recompute_layers / L
+    # Attention forward of one layer on one rank: the causal share of S^2, times the layout's imbalance.
+    attn_fwd_layer = (
+        attention_fwd_flops(model, seq_len, seq_len) / 2 / sp * causal_imbalance(ring_degree, ring_layout)
+    )
+    passes = 1 + ATTN_BWD_OVER_FWD_HW
+    attn_flops = attn_fwd_layer * (passes * L + recompute_layers)
+    # One kernel call per ring step: S/R queries against S/R keys (half of that in zigzag steps), H/U heads.
+    heads = model.num_heads // ulysses_degree
+    block = seq_len / ring_degree
+    step_flops = attention_fwd_flops(model, block, block, heads) / 2
+    eff = block_efficiency(step_flops, device)
+    peak = device.peak_flops
+    return {
+        "dense_s": dense_flops / (peak * device.dense_efficiency),
+        "attention_s": attn_flops / (peak * eff),
+        "overhead_s": device.layer_overhead_s * L,
+        "ring_step_flops": step_flops,
+        "hw_flops": dense_flops + attn_flops,
+    }

@@ -1,0 +1,112 @@
+"""Devices the planner knows: memory, dense bf16 peak FLOP/s, link bandwidths and achievable efficiency.
+
+Bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s): ``intra_node_gbps`` is NVLink (what one GPU
+can push to its peers), ``inter_node_gbps`` is the network share of one GPU (one NIC per GPU: 200 Gb/s HDR is
+25 GB/s, 400 Gb/s NDR is 50 GB/s). Efficiencies are the fractions of peak that large matmuls
+(``dense_efficiency``) and a fused attention kernel on large blocks (``attention_efficiency``) reach; the
+calibration (:mod:`usp.plan.calibrate`) replaces them with fitted values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GIB = 1024**3
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator type (or the CPU) as the cost model sees it."""
+
+    name: str
+    memory_gib: float
+    """Device memory usable by the job, GiB."""
+    peak_tflops: float
+    """Dense bf16 peak, TFLOP/s (the MFU denominator)."""
+    intra_node_gbps: float
+    """Per-GPU, per-direction bandwidth to GPUs of the same node, GB/s."""
+    inter_node_gbps: float
+    """Per-GPU, per-direction bandwidth to other nodes, GB/s."""
+    hbm_tbps: float
+    """Device memory bandwidth, TB/s (decode is bound by it)."""
+    dense_efficiency: float = 0.6
+    """Fraction of peak reached by the linear layers of a training step."""
+    attention_efficiency: float = 0.5
+    """Fraction of peak reached by the attention kernel on large blocks (fwd + bwd)."""
+    attention_half_s: float = 5e-4
+    """A kernel call worth this many seconds of peak work runs at half the large-block efficiency: small ring
+    blocks and few heads per rank leave streaming multiprocessors idle (and each ring step pays a launch and
+    an output merge)."""
+    layer_overhead_s: float = 0.0
+    """Fixed time per decoder layer per micro step (kernel launches, Python); matters on CPU only."""
+    reserved_gib: float = 1.0
+    """Memory the job cannot use (CUDA context, communicator buffers)."""
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+
+GPUS: dict[str, DeviceSpec] = {
+    "a100-40g": DeviceSpec("a100-40g", 40.0, 312.0, 300.0, 25.0, 1.555),
+    "a100-80g": DeviceSpec("a100-80g", 80.0, 312.0, 300.0, 25.0, 2.039),
+    "h100-80g": DeviceSpec("h100-80g", 80.0, 989.0, 450.0, 50.0, 3.35),
+    "h200": DeviceSpec("h200", 141.0, 989.0, 450.0, 50.0, 4.8),
+    "b200": DeviceSpec("b200", 180.0, 2250.0, 900.0, 50.0, 8.0),
+    # A few CPU cores running the gloo backend: modest FLOP/s, slow "links" (shared memory copies) and a
+    # large per-layer overhead (eager PyTorch on small tensors).
+    "cpu": DeviceSpec(
+        "cpu",
+        16.0,
+        0.1,
+        2.0,
+        2.0,
+        0.02,
+        dense_efficiency=0.5,
+        attention_efficiency=0.3,
+        layer_overhead_s=5e-3,
+        reserved_gib=0.0,
+    ),
+}
+
+
+def get_device(
+    name: str | None,
+    *,
+    memory_gib: float | None = None,
+    peak_tflops: float | None = None,
+    intra_node_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+) -> DeviceSpec:
+    """Look up ``name`` in :data:`GPUS` and apply explicit overrides.
+
+    ``name=None`` builds a custom device from the overrides, which must then all be given.
+    """
+    overrides = {
+        "memory_gib": memory_gib,
+        "peak_tflops": peak_tflops,
+        "intra_node_gbps": intra_node_gbps,
+        "inter_node_gbps": inter_node_gbps,
+    }
+    for key, value in overrides.items():
+        if value is not None and value <= 0:
+            raise ValueError(f"--{key.replace('_', '-')}={value} must be > 0.")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if name is None:
+        missing = [k for k, v in overrides.items() if v is None]
+        if missing:
+            raise ValueError(
+                "no --gpu given: name one of "
+                f"{sorted(GPUS)} or give every one of --gpu-mem-gib, --peak-tflops, --intra-node-gbps, "
+                f"--inter-node-gbps (missing: {', '.join(missing)})."
+            )
+        return DeviceSpec("custom", hbm_tbps=2.0, **given)  # type: ignore[arg-type]
+    key = name.lower().replace("_", "-")
+    if key not in GPUS:
+        raise ValueError(f"--gpu={name!r} is unknown; choose one of {sorted(GPUS)} or give explicit figures.")
+    return replace(GPUS[key], **given)

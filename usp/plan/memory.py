@@ -1,0 +1,137 @@
+"""Peak memory of one rank during a training step, item by item.
+
+Precision assumed (FSDP2 mixed precision, what ``usp.train`` runs): fp32 sharded parameters, fp32 sharded
+gradients and two fp32 Adam moments (16 bytes per parameter, divided by the shard degree); bf16 parameters
+all-gathered for compute; bf16 activations; fp32 gradient reduction.
+
+Saved activations of one Llama decoder layer, per local token, in bf16 elements (``h`` hidden, ``H`` query
+heads, ``d`` head dim, ``I`` MLP width, ``kv = max(KV heads, ulysses_degree)`` after GQA replication)::
+
+    4h               layer input, attention-norm output, mid residual, MLP-norm output
+    (H + 2kv) d      q, k, v after the all-to-all (kept by the attention kernel)
+    2 H d            attention output (kept by the kernel) and the o_proj input (after the all-to-all back)
+    2 H              log-sum-exp, fp32
+    4 I              gate, up, silu(gate), silu(gate) * up
+
+With ``full`` checkpointing a layer keeps only its input (``h``) and one layer is recomputed at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from usp.plan.comm import ACT_BYTES, kv_block_bytes
+from usp.plan.hardware import GIB, DeviceSpec
+from usp.plan.models import ModelSpec
+
+STATE_BYTES_PER_PARAM = 16  # fp32 master param + fp32 grad + Adam m and v
+AC_MODES = ("none", "every_k", "full")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per rank at the peak of a training step."""
+
+    sharded_states: float
+    gathered_params: float
+    activations: float
+    attention_workspace: float
+    loss_buffer: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return sum(asdict(self).values())
+
+    @property
+    def total_gib(self) -> float:
+        return self.total / GIB
+
+    def as_gib(self) -> dict[str, float]:
+        return {k: v / GIB for k, v in asdict(self).items()} | {"total": self.total_gib}
+
+
+def activation_elems_per_token_layer(model: ModelSpec, ulysses_degree: int) -> int:
+    """Saved activations of one decoder layer per local token, in bf16 elements (module docstring)."""
+    h, d, H, mlp = model.hidden_size, model.head_dim, model.num_heads, model.intermediate_size
+    kv = max(model.num_kv_heads, ulysses_degree)
+    return 4 * h + (H + 2 * kv) * d + 2 * H * d + 2 * H + 4 * mlp
+
+
+def checkpointed_layers(num_layers: int, activation_checkpointing: str, ac_every_k: int = 2) -> int:
+    """How many decoder layers keep only their input (and recompute their forward in backward)."""
+    if activation_checkpointing == "none":
+        return 0
+    if activation_checkpointing == "full":
+        return num_layers
+    if activation_checkpointing == "every_k":
+        if ac_every_k < 1:
+            raise ValueError(f"parallel.ac_every_k={ac_every_k} must be >= 1.")
+        return num_layers // ac_every_k
+    raise ValueError(
+        f"parallel.activation_checkpointing={activation_checkpointing!r} is invalid; use {AC_MODES}."
+    )
+
+
+def shard_degree(world_size: int, node_size: int, fsdp_mode: str) -> int:
+    """Ranks a parameter is sharded over: all of them (full_shard) or the node (hybrid_shard)."""
+    if fsdp_mode == "full_shard":
+        return world_size
+    if fsdp_mode == "hybrid_shard":
+        return min(node_size, world_size)
+    raise ValueError(f"parallel.fsdp_mode={fsdp_mode!r} is invalid; choose full_shard or hybrid_shard.")
+
+
+def training_memory(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    seq_len: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    world_size: int,
+    node_size: int,
+    fsdp_mode: str = "full_shard",
+    activation_checkpointing: str = "none",
+    ac_every_k: int = 2,
+    micro_batch_size: int = 1,
+    loss_chunk_size: int = 4096,
+    overhead_frac: float = 0.08,
+    offload: bool = False,
+) -> MemoryBreakdown:
+    """Peak bytes per rank. ``offload`` moves the sharded states to host memory (FSDP2 CPU offload)."""
+    U, R = ulysses_degree, ring_degree
+    s = seq_len / (U * R) * micro_batch_size  # local tokens
+    h, d, H = model.hidden_size, model.head_dim, model.num_heads
+    kv = max(model.num_kv_heads, U)
+
+    states = (
+        0.0
+        if offload
+        else model.num_params * STATE_BYTES_PER_PARAM / shard_degree(world_size, node_size, fsdp_mode)
+    )
+    # Current layer and the prefetched one in bf16, plus one fp32 unsharded gradient waiting for reduction.
+    unit = max(model.layer_params, model.embedding_params, model.head_params)
+    gathered = 0.0 if world_size == 1 else unit * (2 * ACT_BYTES + 4)
+
+    per_layer = activation_elems_per_token_layer(model, U) * s * ACT_BYTES
+    n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
+    kept = (model.num_layers - n_ckpt) * per_layer + n_ckpt * h * s * ACT_BYTES
+    recompute = per_layer if n_ckpt else 0.0
+    activations = kept + recompute
+
+    qkv = s * (H + 2 * kv) * d * ACT_BYTES
+    workspace = qkv  # dq, dk, dv of the layer in backward
+    if U > 1:
+        workspace += qkv  # all-to-all send and receive buffers live together
+    if R > 1:
+        block = kv_block_bytes(model, seq_len, U, R) * micro_batch_size
+        # K/V current + next (bf16), dK/dV current + next (fp32), fp32 output / dq accumulator.
+        workspace += 2 * block + 2 * 2 * block + s * H * d * 4
+
+    chunk = min(loss_chunk_size, s)
+    loss = chunk * model.vocab_size * (4 + 4) + 2 * s * h * ACT_BYTES  # fp32 logits + grad; final norm in/out
+
+    subtotal = states + gathered + activations + workspace + loss
+    overhead = overhead_frac * subtotal + device.reserved_gib * GIB
+    return MemoryBreakdown(states, gathered, activations, workspace, loss, overhead)

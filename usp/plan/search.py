@@ -1,0 +1,446 @@
+"""Enumerate the layouts a cluster allows, predict memory and step time for each, rank the ones that fit.
+
+A candidate is (ulysses_degree, ring_degree, dp_degree, fsdp_mode, activation_checkpointing). The layout rules
+(Ulysses inside a node, degrees dividing the world, zigzag's sequence multiple ``2 x ring x ulysses``) come
+from :class:`usp.parallel.ParallelDims` and :func:`usp.parallel.sequence_multiple`; the head split rule from
+:meth:`ModelSpec.ulysses_split_error`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from usp.parallel.mesh import ParallelDims, sequence_multiple
+from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
+from usp.plan.compute import compute_time, model_flops_per_token
+from usp.plan.hardware import GIB, DeviceSpec
+from usp.plan.memory import checkpointed_layers, training_memory
+from usp.plan.models import ModelSpec
+
+TIE_TOLERANCE = 0.02
+AC_CANDIDATES: tuple[tuple[str, int], ...] = (("none", 2), ("every_k", 2), ("full", 2))
+
+
+@dataclass
+class LayoutEstimate:
+    """One layout and what the cost model predicts for it (per rank, per optimizer step)."""
+
+    ulysses_degree: int
+    ring_degree: int
+    dp_degree: int
+    fsdp_mode: str
+    activation_checkpointing: str
+    ac_every_k: int
+    global_batch: int
+    grad_accum_steps: int
+    mem_gib_per_gpu: float
+    fits: bool
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    memory_gib: dict[str, float] = field(default_factory=dict)
+    time_s: dict[str, float] = field(default_factory=dict)
+
+    def overrides(self) -> list[str]:
+        """Hydra overrides that select this layout in ``usp-train``."""
+        out = [
+            f"parallel.ulysses_degree={self.ulysses_degree}",
+            f"parallel.ring_degree={self.ring_degree}",
+            f"parallel.dp_degree={self.dp_degree}",
+            f"parallel.fsdp_mode={self.fsdp_mode}",
+            f"parallel.activation_checkpointing={self.activation_checkpointing}",
+        ]
+        if self.activation_checkpointing == "every_k":
+            out.append(f"parallel.ac_every_k={self.ac_every_k}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ulysses_degree": self.ulysses_degree,
+            "ring_degree": self.ring_degree,
+            "dp_degree": self.dp_degree,
+            "fsdp_mode": self.fsdp_mode,
+            "activation_checkpointing": self.activation_checkpointing,
+            "ac_every_k": self.ac_every_k,
+            "global_batch": self.global_batch,
+            "grad_accum_steps": self.grad_accum_steps,
+            "mem_gib_per_gpu": round(self.mem_gib_per_gpu, 3),
+            "fits": self.fits,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": round(self.mfu, 4),
+            "memory_gib": {k: round(v, 3) for k, v in self.memory_gib.items()},
+            "time_s": self.time_s,
+            "overrides": self.overrides(),
+        }
+
+
+class NoFeasibleLayoutError(ValueError):
+    """No layout fits; the message says why and what would (more GPUs, shorter sequence, offload...)."""
+
+
+def evaluate_layout(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    seq_len: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    world_size: int,
+    node_size: int,
+    fsdp_mode: str = "full_shard",
+    activation_checkpointing: str = "none",
+    ac_every_k: int = 2,
+    global_batch: int | None = None,
+    ring_layout: str = "zigzag",
+    loss_chunk_size: int = 4096,
+    overhead_frac: float = 0.08,
+    offload: bool = False,
+) -> LayoutEstimate:
+    """Memory and time of one (already validated) layout. ``global_batch`` in sequences; default one per dp rank."""
+    U, R = ulysses_degree, ring_degree
+    assert world_size % (U * R) == 0, "evaluate_layout needs degrees that divide the world"
+    D = world_size // (U * R)
+    batch = D if global_batch is None else global_batch
+    assert batch % D == 0, "global batch must split evenly over dp ranks"
+    accum = batch // D
+    mem = training_memory(
+        model,
+        device,
+        seq_len=seq_len,
+        ulysses_degree=U,
+        ring_degree=R,
+        world_size=world_size,
+        node_size=node_size,
+        fsdp_mode=fsdp_mode,
+        activation_checkpointing=activation_checkpointing,
+        ac_every_k=ac_every_k,
+        loss_chunk_size=loss_chunk_size,
+        overhead_frac=overhead_frac,
+        offload=offload,
+    )
+    n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
+    comp = compute_time(
+        model,
+        device,
+        seq_len=seq_len,
+        ulysses_degree=U,
+        ring_degree=R,
+        ring_layout=ring_layout,
+        recompute_layers=n_ckpt,
+    )
+    uly = ulysses_comm(model, device, seq_len=seq_len, ulysses_degree=U, ring_degree=R)
+    ring = ring_comm(
+        model,
+        device,
+        seq_len=seq_len,
+        ulysses_degree=U,
+        ring_degree=R,
+        node_size=node_size,
+        attention_s=comp["attention_s"],
+    )
+    fsdp = fsdp_comm(model, device, world_size=world_size, node_size=node_size, fsdp_mode=fsdp_mode)
+    busy = comp["dense_s"] + comp["attention_s"]
+    fsdp_exposed = max(0.0, fsdp["fsdp_s"] - busy)  # all-gathers prefetch behind the previous layer's compute
+    micro = busy + comp["overhead_s"] + uly["ulysses_s"] + ring["ring_exposed_s"] + fsdp_exposed
+    step = micro * accum
+    tokens_per_gpu = batch * seq_len / step / world_size
+    mfu = model_flops_per_token(model, seq_len) * tokens_per_gpu / device.peak_flops
+    times = {
+        "dense_s": comp["dense_s"] * accum,
+        "attention_s": comp["attention_s"] * accum,
+        "overhead_s": comp["overhead_s"] * accum,
+        "ulysses_s": uly["ulysses_s"] * accum,
+        "ring_exposed_s": ring["ring_exposed_s"] * accum,
+        "fsdp_exposed_s": fsdp_exposed * accum,
+        "ring_step_comm_s": ring["ring_step_comm_s"],
+        "ring_block_gb": kv_block_bytes(model, seq_len, U, R) / 1e9 if R > 1 else 0.0,
+    }
+    return LayoutEstimate(
+        ulysses_degree=U,
+        ring_degree=R,
+        dp_degree=D,
+        fsdp_mode=fsdp_mode,
+        activation_checkpointing=activation_checkpointing,
+        ac_every_k=ac_every_k,
+        global_batch=batch,
+        grad_accum_steps=accum,
+        mem_gib_per_gpu=mem.total_gib,
+        fits=mem.total <= device.memory_bytes,
+        step_time_s=step,
+        tokens_per_s_per_gpu=tokens_per_gpu,
+        mfu=mfu,
+        memory_gib=mem.as_gib(),
+        time_s=times,
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    seq_len: int,
+    world_size: int,
+    node_size: int,
+    global_batch: int | None = None,
+    ring_layout: str = "zigzag",
+    ulysses_degree: int | None = None,
+    ring_degree: int | None = None,
+    ac_modes: tuple[str, ...] | None = None,
+    offload: bool = False,
+    loss_chunk_size: int = 4096,
+    overhead_frac: float = 0.08,
+) -> tuple[list[LayoutEstimate], list[str]]:
+    """Every valid candidate, fitting or not, and the reasons the others were rejected before costing."""
+    rejected: list[str] = []
+    out: list[LayoutEstimate] = []
+    nodes = world_size // node_size
+    fsdp_modes = ("full_shard", "hybrid_shard") if nodes > 1 else ("full_shard",)
+    acs = [(m, k) for m, k in AC_CANDIDATES if ac_modes is None or m in ac_modes]
+    for U in _divisors(world_size) if ulysses_degree is None else [ulysses_degree]:
+        for R in _divisors(world_size // U) if ring_degree is None else [ring_degree]:
+            tag = f"ulysses={U} ring={R}"
+            try:
+                dims = ParallelDims(
+                    world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size
+                )
+            except ValueError as e:
+                rejected.append(f"{tag}: {e}")
+                continue
+            why = model.ulysses_split_error(U)
+            if why:
+                rejected.append(f"{tag}: {why}")
+                continue
+            m = sequence_multiple(R, U, ring_layout)
+            if seq_len % m:
+                rejected.append(f"{tag}: seq_len={seq_len} is not a multiple of {m} ({ring_layout} layout)")
+                continue
+            if global_batch is not None and global_batch % dims.dp_degree:
+                rejected.append(
+                    f"{tag}: global batch {global_batch} does not split over dp_degree={dims.dp_degree}"
+                )
+                continue
+            for fsdp_mode in fsdp_modes:
+                for ac, k in acs:
+                    out.append(
+                        evaluate_layout(
+                            model,
+                            device,
+                            seq_len=seq_len,
+                            ulysses_degree=U,
+                            ring_degree=R,
+                            world_size=world_size,
+                            node_size=node_size,
+                            fsdp_mode=fsdp_mode,
+                            activation_checkpointing=ac,
+                            ac_every_k=k,
+                            global_batch=global_batch,
+                            ring_layout=ring_layout,
+                            loss_chunk_size=loss_chunk_size,
+                            overhead_frac=overhead_frac,
+                            offload=offload,
+                        )
+                    )
+    return out, rejected
+
+
+def _check_cluster(seq_len: int, world_size: int, node_size: int, global_batch: int | None) -> None:
+    if seq_len < 1:
+        raise ValueError(f"--seq-len={seq_len} must be >= 1.")
+    if world_size < 1 or node_size < 1:
+        raise ValueError(
+            f"--nodes and --gpus-per-node must be >= 1 (got world {world_size}, node {node_size})."
+        )
+    if world_size % node_size:
+        raise ValueError(f"world size {world_size} is not a multiple of the node size {node_size}.")
+    if global_batch is not None and global_batch < 1:
+        raise ValueError(f"--global-batch={global_batch} must be >= 1 (sequences per optimizer step).")
+
+
+def rank_layouts(layouts: list[LayoutEstimate], tie_tolerance: float = TIE_TOLERANCE) -> list[LayoutEstimate]:
+    """Fastest first; layouts within ``tie_tolerance`` of each other's throughput band rank by memory (less is
+    better: headroom against the model's own error)."""
+    if not layouts:
+        return []
+    best = max(c.tokens_per_s_per_gpu for c in layouts)
+
+    def key(c: LayoutEstimate) -> tuple[int, float, float]:
+        band = int((best - c.tokens_per_s_per_gpu) / (tie_tolerance * best))
+        return (band, c.mem_gib_per_gpu, -c.tokens_per_s_per_gpu)
+
+    return sorted(layouts, key=key)
+
+
+def plan_layouts(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    seq_len: int,
+    world_size: int,
+    node_size: int,
+    global_batch: int | None = None,
+    ring_layout: str = "zigzag",
+    ulysses_degree: int | None = None,
+    ring_degree: int | None = None,
+    ac_modes: tuple[str, ...] | None = None,
+    loss_chunk_size: int = 4096,
+    overhead_frac: float = 0.08,
+) -> list[LayoutEstimate]:
+    """Layouts that fit, fastest first (:func:`rank_layouts`: within 2% throughput, less memory first).
+
+    Raises :class:`NoFeasibleLayoutError` (a ``ValueError``) saying why nothing fits and what would.
+    """
+    _check_cluster(seq_len, world_size, node_size, global_batch)
+    for name, value in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
+        if value is not None and (value < 1 or world_size % value):
+            raise ValueError(f"--{name.replace('_', '-')}={value} must divide the world size {world_size}.")
+    kw: dict[str, Any] = dict(
+        seq_len=seq_len,
+        world_size=world_size,
+        node_size=node_size,
+        global_batch=global_batch,
+        ring_layout=ring_layout,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        ac_modes=ac_modes,
+        loss_chunk_size=loss_chunk_size,
+        overhead_frac=overhead_frac,
+    )
+    candidates, rejected = enumerate_layouts(model, device, **kw)
+    fitting = [c for c in candidates if c.fits]
+    if fitting:
+        return rank_layouts(fitting)
+    raise NoFeasibleLayoutError(_explain(model, device, candidates, rejected, kw))
+
+
+def _fits(model: ModelSpec, device: DeviceSpec, **kw: Any) -> LayoutEstimate | None:
+    try:
+        candidates, _ = enumerate_layouts(model, device, **kw)
+    except ValueError:
+        return None
+    fitting = [c for c in candidates if c.fits]
+    return min(fitting, key=lambda c: c.mem_gib_per_gpu) if fitting else None
+
+
+def _explain(
+    model: ModelSpec,
+    device: DeviceSpec,
+    candidates: list[LayoutEstimate],
+    rejected: list[str],
+    kw: dict[str, Any],
+) -> str:
+    W, node, S = kw["world_size"], kw["node_size"], kw["seq_len"]
+    lines = [
+        f"no layout of {model.name} at seq_len={S} fits {W} x {device.name} ({device.memory_gib:g} GiB each)."
+    ]
+    if not candidates:
+        lines.append("Every (ulysses, ring) pair was rejected:")
+        lines += [f"  - {r}" for r in rejected[:12]]
+        lines.append(
+            "Fix: pick degrees from the valid splits above, or a seq_len that is a multiple of "
+            "2 x ring x ulysses."
+        )
+        return "\n".join(lines)
+    best = min(candidates, key=lambda c: c.mem_gib_per_gpu)
+    lines.append(
+        f"Smallest need: {best.mem_gib_per_gpu:.1f} GiB/GPU (ulysses={best.ulysses_degree} ring={best.ring_degree} "
+        f"{best.fsdp_mode}, checkpointing {best.activation_checkpointing}); breakdown GiB: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in best.memory_gib.items())
+    )
+    lines.append("What would fit:")
+    n_header = len(lines)
+    for factor in (2, 4, 8, 16, 32, 64):
+        hit = _fits(
+            model, device, **(kw | {"world_size": W * factor, "ulysses_degree": None, "ring_degree": None})
+        )
+        if hit:
+            lines.append(
+                f"  - more GPUs: {W * factor // node} nodes of {node} ({W * factor} GPUs), e.g. "
+                f"ulysses={hit.ulysses_degree} ring={hit.ring_degree} at {hit.mem_gib_per_gpu:.1f} GiB"
+            )
+            break
+    seq = S // 2
+    while seq >= 1024:
+        hit = _fits(model, device, **(kw | {"seq_len": seq}))
+        if hit:
+            lines.append(
+                f"  - a shorter sequence: trainer.seq_len={seq} fits ({hit.mem_gib_per_gpu:.1f} GiB)"
+            )
+            break
+        seq //= 2
+    if kw["ac_modes"] is not None and "full" not in kw["ac_modes"]:
+        hit = _fits(model, device, **(kw | {"ac_modes": ("full",)}))
+        if hit:
+            lines.append(
+                f"  - activation checkpointing: parallel.activation_checkpointing=full "
+                f"({hit.mem_gib_per_gpu:.1f} GiB)"
+            )
+    hit = _fits(model, device, **(kw | {"offload": True}))
+    if hit:
+        lines.append(
+            f"  - offload: FSDP CPU offload of parameters, gradients and optimizer states "
+            f"({hit.mem_gib_per_gpu:.1f} GiB/GPU on device)"
+        )
+    if len(lines) == n_header:
+        lines.append("  - nothing within 64x the GPUs or down to 1K tokens; use a device with more memory.")
+    if kw["ac_modes"] is None:
+        lines.append("(Full activation checkpointing was already tried in every layout above.)")
+    return "\n".join(lines)
+
+
+def auto_degrees(
+    model_config: dict[str, Any],
+    *,
+    seq_len: int,
+    world_size: int,
+    node_size: int,
+    gpu: str | None = None,
+    memory_gib: float | None = None,
+) -> dict[str, Any]:
+    """The planner's choice for ``parallel.ulysses_degree=auto parallel.ring_degree=auto``.
+
+    ``model_config`` is an HF config dict; ``gpu`` a name from :data:`usp.plan.hardware.GPUS` (default
+    ``h100-80g``; ``cpu`` for CPU runs); ``memory_gib`` overrides the device memory. Returns
+    ``{"ulysses_degree", "ring_degree", "dp_degree", "fsdp_mode", "activation_checkpointing", "reason"}``
+    (plus ``ac_every_k`` when checkpointing is ``every_k``). Raises ``ValueError`` when nothing fits.
+    """
+    from usp.plan.hardware import get_device
+    from usp.plan.models import load_model_spec
+
+    model = load_model_spec(model_config)
+    device = get_device(gpu or "h100-80g", memory_gib=memory_gib)
+    node = min(node_size, world_size)
+    layouts = plan_layouts(model, device, seq_len=seq_len, world_size=world_size, node_size=node)
+    best = layouts[0]
+    reason = (
+        f"fastest of {len(layouts)} layouts that fit {device.name} ({device.memory_gib:g} GiB) at seq_len={seq_len} "
+        f"on {world_size} ranks ({node} per node): predicted {best.mem_gib_per_gpu:.2f} GiB/rank, "
+        f"{best.step_time_s:.3g} s/step, {best.tokens_per_s_per_gpu:.4g} tokens/s/rank"
+    )
+    out: dict[str, Any] = {
+        "ulysses_degree": best.ulysses_degree,
+        "ring_degree": best.ring_degree,
+        "dp_degree": best.dp_degree,
+        "fsdp_mode": best.fsdp_mode,
+        "activation_checkpointing": best.activation_checkpointing,
+        "reason": reason,
+    }
+    if best.activation_checkpointing == "every_k":
+        out["ac_every_k"] = best.ac_every_k
+    return out
+
+
+__all__ = [
+    "GIB",
+    "LayoutEstimate",
+    "NoFeasibleLayoutError",
+    "auto_degrees",
+    "enumerate_layouts",
+    "evaluate_layout",
+    "plan_layouts",
+]
