@@ -1,0 +1,155 @@
+"""The training entry point: ``python -m usp.train`` / ``usp-train``, a Hydra app composing ``conf/train.yaml``.
+
+    torchrun --standalone --nproc-per-node 4 -m usp.train recipe=tiny hydra.run.dir=outputs/demo
+
+Hydra stays here. The composed config becomes a typed :class:`usp.config.TrainConfig` once
+(``OmegaConf.to_object`` over the ``train_schema`` stored in Hydra's ConfigStore), is checked once (enum
+fields, then the degrees against the launched ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` and ``seq_len`` against
+the sequence layout), and only then is :func:`usp.train.trainer.run` called with it. Nothing below reads Hydra
+or the environment for settings.
+
+Every rank composes the same config; only rank 0 (``RANK`` from the launcher) writes Hydra's ``.hydra/``
+files and its log, and every rank gets the same absolute ``run_dir`` (``hydra.run.dir``, where
+``metrics.jsonl`` and checkpoints go).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from usp.config import TrainConfig, validate_choices, validate_layout
+
+CONF_DIR: Path = Path(__file__).resolve().parents[2] / "conf"
+"""The config groups (a source checkout; ``conf/recipe`` links to the top-level ``recipes/``)."""
+CONFIG_NAME = "train"
+_MISSING_HINTS: dict[str, str] = {
+    "model.path": "model.path=/ckpt/Llama-3.1-8B (a local Hugging Face checkpoint dir: config.json, "
+    "*.safetensors, tokenizer files)",
+}
+VERSION_BASE = "1.3"
+
+
+def _run_id() -> str:
+    """A run-dir name every rank computes identically: the SLURM job id, else torchrun's rendezvous id."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    rdzv = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if rdzv and rdzv != "none":
+        return f"torchrun-{rdzv}"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "cannot pick a run dir that every rank agrees on (no SLURM_JOB_ID, and torchrun was started "
+            "without --rdzv-id): set hydra.run.dir=/shared/path/run-name on the command line."
+        )
+    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def register_configs() -> None:
+    """Store the typed schema in Hydra's ConfigStore and register the run-id resolver (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    if not OmegaConf.has_resolver("usp_run_id"):
+        OmegaConf.register_new_resolver("usp_run_id", _run_id)
+
+
+def check_conf_dir() -> None:
+    if not (CONF_DIR / f"{CONFIG_NAME}.yaml").is_file():
+        raise FileNotFoundError(
+            f"usp's config groups are not at {CONF_DIR}: usp-train runs from a source checkout "
+            "(pip install -e .), where conf/ and recipes/ sit next to the usp package."
+        )
+
+
+def to_train_config(cfg: DictConfig, *, run_dir: str | None = None) -> TrainConfig:
+    """The composed DictConfig -> a validated :class:`TrainConfig` (the one conversion of a run).
+
+    ``run_dir`` (absolute) is set first, so ``${run_dir}`` interpolations in the groups resolve to it.
+    Raises ``ValueError`` naming the setting and the valid values for a bad enum field or a missing path.
+    """
+    cfg = cfg.copy()
+    if run_dir is not None:
+        cfg.run_dir = str(Path(run_dir).resolve())
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ValueError(
+            "these settings have no value (??? in the config): "
+            + "; ".join(_MISSING_HINTS.get(key, f"{key}=...") for key in missing)
+        )
+    schema = OmegaConf.structured(TrainConfig)
+    typed = OmegaConf.merge(schema, cfg)  # no-op when cfg already carries the schema; types it otherwise
+    obj = OmegaConf.to_object(typed)
+    assert isinstance(obj, TrainConfig), type(obj)
+    validate_choices(obj)
+    return obj
+
+
+def compose_config(overrides: Sequence[str] = (), *, run_dir: str | None = None) -> TrainConfig:
+    """Compose ``conf/train.yaml`` with Hydra overrides (``["recipe=tiny", "trainer.max_steps=5"]``) and
+    return the validated :class:`TrainConfig`, without launching anything (tests, ``usp-plan``, tools).
+
+    The degrees are not checked against a world size here: call :func:`usp.config.validate_layout` for that.
+    Unknown recipes or group options raise Hydra's ``MissingConfigException`` listing the valid options.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    check_conf_dir()
+    register_configs()
+    if GlobalHydra.instance().is_initialized():  # e.g. called from inside a running Hydra app
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=VERSION_BASE, job_name="usp"):
+        cfg = compose(config_name=CONFIG_NAME, overrides=list(overrides))
+    return to_train_config(cfg, run_dir=run_dir)
+
+
+def launched_world(env: Mapping[str, str] | None = None) -> tuple[int, int | None]:
+    """``(WORLD_SIZE, LOCAL_WORLD_SIZE)`` as the launcher set them; ``(1, None)`` without a launcher."""
+    env = os.environ if env is None else env
+    local = env.get("LOCAL_WORLD_SIZE")
+    return int(env.get("WORLD_SIZE", "1")), (int(local) if local else None)
+
+
+def _task(dcfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = to_train_config(dcfg, run_dir=HydraConfig.get().runtime.output_dir)
+        world_size, local_world_size = launched_world()
+        validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
+    except ValueError as err:
+        if rank == 0:
+            print(f"usp-train: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    from usp.train.trainer import run  # lazy: composing and validating need no torch/transformers
+
+    run(cfg)
+
+
+def _rank_overrides(rank: int) -> list[str]:
+    """Overrides added on ranks > 0: no ``.hydra/`` output files, no Hydra log handlers (rank 0 logs)."""
+    if rank == 0:
+        return []
+    return ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+def main() -> None:
+    """Console script ``usp-train``: parse Hydra overrides from ``sys.argv`` and train."""
+    import hydra
+
+    check_conf_dir()
+    register_configs()
+    sys.argv.extend(_rank_overrides(int(os.environ.get("RANK", "0"))))
+    app = hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=CONFIG_NAME)(_task)
+    app()
+
+
+if __name__ == "__main__":
+    main()
