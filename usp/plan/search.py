@@ -364,15 +364,21 @@ def _explain(
                 f"ulysses={hit.ulysses_degree} ring={hit.ring_degree} at {hit.mem_gib_per_gpu:.1f} GiB"
             )
             break
-    seq = S // 2
-    while seq >= 1024:
-        hit = _fits(model, device, **(kw | {"seq_len": seq}))
-        if hit:
-            lines.append(
-                f"  - a shorter sequence: trainer.seq_len={seq} fits ({hit.mem_gib_per_gpu:.1f} GiB)"
-            )
-            break
-        seq //= 2
+
+    def longest_fitting(**extra: Any) -> tuple[int, LayoutEstimate] | None:
+        seq = S // 2
+        while seq >= 1024:
+            hit = _fits(model, device, **(kw | {"seq_len": seq} | extra))
+            if hit:
+                return seq, hit
+            seq //= 2
+        return None
+
+    shorter = longest_fitting()
+    if shorter:
+        lines.append(
+            f"  - a shorter sequence: trainer.seq_len={shorter[0]} fits ({shorter[1].mem_gib_per_gpu:.1f} GiB)"
+        )
     if kw["ac_modes"] is not None and "full" not in kw["ac_modes"]:
         hit = _fits(model, device, **(kw | {"ac_modes": ("full",)}))
         if hit:
@@ -380,12 +386,17 @@ def _explain(
                 f"  - activation checkpointing: parallel.activation_checkpointing=full "
                 f"({hit.mem_gib_per_gpu:.1f} GiB)"
             )
+    offload = "FSDP CPU offload of parameters, gradients and optimizer states"
     hit = _fits(model, device, **(kw | {"offload": True}))
     if hit:
-        lines.append(
-            f"  - offload: FSDP CPU offload of parameters, gradients and optimizer states "
-            f"({hit.mem_gib_per_gpu:.1f} GiB/GPU on device)"
-        )
+        lines.append(f"  - offload: {offload} ({hit.mem_gib_per_gpu:.1f} GiB/GPU on device)")
+    elif not shorter:
+        both = longest_fitting(offload=True)
+        if both:
+            lines.append(
+                f"  - offload and a shorter sequence: {offload} with trainer.seq_len={both[0]} "
+                f"({both[1].mem_gib_per_gpu:.1f} GiB/GPU on device)"
+            )
     if len(lines) == n_header:
         lines.append("  - nothing within 64x the GPUs or down to 1K tokens; use a device with more memory.")
     if kw["ac_modes"] is None:

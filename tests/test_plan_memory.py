@@ -1,0 +1,106 @@
+"""Memory per GPU for Llama-3.1-8B, derived term by term by hand, and the model's monotonic sanity."""
+
+from __future__ import annotations
+
+import pytest
+
+from usp.plan.hardware import GIB, GPUS
+from usp.plan.memory import training_memory
+from usp.plan.models import load_model_spec
+from usp.plan.search import enumerate_layouts
+
+LLAMA8 = load_model_spec("llama-3.1-8b")
+H100 = GPUS["h100-80g"]
+
+
+def test_llama31_8b_parameter_count():
+    embed = 128256 * 4096  # 525,336,576 (and as many again for the untied LM head)
+    layer = 4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336 + 2 * 4096  # q,o + k,v + MLP + norms
+    assert layer == 218_112_000
+    assert LLAMA8.num_params == 2 * embed + 32 * layer + 4096 == 8_030_261_248
+
+
+def test_llama31_8b_1m_tokens_32_gpus_ulysses8_ring4_full_checkpointing():
+    S, W = 2**20, 32
+    mem = training_memory(
+        LLAMA8, H100, seq_len=S, ulysses_degree=8, ring_degree=4, world_size=W, node_size=8,
+        fsdp_mode="full_shard", activation_checkpointing="full", loss_chunk_size=4096, overhead_frac=0.0,
+    )  # fmt: skip
+    s = S // W  # 32,768 local tokens
+    # fp32 param + fp32 grad + Adam m, v = 16 B/param, sharded over all 32 ranks
+    assert mem.sharded_states == 16 * 8_030_261_248 / 32 == 4_015_130_624
+    # largest FSDP unit is the embedding (525M): 2 x bf16 (current + prefetch) + 1 x fp32 grad = 8 B/param
+    assert mem.gathered_params == 525_336_576 * 8
+    # one layer's saved activations per token (bf16 elements): 4h = 16384; q,k,v after all-to-all with
+    # 8 KV heads: (32 + 16) x 128 = 6144; attention out + o_proj input 2 x 4096; lse 2 x 32; MLP 4 x 14336
+    per_token_layer = 16384 + 6144 + 8192 + 64 + 57344
+    one_layer = per_token_layer * s * 2
+    # full checkpointing: 32 layer inputs (4096 x 2 B per token) + one layer recomputed at a time
+    assert mem.activations == 32 * 4096 * s * 2 + one_layer == 14_365_491_200
+    # dq,dk,dv + all-to-all buffers: 2 x 32768 x 48 heads x 128 x 2 B; ring: K,V block of 262,144 tokens x 1 KV
+    # head per rank x 128 x 2 (K,V) x 2 B = 128 MiB, 2 in bf16 + 2 fp32 dK/dV (= 6 blocks), fp32 out accumulator
+    block = 262_144 * 1 * 128 * 2 * 2
+    assert mem.attention_workspace == 2 * s * 48 * 128 * 2 + 6 * block + s * 32 * 128 * 4 == 2 * GIB
+    # chunked loss: 4096 tokens x 128,256 vocab x (fp32 logits + fp32 grad), final norm in/out in bf16
+    assert mem.loss_buffer == 4096 * 128256 * 8 + 2 * s * 4096 * 2
+    assert mem.overhead == 1 * GIB  # CUDA context; no margin asked
+    # 4,015,130,624 + 4,202,692,608 + 14,365,491,200 + 2,147,483,648 + 4,739,563,520 + 1,073,741,824
+    assert mem.total == 30_544_103_424
+    assert mem.total_gib == pytest.approx(28.45, abs=0.005)
+
+
+def test_no_checkpointing_keeps_every_layer():
+    S = 2**17
+    kw = dict(seq_len=S, ulysses_degree=8, ring_degree=1, world_size=8, node_size=8, overhead_frac=0.0)
+    none = training_memory(LLAMA8, H100, activation_checkpointing="none", **kw)
+    every2 = training_memory(LLAMA8, H100, activation_checkpointing="every_k", ac_every_k=2, **kw)
+    s = S // 8
+    one_layer = (16384 + 6144 + 8192 + 64 + 57344) * s * 2
+    assert none.activations == 32 * one_layer
+    # 16 layers keep everything, 16 keep their input, plus one recomputed layer
+    assert every2.activations == 16 * one_layer + 16 * 4096 * s * 2 + one_layer
+
+
+def _min_mem(world: int, seq_len: int) -> float:
+    layouts, _ = enumerate_layouts(LLAMA8, H100, seq_len=seq_len, world_size=world, node_size=8)
+    return min(e.mem_gib_per_gpu for e in layouts)
+
+
+def test_more_gpus_never_predict_more_memory_per_gpu():
+    S = 2**18
+    by_world = {
+        w: enumerate_layouts(LLAMA8, H100, seq_len=S, world_size=w, node_size=8)[0] for w in (8, 16, 32, 64)
+    }
+    mins = [min(e.mem_gib_per_gpu for e in by_world[w]) for w in sorted(by_world)]
+    assert mins == sorted(mins, reverse=True) and mins[0] > mins[-1]
+    # layout by layout: doubling the world through dp or through the ring never adds memory per GPU
+    for w in (8, 16, 32):
+        bigger = {
+            (
+                e.ulysses_degree,
+                e.ring_degree,
+                e.dp_degree,
+                e.fsdp_mode,
+                e.activation_checkpointing,
+            ): e.mem_gib_per_gpu
+            for e in by_world[2 * w]
+        }
+        for e in by_world[w]:
+            for key in (
+                (e.ulysses_degree, e.ring_degree, 2 * e.dp_degree, e.fsdp_mode, e.activation_checkpointing),
+                (e.ulysses_degree, 2 * e.ring_degree, e.dp_degree, e.fsdp_mode, e.activation_checkpointing),
+            ):
+                if key in bigger:
+                    assert bigger[key] <= e.mem_gib_per_gpu + 1e-9, (w, key)
+
+
+def test_checkpointing_never_predicts_more_memory():
+    layouts, _ = enumerate_layouts(LLAMA8, H100, seq_len=2**18, world_size=16, node_size=8)
+    by_layout: dict[tuple, dict[str, float]] = {}
+    for e in layouts:
+        key = (e.ulysses_degree, e.ring_degree, e.fsdp_mode)
+        by_layout.setdefault(key, {})[e.activation_checkpointing] = e.mem_gib_per_gpu
+    assert len(by_layout) > 5
+    for key, m in by_layout.items():
+        assert m["full"] <= m["every_k"] <= m["none"], key
+        assert m["full"] < m["none"], key

@@ -1,0 +1,224 @@
+"""Layout search, ``auto_degrees``, the ``usp-plan`` command line and its answers to impossible requests."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from usp.config import ParallelConfig
+from usp.parallel import ParallelDims, sequence_multiple
+from usp.plan import NoFeasibleLayoutError, auto_degrees, get_device, load_model_spec, plan_layouts
+from usp.plan.cli import main, parse_seq_len
+
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+}
+
+
+def test_parse_seq_len():
+    assert parse_seq_len("1M") == 1_048_576
+    assert parse_seq_len("128K") == 131_072 == parse_seq_len("131072") == parse_seq_len("128k")
+    with pytest.raises(Exception, match="seq-len"):
+        parse_seq_len("lots")
+
+
+def test_ranked_layouts_are_valid_and_fit():
+    model, device = load_model_spec("llama-3.1-8b"), get_device("h100-80g")
+    layouts = plan_layouts(model, device, seq_len=2**20, world_size=32, node_size=8)
+    assert layouts
+    for e in layouts:
+        assert e.fits and e.mem_gib_per_gpu <= 80
+        dims = ParallelDims(32, e.ulysses_degree, e.ring_degree, e.dp_degree, node_size=8)
+        assert e.ulysses_degree <= 8 and dims.sp_degree * e.dp_degree == 32
+        assert 2**20 % sequence_multiple(e.ring_degree, e.ulysses_degree, "zigzag") == 0
+        assert 32 % e.ulysses_degree == 0 and e.mfu < 1
+        # tokens/s/GPU and step time agree: one sequence of 2^20 tokens per dp rank per step
+        assert e.tokens_per_s_per_gpu * e.step_time_s * 32 == pytest.approx(e.dp_degree * 2**20)
+    # the first is within 2% of the fastest, and no fitting layout beats it by more
+    fastest = max(e.tokens_per_s_per_gpu for e in layouts)
+    assert layouts[0].tokens_per_s_per_gpu >= 0.98 * fastest
+
+
+def test_overrides_name_real_config_fields():
+    layouts = plan_layouts(
+        load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**17, world_size=8, node_size=8
+    )
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    for e in layouts:
+        for item in e.overrides():
+            key, value = item.split("=")
+            section, name = key.split(".")
+            assert section == "parallel" and name in fields
+            assert value != ""
+
+
+def test_auto_degrees_tiny_cpu_model():
+    out = auto_degrees(TINY, seq_len=256, world_size=4, node_size=4, gpu="cpu")
+    assert set(out) >= {
+        "ulysses_degree",
+        "ring_degree",
+        "dp_degree",
+        "fsdp_mode",
+        "activation_checkpointing",
+        "reason",
+    }
+    dims = ParallelDims(4, out["ulysses_degree"], out["ring_degree"], out["dp_degree"], node_size=4)
+    assert dims.world_size == 4
+    assert 256 % sequence_multiple(out["ring_degree"], out["ulysses_degree"], "zigzag") == 0
+    assert out["fsdp_mode"] in ("full_shard", "hybrid_shard")
+    assert out["activation_checkpointing"] in ("none", "full", "every_k")
+    assert "fastest" in out["reason"]
+
+
+def test_auto_degrees_memory_limit_forces_checkpointing():
+    # Llama-3.1-8B on 8 GPUs: 32K tokens leave room to keep every activation (none is fastest); at 256K with
+    # 48 GiB only full checkpointing fits (41 GiB; every other layer would need ~100 GiB)
+    cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "intermediate_size": 14336, "vocab_size": 128256}  # fmt: skip
+    roomy = auto_degrees(cfg, seq_len=2**15, world_size=8, node_size=8, gpu="h100-80g")
+    tight = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=48)
+    assert roomy["activation_checkpointing"] == "none"
+    assert tight["activation_checkpointing"] == "full"
+    with pytest.raises(ValueError, match="offload"):
+        auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=30)
+
+
+def test_no_layout_fits_says_why_and_what_would():
+    with pytest.raises(NoFeasibleLayoutError) as err:
+        plan_layouts(
+            load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**22, world_size=8, node_size=8
+        )
+    msg = str(err.value)
+    assert isinstance(err.value, ValueError)
+    assert "Smallest need" in msg and "more GPUs" in msg and "trainer.seq_len=" in msg
+    assert "checkpointing" in msg
+    # 70B on one node of 40 GB cards: sharded states alone overflow; offload (with a shorter sequence) fits
+    with pytest.raises(NoFeasibleLayoutError, match="offload"):
+        plan_layouts(
+            load_model_spec("llama-3-70b"), get_device("a100-40g"), seq_len=2**20, world_size=8, node_size=8
+        )
+
+
+def test_checkpointing_suggested_when_the_user_ruled_it_out():
+    with pytest.raises(NoFeasibleLayoutError, match="activation_checkpointing=full"):
+        plan_layouts(
+            load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**20, world_size=32, node_size=8,
+            ac_modes=("none",),
+        )  # fmt: skip
+
+
+def test_heads_that_cannot_split(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(
+        json.dumps(TINY | {"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768})
+    )
+    rc = main(
+        [
+            "--model",
+            str(cfg),
+            "--seq-len",
+            "64K",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "8",
+            "--ulysses-degree",
+            "8",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "num_attention_heads=12 is not divisible by ulysses_degree=8" in err
+    assert "[1, 2, 4, 12]" in err  # the degrees that would split
+    spec = load_model_spec(str(cfg))
+    assert "num_key_value_heads=4" in spec.ulysses_split_error(
+        6
+    )  # 12 query heads split by 6, 4 KV heads do not
+    assert spec.ulysses_split_error(12) is None  # KV heads replicated 3x
+
+
+def test_cli_done_when_command(capsys):
+    rc = main(
+        [
+            "--model",
+            "llama-3.1-8b",
+            "--seq-len",
+            "1M",
+            "--nodes",
+            "4",
+            "--gpus-per-node",
+            "8",
+            "--gpu",
+            "h100-80g",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "ulysses" in out and "tok/s/GPU" in out
+    overrides = out.strip().splitlines()[-1].split()
+    keys = [o.split("=")[0] for o in overrides]
+    assert keys[:5] == [
+        "parallel.ulysses_degree",
+        "parallel.ring_degree",
+        "parallel.dp_degree",
+        "parallel.fsdp_mode",
+        "parallel.activation_checkpointing",
+    ]
+    u, r, d = (int(o.split("=")[1]) for o in overrides[:3])
+    assert u * r * d == 32
+
+
+def test_cli_json_and_inference(capsys):
+    assert (
+        main(["--model", "llama-3.1-8b", "--seq-len", "128K", "--nodes", "2", "--gpu", "h200", "--json"]) == 0
+    )
+    layouts = json.loads(capsys.readouterr().out)
+    required = {
+        "ulysses_degree",
+        "ring_degree",
+        "dp_degree",
+        "mem_gib_per_gpu",
+        "step_time_s",
+        "tokens_per_s_per_gpu",
+        "mfu",
+    }
+    assert layouts and all(required <= set(x) for x in layouts)
+    assert all(x["mem_gib_per_gpu"] <= 141 for x in layouts)
+    argv = [
+        "--model",
+        "llama-3-70b",
+        "--seq-len",
+        "1000000",
+        "--nodes",
+        "1",
+        "--gpu",
+        "a100-80g",
+        "--inference",
+        "--json",
+    ]
+    assert main(argv) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert plans and all((required | {"kv_cache_gb_per_gpu"}) <= set(x) for x in plans)
+    assert {x["kv_cache_gb_per_gpu"] for x in plans} == {40.96}
+
+
+def test_cli_explicit_device_and_bad_values(capsys):
+    argv = ["--model", "llama-2-7b", "--seq-len", "32K", "--gpu-mem-gib", "48", "--peak-tflops", "180",
+            "--intra-node-gbps", "64", "--inter-node-gbps", "12.5", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)
+    assert main(["--model", "llama-2-7b", "--seq-len", "32K", "--gpu", "tpu-v9"]) == 2
+    assert "--gpu='tpu-v9' is unknown" in capsys.readouterr().err
+    assert main(["--model", "no-such-model", "--seq-len", "32K"]) == 2
+    assert "preset" in capsys.readouterr().err
+    # a global batch of 3 sequences on 8 GPUs: only dp=1 splits it, as 3 accumulation steps
+    assert main(["--model", "llama-2-7b", "--seq-len", "32K", "--global-batch", "3", "--json"]) == 0
+    layouts = json.loads(capsys.readouterr().out)
+    assert layouts and all(x["dp_degree"] == 1 and x["grad_accum_steps"] == 3 for x in layouts)
