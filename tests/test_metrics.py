@@ -1,0 +1,138 @@
+"""Metrics arithmetic checked by hand, metrics.jsonl contents, rank-0-only writing, wandb offline."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from usp.config import ClusterConfig, WandbConfig
+from usp.train.metrics import (
+    METRIC_FIELDS,
+    PEAK_TFLOPS,
+    MetricsLogger,
+    count_dense_params,
+    peak_flops_per_device,
+    training_flops,
+)
+
+DISABLED = WandbConfig(mode="disabled")
+
+
+def test_training_flops_two_documents_by_hand():
+    # one packed sequence of two documents (3 and 5 tokens) and a second sequence of one document (4 tokens)
+    # dense: 6 * 1000 params * 12 tokens = 72_000
+    # attention: 12 * L=2 * H=4 * D=8 * (9 + 25 + 16) = 768 * 50 = 38_400, halved when causal: 19_200
+    kwargs = dict(dense_params=1000, num_layers=2, num_heads=4, head_dim=8, document_lengths=[[3, 5], [4]])
+    assert training_flops(**kwargs) == 72_000 + 19_200
+    assert training_flops(**kwargs, causal=False) == 72_000 + 38_400
+
+
+def test_packing_documents_costs_less_attention_than_one_long_document():
+    common = dict(dense_params=0, num_layers=1, num_heads=1, head_dim=1)
+    # 8^2 = 64 vs 4^2 + 4^2 = 32: two 4-token documents cost half the attention of one 8-token document
+    one = training_flops(**common, document_lengths=[[8]])
+    assert one == 2 * training_flops(**common, document_lengths=[[4, 4]]) == 12 * 64 / 2
+
+
+def test_training_flops_rejects_negative_lengths():
+    with pytest.raises(ValueError, match="document lengths"):
+        training_flops(dense_params=1, num_layers=1, num_heads=1, head_dim=1, document_lengths=[[-1]])
+
+
+def test_peak_table_and_overrides():
+    assert (
+        PEAK_TFLOPS["h100-80g"] == 989.0
+        and PEAK_TFLOPS["b200"] == 2250.0
+        and PEAK_TFLOPS["a100-40g"] == 312.0
+    )
+    assert peak_flops_per_device(ClusterConfig(gpu="h200"), "cuda") == 989e12
+    assert peak_flops_per_device(ClusterConfig(gpu="h100-80g"), "cpu") == PEAK_TFLOPS["cpu"] * 1e12
+    assert peak_flops_per_device(ClusterConfig(gpu="h200", peak_tflops=500.0), "cuda") == 500e12
+    with pytest.raises(ValueError, match="cluster.gpu='tpu'.*cluster.peak_tflops"):
+        peak_flops_per_device(ClusterConfig(gpu="tpu"), "cuda")
+
+
+def test_count_dense_params_excludes_the_input_embedding_unless_tied():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=50
+    )
+    untied = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    total = sum(p.numel() for p in untied.parameters())
+    assert count_dense_params(untied) == total - 50 * 16
+    tied = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True))
+    assert count_dense_params(tied) == sum(p.numel() for p in tied.parameters())
+
+
+def _logger(run_dir, rank=0, world_size=4, peak=1e12, **kw):
+    return MetricsLogger(
+        run_dir,
+        rank=rank,
+        world_size=world_size,
+        peak_flops=peak,
+        wandb_cfg=kw.pop("wandb_cfg", DISABLED),
+        config={"trainer": {"max_steps": 2}},
+        layout={"ulysses_degree": 2, "ring_degree": 2},
+        total_steps=2,
+        progress_bar=kw.pop("progress_bar", False),
+    )
+
+
+def test_log_step_arithmetic_and_jsonl(tmp_path):
+    with _logger(tmp_path, world_size=4, peak=1e12) as log:
+        rec = log.log_step(1, loss=5.5, grad_norm=2.0, lr=1e-3, tokens=2048, flops=8e12, step_time_s=2.0)
+        log.log_step(
+            2, loss=5.0, grad_norm=1.5, lr=2e-3, tokens=2048, flops=8e12, step_time_s=4.0, extra={"x": 1}
+        )
+    assert rec["tokens_per_s"] == 1024.0 and rec["tokens_per_s_per_gpu"] == 256.0
+    assert rec["tflops_per_gpu"] == pytest.approx(1.0)  # 8e12 / 2 s / 4 GPUs
+    assert rec["mfu"] == pytest.approx(1.0)  # / peak 1e12
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    for r in lines:
+        assert set(METRIC_FIELDS) <= set(r)
+        assert all(math.isfinite(r[k]) for k in METRIC_FIELDS)
+        assert 0 < r["peak_mem_gib"] < 1024
+    assert lines[1]["mfu"] == pytest.approx(0.5) and lines[1]["x"] == 1 and lines[1]["lr"] == 2e-3
+    assert json.loads((tmp_path / "layout.json").read_text()) == {"ulysses_degree": 2, "ring_degree": 2}
+
+
+def test_resumed_run_appends(tmp_path):
+    for step in (1, 2):
+        with _logger(tmp_path) as log:
+            log.log_step(step, loss=1.0, grad_norm=1.0, lr=1.0, tokens=1, flops=1.0, step_time_s=1.0)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_only_rank0_writes(tmp_path):
+    with _logger(tmp_path, rank=1) as log:
+        rec = log.log_step(1, loss=1.0, grad_norm=1.0, lr=1.0, tokens=10, flops=1.0, step_time_s=1.0)
+    assert rec["tokens_per_s"] == 10.0  # every rank gets the numbers
+    assert not any(tmp_path.iterdir())
+
+
+def test_progress_bar_runs_on_rank0(tmp_path, capsys):
+    with _logger(tmp_path, progress_bar=True) as log:
+        log.log_step(1, loss=3.25, grad_norm=1.0, lr=1.0, tokens=10, flops=1.0, step_time_s=1.0)
+    assert "3.2500" in capsys.readouterr().err
+
+
+def test_wandb_offline_writes_a_run_dir(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = WandbConfig(mode="offline", project="usp-test", name="offline-check")
+    with _logger(tmp_path, wandb_cfg=cfg) as log:
+        log.log_step(1, loss=1.0, grad_norm=1.0, lr=1.0, tokens=10, flops=1.0, step_time_s=1.0)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+
+
+def test_wandb_missing_gives_a_clear_error(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(ImportError, match="logging.wandb.mode=offline needs the wandb package"):
+        _logger(tmp_path, wandb_cfg=WandbConfig(mode="offline"))
