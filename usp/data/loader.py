@@ -283,6 +283,13 @@ def build_dataloaders(
                   document_masking=cfg.document_masking)  # fmt: skip
     tail = int(read_stats(path).get("tokens_dropped", 0))
     train = PackedLoader(dataset, train_rows, seed=seed, infinite=True, tokens_dropped=tail, **common)
+    need = dp_degree * micro_batch_size
+    if cfg.validation_fraction > 0 and len(val_rows) < need:
+        raise ValueError(
+            f"data.validation_fraction={cfg.validation_fraction} holds out {len(val_rows)} of {len(dataset)} rows, "
+            f"fewer than one validation step needs (dp_degree x micro_batch_size = {need}). Use at least "
+            f"data.validation_fraction={need / len(dataset):.4g}, prepare more data, or set it to 0."
+        )
     val = None
     if len(val_rows):
         val = PackedLoader(dataset, val_rows, seed=seed, infinite=False, **common)

@@ -1,0 +1,236 @@
+"""Data preparation in one process: sources, tokenization, packing, ``usp-prepare-data``, bad inputs."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+
+from usp.data import (
+    IGNORE_INDEX,
+    LengthShaping,
+    PackStats,
+    load_text_sources,
+    pack_documents,
+    prepare_dataset,
+    read_stats,
+    row_labels,
+    row_positions,
+)
+from usp.data.prepare import main as prepare_main
+from usp.tiny import build_tiny_tokenizer, tiny_corpus_texts
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "tok")
+
+
+def _write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+def _reference_stream(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Independent single-process tokenization: [BOS] + tokens + [EOS] per non-empty document."""
+    docs = []
+    for t in texts:
+        if t.strip():
+            ids = tokenizer(t, add_special_tokens=False)["input_ids"]
+            docs.append([tokenizer.bos_token_id, *ids, tokenizer.eos_token_id])
+    return docs
+
+
+def _expected_rows(docs: list[list[int]], seq_len: int):
+    """Cut the document stream every seq_len tokens; per row: tokens, piece lengths, first position."""
+    stream = [(tok, d, p) for d, doc in enumerate(docs) for p, tok in enumerate(doc)]
+    rows = []
+    for r in range(len(stream) // seq_len):
+        part = stream[r * seq_len : (r + 1) * seq_len]
+        lengths = []
+        for i, (_, d, _) in enumerate(part):
+            if i == 0 or d != part[i - 1][1]:
+                lengths.append(0)
+            lengths[-1] += 1
+        rows.append(([t for t, _, _ in part], lengths, part[0][2]))
+    return rows, len(stream) - len(rows) * seq_len
+
+
+def _windows(docs: list[list[int]], window: int):
+    for i in range(0, len(docs), window):
+        chunk = docs[i : i + window]
+        yield np.array([t for d in chunk for t in d], dtype=np.int32), np.array([len(d) for d in chunk])
+
+
+@pytest.mark.parametrize("window", [1, 5, 1000])
+def test_pack_documents_matches_reference_cut(window):
+    rng = np.random.default_rng(0)
+    # lengths include documents several rows long and single tokens
+    docs = [rng.integers(0, 1000, size=int(n)).tolist() for n in rng.choice([1, 3, 17, 40, 150], size=60)]
+    seq_len = 32
+    stats = PackStats(seq_len=seq_len)
+    batches = list(pack_documents(_windows(docs, window), seq_len, stats=stats))
+    table = datasets.Dataset.from_dict(
+        {
+            k: sum((b.column(k).to_pylist() for b in batches), [])
+            for k in ("input_ids", "document_lengths", "first_position")
+        }
+    )
+    expected, tail = _expected_rows(docs, seq_len)
+    assert len(table) == len(expected) == stats.rows
+    for row, (ids, lengths, first) in zip(table, expected):
+        assert row["input_ids"] == ids
+        assert row["document_lengths"] == lengths
+        assert sum(row["document_lengths"]) == seq_len
+        assert row["first_position"] == first
+    assert stats.tokens_dropped == tail
+    assert stats.tokens_in == sum(map(len, docs)) == stats.tokens_packed + tail
+    assert stats.documents_split == sum(1 for _, _, first in expected if first > 0)
+
+
+def test_row_labels_and_positions_by_hand():
+    ids = torch.arange(10, 20)
+    lengths = [3, 4, 3]  # first piece continues a document whose first 5 tokens were in the previous row
+    labels = row_labels(ids, lengths, document_masking=True)
+    assert labels.tolist() == [11, 12, -100, 14, 15, 16, -100, 18, 19, -100]
+    assert row_labels(ids, lengths, document_masking=False).tolist() == list(range(11, 20)) + [IGNORE_INDEX]
+    assert row_positions(10, lengths, 5, True).tolist() == [5, 6, 7, 0, 1, 2, 3, 0, 1, 2]
+    assert row_positions(10, lengths, 5, False).tolist() == list(range(10))
+
+
+def test_usp_prepare_data_cli_on_jsonl(tmp_path, tokenizer, capsys):
+    texts = tiny_corpus_texts(60, seed=3)
+    texts[4] = "   "  # an empty document: skipped and counted
+    texts[7] = " ".join(str(i) for i in range(300))  # longer than a row: split, never dropped
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(str(tok_dir))
+    src = _write_jsonl(tmp_path / "corpus.jsonl", texts, field="body")
+    out = tmp_path / "prepared"
+    seq_len = 48
+    rc = prepare_main(
+        ["--input", str(src), "--text-field", "body", "--tokenizer", str(tok_dir), "--seq-len", str(seq_len),
+         "--output", str(out), "--num-proc", "2", "--cache-dir", str(tmp_path / "hf")]
+    )  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "tokens/s" in printed and "tail tokens dropped" in printed
+    ds = datasets.load_from_disk(str(out))
+    docs = _reference_stream(tokenizer, texts)
+    expected, tail = _expected_rows(docs, seq_len)
+    assert len(ds) == len(expected)
+    for row, (ids, lengths, first) in zip(ds, expected):
+        assert len(row["input_ids"]) == seq_len and sum(row["document_lengths"]) == seq_len
+        assert (row["input_ids"], row["document_lengths"], row["first_position"]) == (ids, lengths, first)
+    stats = read_stats(out)
+    assert stats["tokens_dropped"] == tail and stats["extra"]["documents_empty"] == 1
+    assert stats["documents_split"] >= 300 // seq_len
+    assert not list(tmp_path.glob(".prepared.work-*"))  # the work dir is cleaned up
+    # never overwrite silently; --overwrite replaces a previous output only
+    with pytest.raises(SystemExit):
+        prepare_main(["--input", str(src), "--text-field", "body", "--tokenizer", str(tok_dir), "--seq-len", "48",
+                      "--output", str(out)])  # fmt: skip
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_sources_formats_concat_and_weighted_mix(tmp_path, tokenizer):
+    a = _write_jsonl(tmp_path / "a.jsonl", [f"alpha {i}" for i in range(30)])
+    datasets.Dataset.from_dict({"text": [f"beta {i}" for i in range(10)], "x": list(range(10))}).to_parquet(
+        str(tmp_path / "b.parquet")
+    )
+    (tmp_path / "docs").mkdir()
+    for i in range(3):  # one text file = one document, lines kept together
+        (tmp_path / "docs" / f"{i}.txt").write_text(f"gamma {i}\nsecond line\n")
+    inputs = [str(a), str(tmp_path / "b.parquet"), str(tmp_path / "docs" / "*.txt")]
+    cache = tmp_path / "hf"
+    cat = load_text_sources(inputs, cache_dir=cache)
+    assert cat.column_names == ["text"] and len(cat) == 43
+    assert sorted(t for t in cat["text"] if t.startswith("gamma")) == [
+        f"gamma {i}\nsecond line\n" for i in range(3)
+    ]
+    mix1 = load_text_sources(inputs, weights=[0.2, 0.6, 0.2], seed=7, cache_dir=cache)
+    mix2 = load_text_sources(inputs, weights=[0.2, 0.6, 0.2], seed=7, cache_dir=cache)
+    mix3 = load_text_sources(inputs, weights=[0.2, 0.6, 0.2], seed=8, cache_dir=cache)
+    assert mix1["text"] == mix2["text"] and mix1["text"] != mix3["text"]
+    assert set(mix1["text"]) == set(cat["text"])  # every document used at least once
+    beta = sum(t.startswith("beta") for t in mix1["text"])
+    assert beta > 10  # the small, heavily weighted source is repeated
+    stream = load_text_sources(inputs, weights=[0.2, 0.6, 0.2], seed=7, cache_dir=cache, streaming=True)
+    assert isinstance(stream, datasets.IterableDataset) and next(iter(stream))["text"]
+
+
+def test_streaming_prepares_the_same_rows(tmp_path, tokenizer):
+    src = _write_jsonl(tmp_path / "c.jsonl", tiny_corpus_texts(40, seed=5))
+    kw = dict(tokenizer=tokenizer, seq_len=40, cache_dir=tmp_path / "hf", log=lambda _: None)
+    a = prepare_dataset([str(src)], output=tmp_path / "a", **kw)
+    b = prepare_dataset([str(src)], output=tmp_path / "b", streaming=True, **kw)
+    assert a.stats.rows == b.stats.rows > 0 and a.stats.tokens_dropped == b.stats.tokens_dropped
+    assert datasets.load_from_disk(str(a.path))[:] == datasets.load_from_disk(str(b.path))[:]
+
+
+def test_long_document_upsampling_and_length_filter(tmp_path, tokenizer):
+    texts = ["short doc"] * 20 + [" ".join(["long"] * 80)] * 4
+    src = _write_jsonl(tmp_path / "c.jsonl", texts)
+    docs = _reference_stream(tokenizer, texts)
+    long_len, short_len = len(docs[-1]), len(docs[0])
+    shaping = LengthShaping(min_doc_tokens=short_len + 1, long_doc_threshold=long_len, long_doc_factor=3.0)
+    res = prepare_dataset(
+        [str(src)], tokenizer=tokenizer, seq_len=16, output=tmp_path / "o", shaping=shaping,
+        cache_dir=tmp_path / "hf", log=lambda _: None,
+    )  # fmt: skip
+    s = res.stats
+    assert s.documents_filtered == 20 and s.documents_upsampled == 8
+    assert s.tokens_in == 12 * long_len == s.tokens_packed + s.tokens_dropped
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path, tokenizer, monkeypatch):
+    kw = dict(tokenizer=tokenizer, seq_len=32, cache_dir=tmp_path / "hf", log=lambda _: None)
+    with pytest.raises(ValueError, match=r"'/nonexistent/x.jsonl' does not exist"):
+        prepare_dataset(["/nonexistent/x.jsonl"], output=tmp_path / "o1", **kw)
+    src = _write_jsonl(tmp_path / "c.jsonl", ["hello world"] * 5, field="content")
+    with pytest.raises(ValueError, match=r"no column 'text'.*--text-field"):
+        prepare_dataset([str(src)], output=tmp_path / "o2", **kw)
+    empty = _write_jsonl(tmp_path / "e.jsonl", ["", "  "])
+    with pytest.raises(ValueError, match="no non-empty documents"):
+        prepare_dataset([str(empty)], output=tmp_path / "o3", **kw)
+    small = _write_jsonl(tmp_path / "s.jsonl", ["hi"])
+    with pytest.raises(ValueError, match=r"only \d+ tokens.*--seq-len"):
+        prepare_dataset([str(small)], output=tmp_path / "o4", **kw)
+    with pytest.raises(ValueError, match="one weight per input"):
+        prepare_dataset([str(small)], output=tmp_path / "o5", weights=[0.5, 0.5], **kw)
+    no_eos = copy.deepcopy(tokenizer)
+    no_eos.eos_token = None
+    with pytest.raises(ValueError, match="no EOS token"):
+        prepare_dataset([str(small)], output=tmp_path / "o6", **{**kw, "tokenizer": no_eos})
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "mine.txt").write_text("user data")
+    with pytest.raises(ValueError, match="already exists"):
+        prepare_dataset([str(src)], output=occupied, text_field="content", **kw)
+    with pytest.raises(ValueError, match="not a usp-prepare-data output"):
+        prepare_dataset([str(src)], output=occupied, text_field="content", overwrite=True, **kw)
+    assert (occupied / "mine.txt").read_text() == "user data"
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ValueError, match=r"cannot load hub dataset 'owner/corpus'"):
+        prepare_dataset(["owner/corpus"], output=tmp_path / "o7", **kw)
+
+
+def test_hub_name_goes_to_load_dataset_with_cache_dir(tmp_path, monkeypatch):
+    calls = []
+
+    def fake(name, config=None, *, split, cache_dir, streaming):
+        calls.append((name, config, split, cache_dir, streaming))
+        return datasets.Dataset.from_dict({"body": ["a", "b"], "meta": [1, 2]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    ds = load_text_sources(["owner/corpus:en"], text_field="body", cache_dir=tmp_path / "hf")
+    assert calls == [("owner/corpus", "en", "train", str(tmp_path / "hf"), False)]
+    assert ds.column_names == ["text"] and ds["text"] == ["a", "b"]
