@@ -143,6 +143,7 @@ def test_bf16_error_does_not_grow_with_ring_degree(dist_pools):
         got = dist_pools(world).run(run_usp_cases, [case])[0][0]
         ref = reference_results(case)
         errs[world] = max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, ref))
+    print("bf16 relative max error by ring degree:", errs)
     assert errs[8] <= 2.0 * errs[2], errs
 
 
