@@ -1,0 +1,140 @@
+"""Export trained weights as a plain Hugging Face checkpoint (safetensors + config.json + tokenizer).
+
+The full (unsharded) state dict is gathered with ``get_model_state_dict(full_state_dict=True,
+cpu_offload=True)``: a collective over the FSDP2 mesh that leaves full CPU tensors on rank 0 only, so peak
+memory on rank 0 is one copy of the model in host RAM (in the training dtype). Rank 0 writes the files into
+``.<name>.tmp-export`` beside ``out_dir`` and renames the directory into place, so a crash never leaves a
+half-written export at ``out_dir``. The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` in
+plain transformers: the saved config uses the standard ``sdpa`` attention, never the trainer's own ``usp``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from usp.train.checkpoint import dist_rank, publish_dir, raise_if_any_failed
+
+EXPORT_MARKER = "usp_export.json"
+SAFE_ATTENTION = "sdpa"
+_ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """Refuse to replace a directory that is not empty and not an earlier export (e.g. the input checkpoint)."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ValueError(f"export out_dir={str(out_dir)!r} is a file. Choose a directory path for the HF export.")
+    if any(out_dir.iterdir()) and not (out_dir / EXPORT_MARKER).is_file():
+        raise ValueError(
+            f"export out_dir={str(out_dir)!r} exists, is not empty and is not an earlier usp export; refusing to "
+            f"replace it. Choose another directory (or remove this one)."
+        )
+
+
+def _tied_output_key(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> str | None:
+    """The output-embedding weight key to drop when the config ties it to the input embeddings."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return None
+    get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    if get_out is None or get_in is None or get_out() is None:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    out_key, in_key = f"{names.get(id(get_out()))}.weight", f"{names.get(id(get_in()))}.weight"
+    return out_key if out_key in state_dict and in_key in state_dict and out_key != in_key else None
+
+
+def _plain_config(model: torch.nn.Module, dtype: torch.dtype | None) -> Any:
+    config = copy.deepcopy(model.config)
+    for cfg in [config] + [getattr(config, k) for k in ("text_config", "vision_config") if hasattr(config, k)]:
+        try:
+            cfg._attn_implementation = SAFE_ATTENTION
+        except (AttributeError, ValueError):  # a custom implementation may be unknown here; scrubbed below
+            pass
+    if dtype is not None:
+        config.dtype = dtype
+    return config
+
+
+def _scrub_attention(config_json: Path) -> None:
+    """Remove any attention-implementation entry from config.json so the loader picks its default."""
+    data = json.loads(config_json.read_text())
+
+    def scrub(d: dict[str, Any]) -> None:
+        for key in _ATTN_KEYS:
+            d.pop(key, None)
+        for value in d.values():
+            if isinstance(value, dict):
+                scrub(value)
+
+    scrub(data)
+    config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _write_weights(state_dict: dict[str, torch.Tensor], tmp: Path, max_shard_size: int | str) -> None:
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size)
+    for filename, keys in split.filename_to_tensors.items():
+        save_file({k: state_dict[k].contiguous() for k in keys}, str(tmp / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def export_hf(
+    model: torch.nn.Module,
+    *,
+    tokenizer: Any | None,
+    out_dir: str | os.PathLike,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Write ``model``'s full weights, config and ``tokenizer`` to ``out_dir`` as a Hugging Face checkpoint.
+
+    Collective when a process group is initialized (call on every rank; works for FSDP2-sharded and plain
+    models). Weights keep the model's parameter dtype; tied output embeddings are stored once. ``out_dir`` is
+    replaced atomically if it holds an earlier export; any other non-empty directory raises ``ValueError``.
+    Returns ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    if not hasattr(model, "config"):
+        raise ValueError("export_hf needs a transformers model (with .config); got a plain nn.Module.")
+    _check_out_dir(out_dir)  # on every rank, before any collective: a bad path raises everywhere, no hang
+
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    error: BaseException | None = None
+    if dist_rank() == 0:
+        try:
+            drop = _tied_output_key(model, state_dict)
+            tensors = {k: v.detach().cpu() for k, v in state_dict.items() if k != drop}
+            dtypes = {v.dtype for v in tensors.values() if v.is_floating_point()}
+            dtype = dtypes.pop() if len(dtypes) == 1 else None
+            tmp = out_dir.parent / f".{out_dir.name}.tmp-export"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            _write_weights(tensors, tmp, max_shard_size)
+            _plain_config(model, dtype).save_pretrained(str(tmp))
+            _scrub_attention(tmp / "config.json")
+            generation_config = getattr(model, "generation_config", None)
+            if generation_config is not None:
+                generation_config.save_pretrained(str(tmp))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+            marker = {"format": "usp-hf-export", "num_tensors": len(tensors), "dtype": str(dtype)}
+            (tmp / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
+            publish_dir(tmp, out_dir)
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            error = e
+    raise_if_any_failed(error, f"exporting the Hugging Face checkpoint to {out_dir}")
+    return out_dir
