@@ -3,8 +3,8 @@
 #
 #   launch/torchrun.sh [--nproc-per-node N] [--cpu] [--] [hydra overrides...]
 #
-#   launch/torchrun.sh recipe=llama31_8b_128k                       # one process per GPU nvidia-smi lists
-#   launch/torchrun.sh --nproc-per-node 4 recipe=llama31_8b_128k    # 4 GPUs (pick them with CUDA_VISIBLE_DEVICES)
+#   launch/torchrun.sh recipe=llama2_7b_rope_32k                     # one process per GPU nvidia-smi lists
+#   launch/torchrun.sh --nproc-per-node 4 recipe=llama2_7b_rope_32k  # 4 GPUs (pick them with CUDA_VISIBLE_DEVICES)
 #   launch/torchrun.sh --cpu --nproc-per-node 4 recipe=tiny         # 4 CPU processes on gloo
 #
 # It runs:  torchrun --standalone --nproc-per-node N -m usp.train [trainer.device=cpu parallel.backend=gloo] OVERRIDES

@@ -119,17 +119,17 @@ def test_srun_inside_allocation(capsys, monkeypatch):
     assert out == (
         "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes 2 --nproc-per-node 8 "
         "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 -m usp.train "
-        "hydra.run.dir=runs/slurm-4242 recipe=llama31_8b_128k parallel.ulysses_degree=8 parallel.ring_degree=2\n"
+        "hydra.run.dir=outputs/slurm-4242 recipe=llama31_8b_128k parallel.ulysses_degree=8 parallel.ring_degree=2\n"
     )
 
 
 def test_srun_keeps_given_run_dir_and_reads_gpus_per_node(capsys, monkeypatch):
     _allocation(monkeypatch, SLURM_GPUS_PER_NODE="h100:4")
-    out = dry_run(capsys, "slurm", "hydra.run.dir=runs/slurm-4000", "trainer.resume=auto")
+    out = dry_run(capsys, "slurm", "hydra.run.dir=outputs/slurm-4000", "trainer.resume=auto")
     assert out == (
         "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes 2 --nproc-per-node 4 "
         "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 -m usp.train "
-        "hydra.run.dir=runs/slurm-4000 trainer.resume=auto\n"
+        "hydra.run.dir=outputs/slurm-4000 trainer.resume=auto\n"
     )
 
 

@@ -95,18 +95,18 @@ def test_sbatch_script_runs_the_srun_command_usp_launch_prints(stubs, tmp_path):
     assert expected[1:] == [
         "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
         "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--rdzv-id", "4242", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "gpu007:24242", "-m", "usp.train", "hydra.run.dir=runs/slurm-4242", *overrides,
+        "--rdzv-endpoint", "gpu007:24242", "-m", "usp.train", "hydra.run.dir=outputs/slurm-4242", *overrides,
     ]  # fmt: skip
     assert stubs.calls("scontrol") == [["show", "hostnames", "gpu[007-008]"]]
 
 
 def test_sbatch_script_nproc_option_and_given_run_dir(stubs, tmp_path):
-    args = ["--nproc-per-node", "4", "++hydra.run.dir=runs/slurm-4000", "trainer.resume=auto"]
+    args = ["--nproc-per-node", "4", "++hydra.run.dir=outputs/slurm-4000", "trainer.resume=auto"]
     result = run_script(SLURM_SBATCH, args, stubs, tmp_path, SLURM_GPUS_PER_NODE="h100:8", **SLURM_ENV)
     assert result.returncode == 0, result.stderr
     [call] = stubs.calls("srun")
     assert call[call.index("--nproc-per-node") + 1] == "4"
-    assert call[call.index("usp.train") + 1 :] == ["++hydra.run.dir=runs/slurm-4000", "trainer.resume=auto"]
+    assert call[call.index("usp.train") + 1 :] == ["++hydra.run.dir=outputs/slurm-4000", "trainer.resume=auto"]
 
 
 def test_sbatch_script_reads_gpus_per_node(stubs, tmp_path):

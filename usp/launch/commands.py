@@ -37,7 +37,7 @@ def cpu_defaults() -> list[tuple[str, str]]:
 
 def slurm_run_dir(job_id: str) -> str:
     """The Hydra run dir of a SLURM job: derived from the job id, so every rank on every node agrees on it."""
-    return f"runs/slurm-{job_id}"
+    return f"outputs/slurm-{job_id}"
 
 
 def rdzv_port(job_id: str) -> int:
