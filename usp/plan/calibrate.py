@@ -226,8 +226,25 @@ def read_training_run(
         model = model_spec
     else:
         model = load_model_spec(model_config) if model_config else _model_from_config(cfg, run_dir)
-    U, R = int(par.get("ulysses_degree", 1)), int(par.get("ring_degree", 1))
-    ws = world_size or cfg.get("world_size") or rows[-1].get("world_size")
+
+    def latest(key: str) -> Any:
+        return next((r[key] for r in reversed(rows) if r.get(key) is not None), None)
+
+    degrees = []
+    for name in ("ulysses_degree", "ring_degree"):
+        value = par.get(name, 1)
+        if value == "auto":  # chosen at launch: the trainer logs the resolved degrees with the metrics
+            value = latest(name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{run_dir}: parallel.{name}={par.get(name)!r} and no resolved value in metrics.jsonl."
+            )
+        degrees.append(value)
+    U, R = degrees
+    ws = world_size or cfg.get("world_size") or latest("world_size")
+    per_gpu = [r for r in rows if r.get("tokens_per_s") and r.get("tokens_per_s_per_gpu")]
+    if not ws and per_gpu:
+        ws = round(per_gpu[-1]["tokens_per_s"] / per_gpu[-1]["tokens_per_s_per_gpu"])
     if not ws:
         dp = int(par.get("dp_degree", -1))
         if dp < 1:
@@ -236,11 +253,16 @@ def read_training_run(
     ws = int(ws)
     node = int(node_size or par.get("node_size") or ws)
     dp = ws // (U * R)
+    seq_len = int(trainer.get("seq_len", 0))
+    batch = dp * int(trainer.get("micro_batch_size", 1)) * int(trainer.get("grad_accum_steps", 1))
+    tokens = latest("tokens")
+    if isinstance(tokens, (int, float)) and seq_len and tokens % seq_len == 0:
+        batch = int(tokens // seq_len)  # sequences per optimizer step, as measured
     mems = [r["peak_mem_gib"] for r in steady if isinstance(r.get("peak_mem_gib"), (int, float))]
     return TrainingRun(
         name=str(run_dir),
         model=model,
-        seq_len=int(trainer.get("seq_len", 0)),
+        seq_len=seq_len,
         ulysses_degree=U,
         ring_degree=R,
         world_size=ws,
@@ -248,7 +270,7 @@ def read_training_run(
         fsdp_mode=str(par.get("fsdp_mode", "full_shard")),
         activation_checkpointing=str(par.get("activation_checkpointing", "none")),
         ac_every_k=int(par.get("ac_every_k", 2)),
-        global_batch=dp * int(trainer.get("micro_batch_size", 1)) * int(trainer.get("grad_accum_steps", 1)),
+        global_batch=batch,
         loss_chunk_size=int(trainer.get("loss_chunk_size", 4096)),
         measured_step_s=median(r["step_time_s"] for r in steady),
         measured_mem_gib=max(mems) if mems else None,
