@@ -261,3 +261,14 @@ def test_module_entry_out_of_process(monkeypatch):
     assert result.stdout == (
         "torchrun --standalone --nproc-per-node 4 -m usp.train trainer.device=cpu parallel.backend=gloo recipe=tiny\n"
     )
+
+
+def test_launcher_overrides_are_valid_run_config_keys(tmp_path):
+    """What the launchers add (--cpu pinning, the SLURM run dir) composes into the trainer's typed config."""
+    from usp.train.__main__ import compose_config
+
+    overrides = commands.slurm_overrides(commands.with_defaults(["recipe=tiny"], commands.cpu_defaults()), "4242")
+    assert overrides == ["hydra.run.dir=outputs/slurm-4242", "trainer.device=cpu", "parallel.backend=gloo",
+                         "recipe=tiny"]  # fmt: skip
+    cfg = compose_config(overrides, run_dir=str(tmp_path))
+    assert (cfg.trainer.device, cfg.parallel.backend) == ("cpu", "gloo")
