@@ -1,0 +1,195 @@
+"""Local kernels: (out, lse) forward and global-lse backward of every CPU backend vs a float64 reference.
+
+fp32 cases: atol = rtol = 1e-5 (outputs, lse and gradients). The flash_attn varlen packing (CUDA only) is
+checked on CPU through a stand-in ``flash_attn`` module whose kernels loop over the packed sequences.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from usp.attention.kernels import (
+    attention_backward,
+    attention_forward,
+    resolve_backend,
+    segment_mask,
+)
+from usp.attention.ring import merge_block_
+
+FP32 = dict(atol=1e-5, rtol=1e-5)
+CPU_BACKENDS = ["math", "cpu_flash"]
+
+
+def _inputs(sq, sk, hq, hkv, d=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, sq, hq, d, generator=g).to(dtype)
+    k = torch.randn(2, sk, hkv, d, generator=g).to(dtype)
+    v = torch.randn(2, sk, hkv, d, generator=g).to(dtype)
+    dout = torch.randn(2, sq, hq, d, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def _reference(q, k, v, mask):
+    """float64 (out, lse) with a boolean [Sq, Sk] mask (None = full); rows without keys: out 0, lse -inf."""
+    g = q.size(2) // k.size(2)
+    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
+    kd, vd = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
+    s = qd @ kd.transpose(-1, -2) / math.sqrt(q.size(-1))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return (p @ vd).transpose(1, 2), lse
+
+
+SEGMENTS = torch.tensor([[1, 4, 0, 3], [4, 9, 3, 8], [10, 12, 9, 11]])  # rows 0 and 9 attend to nothing
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(
+    "causal, segments, hq, hkv",
+    [(False, None, 4, 4), (True, None, 4, 2), (False, SEGMENTS, 4, 1), (True, "diag", 4, 2)],
+)
+def test_forward_out_and_lse(backend, causal, segments, hq, hkv):
+    s = 12
+    if isinstance(segments, str):  # causal per-document segments on the diagonal
+        segments = torch.tensor([[0, 5, 0, 5], [5, 6, 5, 6], [6, 12, 6, 12]])
+    q, k, v, _ = _inputs(s, s, hq, hkv)
+    out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=1 / math.sqrt(8), backend=backend,
+                                 segments=segments)  # fmt: skip
+    mask = segment_mask(segments, s, s, causal) if segments is not None else None
+    if mask is None and causal:
+        mask = torch.ones(s, s, dtype=torch.bool).tril()
+    ref_out, ref_lse = _reference(q, k, v, mask)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (2, hq, s)
+    torch.testing.assert_close(out.double(), ref_out, **FP32)
+    torch.testing.assert_close(lse.double(), ref_lse, **FP32)  # -inf rows must match exactly
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_backward_from_global_lse_is_exact_per_block(backend):
+    """Keys split in two blocks; each block's backward with the merged out/lse gives pieces of the true grads."""
+    sq, sk, hq, hkv = 8, 10, 4, 2
+    q, k, v, dout = _inputs(sq, sk, hq, hkv, seed=3)
+    scale = 1 / math.sqrt(8)
+    blocks = [slice(0, 4), slice(4, 10)]
+    out_acc = torch.zeros(q.shape)
+    lse_acc = torch.full((2, hq, sq), float("-inf"))
+    for ks in blocks:
+        o, lse = attention_forward(q, k[:, ks], v[:, ks], causal=False, softmax_scale=scale, backend=backend)
+        merge_block_(out_acc, lse_acc, o, lse)
+    out = out_acc.to(q.dtype)
+    dq = torch.zeros_like(q)
+    dks, dvs = [], []
+    for ks in blocks:
+        gq, gk, gv = attention_backward(dout, q, k[:, ks], v[:, ks], out, lse_acc, causal=False,
+                                        softmax_scale=scale, backend=backend)  # fmt: skip
+        dq += gq
+        dks.append(gk)
+        dvs.append(gv)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), enable_gqa=True
+    ).transpose(1, 2)
+    ref.backward(dout.double())
+    torch.testing.assert_close(out.double(), ref.detach(), **FP32)
+    torch.testing.assert_close(dq.double(), qr.grad, **FP32)
+    torch.testing.assert_close(torch.cat(dks, 1).double(), kr.grad, **FP32)
+    torch.testing.assert_close(torch.cat(dvs, 1).double(), vr.grad, **FP32)
+
+
+def test_merge_handles_rows_without_keys():
+    out_acc = torch.zeros(1, 3, 1, 2)
+    lse_acc = torch.full((1, 1, 3), float("-inf"))
+    o = torch.tensor([[[[1.0, 2.0]], [[0.0, 0.0]], [[3.0, 4.0]]]])
+    lse = torch.tensor([[[0.5, float("-inf"), 1.0]]])
+    merge_block_(out_acc, lse_acc, o, lse)
+    merge_block_(out_acc, lse_acc, torch.zeros_like(o), torch.full_like(lse, float("-inf")))
+    assert not out_acc.isnan().any() and not lse_acc.isnan().any()
+    torch.testing.assert_close(out_acc, o)
+    assert lse_acc[0, 0].tolist() == [0.5, float("-inf"), 1.0]
+
+
+def test_backward_rows_without_keys_have_zero_grads():
+    q, k, v, dout = _inputs(12, 12, 4, 2)
+    out, lse = attention_forward(
+        q, k, v, causal=False, softmax_scale=0.3, backend="cpu_flash", segments=SEGMENTS
+    )
+    global_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # as if other blocks covered them
+    dq, dk, dv = attention_backward(dout, q, k, v, out, global_lse, causal=False, softmax_scale=0.3,
+                                    backend="cpu_flash", segments=SEGMENTS)  # fmt: skip
+    assert not any(t.isnan().any() for t in (dq, dk, dv))
+    assert dq[:, [0, 9]].abs().max() == 0 and dk[:, 11].abs().max() == 0
+
+
+def test_resolve_backend():
+    assert resolve_backend("auto", torch.device("cpu")) == "cpu_flash"
+    assert resolve_backend("math", torch.device("cpu")) == "math"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        resolve_backend("sdpa_efficient", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown"):
+        resolve_backend("xformers", torch.device("cpu"))
+
+
+# --- flash_attn varlen packing, through a stand-in module ------------------------------------------------
+
+
+def _fake_flash_attn() -> tuple[types.ModuleType, types.ModuleType]:
+    """flash_attn's varlen API ([N, H, D] packed, lse [H, N]) implemented by looping over the sequences."""
+
+    def varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, return_attn_probs=False):
+        outs, lses = [], []
+        for i in range(cu_q.numel() - 1):
+            qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+            o, lse = attention_forward(q[None, qs], k[None, ks], v[None, ks], causal=causal, softmax_scale=scale,
+                                       backend="math")  # fmt: skip
+            outs.append(o[0])
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1), None
+
+    def varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                   alibi_slopes, deterministic, rng_state=None):  # fmt: skip
+        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+        for i in range(cu_q.numel() - 1):
+            qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+            g = attention_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks], out[None, qs],
+                                   softmax_lse[None, :, qs], causal=causal, softmax_scale=softmax_scale,
+                                   backend="math")  # fmt: skip
+            dq[qs], dk[ks], dv[ks] = g[0][0], g[1][0], g[2][0]
+
+    fa = types.ModuleType("flash_attn")
+    iface = types.ModuleType("flash_attn.flash_attn_interface")
+    fa.flash_attn_varlen_func = varlen_fwd
+    iface._flash_attn_varlen_backward = varlen_bwd
+    fa.flash_attn_interface = iface
+    return fa, iface
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attn_varlen_packing(monkeypatch, causal):
+    fa, iface = _fake_flash_attn()
+    monkeypatch.setitem(sys.modules, "flash_attn", fa)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)
+    if causal:
+        segments = torch.tensor([[0, 3, 0, 3], [5, 9, 5, 9], [9, 12, 9, 12]])  # rows 3, 4 attend to nothing
+    else:
+        segments = SEGMENTS
+    q, k, v, dout = _inputs(12, 12, 4, 2)
+    q, k, v, dout = q[:1], k[:1], v[:1], dout[:1]
+    kw = dict(causal=causal, softmax_scale=0.3, segments=segments)
+    out_fa, lse_fa = attention_forward(q, k, v, backend="flash_attn", **kw)
+    out_m, lse_m = attention_forward(q, k, v, backend="math", **kw)
+    torch.testing.assert_close(out_fa, out_m, **FP32)
+    torch.testing.assert_close(lse_fa, lse_m, **FP32)
+    lse_g = torch.where(torch.isinf(lse_m), torch.zeros_like(lse_m), lse_m)
+    for a, b in zip(
+        attention_backward(dout, q, k, v, out_m, lse_g, backend="flash_attn", **kw),
+        attention_backward(dout, q, k, v, out_m, lse_g, backend="math", **kw),
+    ):
+        torch.testing.assert_close(a, b, **FP32)
