@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,37 @@ def test_tiny_recipe_is_the_cpu_two_by_two_demo():
 def test_real_recipes_are_bf16_long_context_on_gpus(name):
     cfg = compose_config([f"recipe={name}", *USER_SETTINGS])
     assert cfg.model.dtype == "bfloat16" and cfg.cluster.gpu != "cpu"
-    assert cfg.trainer.seq_len >= 32768 and cfg.parallel.activation_checkpointing == "full"
+    assert cfg.trainer.seq_len >= 32768 and cfg.parallel.fsdp_mode == "full_shard"
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
+    """The planner (usp.plan) predicts the recipe's layout fits its GPUs; the comment quotes that figure."""
+    plan = pytest.importorskip("usp.plan")
+    cfg = compose_config([f"recipe={name}", *USER_SETTINGS])
+    text = (RECIPES_DIR / f"{name}.yaml").read_text()
+    model = re.search(r"override /model: (\S+)", text).group(1)
+    world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    p = cfg.parallel
+    dp = world // (p.ulysses_degree * p.ring_degree)
+    est = plan.evaluate_layout(
+        plan.load_model_spec(model),
+        plan.get_device(cfg.cluster.gpu, memory_gib=cfg.cluster.memory_gib),
+        seq_len=cfg.trainer.seq_len,
+        ulysses_degree=p.ulysses_degree,
+        ring_degree=p.ring_degree,
+        world_size=world,
+        node_size=cfg.cluster.gpus_per_node,
+        fsdp_mode=p.fsdp_mode,
+        activation_checkpointing=p.activation_checkpointing,
+        ac_every_k=p.ac_every_k,
+        global_batch=dp * cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps,
+        ring_layout=p.ring_layout,
+        loss_chunk_size=cfg.trainer.loss_chunk_size,
+    )
+    assert est.fits, f"{name}: the planner predicts {est.mem_gib_per_gpu:.1f} GiB per GPU"
+    quoted = float(re.search(r"([0-9.]+) GiB/GPU", text).group(1))
+    assert quoted == pytest.approx(est.mem_gib_per_gpu, rel=0.2), "refresh the recipe's memory comment"
 
 
 def test_staged_rope_extension_chains_exports():
