@@ -139,6 +139,35 @@ def test_submit_inside_allocation_uses_sbatch(capsys, monkeypatch):
     assert out.startswith("sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 --job-name=usp ")
 
 
+def test_cluster_overrides_size_the_job(capsys):
+    out = dry_run(capsys, "slurm", "recipe=llama31_8b_1m", "cluster.num_nodes=4", "cluster.gpus_per_node=8",
+                  "parallel.ring_degree=4")  # fmt: skip
+    assert out == (
+        "sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --job-name=usp launch/slurm.sbatch "
+        "--nproc-per-node 8 recipe=llama31_8b_1m cluster.num_nodes=4 cluster.gpus_per_node=8 parallel.ring_degree=4\n"
+    )
+
+
+def test_cluster_override_must_agree_with_flag(capsys):
+    err = fails(capsys, "slurm", "--nodes", "2", "cluster.num_nodes=4", "--dry-run")
+    assert "--nodes=2 but cluster.num_nodes=4" in err
+
+
+def test_more_processes_than_allocated_gpus(capsys, monkeypatch):
+    _allocation(monkeypatch, SLURM_GPUS_ON_NODE="4")
+    err = fails(capsys, "slurm", "cluster.gpus_per_node=8", "--dry-run")
+    assert "8 processes per node, but SLURM job 4242 has 4 GPUs per node" in err
+
+
+def test_allocation_uses_all_its_nodes(capsys, monkeypatch):
+    _allocation(monkeypatch, SLURM_GPUS_ON_NODE="8", SLURM_NNODES="4", SLURM_JOB_NODELIST="n[10-13]")
+    out = dry_run(capsys, "slurm", "cluster.num_nodes=4")
+    assert out.startswith("srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes 4 ")
+    assert "--rdzv-endpoint n10:24242 " in out
+    err = fails(capsys, "slurm", "--nodes", "2", "--dry-run")
+    assert "2 node(s) asked for, but SLURM job 4242 has 4" in err and "--submit" in err
+
+
 # --- errors before launch ----------------------------------------------------------------------------
 def test_degrees_not_dividing_world(capsys):
     err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "parallel.ulysses_degree=3", "--dry-run")

@@ -11,6 +11,8 @@
 ``nvidia-smi`` lists, and it is what torchrun exports as ``LOCAL_WORLD_SIZE``, the node size the mesh uses to
 keep Ulysses groups inside a node. ``slurm`` submits ``launch/slurm.sbatch`` with sbatch; inside an allocation
 (``SLURM_JOB_ID`` set, e.g. under salloc) it runs ``srun ... torchrun ...`` directly, as the script would.
+Without ``--nodes`` / ``--gpus-per-node``, a ``cluster.num_nodes`` / ``cluster.gpus_per_node`` override sizes
+the job (a recipe's declared size, given on the command line).
 
 Degrees given as integer overrides are checked against the processes about to start before anything runs.
 Errors print one line naming the setting and the fix, and exit with status 2.
@@ -29,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from usp.launch import commands
-from usp.launch.overrides import check_degrees, validate_override_syntax
+from usp.launch.overrides import check_degrees, find_override, validate_override_syntax
 
 MODES = ("local", "torchrun", "slurm")
 SLURM_ONLY = ("partition", "time", "account", "job_name", "gres", "submit", "script")
@@ -52,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc-per-node", "--gpus-per-node", dest="nproc_per_node", type=int, default=None, metavar="N",
         help="processes (GPUs) per node; torchrun default: GPUs listed by nvidia-smi; slurm default: the "
-        f"allocation's SLURM_GPUS_ON_NODE, else {DEFAULT_GPUS_PER_NODE}",
+        f"cluster.gpus_per_node override, else the allocation's SLURM_GPUS_ON_NODE, else {DEFAULT_GPUS_PER_NODE}",
     )  # fmt: skip
-    p.add_argument("--nodes", type=int, default=None, help="slurm: number of nodes (default: the allocation's SLURM_NNODES, else 1)")
+    p.add_argument("--nodes", type=int, default=None, help="slurm: number of nodes (default: a cluster.num_nodes override, else the allocation's SLURM_NNODES, else 1)")
     p.add_argument("--partition", help="slurm: sbatch --partition")
     p.add_argument("--time", help="slurm: sbatch --time (e.g. 04:00:00)")
     p.add_argument("--account", help="slurm: sbatch --account")
@@ -78,6 +80,19 @@ def _slurm_gpus(env: dict[str, str]) -> int | None:
         return int(env["SLURM_GPUS_ON_NODE"])
     numbers = re.findall(r"\d+", env.get("SLURM_GPUS_PER_NODE", "").split("(", 1)[0])
     return int(numbers[-1]) if numbers else None
+
+
+def _flag_or_cluster(value: int | None, flag: str, overrides: list[str], key: str) -> int | None:
+    """``flag``'s value, else the integer override ``key`` (``cluster.num_nodes``, ``cluster.gpus_per_node``):
+    a recipe's declared size given on the command line sizes the SLURM job. Both given must agree."""
+    raw = find_override(overrides, key)
+    if raw is None:
+        return value
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise LaunchError(f"{key}={raw} is invalid: use an integer >= 1.")
+    if value is not None and value != int(raw):
+        raise LaunchError(f"{flag}={value} but {key}={raw}: the job and the run config disagree; make them equal.")
+    return int(raw)
 
 
 def plan_command(args: argparse.Namespace, overrides: list[str], env: dict[str, str]) -> list[str]:
@@ -143,10 +158,18 @@ def _srun_in_allocation(
     allocated = int(env["SLURM_NNODES"]) if env.get("SLURM_NNODES", "").isdigit() else None
     if allocated is None:
         raise LaunchError(f"SLURM_JOB_ID={job_id} is set but SLURM_NNODES is not: cannot tell the node count.")
-    nodes = args.nodes or allocated
-    if nodes > allocated:
-        raise LaunchError(f"--nodes={nodes} is more than the {allocated} node(s) of SLURM job {job_id}.")
-    nproc = args.nproc_per_node or _slurm_gpus(env)
+    nodes = _flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes") or allocated
+    if nodes != allocated:
+        # srun would pick `nodes` of the allocation, not necessarily the rendezvous head among them
+        raise LaunchError(
+            f"{nodes} node(s) asked for, but SLURM job {job_id} has {allocated}: inside an allocation usp-launch "
+            f"runs on all of its nodes. Allocate {nodes} node(s), or add --submit to queue a job of that size."
+        )
+    nproc = _flag_or_cluster(args.nproc_per_node, "--gpus-per-node", overrides, "cluster.gpus_per_node")
+    on_node = _slurm_gpus(env)
+    if nproc is not None and on_node is not None and nproc > on_node:
+        raise LaunchError(f"{nproc} processes per node, but SLURM job {job_id} has {on_node} GPUs per node.")
+    nproc = nproc or on_node
     if nproc is None:
         raise LaunchError(
             f"SLURM job {job_id} shows no GPUs (SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE unset): "
@@ -160,8 +183,9 @@ def _srun_in_allocation(
 
 
 def _sbatch(args: argparse.Namespace, overrides: list[str]) -> list[str]:
-    nodes = args.nodes or 1
-    gpus = args.nproc_per_node or DEFAULT_GPUS_PER_NODE
+    nodes = _flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes") or 1
+    gpus = _flag_or_cluster(args.nproc_per_node, "--gpus-per-node", overrides, "cluster.gpus_per_node")
+    gpus = gpus or DEFAULT_GPUS_PER_NODE
     check_degrees(overrides, nodes=nodes, nproc_per_node=gpus)
     script = Path(args.script) if args.script else commands.default_sbatch_script()
     if not script.is_file():
