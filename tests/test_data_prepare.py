@@ -234,3 +234,16 @@ def test_hub_name_goes_to_load_dataset_with_cache_dir(tmp_path, monkeypatch):
     ds = load_text_sources(["owner/corpus:en"], text_field="body", cache_dir=tmp_path / "hf")
     assert calls == [("owner/corpus", "en", "train", str(tmp_path / "hf"), False)]
     assert ds.column_names == ["text"] and ds["text"] == ["a", "b"]
+
+
+def test_conf_data_options_match_data_config():
+    from omegaconf import OmegaConf
+
+    from usp.config import DataConfig
+
+    files = sorted((Path(__file__).parents[1] / "conf" / "data").glob("*.yaml"))
+    assert {f.stem for f in files} >= {"tiny", "jsonl", "prepared"}
+    for f in files:
+        keys = set(OmegaConf.load(f).keys())
+        assert keys == set(DataConfig.__dataclass_fields__), f.name
+        OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(f))  # types agree with the schema
