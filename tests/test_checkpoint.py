@@ -132,6 +132,14 @@ def test_bad_paths_raise_value_error(tmp_path):
     assert load_checkpoint(root, **kw)["path"] == first
 
 
+def test_checkpoint_of_another_model_raises_value_error(tmp_path):
+    model, opt, sched = _setup()
+    path = _save(tmp_path, 1, model, opt, sched)
+    other = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    with pytest.raises(ValueError, match="trainer.resume=.*does not fit this model.*Size mismatch"):
+        load_checkpoint(path, model=other, optimizer=torch.optim.AdamW(other.parameters()), scheduler=None)
+
+
 @pytest.mark.parametrize("where", ["rank_file", "publish"])
 def test_failure_mid_save_keeps_previous(tmp_path, monkeypatch, where):
     model, opt, sched = _setup()

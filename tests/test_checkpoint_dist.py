@@ -26,7 +26,7 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(build_tiny_llama(tmp_path_factory.mktemp("ckpt_model") / "llama"))
 
 
-def _setup(model_dir: str, *, sharded: bool, perturb: bool):
+def _setup(model_dir: str, *, sharded: bool, perturb: bool, hsdp: bool = False):
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
@@ -36,7 +36,10 @@ def _setup(model_dir: str, *, sharded: bool, perturb: bool):
             for p in model.parameters():
                 p.add_(0.5)
     if sharded:
-        mesh = cached_sp_mesh(1, 1).fsdp_mesh  # dp = world: FSDP2 shards over every rank
+        if hsdp:  # 2-D mesh: replicate over dp, shard over the (ulysses) ranks of a node
+            mesh = cached_sp_mesh(2, 1).device_mesh["dp", "ulysses"]
+        else:  # dp = world: FSDP2 shards over every rank
+            mesh = cached_sp_mesh(1, 1).fsdp_mesh
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -69,8 +72,8 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _train_and_save(model_dir: str, root: str) -> dict:
-    model, opt, sched = _setup(model_dir, sharded=True, perturb=False)
+def _train_and_save(model_dir: str, root: str, hsdp: bool = False) -> dict:
+    model, opt, sched = _setup(model_dir, sharded=True, perturb=False, hsdp=hsdp)
     for s in range(3):
         _step(model, opt, sched, s)
     torch.manual_seed(100 + _rank())  # a per-rank RNG state, as the trainer stores it
@@ -119,6 +122,14 @@ def test_save_world4_resume_world4_2_1(dist_pools, tiny_dir, tmp_path):
         assert_tree_equal(res["result"]["extra"], saved[0]["extra"])
         # gradient reductions sum in another order at another world size: equal up to fp32 rounding
         torch.testing.assert_close(res["next_losses"], ref["next_losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_hsdp_checkpoint_loads_into_plain_model(dist_pools, tiny_dir, tmp_path):
+    saved = dist_pools(4).run(_train_and_save, tiny_dir, str(tmp_path / "ckpt"), True)
+    res = _load_and_continue(tiny_dir, saved[0]["path"], False)
+    for key in ("model", "optim", "scheduler"):
+        assert_tree_equal(res[key], saved[0][key], f"hsdp -> plain {key}")
+    torch.testing.assert_close(res["next_losses"], saved[0]["next_losses"], rtol=1e-5, atol=1e-6)
 
 
 def _failing_rank_mid_save(model_dir: str, root: str, bad_rank: int) -> dict:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -80,6 +81,12 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
         yield
+
+
+def _first_failure(error: CheckpointException) -> str:
+    for rank, (exc, _) in sorted(error.failures.items()):
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return str(error)
 
 
 def raise_if_any_failed(error: BaseException | None, what: str) -> None:
@@ -258,8 +265,11 @@ def save_checkpoint(
     raise_if_any_failed(error, f"preparing checkpoint directory {tmp}")
 
     # 2. model + optimizer shards (DCP gathers errors across ranks itself and raises on every rank)
-    with _single_process_quiet():
-        dcp.save(_model_optim_state(model, optimizer), checkpoint_id=tmp / DCP_DIR, no_dist=not _distributed())
+    try:
+        with _single_process_quiet():
+            dcp.save(_model_optim_state(model, optimizer), checkpoint_id=tmp / DCP_DIR, no_dist=not _distributed())
+    except CheckpointException as e:  # raised on every rank; a BaseException, so make it an ordinary error
+        raise RuntimeError(f"writing checkpoint step {step} failed: {_first_failure(e)}") from e
 
     # 3. small per-rank and global files
     error = None
@@ -327,8 +337,15 @@ def load_checkpoint(
             f"by this version of usp (expects {FORMAT_VERSION})."
         )
     state = _model_optim_state(model, optimizer)
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=ckpt / DCP_DIR, no_dist=not _distributed())
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=ckpt / DCP_DIR, no_dist=not _distributed())
+    except CheckpointException as e:  # raised on every rank
+        raise ValueError(
+            f"trainer.resume={str(path)!r}: {ckpt} does not fit this model/optimizer ({_first_failure(e)}). "
+            f"Resume with the model config and optimizer the checkpoint was saved with, or start fresh "
+            f"(trainer.resume=null) with a new trainer.checkpoint_dir."
+        ) from e
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
