@@ -86,7 +86,7 @@ def _write_run(
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     cfg = {
-        "model": {"path": str(ckpt)},
+        "model": {"path": str(ckpt), "dtype": "float32"},
         "parallel": {"ulysses_degree": ulysses, "ring_degree": ring, "dp_degree": -1, "fsdp_mode": "full_shard",
                      "activation_checkpointing": "none", "ac_every_k": 2},
         "trainer": {"seq_len": seq_len, "micro_batch_size": 1, "grad_accum_steps": 1, "loss_chunk_size": 4096},
@@ -94,7 +94,7 @@ def _write_run(
     (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     truth = evaluate_layout(
         load_model_spec(TINY), TRUE_CPU, seq_len=seq_len, ulysses_degree=ulysses, ring_degree=ring,
-        world_size=world, node_size=world,
+        world_size=world, node_size=world, compute_bytes=4,
     )  # fmt: skip
     dp = world // (ulysses * ring)
     rows = []
@@ -129,8 +129,9 @@ def test_read_training_run(runs: list[Path]):
     assert run.world_size == 4  # from tokens_per_s / tokens_per_s_per_gpu, since dp_degree=-1
     assert run.global_batch == 1
     assert run.measured_mem_gib == 0.5
+    assert run.compute_bytes == 4  # model.dtype=float32
     truth = evaluate_layout(load_model_spec(TINY), TRUE_CPU, seq_len=4096, ulysses_degree=2, ring_degree=2,
-                            world_size=4, node_size=4)  # fmt: skip
+                            world_size=4, node_size=4, compute_bytes=4)  # fmt: skip
     assert run.measured_step_s == pytest.approx(truth.step_time_s)  # warm-up skipped, jitter cancels
 
 

@@ -61,9 +61,14 @@ def test_no_checkpointing_keeps_every_layer():
     assert every2.activations == 16 * one_layer + 16 * 4096 * s * 2 + one_layer
 
 
-def _min_mem(world: int, seq_len: int) -> float:
-    layouts, _ = enumerate_layouts(LLAMA8, H100, seq_len=seq_len, world_size=world, node_size=8)
-    return min(e.mem_gib_per_gpu for e in layouts)
+def test_float32_run_doubles_activations_not_states():
+    kw = dict(seq_len=2**16, ulysses_degree=4, ring_degree=2, world_size=8, node_size=8, overhead_frac=0.0)
+    bf16 = training_memory(LLAMA8, H100, **kw)
+    fp32 = training_memory(LLAMA8, H100, compute_bytes=4, **kw)
+    assert fp32.activations == 2 * bf16.activations
+    assert fp32.sharded_states == bf16.sharded_states
+    # gathered: 2 copies x 4 B + fp32 grad 4 B = 12 B per parameter of the largest unit, against 8 B in bf16
+    assert fp32.gathered_params * 8 == bf16.gathered_params * 12
 
 
 def test_more_gpus_never_predict_more_memory_per_gpu():

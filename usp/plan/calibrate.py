@@ -169,6 +169,8 @@ class TrainingRun:
     ac_every_k: int
     global_batch: int
     loss_chunk_size: int
+    compute_bytes: int
+    """2 for bf16 / fp16 runs, 4 for float32 (``model.dtype``)."""
     measured_step_s: float
     measured_mem_gib: float | None
 
@@ -271,6 +273,7 @@ def read_training_run(
         activation_checkpointing=str(par.get("activation_checkpointing", "none")),
         ac_every_k=int(par.get("ac_every_k", 2)),
         global_batch=batch,
+        compute_bytes=4 if str(cfg.get("model", {}).get("dtype", "bfloat16")) in ("float32", "fp32") else 2,
         loss_chunk_size=int(trainer.get("loss_chunk_size", 4096)),
         measured_step_s=median(r["step_time_s"] for r in steady),
         measured_mem_gib=max(mems) if mems else None,
@@ -292,6 +295,7 @@ def predict_run(run: TrainingRun, device: DeviceSpec) -> LayoutEstimate:
         ac_every_k=run.ac_every_k,
         global_batch=run.global_batch,
         loss_chunk_size=run.loss_chunk_size,
+        compute_bytes=run.compute_bytes,
     )
 
 

@@ -11,14 +11,16 @@ from usp.plan.compute import ATTN_BWD_OVER_FWD_HW
 from usp.plan.hardware import GB, DeviceSpec
 from usp.plan.models import ModelSpec
 
-ACT_BYTES = 2  # bf16 activations
+ACT_BYTES = 2  # bf16 activations and gathered parameters (``compute_bytes``; 4 for an fp32 run)
 GRAD_REDUCE_BYTES = 4  # fp32 gradient reduce-scatter (parallel.reduce_dtype)
 
 
-def kv_block_bytes(model: ModelSpec, seq_len: int, ulysses_degree: int, ring_degree: int) -> float:
+def kv_block_bytes(
+    model: ModelSpec, seq_len: int, ulysses_degree: int, ring_degree: int, compute_bytes: int = ACT_BYTES
+) -> float:
     """K and V of one rank's ring block for one layer: ``S/R`` tokens x the rank's KV heads x ``head_dim``."""
     tokens = seq_len / ring_degree
-    return 2 * tokens * model.kv_heads_per_rank(ulysses_degree) * model.head_dim * ACT_BYTES
+    return 2 * tokens * model.kv_heads_per_rank(ulysses_degree) * model.head_dim * compute_bytes
 
 
 def ring_bandwidth_gbps(device: DeviceSpec, ulysses_degree: int, ring_degree: int, node_size: int) -> float:
@@ -35,6 +37,7 @@ def ring_comm(
     ring_degree: int,
     node_size: int,
     attention_s: float,
+    compute_bytes: int = ACT_BYTES,
 ) -> dict[str, float]:
     """Ring P2P per micro step and the part that does not hide behind the attention of each step.
 
@@ -45,7 +48,7 @@ def ring_comm(
     R = ring_degree
     if R == 1:
         return {"ring_bytes": 0.0, "ring_s": 0.0, "ring_exposed_s": 0.0, "ring_step_comm_s": 0.0}
-    block = kv_block_bytes(model, seq_len, ulysses_degree, R)
+    block = kv_block_bytes(model, seq_len, ulysses_degree, R, compute_bytes)
     bw = ring_bandwidth_gbps(device, ulysses_degree, R, node_size) * GB
     L = model.num_layers
     fwd_step, bwd_step = block / bw, 3 * block / bw
@@ -65,7 +68,13 @@ def ring_comm(
 
 
 def ulysses_comm(
-    model: ModelSpec, device: DeviceSpec, *, seq_len: int, ulysses_degree: int, ring_degree: int
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    seq_len: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    compute_bytes: int = ACT_BYTES,
 ) -> dict[str, float]:
     """All-to-all per micro step: q, k, v in and the output back, forward and backward, on the critical path.
 
@@ -78,13 +87,19 @@ def ulysses_comm(
     local_tokens = seq_len / (U * ring_degree)
     kv_heads = max(model.num_kv_heads, U)
     elems = local_tokens * (2 * model.num_heads + 2 * kv_heads) * model.head_dim
-    per_layer = 2 * elems * ACT_BYTES * (U - 1) / U  # forward + backward
+    per_layer = 2 * elems * compute_bytes * (U - 1) / U  # forward + backward
     total = per_layer * model.num_layers
     return {"ulysses_bytes": total, "ulysses_s": total / (device.intra_node_gbps * GB)}
 
 
 def fsdp_comm(
-    model: ModelSpec, device: DeviceSpec, *, world_size: int, node_size: int, fsdp_mode: str
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    world_size: int,
+    node_size: int,
+    fsdp_mode: str,
+    compute_bytes: int = ACT_BYTES,
 ) -> dict[str, float]:
     """Parameter all-gathers (forward and again in backward, bf16) and gradient reduction, per micro step.
 
@@ -100,12 +115,12 @@ def fsdp_comm(
             return {"fsdp_bytes": 0.0, "fsdp_s": 0.0}
         bw = (device.intra_node_gbps if nodes == 1 else device.inter_node_gbps) * GB
         frac = (n - 1) / n
-        nbytes = P * frac * (2 * ACT_BYTES + GRAD_REDUCE_BYTES)
+        nbytes = P * frac * (2 * compute_bytes + GRAD_REDUCE_BYTES)
         return {"fsdp_bytes": nbytes, "fsdp_s": nbytes / bw}
     if fsdp_mode == "hybrid_shard":
         n = min(node_size, world_size)
         frac = (n - 1) / n
-        intra = P * frac * (2 * ACT_BYTES + GRAD_REDUCE_BYTES)
+        intra = P * frac * (2 * compute_bytes + GRAD_REDUCE_BYTES)
         inter = 2 * (nodes - 1) / nodes * P / n * GRAD_REDUCE_BYTES if nodes > 1 else 0.0
         seconds = intra / (device.intra_node_gbps * GB) + inter / (device.inter_node_gbps * GB)
         return {"fsdp_bytes": intra + inter, "fsdp_s": seconds}

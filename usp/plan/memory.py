@@ -98,8 +98,11 @@ def training_memory(
     loss_chunk_size: int = 4096,
     overhead_frac: float = 0.08,
     offload: bool = False,
+    compute_bytes: int = ACT_BYTES,
 ) -> MemoryBreakdown:
-    """Peak bytes per rank. ``offload`` moves the sharded states to host memory (FSDP2 CPU offload)."""
+    """Peak bytes per rank. ``offload`` moves the sharded states to host memory (FSDP2 CPU offload);
+    ``compute_bytes`` is 2 for bf16 compute, 4 for an fp32 run."""
+    B = compute_bytes
     U, R = ulysses_degree, ring_degree
     s = seq_len / (U * R) * micro_batch_size  # local tokens
     h, d, H = model.hidden_size, model.head_dim, model.num_heads
@@ -112,25 +115,25 @@ def training_memory(
     )
     # Current layer and the prefetched one in bf16, plus one fp32 unsharded gradient waiting for reduction.
     unit = max(model.layer_params, model.embedding_params, model.head_params)
-    gathered = 0.0 if world_size == 1 else unit * (2 * ACT_BYTES + 4)
+    gathered = 0.0 if world_size == 1 else unit * (2 * B + 4)
 
-    per_layer = activation_elems_per_token_layer(model, U) * s * ACT_BYTES
+    per_layer = activation_elems_per_token_layer(model, U) * s * B
     n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
-    kept = (model.num_layers - n_ckpt) * per_layer + n_ckpt * h * s * ACT_BYTES
+    kept = (model.num_layers - n_ckpt) * per_layer + n_ckpt * h * s * B
     recompute = per_layer if n_ckpt else 0.0
     activations = kept + recompute
 
-    qkv = s * (H + 2 * kv) * d * ACT_BYTES
+    qkv = s * (H + 2 * kv) * d * B
     workspace = qkv  # dq, dk, dv of the layer in backward
     if U > 1:
         workspace += qkv  # all-to-all send and receive buffers live together
     if R > 1:
-        block = kv_block_bytes(model, seq_len, U, R) * micro_batch_size
+        block = kv_block_bytes(model, seq_len, U, R, B) * micro_batch_size
         # K/V current + next (bf16), dK/dV current + next (fp32), fp32 output / dq accumulator.
         workspace += 2 * block + 2 * 2 * block + s * H * d * 4
 
     chunk = min(loss_chunk_size, s)
-    loss = chunk * model.vocab_size * (4 + 4) + 2 * s * h * ACT_BYTES  # fp32 logits + grad; final norm in/out
+    loss = chunk * model.vocab_size * (4 + 4) + 2 * s * h * B  # fp32 logits + grad; final norm in/out
 
     subtotal = states + gathered + activations + workspace + loss
     overhead = overhead_frac * subtotal + device.reserved_gib * GIB

@@ -97,8 +97,10 @@ def evaluate_layout(
     loss_chunk_size: int = 4096,
     overhead_frac: float = 0.08,
     offload: bool = False,
+    compute_bytes: int = 2,
 ) -> LayoutEstimate:
-    """Memory and time of one (already validated) layout. ``global_batch`` in sequences; default one per dp rank."""
+    """Memory and time of one (already validated) layout. ``global_batch`` in sequences; default one per dp
+    rank. ``compute_bytes``: 2 for bf16 compute (``model.dtype``), 4 for float32."""
     U, R = ulysses_degree, ring_degree
     assert world_size % (U * R) == 0, "evaluate_layout needs degrees that divide the world"
     D = world_size // (U * R)
@@ -119,6 +121,7 @@ def evaluate_layout(
         loss_chunk_size=loss_chunk_size,
         overhead_frac=overhead_frac,
         offload=offload,
+        compute_bytes=compute_bytes,
     )
     n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
     comp = compute_time(
@@ -130,7 +133,8 @@ def evaluate_layout(
         ring_layout=ring_layout,
         recompute_layers=n_ckpt,
     )
-    uly = ulysses_comm(model, device, seq_len=seq_len, ulysses_degree=U, ring_degree=R)
+    B = compute_bytes
+    uly = ulysses_comm(model, device, seq_len=seq_len, ulysses_degree=U, ring_degree=R, compute_bytes=B)
     ring = ring_comm(
         model,
         device,
@@ -139,8 +143,11 @@ def evaluate_layout(
         ring_degree=R,
         node_size=node_size,
         attention_s=comp["attention_s"],
+        compute_bytes=B,
     )
-    fsdp = fsdp_comm(model, device, world_size=world_size, node_size=node_size, fsdp_mode=fsdp_mode)
+    fsdp = fsdp_comm(
+        model, device, world_size=world_size, node_size=node_size, fsdp_mode=fsdp_mode, compute_bytes=B
+    )
     busy = comp["dense_s"] + comp["attention_s"]
     fsdp_exposed = max(0.0, fsdp["fsdp_s"] - busy)  # all-gathers prefetch behind the previous layer's compute
     micro = busy + comp["overhead_s"] + uly["ulysses_s"] + ring["ring_exposed_s"] + fsdp_exposed
@@ -155,7 +162,7 @@ def evaluate_layout(
         "ring_exposed_s": ring["ring_exposed_s"] * accum,
         "fsdp_exposed_s": fsdp_exposed * accum,
         "ring_step_comm_s": ring["ring_step_comm_s"],
-        "ring_block_gb": kv_block_bytes(model, seq_len, U, R) / 1e9 if R > 1 else 0.0,
+        "ring_block_gb": kv_block_bytes(model, seq_len, U, R, B) / 1e9 if R > 1 else 0.0,
     }
     return LayoutEstimate(
         ulysses_degree=U,
