@@ -1,0 +1,291 @@
+"""Benchmark of ``usp_attention`` over a grid of (ulysses, ring, layout, seq, heads, kv_heads).
+
+For each point: fwd and fwd+bwd wall time (mean over ``--iters``, slowest rank), bytes each rank sent per call
+MEASURED by the instrumented communication layer (:func:`usp.attention.record_comm`) next to the analytic
+minimum (:func:`usp.attention.cost.analytic_bytes_sent`; the ratio must be 1.00), and per-rank attention work
+max/mean: exact (q, k) pairs computed (measured), and computed block area (the seed's block count; contiguous
+causal shows ``N / ((N + 1) / 2)``, zigzag ``1.00 <= (2N + 1) / (2N)``).
+
+Run::
+
+    python -m usp.bench.attention --world 4 --ulysses 1,2,4 --ring 1,2,4 --seq 1024,4096 --out bench.json
+    torchrun --nproc-per-node 8 -m usp.bench.attention --ulysses 8 --ring 1 --seq 131072   # GPUs (nccl)
+
+Without a launcher it spawns ``--world`` gloo ranks on the CPU. Grid points whose ``ulysses x ring`` does not
+divide the world, or whose heads don't fit the Ulysses degree, are skipped (listed in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import socket
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from usp.attention import record_comm, usp_attention
+from usp.attention.cost import analytic_bytes_sent, imbalance, ring_work
+from usp.attention.kernels import resolve_backend
+from usp.parallel import init_sp_mesh, sequence_multiple
+
+COLUMNS = [
+    ("ulysses", "U", "{}"),
+    ("ring", "R", "{}"),
+    ("layout", "layout", "{}"),
+    ("seq_len", "seq", "{}"),
+    ("num_heads", "Hq", "{}"),
+    ("num_kv_heads", "Hkv", "{}"),
+    ("fwd_ms", "fwd ms", "{:.2f}"),
+    ("fwd_bwd_ms", "fwd+bwd ms", "{:.2f}"),
+    ("fwd_bytes_measured", "fwd bytes", "{}"),
+    ("fwd_bytes_ratio", "fwd ratio", "{:.2f}"),
+    ("fwd_bwd_bytes_measured", "fwd+bwd bytes", "{}"),
+    ("fwd_bwd_bytes_ratio", "f+b ratio", "{:.2f}"),
+    ("pairs_max_over_mean", "pairs max/mean", "{:.3f}"),
+    ("area_max_over_mean", "area max/mean", "{:.3f}"),
+    ("target_max_over_mean", "target", "{:.3f}"),
+]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="usp-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=4, help="gloo ranks to spawn when not launched by torchrun")
+    p.add_argument("--ulysses", type=_ints, default=[1, 2, 4], help="ulysses degrees, comma-separated")
+    p.add_argument("--ring", type=_ints, default=[1, 2, 4], help="ring degrees, comma-separated")
+    p.add_argument("--layouts", default="zigzag,contiguous", help="ring layouts, comma-separated")
+    p.add_argument("--seq", type=_ints, default=[1024, 4096], help="global sequence lengths")
+    p.add_argument("--heads", type=_ints, default=[8], help="query heads")
+    p.add_argument("--kv-heads", type=_ints, default=[2, 8], help="KV heads")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-causal", dest="causal", action="store_false", help="non-causal attention")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p
+
+
+def _timed(fn, iters: int, warmup: int, device: torch.device) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / iters * 1e3], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+    return float(elapsed)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gather_ints(value: int) -> list[int]:
+    t = torch.tensor([value], dtype=torch.int64)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [int(x) for x in out]
+
+
+def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict:
+    """Time and measure one grid point on every rank of ``mesh``; returns the record (same on all ranks)."""
+    u, r = mesh.ulysses_degree, mesh.ring_degree
+    dtype = getattr(torch, args.dtype)
+    local = seq_len // (u * r)
+    g = torch.Generator().manual_seed(0)
+    shape_q, shape_kv = (
+        (args.batch, local, num_heads, args.head_dim),
+        (args.batch, local, num_kv_heads, args.head_dim),
+    )
+    q = torch.randn(*shape_q, generator=g).to(device, dtype).requires_grad_()
+    k = torch.randn(*shape_kv, generator=g).to(device, dtype).requires_grad_()
+    v = torch.randn(*shape_kv, generator=g).to(device, dtype).requires_grad_()
+    dout = torch.randn(*shape_q, generator=g).to(device, dtype)
+    kw = dict(mesh=mesh, causal=args.causal, backend=args.backend)
+
+    def fwd():
+        with torch.no_grad():
+            usp_attention(q, k, v, **kw)
+
+    def fwd_bwd():
+        usp_attention(q, k, v, **kw).backward(dout)
+
+    with record_comm() as fwd_stats:
+        fwd()
+    with record_comm() as fb_stats:
+        fwd_bwd()
+    fwd_ms = _timed(fwd, args.iters, args.warmup, device)
+    fwd_bwd_ms = _timed(fwd_bwd, args.iters, args.warmup, device)
+
+    analytic = analytic_bytes_sent(
+        batch=args.batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=args.head_dim,
+        ulysses_degree=u, ring_degree=r, element_size=q.element_size(),
+    )  # fmt: skip
+    fwd_bytes = _gather_ints(fwd_stats.bytes_sent)
+    fb_bytes = _gather_ints(fb_stats.bytes_sent)
+    pairs = _gather_ints(fwd_stats.attention_pairs)
+    flops = _gather_ints(fb_stats.attention_flops)
+    work = ring_work(seq_len, r, mesh.ring_layout, args.causal)
+    n = r
+    if not args.causal or n == 1:
+        target = 1.0
+    elif mesh.ring_layout == "zigzag":
+        target = (2 * n + 1) / (2 * n)
+    else:
+        target = n / ((n + 1) / 2)
+    return {
+        "ulysses": u,
+        "ring": r,
+        "dp": mesh.dp_degree,
+        "layout": mesh.ring_layout,
+        "causal": args.causal,
+        "seq_len": seq_len,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": args.head_dim,
+        "batch": args.batch,
+        "dtype": args.dtype,
+        "fwd_ms": fwd_ms,
+        "fwd_bwd_ms": fwd_bwd_ms,
+        "fwd_bytes_measured": max(fwd_bytes),
+        "fwd_bytes_analytic": analytic["fwd"],
+        "fwd_bytes_ratio": max(fwd_bytes) / analytic["fwd"] if analytic["fwd"] else 1.0,
+        "fwd_bwd_bytes_measured": max(fb_bytes),
+        "fwd_bwd_bytes_analytic": analytic["fwd_bwd"],
+        "fwd_bwd_bytes_ratio": max(fb_bytes) / analytic["fwd_bwd"] if analytic["fwd_bwd"] else 1.0,
+        "bytes_equal_on_all_ranks": len(set(fwd_bytes)) == 1 and len(set(fb_bytes)) == 1,
+        "bytes_by_kind": fb_stats.bytes_by_kind,
+        "pairs_per_rank": pairs,
+        "fwd_bwd_attention_flops_per_rank": flops,
+        "pairs_max_over_mean": imbalance(pairs),
+        "area_max_over_mean": imbalance([w["area"] for w in work]),
+        "target_max_over_mean": target,
+    }
+
+
+def run_grid(args: argparse.Namespace) -> dict:
+    """Run the grid on the current process group (every rank calls this); returns the report."""
+    world = dist.get_world_size()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    kernel = resolve_backend(args.backend, device)
+    records, skipped, meshes = [], [], {}
+    grid = itertools.product(
+        args.ulysses, args.ring, args.layouts.split(","), args.seq, args.heads, args.kv_heads
+    )
+    for u, r, layout, seq_len, hq, hkv in grid:
+        point = dict(ulysses=u, ring=r, layout=layout, seq_len=seq_len, num_heads=hq, num_kv_heads=hkv)
+        if r == 1 and layout != args.layouts.split(",")[0]:
+            continue  # the layout only matters with a ring
+        why = None
+        if world % (u * r):
+            why = f"ulysses x ring = {u * r} does not divide world {world}"
+        elif seq_len % sequence_multiple(r, u, layout):
+            why = f"seq {seq_len} not a multiple of {sequence_multiple(r, u, layout)}"
+        elif hq % u or hq % hkv or (hkv % u and u % hkv):
+            why = f"heads {hq}/{hkv} don't fit ulysses {u}"
+        if why:
+            skipped.append({**point, "reason": why})
+            continue
+        if (u, r, layout) not in meshes:  # building a mesh is collective: every rank walks the same grid
+            meshes[u, r, layout] = init_sp_mesh(u, r, ring_layout=layout, device_type=device.type)
+        mesh = meshes[u, r, layout]
+        records.append(
+            bench_point(mesh, seq_len=seq_len, num_heads=hq, num_kv_heads=hkv, args=args, device=device)
+        )
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()})",
+        "host_cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "world_size": world,
+        "process_backend": dist.get_backend(),
+        "kernel_backend": kernel,
+        "results": records,
+        "skipped": skipped,
+    }
+
+
+def format_table(report: dict) -> str:
+    rows = [[title for _, title, _ in COLUMNS]]
+    for rec in report["results"]:
+        rows.append([fmt.format(rec[key]) for key, _, fmt in COLUMNS])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    head = (
+        f"usp_attention benchmark  {report['date']}  device={report['device']}  world={report['world_size']}  "
+        f"kernel={report['kernel_backend']}"
+    )
+    tail = [
+        f"skipped U={s['ulysses']} R={s['ring']} {s['layout']} seq={s['seq_len']} "
+        f"heads={s['num_heads']}/{s['num_kv_heads']}: {s['reason']}"
+        for s in report["skipped"]
+    ]
+    return "\n".join([head, *lines, *tail])
+
+
+def _main_on_rank(args: argparse.Namespace) -> dict:
+    report = run_grid(args)
+    if dist.get_rank() == 0:
+        print(format_table(report), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+    return report
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _main_on_rank(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> dict | None:
+    """CLI entry. Uses the existing process group if there is one, torchrun's if launched by it, else spawns."""
+    args = build_parser().parse_args(argv)
+    if dist.is_initialized():
+        return _main_on_rank(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        try:
+            return _main_on_rank(args)
+        finally:
+            dist.destroy_process_group()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_spawned, args=(args.world, port, args), nprocs=args.world, join=True)
+    return None
+
+
+if __name__ == "__main__":
+    main()
