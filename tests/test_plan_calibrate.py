@@ -80,6 +80,20 @@ def test_bench_reader_finds_timings_in_any_shape(tmp_path: Path):
         read_bench_json(empty)
 
 
+def test_bench_reader_on_usp_bench_records(tmp_path: Path):
+    # the shape of a usp-bench result: per-rank FLOP counts (the busiest rank sets the time), a global shape
+    rec = {"ulysses": 2, "ring": 2, "layout": "zigzag", "causal": True, "seq_len": 64, "num_heads": 4,
+           "num_kv_heads": 1, "head_dim": 8, "batch": 1, "dtype": "float32", "fwd_ms": 2.0, "fwd_bwd_ms": 5.0,
+           "fwd_bwd_attention_flops_per_rank": [10_000, 14_000, 12_000, 14_000],
+           "bytes_by_kind": {"ring_kv": 1024}}  # fmt: skip
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"world_size": 4, "results": [rec], "skipped": []}))
+    recs = {r.kind: r.achieved_tflops for r in read_bench_json(path)}
+    assert recs["fwd_bwd"] == pytest.approx(14_000 / 5e-3 / 1e12)
+    # forward from the shape: 4 x 64^2 x 4 heads x 8 / 2 (causal) / 4 ranks = 65,536 FLOPs in 2 ms
+    assert recs["fwd"] == pytest.approx(65_536 / 2e-3 / 1e12)
+
+
 def _write_run(
     root: Path, name: str, *, seq_len: int, ulysses: int, ring: int, world: int, ckpt: Path
 ) -> Path:

@@ -89,8 +89,21 @@ def _shape_flops(rec: dict[str, Any], kind: str) -> float | None:
     if not all(isinstance(x, (int, float)) for x in (seq, heads, dim)):
         return None
     batch = get.get("batch") or get.get("batch_size") or 1
-    fwd = 4.0 * seq * seq * heads * dim * batch * (0.5 if get.get("causal", True) else 1.0)
+    # the shape is the whole sequence; one rank does 1 / (ulysses x ring) of it
+    ranks = (get.get("ulysses") or get.get("ulysses_degree") or 1) * (
+        get.get("ring") or get.get("ring_degree") or 1
+    )
+    fwd = 4.0 * seq * seq * heads * dim * batch * (0.5 if get.get("causal", True) else 1.0) / ranks
     return fwd * (1 + ATTN_BWD_OVER_FWD_HW) if kind == "fwd_bwd" else fwd
+
+
+def _busiest(value: Any) -> float | None:
+    """A FLOP count, or the largest of per-rank counts (the busiest rank sets the wall time)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, list) and value and all(isinstance(x, (int, float)) for x in value):
+        return float(max(value))
+    return None
 
 
 def _records_in(obj: Any) -> list[BenchRecord]:
@@ -114,12 +127,13 @@ def _records_in(obj: Any) -> list[BenchRecord]:
             if _kind(k) == kind and k.endswith("tflops") and isinstance(v, (int, float))
         ]
         flops = [
-            v
+            _busiest(v)
             for k, v in norm.items()
-            if _kind(k) == kind and k.endswith("flops") and not k.endswith("tflops")
+            if _kind(k) == kind and "flops" in k and not k.endswith("tflops") and "per_s" not in k
         ]
+        flops = [f for f in flops if f]
         seconds = times[0] if times else None
-        if seconds and flops and isinstance(flops[0], (int, float)):
+        if seconds and flops:
             found.append(BenchRecord(kind, seconds, flops[0] / seconds / 1e12))
         elif rates:
             found.append(BenchRecord(kind, seconds, float(rates[0])))
