@@ -193,3 +193,19 @@ def test_flash_attn_varlen_packing(monkeypatch, causal):
         attention_backward(dout, q, k, v, out_m, lse_g, backend="math", **kw),
     ):
         torch.testing.assert_close(a, b, **FP32)
+
+
+# --- CUDA torch SDPA paths: call signatures and shapes checked on the meta device (no GPU here) -------------
+
+
+@pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn"])
+@pytest.mark.parametrize("segments", [None, torch.tensor([[0, 5, 0, 5], [5, 16, 5, 16]])])
+def test_cuda_sdpa_paths_on_meta(backend, segments):
+    q = torch.empty(1, 16, 4, 8, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 16, 2, 8, device="meta", dtype=torch.bfloat16)
+    kw = dict(causal=True, softmax_scale=0.3, backend=backend, segments=segments)
+    out, lse = attention_forward(q, k, k, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (1, 4, 16) and lse.dtype == torch.float32
+    dq, dk, dv = attention_backward(out, q, k, k, out, lse, **kw)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape

@@ -260,7 +260,7 @@ def _sdpa_backward(kind, dout, q, k, v, out, lse, causal, scale, segments):
     if segments is not None or kind == "sdpa_efficient":
         bias = _bias(q, k, causal, segments)
         pad = (sq + 31) // 32 * 32
-        lse_p = torch.full((*lse.shape[:-1], pad), float("inf"), dtype=torch.float32, device=q.device)
+        lse_p = torch.zeros((*lse.shape[:-1], pad), dtype=torch.float32, device=q.device)
         lse_p[..., :sq] = lse
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dot,
