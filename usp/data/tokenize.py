@@ -92,6 +92,7 @@ def tokenize_documents(
         _encode_batch,
         num_proc=num_proc if num_proc > 1 and len(ds) > 1 else None,
         cache_file_name=cache_file_name,
+        writer_batch_size=batch_size,  # bounds memory when documents are books of ~1M tokens
         load_from_cache_file=cache_file_name is None,
         desc="tokenizing",
         **kwargs,
