@@ -1,0 +1,147 @@
+"""Loading a local Hugging Face causal LM checkpoint: validation first, RoPE overrides, dtype.
+
+Everything here runs on every rank and touches only local files. :func:`check_model_dir` reads nothing but
+``config.json`` and file names, so a bad ``model.path`` fails fast (a ``ValueError`` naming the setting)
+before any weights, data or process-group work.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+# Model families whose attention goes through transformers' AttentionInterface with the Llama layout
+# (q/k/v projections, RoPE on global position ids, causal), so apply_usp works for them unchanged.
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def parse_dtype(name: str, setting: str = "model.dtype") -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; ``ValueError`` naming ``setting`` for anything else."""
+    if name not in DTYPES:
+        raise ValueError(f"{setting}={name!r} is not supported; use one of {sorted(DTYPES)}.")
+    return DTYPES[name]
+
+
+def check_model_dir(path: str | os.PathLike | None) -> PretrainedConfig:
+    """Validate a local checkpoint dir and return its config, without loading weights.
+
+    Raises ``ValueError`` (naming ``model.path`` and the fix) when the dir is missing, has no ``config.json``
+    or no weight files, the config does not parse, or the family is not one :func:`usp.model.apply_usp`
+    supports.
+    """
+    if path is None or str(path) in ("", "???"):
+        raise ValueError(
+            "model.path is not set: point it at a local Hugging Face checkpoint dir "
+            "(config.json + *.safetensors + tokenizer files), e.g. model.path=/ckpts/Meta-Llama-3.1-8B."
+        )
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(
+            f"model.path={str(path)!r} does not exist or is not a directory. Point it at a local Hugging Face "
+            f"checkpoint dir (config.json + *.safetensors + tokenizer files); nothing is downloaded."
+        )
+    if not (p / "config.json").is_file():
+        raise ValueError(
+            f"model.path={str(path)!r} has no config.json, so it is not a Hugging Face checkpoint dir. "
+            f"Point model.path at the dir that holds config.json and the *.safetensors files."
+        )
+    try:
+        config = AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any parse failure is the user's file
+        raise ValueError(
+            f"model.path={str(path)!r}: config.json could not be read ({type(e).__name__}: {e}). "
+            f"Fix or replace the file (it must be a transformers model config)."
+        ) from e
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model.path={str(path)!r} holds a {model_type!r} model; usp trains Llama-family causal LMs "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)}). Use a checkpoint of one of those families."
+        )
+    if not any(any(p.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+        raise ValueError(
+            f"model.path={str(path)!r} has config.json but no weight files (*.safetensors or "
+            f"pytorch_model*.bin). Copy the complete checkpoint there."
+        )
+    return config
+
+
+def apply_rope_overrides(
+    config: PretrainedConfig,
+    *,
+    rope_theta: float | None = None,
+    rope_scaling: dict[str, Any] | None = None,
+    max_position_embeddings: int | None = None,
+) -> PretrainedConfig:
+    """Apply context-extension overrides to ``config`` in place (and return it).
+
+    transformers 5.x keeps RoPE settings in ``config.rope_parameters`` (``rope_type``, ``rope_theta``,
+    ``factor``, ...); 4.x kept top-level ``rope_theta`` and ``rope_scaling``. Both spellings are handled:
+    ``rope_scaling`` may use ``type`` or ``rope_type``.
+    """
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise ValueError(f"model.rope_scaling={rope_scaling!r} must be a mapping such as {{rope_type: linear, factor: 4.0}}.")
+    scaling = dict(rope_scaling or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if rope_theta is not None and rope_theta <= 0:
+        raise ValueError(f"model.rope_theta={rope_theta} must be positive.")
+    if getattr(config, "rope_parameters", None) is not None:
+        params = dict(config.rope_parameters)
+        params.update(scaling)
+        if rope_theta is not None:
+            params["rope_theta"] = float(rope_theta)
+        config.rope_parameters = params
+    else:  # transformers 4.x spelling
+        if rope_theta is not None:
+            config.rope_theta = float(rope_theta)
+        if scaling:
+            config.rope_scaling = scaling
+    if max_position_embeddings is not None:
+        if max_position_embeddings < 1:
+            raise ValueError(f"model.max_position_embeddings={max_position_embeddings} must be >= 1.")
+        config.max_position_embeddings = int(max_position_embeddings)
+    return config
+
+
+def rope_settings(config: PretrainedConfig) -> dict[str, Any]:
+    """The RoPE settings in effect, whichever spelling the config uses (for logs and tests)."""
+    if getattr(config, "rope_parameters", None) is not None:
+        return dict(config.rope_parameters)
+    return {"rope_theta": getattr(config, "rope_theta", None), **(getattr(config, "rope_scaling", None) or {})}
+
+
+def load_causal_lm(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    rope_theta: float | None = None,
+    rope_scaling: dict[str, Any] | None = None,
+    max_position_embeddings: int | None = None,
+    config: PretrainedConfig | None = None,
+) -> PreTrainedModel:
+    """Load the checkpoint at ``path`` on CPU in ``dtype``, with the RoPE overrides applied.
+
+    ``config`` may be the one :func:`check_model_dir` returned (it is modified in place by the overrides).
+    The model is returned in train mode with the KV cache off; attention is ``sdpa`` until
+    :func:`usp.model.apply_usp` switches it.
+    """
+    if config is None:
+        config = check_model_dir(path)
+    apply_rope_overrides(
+        config, rope_theta=rope_theta, rope_scaling=rope_scaling, max_position_embeddings=max_position_embeddings
+    )
+    config.use_cache = False
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), config=config, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+    )
+    model.train()
+    return model

@@ -1,0 +1,152 @@
+"""``apply_usp``: wire Unified Sequence Parallel attention into a transformers causal LM from outside.
+
+Nothing in the modeling code changes. We register an attention function under the name ``"usp"`` with
+transformers' ``AttentionInterface`` and switch the model to it. The modeling code then hands us, per layer,
+query/key/value of this rank's token slice after RoPE (``[B, H, S_local, D]``); we call
+:func:`usp.attention.usp_attention`, which exchanges heads/tokens over the mesh and returns this rank's
+slice of the attention output.
+
+Why it is exact:
+
+- every rank feeds the *global* position id of each of its tokens (``shard_sequence(position_ids)``), so
+  RoPE rotates each token as in the unsharded model, whatever order zigzag puts the tokens in;
+- everything outside attention (embeddings, norms, MLP, lm_head) is per token, so it needs no exchange;
+- ``"usp"`` is not in transformers' mask registry, so ``create_causal_mask`` builds no dense mask (it
+  returns ``None``); causality and document boundaries (``cu_seqlens``, global offsets) are the attention
+  kernel's job. Extra forward kwargs such as ``cu_seqlens`` travel through the decoder layers to us.
+
+The mesh and kernel choice live on each attention module (attribute ``usp_state``), not in a global, so two
+models with different meshes can coexist in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+
+from usp.parallel import SPMesh
+
+ATTN_IMPLEMENTATION = "usp"
+_STATE_ATTR = "usp_state"
+
+
+@dataclass(frozen=True)
+class USPAttentionState:
+    """What the registered attention function needs to know, attached to each attention module."""
+
+    mesh: SPMesh
+    backend: str = "auto"
+
+
+def check_heads(config: PretrainedConfig, ulysses_degree: int) -> None:
+    """``ValueError`` unless the model's heads can be split over ``ulysses_degree`` ranks.
+
+    Query heads must divide evenly. Key/value heads (GQA) must divide evenly too, or be fewer than the
+    degree and divide it (each KV head is then repeated to cover the degree).
+    """
+    hq = config.num_attention_heads
+    hkv = getattr(config, "num_key_value_heads", None) or hq
+    if hq % ulysses_degree != 0:
+        fits = [d for d in range(1, hq + 1) if hq % d == 0]
+        raise ValueError(
+            f"parallel.ulysses_degree={ulysses_degree} does not divide the model's {hq} attention heads "
+            f"(Ulysses splits heads over its ranks). Use a ulysses_degree in {fits} and put the rest of the "
+            f"sequence parallelism in parallel.ring_degree."
+        )
+    if hkv % ulysses_degree != 0 and ulysses_degree % hkv != 0:
+        raise ValueError(
+            f"parallel.ulysses_degree={ulysses_degree} does not fit the model's {hkv} key/value heads: it must "
+            f"divide {hkv} or be a multiple of it. Choose another ulysses_degree and raise parallel.ring_degree."
+        )
+
+
+def usp_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as ``"usp"`` (transformers' attention-function signature).
+
+    ``query`` ``[B, Hq, S_local, D]``, ``key``/``value`` ``[B, Hkv, S_local, D]`` (this rank's tokens, RoPE
+    applied with global positions). ``cu_seqlens``: int32 ``[num_docs + 1]`` global document boundaries, or
+    ``None``. Returns ``([B, S_local, Hq, D], None)`` as transformers expects.
+    """
+    state: USPAttentionState | None = getattr(module, _STATE_ATTR, None)
+    assert state is not None, "the 'usp' attention function runs only on modules prepared by usp.model.apply_usp"
+    if attention_mask is not None:
+        raise ValueError(
+            "apply_usp'd models take no attention_mask (padding masks are not supported under sequence "
+            "parallelism); pack documents and pass position_ids (restarting per document) and cu_seqlens."
+        )
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} is not supported by usp attention; set attention_dropout=0.")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < query.size(2) * state.mesh.sp_degree:
+        raise ValueError(
+            f"the model uses sliding-window attention (window {window}) shorter than the sequence; usp attention "
+            f"is full causal attention. Set sliding_window=null in the model config or shorten trainer.seq_len."
+        )
+    from usp.attention import usp_attention  # the attention engineer's module; imported late on purpose
+
+    q = query.transpose(1, 2)  # [B, S_local, Hq, D]
+    k = key.transpose(1, 2)  # [B, S_local, Hkv, D]
+    v = value.transpose(1, 2)
+    out = usp_attention(
+        q, k, v, mesh=state.mesh, causal=True, softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens
+    )
+    return out, None  # out: [B, S_local, Hq, D]
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def _check_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    mesh = getattr(module, _STATE_ATTR).mesh
+    if mesh.sp_degree > 1 and kwargs.get("position_ids") is None:
+        raise ValueError(
+            "an apply_usp'd model needs position_ids under sequence parallelism: pass "
+            "shard_sequence(global_position_ids, mesh) with this rank's input_ids slice."
+        )
+
+
+def apply_usp(model: PreTrainedModel, mesh: SPMesh, *, backend: str = "auto") -> PreTrainedModel:
+    """Make ``model`` compute attention with USP over ``mesh`` (in place; returns ``model``).
+
+    Afterwards ``model(input_ids=x, position_ids=p, cu_seqlens=c)`` with ``x = shard_sequence(ids, mesh)``,
+    ``p = shard_sequence(global_position_ids, mesh)`` (``[B, S_local]``) and ``c`` the global int32 document
+    boundaries (or ``None``) returns this rank's slice of the logits ``[B, S_local, V]``, equal to the
+    unsharded model's logits at those positions. Every rank of the mesh must call the model together.
+
+    Works for Llama (with or without GQA) and the same attention layout (Mistral without a sliding window,
+    Qwen2/3). Raises ``ValueError`` if the heads do not split over ``mesh.ulysses_degree`` or the model's
+    attention modules are not found.
+    """
+    config = model.config
+    check_heads(config, mesh.ulysses_degree)
+    modules = _attention_modules(model)
+    if len(modules) != config.num_hidden_layers:
+        raise ValueError(
+            f"apply_usp found {len(modules)} attention modules in a {type(model).__name__} with "
+            f"{config.num_hidden_layers} layers; only Llama-family models (one *Attention module per decoder "
+            f"layer, using transformers' AttentionInterface) are supported."
+        )
+    AttentionInterface.register(ATTN_IMPLEMENTATION, usp_attention_forward)
+    state = USPAttentionState(mesh=mesh, backend=backend)
+    for m in modules:
+        setattr(m, _STATE_ATTR, state)
+    decoder = model.get_decoder()
+    if not hasattr(decoder, _STATE_ATTR):
+        decoder.register_forward_pre_hook(_check_position_ids, with_kwargs=True)
+    setattr(decoder, _STATE_ATTR, state)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
