@@ -1,0 +1,111 @@
+"""Chunked, token-weighted cross-entropy: exact global-mean loss without materializing ``[S, vocab]`` logits.
+
+Labels arrive already shifted on the *global* sequence (``labels[t] = input_ids[t + 1]``, ``-100`` where
+there is no target), then sharded like the tokens, so a token at a shard boundary keeps its target.
+
+The loss of one optimizer step is the mean over every target token of every micro-batch on every rank::
+
+    loss = sum_{ranks, micro-batches, tokens} ce(logits_t, label_t) / N,   N = number of targets (all_reduce)
+
+Each rank backpropagates ``local_sum / N``; its gradients are this rank's share of the global gradient, and
+FSDP2 must *sum* the shares (``usp.train.parallelize`` sets its divide factor to 1), which yields exactly the
+single-process gradient of the mean loss.
+
+Memory: the final norm'd hidden states ``[B, S_local, H]`` go through ``lm_head`` ``chunk_size`` tokens at a
+time, each chunk under activation checkpointing, so at most one chunk's ``[chunk, vocab]`` fp32 logits exist
+in forward and in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+IGNORE_INDEX = -100
+
+
+def _chunk_ce_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor
+) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()  # [chunk, V], fp32 for a stable log-softmax
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sum of token cross-entropies of ``lm_head(hidden)`` against ``labels`` (``-100`` ignored).
+
+    ``hidden`` ``[B, S, H]`` (after the final norm), ``weight`` ``[V, H]`` (``lm_head.weight``), ``labels``
+    ``[B, S]``. Returns an fp32 scalar. Differentiable with respect to ``hidden``, ``weight`` and ``bias``;
+    each chunk of ``chunk_size`` tokens is recomputed in backward, so peak extra memory is one chunk's logits.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"trainer.loss_chunk_size={chunk_size} must be >= 1 (tokens per cross-entropy chunk).")
+    assert hidden.shape[:-1] == labels.shape, f"hidden {tuple(hidden.shape)} vs labels {tuple(labels.shape)}"
+    h = hidden.reshape(-1, hidden.size(-1))  # [B*S, H]
+    y = labels.reshape(-1)  # [B*S]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, h.size(0), chunk_size):
+        end = min(start + chunk_size, h.size(0))
+        total = total + checkpoint(_chunk_ce_sum, h[start:end], weight, bias, y[start:end], use_reentrant=False)
+    return total
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Number of tokens with a target (``label != -100``)."""
+    return int((labels != IGNORE_INDEX).sum().item())
+
+
+def global_target_count(local_count: int, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> int:
+    """Sum of ``local_count`` over ``group`` (every rank of the job: dp x ring x ulysses); one all_reduce."""
+    t = torch.tensor([local_count], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
+class ChunkedCausalLMLoss(nn.Module):
+    """Wraps a transformers causal LM so that one ``forward`` runs the decoder *and* the chunked loss.
+
+    FSDP2 is applied with this wrapper as its root, so ``lm_head`` (in the root's parameter group) is gathered
+    by the root's hooks even though the model's own ``forward`` (which would build full logits) is bypassed.
+    ``self.model`` stays the plain transformers model: checkpoints and exports use it, with its usual names.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, chunk_size: int):
+        super().__init__()
+        if chunk_size < 1:
+            raise ValueError(f"trainer.loss_chunk_size={chunk_size} must be >= 1 (tokens per cross-entropy chunk).")
+        self.model = model
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        num_targets: int | float = 1.0,
+    ) -> torch.Tensor:
+        """``sum of this rank's token losses / num_targets`` (fp32 scalar).
+
+        ``input_ids``, ``labels``, ``position_ids``: this rank's slice ``[B, S_local]``; ``cu_seqlens``: global
+        document boundaries or ``None``; ``num_targets``: the global target count of the whole step.
+        """
+        extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+        hidden = out.last_hidden_state  # [B, S_local, H], after the final norm
+        head = self.model.get_output_embeddings()
+        loss_sum = chunked_cross_entropy_sum(hidden, head.weight, labels, chunk_size=self.chunk_size, bias=head.bias)
+        return loss_sum / num_targets

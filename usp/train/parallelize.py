@@ -1,0 +1,133 @@
+"""The parallelize recipe: USP attention, activation checkpointing, FSDP2 — applied from outside, in order.
+
+``parallelize(model, mesh, ...)`` is a short ordered list of ``apply_*`` steps, each taking a mesh and plain
+arguments:
+
+1. :func:`usp.model.apply_usp` - attention over the sequence-parallel mesh;
+2. :func:`apply_activation_checkpointing` - recompute decoder layers in backward (none / full / every k-th);
+3. wrap in :class:`usp.train.loss.ChunkedCausalLMLoss` (decoder + chunked loss in one forward);
+4. :func:`apply_fsdp` - FSDP2 ``fully_shard`` per decoder layer, then the root, over every rank
+   (``full_shard``: the flattened dp x ring x ulysses axis; ``hybrid_shard``: shard inside a node, replicate
+   across nodes). Parameters stay fp32 (the optimizer's master copy); compute runs in ``param_dtype``;
+   gradients are reduced in ``reduce_dtype`` and *summed*, not averaged (see :mod:`usp.train.loss`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import PreTrainedModel
+
+from usp.model import apply_usp
+from usp.parallel import SPMesh
+from usp.train.loss import ChunkedCausalLMLoss
+
+FSDP_MODES: tuple[str, ...] = ("full_shard", "hybrid_shard")
+AC_MODES: tuple[str, ...] = ("none", "full", "every_k")
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    """The decoder blocks of a Llama-family causal LM (``model.model.layers``)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    assert isinstance(layers, nn.ModuleList), f"{type(model).__name__} has no decoder .layers ModuleList"
+    return layers
+
+
+def apply_activation_checkpointing(layers: Iterable[nn.Module], mode: str, every_k: int = 2) -> int:
+    """Recompute the chosen decoder layers in backward; returns how many layers were marked.
+
+    ``mode``: ``none``; ``full`` (every layer); ``every_k`` (layers 0, k, 2k, ...). Uses the composable
+    (non-reentrant) checkpoint, which keeps parameter names unchanged (checkpoints and exports see the same
+    state-dict keys with or without it). Collectives inside attention run again during the recompute, in the
+    same order on every rank.
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"parallel.activation_checkpointing={mode!r} is invalid; choose one of {AC_MODES}.")
+    if mode == "every_k" and every_k < 1:
+        raise ValueError(f"parallel.ac_every_k={every_k} must be >= 1.")
+    n = 0
+    for i, layer in enumerate(layers):
+        if mode == "full" or (mode == "every_k" and i % every_k == 0):
+            composable_checkpoint(layer)
+            n += 1
+    return n
+
+
+def build_hsdp_mesh(mesh: SPMesh, node_size: int) -> DeviceMesh:
+    """A 2-D ``(replicate, shard)`` DeviceMesh over the same ranks: shard inside a node of ``node_size``.
+
+    Collective: every rank must call it. ``node_size`` must divide the world size.
+    """
+    world = mesh.dims.world_size
+    if node_size < 1 or world % node_size != 0:
+        raise ValueError(
+            f"parallel.fsdp_mode=hybrid_shard needs the node size ({node_size}) to divide the world size {world}; "
+            f"set parallel.node_size or use parallel.fsdp_mode=full_shard."
+        )
+    grid = torch.arange(world).reshape(world // node_size, node_size)  # [nodes, ranks per node]
+    return DeviceMesh(mesh.device_mesh.device_type, grid, mesh_dim_names=("replicate", "shard"))
+
+
+def apply_fsdp(
+    root: nn.Module,
+    layers: Iterable[nn.Module],
+    device_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> FSDPModule:
+    """FSDP2 ``fully_shard`` on each of ``layers``, then on ``root``; gradients are summed across ranks.
+
+    ``device_mesh``: 1-D (shard over it) or 2-D ``(replicate, shard)`` (HSDP). Each layer's parameters are
+    all-gathered in ``param_dtype`` for its forward and freed after it (again for backward); gradients are
+    reduce-scattered in ``reduce_dtype`` (all-reduced across replicas under HSDP). The gradient divide factor
+    is 1 with sum-only collectives, because the loss is already normalized by the global token count.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in layers:
+        fully_shard(layer, mesh=device_mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(root, mesh=device_mesh, mp_policy=mp)
+    for m in root.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    assert isinstance(root, FSDPModule)
+    return root
+
+
+def parallelize(
+    model: PreTrainedModel,
+    mesh: SPMesh,
+    *,
+    attention_backend: str = "auto",
+    fsdp_mode: str = "full_shard",
+    node_size: int | None = None,
+    activation_checkpointing: str = "none",
+    ac_every_k: int = 2,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    loss_chunk_size: int = 4096,
+) -> ChunkedCausalLMLoss:
+    """Apply the whole recipe to a loaded (fp32, CPU) model; returns the FSDP2-wrapped loss module.
+
+    The returned module's ``.model`` is ``model`` itself (its parameters now DTensors on the mesh's device);
+    pass ``model`` to checkpointing and export, and the returned module to the training step.
+    """
+    if fsdp_mode not in FSDP_MODES:
+        raise ValueError(f"parallel.fsdp_mode={fsdp_mode!r} is invalid; choose one of {FSDP_MODES}.")
+    apply_usp(model, mesh, backend=attention_backend)
+    layers = decoder_layers(model)
+    apply_activation_checkpointing(layers, activation_checkpointing, ac_every_k)
+    loss_model = ChunkedCausalLMLoss(model, chunk_size=loss_chunk_size)
+    if fsdp_mode == "hybrid_shard":
+        device_mesh = build_hsdp_mesh(mesh, node_size or dist.get_world_size())
+    else:
+        device_mesh = mesh.fsdp_mesh
+    apply_fsdp(loss_model, layers, device_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return loss_model

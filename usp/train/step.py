@@ -1,0 +1,112 @@
+"""One optimizer step over a list of micro-batches: token-weighted loss, backward, clip, AdamW, schedule.
+
+Split out of the trainer loop so tests can drive it with hand-made batches and compare against a plain,
+single-process transformers model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from usp.parallel import SPMesh
+from usp.train.loss import count_targets, global_target_count
+from usp.train.optim import clip_grad_norm
+
+BATCH_KEYS: tuple[str, ...] = ("input_ids", "labels", "position_ids")
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step measured (identical on every rank except ``document_lengths``)."""
+
+    loss: float
+    """Mean cross-entropy over every target token of the step, on every rank of the job."""
+    grad_norm: float
+    """Global L2 norm of the gradient before clipping."""
+    lr: float
+    """Learning rate the step used."""
+    num_targets: int
+    """Target tokens in the whole step (all ranks, all micro-batches)."""
+    tokens: int
+    """Input tokens in the whole step (all data-parallel replicas, all micro-batches)."""
+    step_time_s: float
+    document_lengths: list[list[int]] = field(default_factory=list)
+    """This data-parallel replica's document-piece lengths (one list per sample), for FLOP counting."""
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    assert not missing, f"batch lacks {missing}; a batch is a dict with {BATCH_KEYS} (+ cu_seqlens)"
+    out = {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS}
+    cu = batch.get("cu_seqlens")
+    out["cu_seqlens"] = None if cu is None else cu.to(device=device, dtype=torch.int32)
+    return out
+
+
+def train_step(
+    loss_model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    micro_batches: Sequence[dict[str, Any]],
+    *,
+    mesh: SPMesh,
+    grad_clip: float,
+    device: torch.device | str = "cpu",
+) -> StepResult:
+    """Forward/backward every micro-batch, then clip, step and advance the schedule.
+
+    ``micro_batches``: this rank's slices (``input_ids``, ``labels``, ``position_ids`` ``[B, S_local]``;
+    optional global ``cu_seqlens``; optional ``document_lengths``). The global target count of the whole
+    step is all-reduced first (one collective over every rank), so each micro-batch's loss is its share of the
+    step's global mean and the accumulated gradients equal the single-process gradient of that mean.
+    """
+    assert micro_batches, "train_step needs at least one micro-batch"
+    device = torch.device(device)
+    start = time.perf_counter()
+    group = mesh.group("fsdp")
+    batches = [_to_device(b, device) for b in micro_batches]
+    local_targets = sum(count_targets(b["labels"]) for b in batches)
+    num_targets = global_target_count(local_targets, group, device)
+    lr = optimizer.param_groups[0]["lr"]
+
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for b in batches:
+        loss = loss_model(
+            b["input_ids"],
+            b["labels"],
+            position_ids=b["position_ids"],
+            cu_seqlens=b["cu_seqlens"],
+            num_targets=max(num_targets, 1),
+        )
+        loss.backward()
+        loss_sum += loss.detach()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(loss_sum, group=group)  # shares of the global mean -> the global mean
+    grad_norm = clip_grad_norm(loss_model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+    doc_lengths: list[list[int]] = []
+    for b in micro_batches:
+        doc_lengths.extend(b.get("document_lengths") or [[b["input_ids"].size(1) * mesh.sp_degree]] * b["input_ids"].size(0))
+    tokens = sum(b["input_ids"].numel() for b in micro_batches) * mesh.sp_degree * mesh.dp_degree
+    return StepResult(
+        loss=float(loss_sum.item()),
+        grad_norm=grad_norm,
+        lr=lr,
+        num_targets=num_targets,
+        tokens=tokens,
+        step_time_s=time.perf_counter() - start,
+        document_lengths=doc_lengths,
+    )
