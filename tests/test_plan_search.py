@@ -9,7 +9,14 @@ import pytest
 
 from usp.config import ParallelConfig
 from usp.parallel import ParallelDims, sequence_multiple
-from usp.plan import NoFeasibleLayoutError, auto_degrees, get_device, load_model_spec, plan_layouts
+from usp.plan import (
+    NoFeasibleLayoutError,
+    auto_degrees,
+    evaluate_layout,
+    get_device,
+    load_model_spec,
+    plan_layouts,
+)
 from usp.plan.cli import main, parse_seq_len
 
 TINY = {
@@ -222,3 +229,19 @@ def test_cli_explicit_device_and_bad_values(capsys):
     assert main(["--model", "llama-2-7b", "--seq-len", "32K", "--global-batch", "3", "--json"]) == 0
     layouts = json.loads(capsys.readouterr().out)
     assert layouts and all(x["dp_degree"] == 1 and x["grad_accum_steps"] == 3 for x in layouts)
+
+
+def test_evaluate_layout_refuses_invalid_layouts():
+    model, device = load_model_spec("llama-3.1-8b"), get_device("h100-80g")
+    kw = dict(seq_len=2**17, world_size=16, node_size=8)
+    with pytest.raises(ValueError, match="span nodes"):  # Ulysses 16 over nodes of 8
+        evaluate_layout(model, device, ulysses_degree=16, ring_degree=1, **kw)
+    with pytest.raises(ValueError, match="does not divide the world size"):
+        evaluate_layout(model, device, ulysses_degree=8, ring_degree=3, **kw)
+    twelve = load_model_spec(TINY | {"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768})
+    with pytest.raises(ValueError, match="num_attention_heads=12 is not divisible by ulysses_degree=8"):
+        evaluate_layout(
+            twelve, device, ulysses_degree=8, ring_degree=1, seq_len=2**12, world_size=8, node_size=8
+        )
+    with pytest.raises(ValueError, match="multiple of 2"):
+        evaluate_layout(model, device, ulysses_degree=4, ring_degree=2, global_batch=3, **kw)

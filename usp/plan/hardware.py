@@ -68,7 +68,7 @@ GPUS: dict[str, DeviceSpec] = {
         2.0,
         0.02,
         dense_efficiency=0.5,
-        attention_efficiency=0.3,
+        attention_efficiency=0.1,
         layer_overhead_s=5e-3,
         reserved_gib=0.0,
     ),

@@ -102,10 +102,13 @@ def evaluate_layout(
     """Memory and time of one (already validated) layout. ``global_batch`` in sequences; default one per dp
     rank. ``compute_bytes``: 2 for bf16 compute (``model.dtype``), 4 for float32."""
     U, R = ulysses_degree, ring_degree
-    assert world_size % (U * R) == 0, "evaluate_layout needs degrees that divide the world"
-    D = world_size // (U * R)
+    D = ParallelDims(world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size).dp_degree
+    why = model.ulysses_split_error(U)
+    if why:
+        raise ValueError(f"parallel.ulysses_degree={U}: {why}.")
     batch = D if global_batch is None else global_batch
-    assert batch % D == 0, "global batch must split evenly over dp ranks"
+    if batch < 1 or batch % D:
+        raise ValueError(f"global batch {batch} does not split over dp_degree={D}: use a multiple of {D}.")
     accum = batch // D
     mem = training_memory(
         model,
