@@ -135,6 +135,10 @@ def test_usp_prepare_data_cli_on_jsonl(tmp_path, tokenizer, capsys):
         prepare_main(["--input", str(src), "--text-field", "body", "--tokenizer", str(tok_dir), "--seq-len", "48",
                       "--output", str(out)])  # fmt: skip
     assert "already exists" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a length that does not suit the training layout, before any work
+        prepare_main(["--input", "/missing.jsonl", "--tokenizer", str(tok_dir), "--seq-len", "30",
+                      "--ring-degree", "2", "--ulysses-degree", "2", "--output", str(tmp_path / "x")])  # fmt: skip
+    assert "--seq-len 24 or 32" in capsys.readouterr().err
 
 
 def test_sources_formats_concat_and_weighted_mix(tmp_path, tokenizer):

@@ -34,6 +34,7 @@ from datasets import Dataset, IterableDataset
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
 from usp.data.sources import check_inputs, is_prepared_dataset, load_text_sources
 from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, load_tokenizer, tokenize_documents
+from usp.parallel import check_sequence_length
 
 STATS_FILE = "usp_prepare.json"
 FORMAT_VERSION = "usp-packed-v1"
@@ -272,12 +273,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-bos", action="store_true", help="do not prepend BOS to each document (EOS is always added)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing usp-prepare-data output")
+    p.add_argument("--ring-degree", type=int, default=1, help="check --seq-len suits this training layout")
+    p.add_argument("--ulysses-degree", type=int, default=1, help="check --seq-len suits this training layout")
+    p.add_argument("--ring-layout", default="zigzag", choices=["zigzag", "contiguous"], help="(for the check)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        check_sequence_length(args.seq_len, args.ring_degree, args.ulysses_degree, args.ring_layout)
+    except ValueError as e:
+        parser.error(str(e).replace("trainer.seq_len =", "--seq-len"))
     try:
         shaping = LengthShaping(args.min_doc_tokens, args.long_doc_threshold, args.long_doc_factor)
         tokenizer = load_tokenizer(args.tokenizer)
