@@ -1,25 +1,18 @@
 """Fit the device efficiencies to measurements and report predicted vs measured (the planner's honesty figure).
 
-Sources:
-
-- ``usp-bench`` JSON (any nesting; JSON or JSON lines): every object with an attention time (keys such as
-  ``fwd_bwd_ms``, ``fwd+bwd_s``, ``fwd_ms``) and either its FLOPs (``fwd_bwd_flops``, ``flops``), an
-  achieved rate (``fwd_bwd_tflops``, ``tflops``), or the shape (``seq_len``, ``num_heads``, ``head_dim``,
-  ``batch``, ``causal``) to count the FLOPs from. Gives the attention efficiency.
-- a training run: ``metrics.jsonl`` (``step``, ``step_time_s``, ``peak_mem_gib``...) and the resolved config
-  next to it (``config.yaml``, ``resolved_config.yaml``, ``.hydra/config.yaml`` or ``config.json``). The
-  median step time after warm-up is compared with :func:`usp.plan.search.evaluate_layout`.
+Measurements come from :mod:`usp.plan.measurements` (``usp-bench`` JSON, training run dirs). For a training run
+the median step time after warm-up is compared with :func:`usp.plan.search.evaluate_layout` for its layout.
 
 Fit: a step is ``dense_flops / (peak * e_dense) + attn_work / (peak * e_attn) + layers * c + comm``; with three
 or more runs all three of ``1/e_dense, 1/e_attn, c`` are fitted by least squares on relative error, with two the
-compute is scaled as one and ``c`` fitted, with one only the compute scale.
+compute is scaled as one and ``c`` fitted, with one only the compute scale. A bench file sets ``e_attn`` to the
+median achieved attention rate over the peak.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import median
@@ -27,137 +20,21 @@ from typing import Any
 
 import numpy as np
 
-from usp.plan.compute import ATTN_BWD_OVER_FWD_HW
 from usp.plan.hardware import DeviceSpec
-from usp.plan.models import ModelSpec, load_model_spec
+from usp.plan.measurements import BenchRecord, TrainingRun, read_bench_json, read_training_run
 from usp.plan.search import LayoutEstimate, evaluate_layout
 
-_UNITS = (
-    ("_ms", 1e-3),
-    ("ms", 1e-3),
-    ("_us", 1e-6),
-    ("_sec", 1.0),
-    ("_s", 1.0),
-    ("_time", 1.0),
-    ("time", 1.0),
-)
-CONFIG_NAMES = (
-    "config.yaml",
-    "resolved_config.yaml",
-    ".hydra/config.yaml",
-    "config.json",
-    "resolved_config.json",
-)
-
-
-# --- usp-bench ----------------------------------------------------------------------------------------------
-@dataclass
-class BenchRecord:
-    kind: str
-    """``fwd`` or ``fwd_bwd``."""
-    seconds: float | None
-    achieved_tflops: float
-
-
-def _norm(key: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", key.lower()).strip("_")
-
-
-def _kind(key: str) -> str | None:
-    k = key.replace("forward", "fwd").replace("backward", "bwd").replace("_and_", "_")
-    if "fwd_bwd" in k or "fwdbwd" in k:
-        return "fwd_bwd"
-    if k.startswith("fwd") and "bwd" not in k:
-        return "fwd"
-    return None
-
-
-def _time_scale(key: str) -> float | None:
-    if "flop" in key or "per_s" in key or "throughput" in key:
-        return None
-    for suffix, scale in _UNITS:
-        if key.endswith(suffix):
-            return scale
-    return None
-
-
-def _shape_flops(rec: dict[str, Any], kind: str) -> float | None:
-    get = {_norm(k): v for k, v in rec.items()}
-    seq = get.get("seq_len") or get.get("seqlen") or get.get("sequence_length")
-    heads = get.get("num_heads") or get.get("heads") or get.get("nheads") or get.get("num_attention_heads")
-    dim = get.get("head_dim") or get.get("headdim")
-    if not all(isinstance(x, (int, float)) for x in (seq, heads, dim)):
-        return None
-    batch = get.get("batch") or get.get("batch_size") or 1
-    # the shape is the whole sequence; one rank does 1 / (ulysses x ring) of it
-    ranks = (get.get("ulysses") or get.get("ulysses_degree") or 1) * (
-        get.get("ring") or get.get("ring_degree") or 1
-    )
-    fwd = 4.0 * seq * seq * heads * dim * batch * (0.5 if get.get("causal", True) else 1.0) / ranks
-    return fwd * (1 + ATTN_BWD_OVER_FWD_HW) if kind == "fwd_bwd" else fwd
-
-
-def _busiest(value: Any) -> float | None:
-    """A FLOP count, or the largest of per-rank counts (the busiest rank sets the wall time)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, list) and value and all(isinstance(x, (int, float)) for x in value):
-        return float(max(value))
-    return None
-
-
-def _records_in(obj: Any) -> list[BenchRecord]:
-    found: list[BenchRecord] = []
-    if isinstance(obj, list):
-        for item in obj:
-            found += _records_in(item)
-        return found
-    if not isinstance(obj, dict):
-        return found
-    norm = {_norm(k): v for k, v in obj.items()}
-    for kind in ("fwd_bwd", "fwd"):
-        times = [
-            v * s
-            for k, v in norm.items()
-            if _kind(k) == kind and isinstance(v, (int, float)) and (s := _time_scale(k)) is not None
-        ]
-        rates = [
-            v
-            for k, v in norm.items()
-            if _kind(k) == kind and k.endswith("tflops") and isinstance(v, (int, float))
-        ]
-        flops = [
-            _busiest(v)
-            for k, v in norm.items()
-            if _kind(k) == kind and "flops" in k and not k.endswith("tflops") and "per_s" not in k
-        ]
-        flops = [f for f in flops if f]
-        seconds = times[0] if times else None
-        if seconds and flops:
-            found.append(BenchRecord(kind, seconds, flops[0] / seconds / 1e12))
-        elif rates:
-            found.append(BenchRecord(kind, seconds, float(rates[0])))
-        elif seconds and (f := _shape_flops(obj, kind)):
-            found.append(BenchRecord(kind, seconds, f / seconds / 1e12))
-    for v in obj.values():
-        if isinstance(v, (dict, list)):
-            found += _records_in(v)
-    return found
-
-
-def read_bench_json(path: str | Path) -> list[BenchRecord]:
-    """Attention timings in a ``usp-bench`` output (JSON or JSON lines), wherever they are nested."""
-    text = Path(path).read_text()
-    try:
-        data: Any = json.loads(text)
-    except json.JSONDecodeError:
-        data = [json.loads(line) for line in text.splitlines() if line.strip()]
-    records = _records_in(data)
-    if not records:
-        raise ValueError(
-            f"{path}: no attention timings found (expected keys like fwd_bwd_ms with flops or tflops)."
-        )
-    return records
+__all__ = [
+    "BenchRecord",
+    "Calibration",
+    "TrainingRun",
+    "calibrate",
+    "fit_attention_efficiency",
+    "format_report",
+    "predict_run",
+    "read_bench_json",
+    "read_training_run",
+]
 
 
 def fit_attention_efficiency(records: list[BenchRecord], device: DeviceSpec) -> float:
@@ -167,131 +44,6 @@ def fit_attention_efficiency(records: list[BenchRecord], device: DeviceSpec) -> 
 
 
 # --- training runs ------------------------------------------------------------------------------------------
-@dataclass
-class TrainingRun:
-    """One run's layout and what was measured in it."""
-
-    name: str
-    model: ModelSpec
-    seq_len: int
-    ulysses_degree: int
-    ring_degree: int
-    world_size: int
-    node_size: int
-    fsdp_mode: str
-    activation_checkpointing: str
-    ac_every_k: int
-    global_batch: int
-    loss_chunk_size: int
-    compute_bytes: int
-    """2 for bf16 / fp16 runs, 4 for float32 (``model.dtype``)."""
-    measured_step_s: float
-    measured_mem_gib: float | None
-
-
-def _load_config(run_dir: Path) -> dict[str, Any]:
-    for name in CONFIG_NAMES:
-        p = run_dir / name
-        if p.is_file():
-            if p.suffix == ".json":
-                return json.loads(p.read_text())
-            import yaml
-
-            return yaml.safe_load(p.read_text()) or {}
-    raise ValueError(f"{run_dir}: no resolved config ({', '.join(CONFIG_NAMES)}) next to metrics.jsonl.")
-
-
-def _model_from_config(cfg: dict[str, Any], run_dir: Path) -> ModelSpec:
-    model = cfg.get("model", {})
-    path = model.get("path")
-    if path and path != "???":
-        p = Path(path) if Path(path).is_absolute() else run_dir / path
-        for candidate in (Path(path), p):
-            if (candidate / "config.json").is_file():
-                return load_model_spec(str(candidate))
-    tiny = model.get("tiny_size") or {}
-    if tiny:  # the trainer builds the tiny checkpoint from LlamaConfig(**tiny_size): same defaults here
-        from transformers import LlamaConfig
-
-        return load_model_spec(LlamaConfig(**tiny).to_dict())
-    raise ValueError(f"{run_dir}: cannot find the model shape (model.path/config.json or model.tiny_size).")
-
-
-def read_training_run(
-    path: str | Path,
-    *,
-    model_config: dict[str, Any] | None = None,
-    model_spec: ModelSpec | None = None,
-    world_size: int | None = None,
-    node_size: int | None = None,
-    warmup_steps: int | None = None,
-) -> TrainingRun:
-    """A run dir (or its ``metrics.jsonl``): layout from the resolved config, median step time after warm-up."""
-    p = Path(path)
-    metrics = p if p.is_file() else p / "metrics.jsonl"
-    run_dir = metrics.parent
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if isinstance(r.get("step_time_s"), (int, float))]
-    if not rows:
-        raise ValueError(f"{metrics}: no rows with step_time_s.")
-    skip = warmup_steps if warmup_steps is not None else (min(2, len(rows) - 1) if len(rows) > 2 else 0)
-    steady = rows[skip:]
-    cfg = _load_config(run_dir)
-    par, trainer = cfg.get("parallel", {}), cfg.get("trainer", {})
-    if model_spec is not None:
-        model = model_spec
-    else:
-        model = load_model_spec(model_config) if model_config else _model_from_config(cfg, run_dir)
-
-    def latest(key: str) -> Any:
-        return next((r[key] for r in reversed(rows) if r.get(key) is not None), None)
-
-    degrees = []
-    for name in ("ulysses_degree", "ring_degree"):
-        value = par.get(name, 1)
-        if value == "auto":  # chosen at launch: the trainer logs the resolved degrees with the metrics
-            value = latest(name)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"{run_dir}: parallel.{name}={par.get(name)!r} and no resolved value in metrics.jsonl."
-            )
-        degrees.append(value)
-    U, R = degrees
-    ws = world_size or cfg.get("world_size") or latest("world_size")
-    per_gpu = [r for r in rows if r.get("tokens_per_s") and r.get("tokens_per_s_per_gpu")]
-    if not ws and per_gpu:
-        ws = round(per_gpu[-1]["tokens_per_s"] / per_gpu[-1]["tokens_per_s_per_gpu"])
-    if not ws:
-        dp = int(par.get("dp_degree", -1))
-        if dp < 1:
-            raise ValueError(f"{run_dir}: world size unknown (dp_degree=-1); pass world_size / --world-size.")
-        ws = dp * U * R
-    ws = int(ws)
-    node = int(node_size or par.get("node_size") or ws)
-    dp = ws // (U * R)
-    seq_len = int(trainer.get("seq_len", 0))
-    batch = dp * int(trainer.get("micro_batch_size", 1)) * int(trainer.get("grad_accum_steps", 1))
-    tokens = latest("tokens")
-    if isinstance(tokens, (int, float)) and seq_len and tokens % seq_len == 0:
-        batch = int(tokens // seq_len)  # sequences per optimizer step, as measured
-    mems = [r["peak_mem_gib"] for r in steady if isinstance(r.get("peak_mem_gib"), (int, float))]
-    return TrainingRun(
-        name=str(run_dir),
-        model=model,
-        seq_len=seq_len,
-        ulysses_degree=U,
-        ring_degree=R,
-        world_size=ws,
-        node_size=min(node, ws),
-        fsdp_mode=str(par.get("fsdp_mode", "full_shard")),
-        activation_checkpointing=str(par.get("activation_checkpointing", "none")),
-        ac_every_k=int(par.get("ac_every_k", 2)),
-        global_batch=batch,
-        compute_bytes=4 if str(cfg.get("model", {}).get("dtype", "bfloat16")) in ("float32", "fp32") else 2,
-        loss_chunk_size=int(trainer.get("loss_chunk_size", 4096)),
-        measured_step_s=median(r["step_time_s"] for r in steady),
-        measured_mem_gib=max(mems) if mems else None,
-    )
 
 
 def predict_run(run: TrainingRun, device: DeviceSpec) -> LayoutEstimate:

@@ -14,7 +14,7 @@ from typing import Any
 from usp.parallel.mesh import ParallelDims, sequence_multiple
 from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
 from usp.plan.compute import compute_time, model_flops_per_token
-from usp.plan.hardware import GIB, DeviceSpec
+from usp.plan.hardware import DeviceSpec
 from usp.plan.memory import checkpointed_layers, training_memory
 from usp.plan.models import ModelSpec
 
@@ -325,93 +325,9 @@ def plan_layouts(
     fitting = [c for c in candidates if c.fits]
     if fitting:
         return rank_layouts(fitting)
-    raise NoFeasibleLayoutError(_explain(model, device, candidates, rejected, kw))
+    from usp.plan.advice import explain_no_fit  # it searches again (more GPUs, shorter sequences...)
 
-
-def _fits(model: ModelSpec, device: DeviceSpec, **kw: Any) -> LayoutEstimate | None:
-    try:
-        candidates, _ = enumerate_layouts(model, device, **kw)
-    except ValueError:
-        return None
-    fitting = [c for c in candidates if c.fits]
-    return min(fitting, key=lambda c: c.mem_gib_per_gpu) if fitting else None
-
-
-def _explain(
-    model: ModelSpec,
-    device: DeviceSpec,
-    candidates: list[LayoutEstimate],
-    rejected: list[str],
-    kw: dict[str, Any],
-) -> str:
-    W, node, S = kw["world_size"], kw["node_size"], kw["seq_len"]
-    lines = [
-        f"no layout of {model.name} at seq_len={S} fits {W} x {device.name} ({device.memory_gib:g} GiB each)."
-    ]
-    if not candidates:
-        lines.append("Every (ulysses, ring) pair was rejected:")
-        lines += [f"  - {r}" for r in rejected[:12]]
-        lines.append(
-            "Fix: pick degrees from the valid splits above, or a seq_len that is a multiple of "
-            "2 x ring x ulysses."
-        )
-        return "\n".join(lines)
-    best = min(candidates, key=lambda c: c.mem_gib_per_gpu)
-    lines.append(
-        f"Smallest need: {best.mem_gib_per_gpu:.1f} GiB/GPU (ulysses={best.ulysses_degree} ring={best.ring_degree} "
-        f"{best.fsdp_mode}, checkpointing {best.activation_checkpointing}); breakdown GiB: "
-        + ", ".join(f"{k} {v:.1f}" for k, v in best.memory_gib.items())
-    )
-    lines.append("What would fit:")
-    n_header = len(lines)
-    for factor in (2, 4, 8, 16, 32, 64):
-        hit = _fits(
-            model, device, **(kw | {"world_size": W * factor, "ulysses_degree": None, "ring_degree": None})
-        )
-        if hit:
-            lines.append(
-                f"  - more GPUs: {W * factor // node} nodes of {node} ({W * factor} GPUs), e.g. "
-                f"ulysses={hit.ulysses_degree} ring={hit.ring_degree} at {hit.mem_gib_per_gpu:.1f} GiB"
-            )
-            break
-
-    def longest_fitting(**extra: Any) -> tuple[int, LayoutEstimate] | None:
-        seq = S // 2
-        while seq >= 1024:
-            hit = _fits(model, device, **(kw | {"seq_len": seq} | extra))
-            if hit:
-                return seq, hit
-            seq //= 2
-        return None
-
-    shorter = longest_fitting()
-    if shorter:
-        lines.append(
-            f"  - a shorter sequence: trainer.seq_len={shorter[0]} fits ({shorter[1].mem_gib_per_gpu:.1f} GiB)"
-        )
-    if kw["ac_modes"] is not None and "full" not in kw["ac_modes"]:
-        hit = _fits(model, device, **(kw | {"ac_modes": ("full",)}))
-        if hit:
-            lines.append(
-                f"  - activation checkpointing: parallel.activation_checkpointing=full "
-                f"({hit.mem_gib_per_gpu:.1f} GiB)"
-            )
-    offload = "FSDP CPU offload of parameters, gradients and optimizer states"
-    hit = _fits(model, device, **(kw | {"offload": True}))
-    if hit:
-        lines.append(f"  - offload: {offload} ({hit.mem_gib_per_gpu:.1f} GiB/GPU on device)")
-    elif not shorter:
-        both = longest_fitting(offload=True)
-        if both:
-            lines.append(
-                f"  - offload and a shorter sequence: {offload} with trainer.seq_len={both[0]} "
-                f"({both[1].mem_gib_per_gpu:.1f} GiB/GPU on device)"
-            )
-    if len(lines) == n_header:
-        lines.append("  - nothing within 64x the GPUs or down to 1K tokens; use a device with more memory.")
-    if kw["ac_modes"] is None:
-        lines.append("(Full activation checkpointing was already tried in every layout above.)")
-    return "\n".join(lines)
+    raise NoFeasibleLayoutError(explain_no_fit(model, device, candidates, rejected, kw))
 
 
 def auto_degrees(
@@ -457,11 +373,11 @@ def auto_degrees(
 
 
 __all__ = [
-    "GIB",
     "LayoutEstimate",
     "NoFeasibleLayoutError",
     "auto_degrees",
     "enumerate_layouts",
     "evaluate_layout",
     "plan_layouts",
+    "rank_layouts",
 ]
