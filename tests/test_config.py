@@ -104,6 +104,15 @@ def test_missing_checkpoint_path_and_data_are_named():
         compose_config(["recipe=llama31_8b_128k", "model.path=/ckpt/llama"])
 
 
+def test_command_line_data_group_beats_the_recipe():
+    cfg = compose_config(
+        ["recipe=llama31_8b_128k", "model.path=/m", "data=jsonl", "data.inputs=[/d/a.jsonl]"]
+    )
+    assert cfg.data.inputs == ["/d/a.jsonl"] and cfg.data.prepared_path is None
+    cfg = compose_config(["recipe=llama31_8b_128k", "model.path=/m", "data.prepared_path=/d/packed"])
+    assert cfg.data.prepared_path == "/d/packed" and cfg.data.inputs == []
+
+
 def test_degrees_that_do_not_fit_the_world_fail_with_the_numbers():
     cfg = compose_config(["recipe=tiny"])
     with pytest.raises(ValueError, match=r"= 4 does not divide the world size 6"):

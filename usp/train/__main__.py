@@ -31,6 +31,9 @@ CONFIG_NAME = "train"
 _MISSING_HINTS: dict[str, str] = {
     "model.path": "model.path=/ckpt/Llama-3.1-8B (a local Hugging Face checkpoint dir: config.json, "
     "*.safetensors, tokenizer files)",
+    "data.prepared_path": "data.prepared_path=/data/long-128k (a usp-prepare-data output), or data=jsonl "
+    "'data.inputs=[/data/a.jsonl]' to tokenize and pack at start-up",
+    "data.inputs": "'data.inputs=[/data/a.jsonl,/data/b.parquet]' (local files) or '[owner/dataset]' (hub)",
 }
 VERSION_BASE = "1.3"
 
