@@ -198,6 +198,9 @@ def test_bad_inputs_raise_clear_errors(tmp_path, tokenizer, monkeypatch):
     src = _write_jsonl(tmp_path / "c.jsonl", ["hello world"] * 5, field="content")
     with pytest.raises(ValueError, match=r"no column 'text'.*--text-field"):
         prepare_dataset([str(src)], output=tmp_path / "o2", **kw)
+    (tmp_path / "zero.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"zero.jsonl' is empty \(0 bytes\)"):
+        prepare_dataset([str(tmp_path / "zero.jsonl")], output=tmp_path / "o0", **kw)
     empty = _write_jsonl(tmp_path / "e.jsonl", ["", "  "])
     with pytest.raises(ValueError, match="no non-empty documents"):
         prepare_dataset([str(empty)], output=tmp_path / "o3", **kw)

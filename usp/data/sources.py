@@ -96,6 +96,11 @@ def check_inputs(
                     f"{setting}: input {spec!r} does not exist (no such file, directory or glob match). "
                     "Fix the path, or pass a hub dataset name such as 'owner/name'."
                 )
+            empty = [m for m in matches if os.path.isfile(m) and os.path.getsize(m) == 0]
+            if empty:
+                raise ValueError(
+                    f"{setting}: input file {empty[0]!r} is empty (0 bytes); remove it from the inputs or fill it."
+                )
             if os.path.isfile(matches[0]) and _builder_for(matches[0]) is None:
                 raise ValueError(
                     f"{setting}: cannot tell the format of {spec!r}; use one of the extensions "
@@ -131,6 +136,9 @@ def _load_one(spec: str, *, cache_dir: str | None, streaming: bool) -> Dataset |
                 )
         else:
             files = sorted(glob.glob(str(path))) if any(c in spec for c in "*?[") else [str(path)]
+        empty = [f for f in files if os.path.getsize(f) == 0]
+        if empty:  # `datasets` fails obscurely on empty files
+            raise ValueError(f"data.inputs: file {empty[0]!r} in {spec!r} is empty (0 bytes); remove it.")
         kinds = {_builder_for(f) for f in files}
         if len(kinds) != 1:
             raise ValueError(
