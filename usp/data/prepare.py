@@ -275,7 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing usp-prepare-data output")
     p.add_argument("--ring-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument("--ulysses-degree", type=int, default=1, help="check --seq-len suits this training layout")
-    p.add_argument("--ring-layout", default="zigzag", choices=["zigzag", "contiguous"], help="(for the check)")
+    p.add_argument(
+        "--ring-layout", default="zigzag", choices=["zigzag", "contiguous"], help="(for the check)"
+    )
     return p
 
 
