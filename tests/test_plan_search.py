@@ -245,3 +245,27 @@ def test_evaluate_layout_refuses_invalid_layouts():
         )
     with pytest.raises(ValueError, match="multiple of 2"):
         evaluate_layout(model, device, ulysses_degree=4, ring_degree=2, global_batch=3, **kw)
+
+
+def test_cli_float32_costs_more_memory(capsys):
+    base = [
+        "--model",
+        "llama-3.1-8b",
+        "--seq-len",
+        "32K",
+        "--json",
+        "--ulysses-degree",
+        "8",
+        "--ring-degree",
+        "1",
+    ]
+    assert main(base) == 0
+    bf16 = {(x["fsdp_mode"], x["activation_checkpointing"]): x for x in json.loads(capsys.readouterr().out)}
+    assert main(base + ["--dtype", "float32"]) == 0
+    fp32 = {(x["fsdp_mode"], x["activation_checkpointing"]): x for x in json.loads(capsys.readouterr().out)}
+    assert len(fp32.keys() & bf16.keys()) >= 2
+    for key in fp32.keys() & bf16.keys():
+        assert fp32[key]["memory_gib"]["activations"] == pytest.approx(
+            2 * bf16[key]["memory_gib"]["activations"], rel=1e-3
+        )
+        assert fp32[key]["memory_gib"]["sharded_states"] == bf16[key]["memory_gib"]["sharded_states"]

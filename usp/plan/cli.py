@@ -80,6 +80,9 @@ def build_plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-layout", default="zigzag", choices=["zigzag", "contiguous"])
     p.add_argument("--loss-chunk-size", type=int, default=4096)
     p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="model.dtype"
+    )
+    p.add_argument(
         "--overhead-frac", type=float, default=0.08, help="allocator margin on top of the estimate"
     )
     p.add_argument("--calibration", default=None, help="JSON written by 'usp-plan calibrate --out'")
@@ -224,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ring_degree=args.ring_degree,
             loss_chunk_size=args.loss_chunk_size,
             overhead_frac=args.overhead_frac,
+            compute_bytes=4 if args.dtype == "float32" else 2,
         )
         if args.json:
             print(json.dumps([e.to_dict() for e in layouts], indent=2))

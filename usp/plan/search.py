@@ -205,6 +205,7 @@ def enumerate_layouts(
     offload: bool = False,
     loss_chunk_size: int = 4096,
     overhead_frac: float = 0.08,
+    compute_bytes: int = 2,
 ) -> tuple[list[LayoutEstimate], list[str]]:
     """Every valid candidate, fitting or not, and the reasons the others were rejected before costing."""
     rejected: list[str] = []
@@ -254,6 +255,7 @@ def enumerate_layouts(
                             loss_chunk_size=loss_chunk_size,
                             overhead_frac=overhead_frac,
                             offload=offload,
+                            compute_bytes=compute_bytes,
                         )
                     )
     return out, rejected
@@ -273,8 +275,8 @@ def _check_cluster(seq_len: int, world_size: int, node_size: int, global_batch: 
 
 
 def rank_layouts(layouts: list[LayoutEstimate], tie_tolerance: float = TIE_TOLERANCE) -> list[LayoutEstimate]:
-    """Fastest first; layouts within ``tie_tolerance`` of each other's throughput band rank by memory (less is
-    better: headroom against the model's own error)."""
+    """Fastest first, in bands of ``tie_tolerance`` x the best throughput; inside a band, less memory first
+    (headroom against the model's own error)."""
     if not layouts:
         return []
     best = max(c.tokens_per_s_per_gpu for c in layouts)
@@ -300,6 +302,7 @@ def plan_layouts(
     ac_modes: tuple[str, ...] | None = None,
     loss_chunk_size: int = 4096,
     overhead_frac: float = 0.08,
+    compute_bytes: int = 2,
 ) -> list[LayoutEstimate]:
     """Layouts that fit, fastest first (:func:`rank_layouts`: within 2% throughput, less memory first).
 
@@ -320,6 +323,7 @@ def plan_layouts(
         ac_modes=ac_modes,
         loss_chunk_size=loss_chunk_size,
         overhead_frac=overhead_frac,
+        compute_bytes=compute_bytes,
     )
     candidates, rejected = enumerate_layouts(model, device, **kw)
     fitting = [c for c in candidates if c.fits]
