@@ -269,3 +269,26 @@ def test_cli_float32_costs_more_memory(capsys):
             2 * bf16[key]["memory_gib"]["activations"], rel=1e-3
         )
         assert fp32[key]["memory_gib"]["sharded_states"] == bf16[key]["memory_gib"]["sharded_states"]
+
+
+def test_cli_efficiency_flags_scale_the_compute(capsys):
+    base = [
+        "--model",
+        "llama-3.1-8b",
+        "--seq-len",
+        "64K",
+        "--json",
+        "--ulysses-degree",
+        "8",
+        "--ring-degree",
+        "1",
+    ]
+    assert main(base + ["--attention-efficiency", "0.5", "--dense-efficiency", "0.6"]) == 0
+    ref = json.loads(capsys.readouterr().out)[0]
+    assert main(base + ["--attention-efficiency", "0.25", "--dense-efficiency", "0.3"]) == 0
+    half = {(x["fsdp_mode"], x["activation_checkpointing"]): x for x in json.loads(capsys.readouterr().out)}
+    same = half[(ref["fsdp_mode"], ref["activation_checkpointing"])]
+    assert same["time_s"]["attention_s"] == pytest.approx(2 * ref["time_s"]["attention_s"])
+    assert same["time_s"]["dense_s"] == pytest.approx(2 * ref["time_s"]["dense_s"])
+    assert main(base + ["--attention-efficiency", "1.5"]) == 2
+    assert "--attention-efficiency=1.5 must be in (0, 1]" in capsys.readouterr().err

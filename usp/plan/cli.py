@@ -15,7 +15,7 @@ import json
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from usp.plan.calibrate import Calibration, calibrate, format_report, read_bench_json, read_training_run
 from usp.plan.hardware import GPUS, DeviceSpec, get_device
@@ -43,18 +43,30 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, TFLOP/s")
     p.add_argument("--intra-node-gbps", type=float, default=None, help="NVLink GB/s per GPU and direction")
     p.add_argument("--inter-node-gbps", type=float, default=None, help="network GB/s per GPU and direction")
+    p.add_argument("--dense-efficiency", type=float, default=None, help="fraction of peak for linear layers")
+    p.add_argument("--attention-efficiency", type=float, default=None, help="fraction of peak for attention")
 
 
 def _device(args: argparse.Namespace) -> DeviceSpec:
     explicit = [args.gpu_mem_gib, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps]
     name = args.gpu if args.gpu is not None or all(x is not None for x in explicit) else "h100-80g"
-    return get_device(
+    device = get_device(
         name,
         memory_gib=args.gpu_mem_gib,
         peak_tflops=args.peak_tflops,
         intra_node_gbps=args.intra_node_gbps,
         inter_node_gbps=args.inter_node_gbps,
     )
+    calibration = getattr(args, "calibration", None)
+    if calibration:
+        device = Calibration.load(calibration).apply(device)
+    for field in ("dense_efficiency", "attention_efficiency"):  # explicit figures win over a calibration
+        value = getattr(args, field)
+        if value is not None:
+            if not 0 < value <= 1:
+                raise ValueError(f"--{field.replace('_', '-')}={value} must be in (0, 1].")
+            device = replace(device, **{field: value})
+    return device
 
 
 def build_plan_parser() -> argparse.ArgumentParser:
@@ -197,8 +209,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--nodes={args.nodes} and --gpus-per-node={args.gpus_per_node} must be >= 1.")
         model = load_model_spec(args.model)
         device = _device(args)
-        if args.calibration:
-            device = Calibration.load(args.calibration).apply(device)
         world = args.nodes * args.gpus_per_node
         if args.inference:
             plans = plan_inference(
