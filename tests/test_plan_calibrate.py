@@ -160,6 +160,8 @@ def test_fit_recovers_the_hidden_efficiencies(runs: list[Path]):
     assert cal.layer_overhead_s == pytest.approx(TRUE_CPU.layer_overhead_s, rel=0.05)
     for row in cal.runs:
         assert row["time_ratio"] == pytest.approx(1.0, abs=0.02)
+        # fitted on the three other runs, each run is still predicted within 3% (out of sample)
+        assert row["held_out_ratio"] == pytest.approx(1.0, abs=0.03)
     # one run: a single common scale, which still matches that run exactly
     cal1, _ = calibrate(CPU, parsed[:1])
     assert predict_run(parsed[0], cal1.apply(CPU)).step_time_s == pytest.approx(
@@ -184,7 +186,7 @@ def test_cli_calibrate_then_plan_with_it(tmp_path: Path, runs: list[Path], capsy
         argv += ["--run", str(r)]
     assert main(argv) == 0
     report = capsys.readouterr().out
-    assert "ratio fit" in report and "run2" in report
+    assert "ratio fit" in report and "held out" in report and "run2" in report
     cal = Calibration.load(out)
     assert cal.attention_efficiency == pytest.approx(TRUE_CPU.attention_efficiency, rel=0.05)
     # planning with the calibration predicts the measured step time of a run's own layout

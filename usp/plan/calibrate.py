@@ -132,59 +132,91 @@ def _table(runs: list[TrainingRun], device: DeviceSpec) -> list[dict[str, Any]]:
     return rows
 
 
+def _fit_scales(
+    runs: list[TrainingRun], device: DeviceSpec, e_attn: float, attention_fixed: bool
+) -> tuple[float, float, float]:
+    """Least squares on relative error over the richest set of columns that gives positive coefficients."""
+    e_dense, overhead = device.dense_efficiency, device.layer_overhead_s
+    base = replace(device, attention_efficiency=e_attn)
+    rows = [_terms(r, base) for r in runs]
+    y = np.array([r.measured_step_s - t[3] for r, t in zip(runs, rows)])
+    w = 1.0 / np.array([r.measured_step_s for r in runs])
+    a, b, L = (np.array(col) for col in list(zip(*rows))[:3])
+    compute = a / e_dense + b / e_attn
+    options: list[tuple[str, np.ndarray]] = []
+    if len(runs) >= 3 and not attention_fixed:
+        options.append(("dense, attention, overhead", np.stack([a, b, L], axis=1)))
+    if len(runs) >= 2 and not attention_fixed:
+        options.append(("dense, attention", np.stack([a, b], axis=1)))
+    if len(runs) >= 2:
+        options.append(("compute, overhead", np.stack([compute, L], axis=1)))
+    options.append(("scale", np.stack([compute + L * overhead], axis=1)))
+    chosen, coef = options[-1][0], np.zeros(1)
+    for name, X in options:
+        coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
+        if np.all(coef > 0):
+            chosen = name
+            break
+    name = chosen
+    if name == "dense, attention, overhead":
+        return 1 / coef[0], 1 / coef[1], float(coef[2])
+    if name == "dense, attention":
+        return 1 / coef[0], 1 / coef[1], overhead
+    if name == "compute, overhead":
+        return e_dense / coef[0], e_attn / coef[0], float(coef[1])
+    scale = float(coef[0])
+    if scale <= 0:
+        raise ValueError(
+            "calibration failed: the measured step times are shorter than the communication alone."
+        )
+    return e_dense / scale, e_attn / scale, overhead * scale
+
+
 def calibrate(
     device: DeviceSpec, runs: list[TrainingRun], bench: list[BenchRecord] | None = None
 ) -> tuple[Calibration, list[dict[str, Any]]]:
-    """Fit the efficiencies; returns the calibration (with its after-fit table) and the before-fit table."""
+    """Fit the efficiencies; returns the calibration (with its after-fit table) and the before-fit table.
+
+    With two or more runs each row of the after-fit table also carries ``held_out_ratio``: measured over
+    predicted by a fit on the *other* runs (the out-of-sample honesty figure).
+    """
     if not runs and not bench:
         raise ValueError("calibrate needs at least one training run (--run) or usp-bench file (--bench).")
     before = _table(runs, device)
     e_attn = fit_attention_efficiency(bench, device) if bench else device.attention_efficiency
     e_dense, overhead = device.dense_efficiency, device.layer_overhead_s
     if runs:
-        base = replace(device, attention_efficiency=e_attn)
-        rows = [_terms(r, base) for r in runs]
-        y = np.array([r.measured_step_s - t[3] for r, t in zip(runs, rows)])
-        w = 1.0 / np.array([r.measured_step_s for r in runs])
-        a, b, L = (np.array(col) for col in list(zip(*rows))[:3])
-        n = len(runs)
-        if n >= 3 and not bench:
-            X = np.stack([a, b, L], axis=1)
-        elif n >= 2:
-            X = np.stack([a / e_dense + b / e_attn, L], axis=1)
-        else:
-            X = np.stack([a / e_dense + b / e_attn + L * overhead], axis=1)
-        coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
-        if np.any(coef <= 0) and X.shape[1] > 1:  # an unphysical fit: fall back to one common scale
-            X = np.stack([a / e_dense + b / e_attn + L * overhead], axis=1)
-            coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
-        if X.shape[1] == 3:
-            e_dense, e_attn, overhead = 1 / coef[0], 1 / coef[1], float(coef[2])
-        elif X.shape[1] == 2:
-            e_dense, e_attn, overhead = e_dense / coef[0], e_attn / coef[0], float(coef[1])
-        else:
-            e_dense, e_attn, overhead = e_dense / coef[0], e_attn / coef[0], overhead * float(coef[0])
+        e_dense, e_attn, overhead = _fit_scales(runs, device, e_attn, attention_fixed=bool(bench))
     assert all(math.isfinite(x) for x in (e_dense, e_attn, overhead))
     cal = Calibration(device.name, float(e_dense), float(e_attn), float(overhead))
     cal.runs = _table(runs, cal.apply(device))
+    if len(runs) >= 2:
+        for i, row in enumerate(cal.runs):
+            others = runs[:i] + runs[i + 1 :]
+            e_attn_i = fit_attention_efficiency(bench, device) if bench else device.attention_efficiency
+            fit = _fit_scales(others, device, e_attn_i, attention_fixed=bool(bench))
+            held = Calibration(device.name, *fit).apply(device)
+            row["held_out_ratio"] = runs[i].measured_step_s / predict_run(runs[i], held).step_time_s
     return cal, before
 
 
 def format_report(before: list[dict[str, Any]], cal: Calibration) -> str:
-    """Predicted vs measured, before and after the fit (ratio = measured / predicted)."""
+    """Predicted vs measured (ratio = measured / predicted): with the default figures, with the fit, and with a
+    fit on the other runs only (held out)."""
     lines = [
         f"calibration for {cal.device}: dense_efficiency={cal.dense_efficiency:.4g} "
         f"attention_efficiency={cal.attention_efficiency:.4g} layer_overhead_s={cal.layer_overhead_s:.4g}",
         f"{'run':<28} {'layout':<22} {'seq':>8} {'pred s (default)':>16} {'pred s (fit)':>12} {'measured s':>11} "
-        f"{'ratio default':>13} {'ratio fit':>9} {'mem pred/meas GiB':>18}",
+        f"{'ratio default':>13} {'ratio fit':>9} {'held out':>8} {'mem pred/meas GiB':>18}",
     ]
     for b, a in zip(before, cal.runs):
         mem = f"{a['predicted_mem_gib']:.3f}/" + (
             f"{a['measured_mem_gib']:.3f}" if a["measured_mem_gib"] else "-"
         )
+        held = f"{a['held_out_ratio']:.3f}" if "held_out_ratio" in a else "-"
         lines.append(
             f"{Path(a['run']).name[:28]:<28} {a['layout']:<22} {a['seq_len']:>8} {b['predicted_step_s']:>16.4g} "
             f"{a['predicted_step_s']:>12.4g} {a['measured_step_s']:>11.4g} {b['time_ratio']:>13.3f} "
-            f"{a['time_ratio']:>9.3f} {mem:>18}"
+            f"{a['time_ratio']:>9.3f} {held:>8} {mem:>18}"
         )
     return "\n".join(lines)
