@@ -3,10 +3,10 @@
 Measurements come from :mod:`usp.plan.measurements` (``usp-bench`` JSON, training run dirs). For a training run
 the median step time after warm-up is compared with :func:`usp.plan.search.evaluate_layout` for its layout.
 
-Fit: a step is ``dense_flops / (peak * e_dense) + attn_work / (peak * e_attn) + layers * c + comm``; with three
-or more runs all three of ``1/e_dense, 1/e_attn, c`` are fitted by least squares on relative error, with two the
-compute is scaled as one and ``c`` fitted, with one only the compute scale. A bench file sets ``e_attn`` to the
-median achieved attention rate over the peak.
+Fit: a step is ``dense_flops / (peak * e_dense) + attn_work / (peak * e_attn) + layers * c + comm``. Least squares
+on relative error over the richest set of unknowns whose solution is positive: ``1/e_dense, 1/e_attn, c`` (three
+or more runs), the two efficiencies, one compute scale and ``c`` (two runs), one common scale (one run). A bench
+file fixes ``e_attn`` to the median achieved attention rate over the peak first.
 """
 
 from __future__ import annotations
