@@ -197,3 +197,25 @@ def test_cli_calibrate_then_plan_with_it(tmp_path: Path, runs: list[Path], capsy
     measured = read_training_run(runs[2]).measured_step_s
     assert any(x["activation_checkpointing"] == "none" and x["step_time_s"] == pytest.approx(measured, rel=0.02)
                for x in layouts)  # fmt: skip
+
+
+def test_read_run_with_auto_degrees_and_interpolated_model_path(tmp_path: Path, runs: list[Path]):
+    # what usp-train leaves: .hydra/config.yaml unresolved (auto degrees, ${run_dir} paths) + layout.json
+    run = runs[2]
+    ckpt = run / "tiny-llama"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(TINY | {"num_hidden_layers": 3}))
+    cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+    cfg["model"]["path"] = "${run_dir}/tiny-llama"
+    cfg["parallel"].update(ulysses_degree="auto", ring_degree="auto")
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match="layout.json"):
+        read_training_run(run)
+    layout = {"world_size": 4, "dp_degree": 1, "ring_degree": 2, "ulysses_degree": 2, "node_size": 2,
+              "ring_layout": "zigzag", "fsdp_mode": "full_shard", "activation_checkpointing": "full",
+              "ac_every_k": 2, "reason": "planner: ..."}  # fmt: skip
+    (run / "layout.json").write_text(json.dumps(layout))
+    parsed = read_training_run(run)
+    assert (parsed.ulysses_degree, parsed.ring_degree, parsed.world_size, parsed.node_size) == (2, 2, 4, 2)
+    assert parsed.activation_checkpointing == "full"
+    assert parsed.model.num_layers == 3  # the checkpoint under the run dir, not a guess

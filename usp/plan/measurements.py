@@ -5,8 +5,9 @@
   ``fwd_bwd_attention_flops_per_rank``, of which the busiest rank counts), an achieved rate
   (``fwd_bwd_tflops``, ``tflops``), or the shape (``seq_len``, ``num_heads``, ``head_dim``, ``batch``,
   ``causal``, ``ulysses``, ``ring``) to count the FLOPs from.
-- a training run: ``metrics.jsonl`` (``step``, ``step_time_s``, ``peak_mem_gib``, ``tokens``...) and the resolved
-  config next to it (``.hydra/config.yaml``, ``config.yaml``, ``resolved_config.yaml`` or ``config.json``).
+- a training run: ``metrics.jsonl`` (``step``, ``step_time_s``, ``peak_mem_gib``, ``tokens``...), ``layout.json``
+  (the layout the trainer resolved) and the config next to it (``.hydra/config.yaml``, ``config.yaml``,
+  ``resolved_config.yaml`` or ``config.json``).
 """
 
 from __future__ import annotations
@@ -180,15 +181,21 @@ def _load_config(run_dir: Path) -> dict[str, Any]:
             import yaml
 
             return yaml.safe_load(p.read_text()) or {}
-    raise ValueError(f"{run_dir}: no resolved config ({', '.join(CONFIG_NAMES)}) next to metrics.jsonl.")
+    return {}
+
+
+def _resolve_path(path: str, run_dir: Path) -> list[Path]:
+    """Where a config path may point: as written, under the run dir, or with ``${...}`` taken as the run dir."""
+    if "${" in path:  # an unresolved interpolation such as ${run_dir}/tiny-llama
+        return [run_dir / path.rsplit("}", 1)[1].lstrip("/")]
+    return [Path(path), run_dir / path]
 
 
 def _model_from_config(cfg: dict[str, Any], run_dir: Path) -> ModelSpec:
     model = cfg.get("model", {})
     path = model.get("path")
     if path and path != "???":
-        p = Path(path) if Path(path).is_absolute() else run_dir / path
-        for candidate in (Path(path), p):
+        for candidate in _resolve_path(str(path), run_dir):
             if (candidate / "config.json").is_file():
                 return load_model_spec(str(candidate))
     tiny = model.get("tiny_size") or {}
@@ -204,11 +211,16 @@ def read_training_run(
     *,
     model_config: dict[str, Any] | None = None,
     model_spec: ModelSpec | None = None,
+    seq_len: int | None = None,
     world_size: int | None = None,
     node_size: int | None = None,
     warmup_steps: int | None = None,
 ) -> TrainingRun:
-    """A run dir (or its ``metrics.jsonl``): layout from the resolved config, median step time after warm-up."""
+    """A run dir (or its ``metrics.jsonl``) -> its layout and the median step time after warm-up.
+
+    The layout comes from ``layout.json`` (what the trainer resolved, ``auto`` degrees included) over the
+    config's ``parallel`` section; the model, ``seq_len`` and batch from the config. Explicit arguments win.
+    """
     p = Path(path)
     metrics = p if p.is_file() else p / "metrics.jsonl"
     run_dir = metrics.parent
@@ -219,11 +231,16 @@ def read_training_run(
     skip = warmup_steps if warmup_steps is not None else (min(2, len(rows) - 1) if len(rows) > 2 else 0)
     steady = rows[skip:]
     cfg = _load_config(run_dir)
-    par, trainer = cfg.get("parallel", {}), cfg.get("trainer", {})
+    layout_file = run_dir / "layout.json"
+    layout = json.loads(layout_file.read_text()) if layout_file.is_file() else {}
+    par = {**cfg.get("parallel", {}), **{k: v for k, v in layout.items() if v is not None}}
+    trainer = cfg.get("trainer", {})
     if model_spec is not None:
         model = model_spec
+    elif model_config:
+        model = load_model_spec(model_config)
     else:
-        model = load_model_spec(model_config) if model_config else _model_from_config(cfg, run_dir)
+        model = _model_from_config(cfg, run_dir)
 
     def latest(key: str) -> Any:
         return next((r[key] for r in reversed(rows) if r.get(key) is not None), None)
@@ -231,15 +248,15 @@ def read_training_run(
     degrees = []
     for name in ("ulysses_degree", "ring_degree"):
         value = par.get(name, 1)
-        if value == "auto":  # chosen at launch: the trainer logs the resolved degrees with the metrics
+        if value == "auto":  # not in layout.json: maybe logged with the metrics
             value = latest(name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(
-                f"{run_dir}: parallel.{name}={par.get(name)!r} and no resolved value in metrics.jsonl."
+                f"{run_dir}: parallel.{name}={par.get(name)!r} and no layout.json with the resolved value."
             )
         degrees.append(value)
     U, R = degrees
-    ws = world_size or cfg.get("world_size") or latest("world_size")
+    ws = world_size or par.get("world_size") or cfg.get("world_size") or latest("world_size")
     per_gpu = [r for r in rows if r.get("tokens_per_s") and r.get("tokens_per_s_per_gpu")]
     if not ws and per_gpu:
         ws = round(per_gpu[-1]["tokens_per_s"] / per_gpu[-1]["tokens_per_s_per_gpu"])
@@ -251,12 +268,15 @@ def read_training_run(
     ws = int(ws)
     node = int(node_size or par.get("node_size") or ws)
     dp = ws // (U * R)
-    seq_len = int(trainer.get("seq_len", 0))
+    seq_len = int(seq_len or trainer.get("seq_len", 0))
+    if seq_len < 1:
+        raise ValueError(f"{run_dir}: no trainer.seq_len in a config next to metrics.jsonl; pass seq_len.")
     batch = dp * int(trainer.get("micro_batch_size", 1)) * int(trainer.get("grad_accum_steps", 1))
     tokens = latest("tokens")
-    if isinstance(tokens, (int, float)) and seq_len and tokens % seq_len == 0:
+    if isinstance(tokens, (int, float)) and tokens % seq_len == 0:
         batch = int(tokens // seq_len)  # sequences per optimizer step, as measured
     mems = [r["peak_mem_gib"] for r in steady if isinstance(r.get("peak_mem_gib"), (int, float))]
+    dtype = str(cfg.get("model", {}).get("dtype", "bfloat16"))
     return TrainingRun(
         name=str(run_dir),
         model=model,
@@ -269,8 +289,8 @@ def read_training_run(
         activation_checkpointing=str(par.get("activation_checkpointing", "none")),
         ac_every_k=int(par.get("ac_every_k", 2)),
         global_batch=batch,
-        compute_bytes=4 if str(cfg.get("model", {}).get("dtype", "bfloat16")) in ("float32", "fp32") else 2,
         loss_chunk_size=int(trainer.get("loss_chunk_size", 4096)),
+        compute_bytes=4 if dtype in ("float32", "fp32") else 2,
         measured_step_s=median(r["step_time_s"] for r in steady),
         measured_mem_gib=max(mems) if mems else None,
     )
