@@ -1,0 +1,406 @@
+"""``run(cfg)``: the whole training job from a validated, typed config.
+
+Order (every rank runs all of it; each stage is collective where it says so):
+
+1. process group: reuse an initialized one (tests, notebooks), else ``env://`` from torchrun, else a
+   one-process world; nccl on CUDA, gloo on CPU. Only a group created here is destroyed here.
+2. validation, before any weights or data: checkpoint dir (or build the tiny one on rank 0), degrees (or the
+   planner's choice for ``auto``), world size, sequence length vs layout, heads vs Ulysses, optimizer and
+   trainer settings, resume path. A ``ValueError`` on any rank is raised on every rank (one all_gather of
+   short strings), so no rank is left waiting in a collective.
+3. mesh, tokenizer, data loaders, model (fp32 master weights) -> :func:`usp.train.parallelize.parallelize`
+   (USP attention, activation checkpointing, FSDP2), AdamW + schedule, resume.
+4. the loop: ``grad_accum_steps`` micro-batches per optimizer step (:func:`usp.train.step.train_step`),
+   metrics every step (rank 0 writes), validation every ``eval_every``, a checkpoint every
+   ``checkpoint_every`` steps and at the end, then the Hugging Face export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from usp.config import TrainConfig
+from usp.model import check_heads, check_model_dir, load_causal_lm, parse_dtype
+from usp.parallel import ParallelDims, SPMesh, check_sequence_length, init_sp_mesh
+from usp.train.loss import IGNORE_INDEX
+from usp.train.optim import build_optimizer, check_optim_config
+from usp.train.parallelize import AC_MODES, FSDP_MODES, decoder_layers, parallelize
+from usp.train.step import train_step
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+# --- process group and agreement ----------------------------------------------------------------------
+def resolve_device(setting: str) -> torch.device:
+    """``trainer.device``: ``auto`` -> this rank's CUDA device if there is one, else CPU."""
+    if setting not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"trainer.device={setting!r} is invalid; choose auto, cuda or cpu.")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto.")
+    if setting == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def init_distributed(device: torch.device, backend: str | None = None) -> bool:
+    """Initialize torch.distributed unless it already is; returns whether this call created the group."""
+    if dist.is_initialized():
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, init_method="env://")
+    else:  # one process, no launcher
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def on_every_rank(fn: Callable[[], T], what: str) -> T:
+    """Run ``fn`` on every rank; if it raises on any rank, raise on every rank (no rank left hanging).
+
+    Collective (one ``all_gather_object``). The failing rank re-raises its own exception; the others raise
+    ``ValueError`` (for a user error) or ``RuntimeError`` quoting the first failing rank's message.
+    """
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+        error = e
+    messages: list[Any] = [None] * dist.get_world_size()
+    report = None if error is None else (isinstance(error, ValueError), f"{type(error).__name__}: {error}")
+    dist.all_gather_object(messages, report)
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        rank, (is_value_error, message) = failed[0]
+        cls = ValueError if is_value_error else RuntimeError
+        raise cls(f"{what} failed on rank {rank}: {message}")
+    return result
+
+
+# --- validation ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Layout:
+    """The resolved parallel layout of a run (explicit degrees, or the planner's choice)."""
+
+    ulysses_degree: int
+    ring_degree: int
+    dp_degree: int
+    node_size: int
+    fsdp_mode: str
+    activation_checkpointing: str
+    ac_every_k: int
+    reason: str = "set in the config"
+
+
+def _node_size(cfg: TrainConfig, world_size: int) -> int:
+    if cfg.parallel.node_size is not None:
+        return int(cfg.parallel.node_size)
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(env) if env else world_size
+
+
+def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device: torch.device) -> Layout:
+    """Explicit degrees, or ``auto`` -> :func:`usp.plan.auto_degrees` (both degrees then come from it)."""
+    p = cfg.parallel
+    node_size = _node_size(cfg, world_size)
+    if "auto" in (p.ulysses_degree, p.ring_degree):
+        from usp.plan import auto_degrees
+
+        gpu = cfg.cluster.gpu if device.type == "cuda" else "cpu"
+        plan = auto_degrees(
+            model_config.to_dict(), seq_len=cfg.trainer.seq_len, world_size=world_size, node_size=node_size,
+            gpu=gpu, memory_gib=cfg.cluster.memory_gib,
+        )  # fmt: skip
+        return Layout(
+            ulysses_degree=int(plan["ulysses_degree"]),
+            ring_degree=int(plan["ring_degree"]),
+            dp_degree=int(plan["dp_degree"]),
+            node_size=node_size,
+            fsdp_mode=plan.get("fsdp_mode", p.fsdp_mode),
+            activation_checkpointing=plan.get("activation_checkpointing", p.activation_checkpointing),
+            ac_every_k=int(plan.get("ac_every_k", p.ac_every_k)),
+            reason=f"planner: {plan.get('reason', '')}",
+        )
+    for name in ("ulysses_degree", "ring_degree"):
+        value = getattr(p, name)
+        if isinstance(value, str) and value.isdigit():
+            setattr(p, name, int(value))
+        elif not isinstance(getattr(p, name), int):
+            raise ValueError(f"parallel.{name}={value!r} is invalid: use a positive integer or auto.")
+    return Layout(
+        ulysses_degree=p.ulysses_degree,
+        ring_degree=p.ring_degree,
+        dp_degree=p.dp_degree,
+        node_size=node_size,
+        fsdp_mode=p.fsdp_mode,
+        activation_checkpointing=p.activation_checkpointing,
+        ac_every_k=p.ac_every_k,
+    )
+
+
+def _check_trainer(cfg: TrainConfig) -> None:
+    t = cfg.trainer
+    for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "loss_chunk_size", "keep_last"):
+        value = getattr(t, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"trainer.{name}={value!r} must be an integer >= 1.")
+    for name in ("checkpoint_every", "eval_every"):
+        value = getattr(t, name)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"trainer.{name}={value!r} must be an integer >= 0 (0 = off).")
+    if t.resume not in (None, "auto") and not Path(t.resume).exists():
+        raise ValueError(
+            f"trainer.resume={t.resume!r} does not exist. Point it at a step_<N> checkpoint dir (or a checkpoint "
+            f"root), use trainer.resume=auto (latest in the checkpoint dir, if any), or null to start fresh."
+        )
+
+
+def validate(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[Any, Layout]:
+    """Every check that needs no weights, data or collectives; returns ``(model_config, layout)``.
+
+    Raises ``ValueError`` naming the setting and the fix.
+    """
+    model_config = check_model_dir(cfg.model.path)
+    parse_dtype(cfg.model.dtype, "model.dtype")
+    parse_dtype(cfg.parallel.reduce_dtype, "parallel.reduce_dtype")
+    _check_trainer(cfg)
+    check_optim_config(cfg.optim, cfg.trainer.max_steps)
+    layout = resolve_layout(cfg, model_config, world_size, device)
+    if layout.fsdp_mode not in FSDP_MODES:
+        raise ValueError(f"parallel.fsdp_mode={layout.fsdp_mode!r} is invalid; choose one of {FSDP_MODES}.")
+    if layout.activation_checkpointing not in AC_MODES:
+        raise ValueError(
+            f"parallel.activation_checkpointing={layout.activation_checkpointing!r} is invalid; choose one of "
+            f"{AC_MODES}."
+        )
+    if layout.ac_every_k < 1:
+        raise ValueError(f"parallel.ac_every_k={layout.ac_every_k} must be >= 1.")
+    dims = ParallelDims(
+        world_size=world_size,
+        ulysses_degree=layout.ulysses_degree,
+        ring_degree=layout.ring_degree,
+        dp_degree=layout.dp_degree,
+        node_size=cfg.parallel.node_size,
+        allow_cross_node_ulysses=cfg.parallel.allow_cross_node_ulysses,
+    )
+    layout.dp_degree = dims.dp_degree
+    check_sequence_length(cfg.trainer.seq_len, layout.ring_degree, layout.ulysses_degree, cfg.parallel.ring_layout)
+    check_heads(model_config, layout.ulysses_degree)
+    if layout.fsdp_mode == "hybrid_shard" and world_size % layout.node_size != 0:
+        raise ValueError(
+            f"parallel.fsdp_mode=hybrid_shard needs the node size ({layout.node_size}) to divide the world size "
+            f"{world_size}; set parallel.node_size or use parallel.fsdp_mode=full_shard."
+        )
+    return model_config, layout
+
+
+# --- state for checkpoints ----------------------------------------------------------------------------
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+# --- validation loss ----------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: torch.device) -> float:
+    """Token-weighted mean loss over one pass of ``loader`` (all ranks together)."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets]
+    for batch in loader:
+        labels = batch["labels"].to(device)
+        cu = batch.get("cu_seqlens")
+        loss_sum = loss_model(
+            batch["input_ids"].to(device), labels, position_ids=batch["position_ids"].to(device),
+            cu_seqlens=None if cu is None else cu.to(device=device, dtype=torch.int32), num_targets=1.0,
+        )  # fmt: skip
+        total[0] += loss_sum.double()
+        total[1] += (labels != IGNORE_INDEX).sum()
+    dist.all_reduce(total, group=mesh.group("fsdp"))
+    return float(total[0] / total[1].clamp(min=1))
+
+
+# --- the job ------------------------------------------------------------------------------------------
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns ``{"losses", "final_step", "run_dir", "layout", "checkpoint",
+    "export_dir", "val_losses", "metrics"}`` (the same on every rank; ``losses`` are this run's steps only).
+
+    Raises ``ValueError`` on every rank, before loading weights or data, for bad settings.
+    """
+    device = resolve_device(cfg.trainer.device)
+    created = init_distributed(device, cfg.parallel.backend)
+    try:
+        return _run(cfg, device)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _build_tiny_if_asked(cfg: TrainConfig, rank: int) -> None:
+    if not cfg.model.build_tiny:
+        return
+    path = Path(cfg.model.path)
+    if rank == 0 and not (path / "config.json").exists():
+        from usp.tiny import build_tiny_llama
+
+        build_tiny_llama(path, seed=cfg.trainer.seed, **dict(cfg.model.tiny_size))
+
+
+def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from usp.data import build_dataloaders
+    from usp.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from usp.train.export import export_hf
+    from usp.train.metrics import MetricsLogger, count_dense_params, peak_flops_per_device, training_flops
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir = Path(cfg.run_dir)
+    on_every_rank(lambda: _build_tiny_if_asked(cfg, rank), "building the tiny model (model.build_tiny)")
+    model_config, layout = on_every_rank(lambda: validate(cfg, world, device), "config validation")
+    peak_flops = on_every_rank(lambda: peak_flops_per_device(cfg.cluster, device.type), "cluster settings")
+    seed_everything(cfg.trainer.seed)
+
+    mesh = init_sp_mesh(
+        layout.ulysses_degree, layout.ring_degree, dp_degree=layout.dp_degree, node_size=cfg.parallel.node_size,
+        ring_layout=cfg.parallel.ring_layout, allow_cross_node_ulysses=cfg.parallel.allow_cross_node_ulysses,
+        device_type=device.type,
+    )  # fmt: skip
+    tokenizer = on_every_rank(
+        lambda: AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True), "loading the tokenizer"
+    )
+    cache_dir = cfg.data.cache_dir or str(run_dir / "data_cache")
+    train_loader, val_loader = on_every_rank(
+        lambda: build_dataloaders(
+            cfg.data, tokenizer=tokenizer, seq_len=cfg.trainer.seq_len, mesh=mesh,
+            micro_batch_size=cfg.trainer.micro_batch_size, seed=cfg.trainer.seed, cache_dir=cache_dir,
+        ),
+        "building the data loaders",
+    )  # fmt: skip
+
+    model = load_causal_lm(
+        cfg.model.path, dtype=torch.float32, rope_theta=cfg.model.rope_theta, rope_scaling=cfg.model.rope_scaling,
+        max_position_embeddings=cfg.model.max_position_embeddings, config=model_config,
+    )  # fmt: skip
+    dense_params = count_dense_params(model)
+    loss_model = parallelize(
+        model, mesh, attention_backend=cfg.model.attention_backend, fsdp_mode=layout.fsdp_mode,
+        node_size=layout.node_size, activation_checkpointing=layout.activation_checkpointing,
+        ac_every_k=layout.ac_every_k, param_dtype=parse_dtype(cfg.model.dtype),
+        reduce_dtype=parse_dtype(cfg.parallel.reduce_dtype, "parallel.reduce_dtype"),
+        loss_chunk_size=cfg.trainer.loss_chunk_size,
+    )  # fmt: skip
+    optimizer, scheduler = build_optimizer(loss_model, cfg.optim, max_steps=cfg.trainer.max_steps)
+
+    ckpt_root = Path(cfg.trainer.checkpoint_dir or run_dir / "checkpoints")
+    start_step = 0
+    resume_from = None
+    if cfg.trainer.resume == "auto":
+        resume_from = latest_checkpoint(ckpt_root) if ckpt_root.exists() else None
+    elif cfg.trainer.resume:
+        resume_from = Path(cfg.trainer.resume)
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        start_step = state["step"]
+        extra = state["extra"]
+        train_loader.load_state_dict(extra["data"])
+        if state.get("extra_rank", rank) == rank:
+            set_rng_state(extra["rng"], device)
+        if rank == 0:
+            logger.info("resumed from %s at step %d", state.get("path", resume_from), start_step)
+
+    hf_config = model.config
+    layers = len(decoder_layers(model))
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    layout_info = {**mesh.describe(), **dataclasses.asdict(layout)}
+    metrics = MetricsLogger(
+        run_dir, rank=rank, world_size=world, peak_flops=peak_flops, wandb_cfg=cfg.logging.wandb,
+        config=dataclasses.asdict(cfg), layout=layout_info, total_steps=cfg.trainer.max_steps,
+        progress_bar=cfg.logging.progress_bar,
+    )  # fmt: skip
+    losses: list[float] = []
+    val_losses: dict[int, float] = {}
+    records: list[dict[str, Any]] = []
+    last_ckpt: Path | None = Path(resume_from) if resume_from is not None else None
+    batches = iter(train_loader)
+    try:
+        for step in range(start_step, cfg.trainer.max_steps):
+            micro = [next(batches) for _ in range(cfg.trainer.grad_accum_steps)]
+            res = train_step(
+                loss_model, optimizer, scheduler, micro, mesh=mesh, grad_clip=cfg.optim.grad_clip, device=device
+            )
+            flops = torch.tensor(
+                training_flops(
+                    dense_params=dense_params, num_layers=layers, num_heads=hf_config.num_attention_heads,
+                    head_dim=head_dim, document_lengths=res.document_lengths,
+                ),  # fmt: skip
+                dtype=torch.float64,
+                device=device,
+            )
+            if mesh.dp_degree > 1:  # each replica counted its own documents
+                dist.all_reduce(flops, group=mesh.dp_group)
+            done = step + 1
+            extra: dict[str, Any] = {"num_targets": res.num_targets}
+            if cfg.trainer.eval_every and val_loader is not None and done % cfg.trainer.eval_every == 0:
+                val_losses[done] = extra["val_loss"] = evaluate(loss_model, val_loader, mesh, device)
+            if done % cfg.logging.log_every == 0 or done == cfg.trainer.max_steps:
+                records.append(
+                    metrics.log_step(
+                        done, loss=res.loss, grad_norm=res.grad_norm, lr=res.lr, tokens=res.tokens,
+                        flops=float(flops), step_time_s=max(res.step_time_s, 1e-9), extra=extra,
+                    )  # fmt: skip
+                )
+            losses.append(res.loss)
+            periodic = cfg.trainer.checkpoint_every and done % cfg.trainer.checkpoint_every == 0
+            if periodic or done == cfg.trainer.max_steps:
+                last_ckpt = save_checkpoint(
+                    ckpt_root, done, model=model, optimizer=optimizer, scheduler=scheduler,
+                    extra={"data": train_loader.state_dict(), "rng": rng_state(device)},
+                    keep_last=cfg.trainer.keep_last,
+                )  # fmt: skip
+    finally:
+        metrics.close()
+
+    export_dir = None
+    if cfg.trainer.export_hf:
+        export_dir = export_hf(model, tokenizer=tokenizer, out_dir=run_dir / "hf")
+    return {
+        "losses": losses,
+        "final_step": max(start_step, cfg.trainer.max_steps),
+        "start_step": start_step,
+        "run_dir": str(run_dir),
+        "layout": layout_info,
+        "checkpoint": None if last_ckpt is None else str(last_ckpt),
+        "export_dir": None if export_dir is None else str(export_dir),
+        "val_losses": val_losses,
+        "metrics": records,
+    }
