@@ -31,7 +31,7 @@ def make_inputs(seed: int, batch: int, seq_len: int, hq: int, hkv: int, dtype: t
 
 
 def run_usp_cases(cases: list[dict]) -> list[list[torch.Tensor] | None]:
-    """Worker: run each case (fwd + bwd); rank 0 returns the gathered [out, dq, dk, dv] per case."""
+    """Worker: run each case (fwd + bwd); sp rank 0 of each replica returns the gathered [out, dq, dk, dv]."""
     results = []
     for case in cases:
         mesh = cached_sp_mesh(case["ulysses"], case["ring"], case["layout"])
@@ -43,7 +43,10 @@ def run_usp_cases(cases: list[dict]) -> list[list[torch.Tensor] | None]:
             case["hkv"],
             getattr(torch, case["dtype"]),
         )
-        ql, kl, vl = (shard_sequence(t, mesh).requires_grad_() for t in (q, k, v))
+        ql, kl, vl = (shard_sequence(t, mesh) for t in (q, k, v))
+        if case.get("strided"):  # as the trainer passes them: [B, H, S, D] storage viewed as [B, S, H, D]
+            ql, kl, vl = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (ql, kl, vl))
+        ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
         cu = case.get("cu_seqlens")
         out = usp_attention(
             ql,
@@ -56,7 +59,7 @@ def run_usp_cases(cases: list[dict]) -> list[list[torch.Tensor] | None]:
         )
         out.backward(shard_sequence(dout, mesh))
         gathered = [gather_sequence(t, mesh) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
-        results.append(gathered if torch.distributed.get_rank() == 0 else None)
+        results.append(gathered if mesh.sp_rank == 0 else None)  # one report per data-parallel replica
     return results
 
 
@@ -75,20 +78,25 @@ def reference_results(case: dict) -> list[torch.Tensor]:
 
 def check_cases(pool: DistPool, cases: list[dict]) -> dict[str, float]:
     """Run all cases in one pool call and assert each against the reference; return max errors by case."""
-    got = pool.run(run_usp_cases, cases)[0]
+    per_rank = pool.run(run_usp_cases, cases)
     errors = {}
-    for case, results in zip(cases, got):
+    for i, case in enumerate(cases):
         ref = reference_results(case)
-        name = " ".join(f"{k}={v}" for k, v in case.items() if k not in ("seed",))
-        for what, a, b in zip(("out", "dq", "dk", "dv"), results, ref):
-            assert a.dtype == getattr(torch, case["dtype"]), f"{what} dtype for {name}"
-            torch.testing.assert_close(
-                a.double(),
-                b,
-                **TOLERANCE[case["dtype"]],
-                msg=lambda m, what=what, name=name: f"{what} {name}: {m}",
-            )
-        errors[name] = max(float((a.double() - b).abs().max()) for a, b in zip(results, ref))
+        reports = [(rank, got[i]) for rank, got in enumerate(per_rank) if got[i] is not None]
+        assert len(reports) == pool.world_size // (case["ulysses"] * case["ring"]), (
+            "one report per dp replica"
+        )
+        for rank, results in reports:
+            name = f"rank={rank} " + " ".join(f"{k}={v}" for k, v in case.items() if k != "seed")
+            for what, a, b in zip(("out", "dq", "dk", "dv"), results, ref):
+                assert a.dtype == getattr(torch, case["dtype"]), f"{what} dtype for {name}"
+                torch.testing.assert_close(
+                    a.double(),
+                    b,
+                    **TOLERANCE[case["dtype"]],
+                    msg=lambda m, what=what, name=name: f"{what} {name}: {m}",
+                )
+            errors[name] = max(float((a.double() - b).abs().max()) for a, b in zip(results, ref))
     return errors
 
 
@@ -133,6 +141,13 @@ def test_usp_matches_single_process_world8(dist_pools):
     check_cases(dist_pools(8), matrix(8, heads, seq_len=32))
 
 
+def test_usp_with_data_parallel_replicas(dist_pools):
+    """World 4 with ulysses x ring = 2: two dp replicas, each its own (non-zero-based) groups."""
+    base = dict(layout="zigzag", causal=True, dtype="float32", batch=1, seq_len=32, seed=11)
+    cases = [dict(base, ulysses=1, ring=2, hq=4, hkv=1), dict(base, ulysses=2, ring=1, hq=8, hkv=2)]
+    check_cases(dist_pools(4), cases)
+
+
 @pytest.mark.slow
 def test_bf16_error_does_not_grow_with_ring_degree(dist_pools):
     """bf16 out/grad error at ring 8 is at most 2x the error at ring 2 (same inputs, fp32 merge)."""
@@ -148,7 +163,7 @@ def test_bf16_error_does_not_grow_with_ring_degree(dist_pools):
 
 
 def test_backends_agree_on_cpu(dist_pools):
-    """The math reference backend and the CPU flash backend give the same sharded results."""
+    """Both CPU backends (math reference, CPU flash), with contiguous and strided inputs, match the reference."""
     cases = [
         dict(
             ulysses=2,
@@ -162,8 +177,10 @@ def test_backends_agree_on_cpu(dist_pools):
             seq_len=32,
             seed=5,
             backend=b,
+            strided=strided,
         )
         for b in ("math", "cpu_flash")
+        for strided in (False, True)
     ]
     check_cases(dist_pools(4), cases)
 
