@@ -130,6 +130,7 @@ def test_backward_rows_without_keys_have_zero_grads():
 def test_resolve_backend():
     assert resolve_backend("auto", torch.device("cpu")) == "cpu_flash"
     assert resolve_backend("math", torch.device("cpu")) == "math"
+    assert resolve_backend("auto", torch.device("cuda"), torch.float32) == "sdpa_efficient"  # no fp32 flash
     with pytest.raises(ValueError, match="needs CUDA"):
         resolve_backend("sdpa_efficient", torch.device("cpu"))
     with pytest.raises(ValueError, match="unknown"):

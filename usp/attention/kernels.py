@@ -42,12 +42,19 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map ``backend`` (``"auto"`` or a name in ``BACKENDS``) to a concrete kernel for ``device``."""
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """Map ``backend`` (``"auto"`` or a name in ``BACKENDS``) to a concrete kernel for ``device`` and ``dtype``.
+
+    ``"auto"``: on CUDA, flash_attn when installed and the dtype is fp16/bf16, else torch's flash SDPA for
+    fp16/bf16 and mem-efficient SDPA for fp32 (flash kernels have no fp32); on CPU, torch's CPU flash.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend={backend!r} is unknown; choose one of {BACKENDS}.")
     if backend == "auto":
         if device.type == "cuda":
+            half = dtype in (torch.float16, torch.bfloat16) or dtype is None
+            if not half:
+                return "sdpa_efficient"
             return "flash_attn" if flash_attn_available() else "sdpa_flash"
         return "cpu_flash" if device.type == "cpu" else "math"
     if backend in CUDA_BACKENDS and device.type != "cuda":

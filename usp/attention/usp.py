@@ -13,6 +13,8 @@ forward ``(U-1)/U * B*L*D*e * (2*Hq + 2*Hk')`` + ``(R-1) * 2 * B*(S/R)*(Hk'/U)*D
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from usp.attention.blocks import plan_ring_blocks
@@ -65,6 +67,15 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, batch: int) -> tor
     return cu
 
 
+@lru_cache(maxsize=16)
+def _cached_plans(
+    seq_len: int, ring: int, ring_rank: int, layout: str, causal: bool, cu_key: tuple[int, ...] | None, device
+) -> list:
+    """Block plans, reused by every layer of a step (same documents) and across steps with the same packing."""
+    cu = None if cu_key is None else torch.tensor(cu_key, dtype=torch.int64)
+    return plan_ring_blocks(seq_len, ring, ring_rank, layout, causal, cu, device=device)
+
+
 def usp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -101,10 +112,11 @@ def usp_attention(
     seq_len = s_local * u * r
     check_sequence_length(seq_len, r, u, mesh.ring_layout)
     replication = kv_replication(hq, k.size(2), u)
-    kernel = resolve_backend(backend, q.device)
+    kernel = resolve_backend(backend, q.device, q.dtype)
     scale = default_scale(d, softmax_scale)
     cu = _check_cu_seqlens(cu_seqlens, seq_len, b) if cu_seqlens is not None else None
-    plans = plan_ring_blocks(seq_len, r, mesh.ring_rank, mesh.ring_layout, causal, cu, device=q.device)
+    cu_key = None if cu is None else tuple(cu.tolist())
+    plans = _cached_plans(seq_len, r, mesh.ring_rank, mesh.ring_layout, causal, cu_key, q.device)
 
     ulysses_group = mesh.ulysses_group
     qh = seq_to_head(q, ulysses_group, "ulysses_q")  # [B, S/R, Hq/U, D]
