@@ -1,0 +1,153 @@
+"""Local kernel check and speed: every backend's forward/backward (with lse) vs the math reference, and the
+ring-step kernel's TFLOP/s vs plain ``scaled_dot_product_attention`` on the same shape.
+
+This is the one script to run when a GPU is available (``python -m usp.bench.kernels --out kernels.json``);
+on the CPU it checks ``cpu_flash`` against ``math``. For each backend usable on the device and each dtype:
+
+- ``max_err_out``, ``max_err_lse``, ``max_err_dq/dk/dv``: max abs difference to the ``math`` backend (fp32
+  math on the same inputs), causal, GQA;
+- ``kernel_tflops``: causal forward+backward FLOPs / time of :func:`usp.attention.kernels.attention_forward`
+  + ``attention_backward`` (what one ring step runs), ``sdpa_tflops``: the same for
+  ``torch.nn.functional.scaled_dot_product_attention`` + autograd, and their ratio (goal >= 0.90).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from usp.attention.kernels import CUDA_BACKENDS, attention_backward, attention_forward, flash_attn_available
+
+
+def usable_backends(device: torch.device) -> list[str]:
+    if device.type == "cuda":
+        return [b for b in CUDA_BACKENDS if b != "flash_attn" or flash_attn_available()]
+    return ["cpu_flash"]
+
+
+def _time(fn, iters: int, device: torch.device) -> float:
+    fn()  # warm-up (and compile/autotune on CUDA)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / iters
+
+
+def check_backend(backend: str, *, device, dtype, batch, seq_len, heads, kv_heads, head_dim, iters) -> dict:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, seq_len, heads, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(batch, seq_len, kv_heads, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(batch, seq_len, kv_heads, head_dim, generator=g).to(device, dtype)
+    dout = torch.randn(batch, seq_len, heads, head_dim, generator=g).to(device, dtype)
+    scale = head_dim**-0.5
+    kw = dict(causal=True, softmax_scale=scale)
+    out, lse = attention_forward(q, k, v, backend=backend, **kw)
+    grads = attention_backward(dout, q, k, v, out, lse, backend=backend, **kw)
+    ref_out, ref_lse = attention_forward(q, k, v, backend="math", **kw)
+    ref_grads = attention_backward(dout, q, k, v, ref_out, ref_lse, backend="math", **kw)
+    record = {
+        "backend": backend,
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": [batch, seq_len, heads, kv_heads, head_dim],
+        "max_err_out": float((out.float() - ref_out.float()).abs().max()),
+        "max_err_lse": float((lse - ref_lse).abs().max()),
+    }
+    for name, a, b in zip(("dq", "dk", "dv"), grads, ref_grads):
+        record[f"max_err_{name}"] = float((a.float() - b.float()).abs().max())
+
+    def kernel_step():
+        o, lse_ = attention_forward(q, k, v, backend=backend, **kw)
+        attention_backward(dout, q, k, v, o, lse_, backend=backend, **kw)
+
+    qs, ks, vs = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))  # [B, H, S, D]
+
+    def sdpa_step():
+        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).backward(
+            dout.transpose(1, 2)
+        )
+
+    flops = (
+        3.5 * 4 * batch * heads * head_dim * seq_len * seq_len / 2
+    )  # causal fwd (4 S^2 D / 2) + bwd (2.5x)
+    t_kernel, t_sdpa = _time(kernel_step, iters, device), _time(sdpa_step, iters, device)
+    record.update(
+        kernel_ms=t_kernel * 1e3,
+        sdpa_ms=t_sdpa * 1e3,
+        kernel_tflops=flops / t_kernel / 1e12,
+        sdpa_tflops=flops / t_sdpa / 1e12,
+        kernel_over_sdpa=t_sdpa / t_kernel,
+    )
+    return record
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m usp.bench.kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--dtypes", default=None, help="comma-separated; default bfloat16,float32 (CUDA) / float32 (CPU)"
+    )
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=None, help="tokens per block; default 8192 (CUDA) / 512 (CPU)")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--out", default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtypes = args.dtypes or ("bfloat16,float32" if device.type == "cuda" else "float32")
+    seq = args.seq or (8192 if device.type == "cuda" else 512)
+    records = []
+    for name in dtypes.split(","):
+        dtype = getattr(torch, name)
+        for backend in usable_backends(device):
+            if backend in ("flash_attn", "sdpa_flash", "sdpa_cudnn") and dtype == torch.float32:
+                continue  # flash kernels are fp16/bf16 only
+            records.append(
+                check_backend(
+                    backend,
+                    device=device,
+                    dtype=dtype,
+                    batch=args.batch,
+                    seq_len=seq,
+                    heads=args.heads,
+                    kv_heads=args.kv_heads,
+                    head_dim=args.head_dim,
+                    iters=args.iters,
+                )  # fmt: skip
+            )
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "results": records,
+    }
+    cols = ["backend", "dtype", "max_err_out", "max_err_lse", "max_err_dq", "max_err_dk", "max_err_dv",
+            "kernel_tflops", "sdpa_tflops", "kernel_over_sdpa"]  # fmt: skip
+    print(
+        f"kernels  {report['date']}  device={report['device']}  shape={records[0]['shape'] if records else []}"
+    )
+    print("  ".join(cols))
+    for r in records:
+        print("  ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
