@@ -36,7 +36,7 @@ TINY = {
     "vocab_size": 256,
 }
 CPU = GPUS["cpu"]
-TRUE_CPU = replace(CPU, dense_efficiency=0.2, attention_efficiency=0.08, layer_overhead_s=0.02)
+TRUE_CPU = replace(CPU, dense_efficiency=0.1, attention_efficiency=0.02, layer_overhead_s=0.03)
 
 
 def test_bench_reader_finds_timings_in_any_shape(tmp_path: Path):

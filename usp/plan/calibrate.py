@@ -135,7 +135,8 @@ def _table(runs: list[TrainingRun], device: DeviceSpec) -> list[dict[str, Any]]:
 def _fit_scales(
     runs: list[TrainingRun], device: DeviceSpec, e_attn: float, attention_fixed: bool
 ) -> tuple[float, float, float]:
-    """Least squares on relative error over the richest set of columns that gives positive coefficients."""
+    """Least squares on relative error over the richest set of unknowns with a physical answer (efficiencies
+    in (0, 1], overhead >= 0); one common scale of the compute and overhead as the last resort."""
     e_dense, overhead = device.dense_efficiency, device.layer_overhead_s
     base = replace(device, attention_efficiency=e_attn)
     rows = [_terms(r, base) for r in runs]
@@ -143,28 +144,28 @@ def _fit_scales(
     w = 1.0 / np.array([r.measured_step_s for r in runs])
     a, b, L = (np.array(col) for col in list(zip(*rows))[:3])
     compute = a / e_dense + b / e_attn
-    options: list[tuple[str, np.ndarray]] = []
+
+    def solve(*cols: np.ndarray) -> np.ndarray:
+        X = np.stack(cols, axis=1)
+        return np.linalg.lstsq(X * w[:, None], y * w, rcond=None)[0]
+
+    options: list[tuple[float, float, float]] = []
     if len(runs) >= 3 and not attention_fixed:
-        options.append(("dense, attention, overhead", np.stack([a, b, L], axis=1)))
+        c = solve(a, b, L)
+        if c[0] > 0 and c[1] > 0:
+            options.append((1 / c[0], 1 / c[1], float(c[2])))
     if len(runs) >= 2 and not attention_fixed:
-        options.append(("dense, attention", np.stack([a, b], axis=1)))
+        c = solve(a, b)
+        if c[0] > 0 and c[1] > 0:
+            options.append((1 / c[0], 1 / c[1], overhead))
     if len(runs) >= 2:
-        options.append(("compute, overhead", np.stack([compute, L], axis=1)))
-    options.append(("scale", np.stack([compute + L * overhead], axis=1)))
-    chosen, coef = options[-1][0], np.zeros(1)
-    for name, X in options:
-        coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
-        if np.all(coef > 0):
-            chosen = name
-            break
-    name = chosen
-    if name == "dense, attention, overhead":
-        return 1 / coef[0], 1 / coef[1], float(coef[2])
-    if name == "dense, attention":
-        return 1 / coef[0], 1 / coef[1], overhead
-    if name == "compute, overhead":
-        return e_dense / coef[0], e_attn / coef[0], float(coef[1])
-    scale = float(coef[0])
+        c = solve(compute, L)
+        if c[0] > 0:
+            options.append((e_dense / c[0], e_attn / c[0], float(c[1])))
+    for fit in options:
+        if fit[0] <= 1 and fit[1] <= 1 and fit[2] >= 0:
+            return fit
+    scale = float(solve(compute + L * overhead)[0])
     if scale <= 0:
         raise ValueError(
             "calibration failed: the measured step times are shorter than the communication alone."

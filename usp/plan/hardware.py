@@ -58,8 +58,9 @@ GPUS: dict[str, DeviceSpec] = {
     "h100-80g": DeviceSpec("h100-80g", 80.0, 989.0, 450.0, 50.0, 3.35),
     "h200": DeviceSpec("h200", 141.0, 989.0, 450.0, 50.0, 4.8),
     "b200": DeviceSpec("b200", 180.0, 2250.0, 900.0, 50.0, 8.0),
-    # A few CPU cores running the gloo backend: modest FLOP/s, slow "links" (shared memory copies) and a
-    # large per-layer overhead (eager PyTorch on small tensors).
+    # A few CPU cores running the gloo backend: modest FLOP/s, slow "links" (shared-memory copies), a fixed
+    # cost per layer (eager PyTorch on small tensors) and ~0.45 GiB of Python/torch runtime per rank. The
+    # efficiencies and overhead are the fit to four tiny-recipe runs on a shared 2-core machine (docs/planning.md).
     "cpu": DeviceSpec(
         "cpu",
         16.0,
@@ -67,10 +68,10 @@ GPUS: dict[str, DeviceSpec] = {
         2.0,
         2.0,
         0.02,
-        dense_efficiency=0.5,
-        attention_efficiency=0.1,
-        layer_overhead_s=5e-3,
-        reserved_gib=0.0,
+        dense_efficiency=0.3,
+        attention_efficiency=0.06,
+        layer_overhead_s=0.009,
+        reserved_gib=0.45,
     ),
 }
 
