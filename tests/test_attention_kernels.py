@@ -13,12 +13,8 @@ import types
 import pytest
 import torch
 
-from usp.attention.kernels import (
-    attention_backward,
-    attention_forward,
-    resolve_backend,
-    segment_mask,
-)
+from usp.attention.kernels import attention_backward, attention_forward, resolve_backend
+from usp.attention.masks import segment_mask
 from usp.attention.ring import merge_block_
 
 FP32 = dict(atol=1e-5, rtol=1e-5)

@@ -1,0 +1,224 @@
+"""CUDA kernels behind the :mod:`usp.attention.kernels` interface: torch SDPA aten ops and flash_attn.
+
+Same contract as there: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``out [B, Sq, Hq, D]``,
+``lse [B, Hq, Sq]`` fp32; backward from the merged ``out``/``lse``. torch's SDPA ops have no GQA: K/V are
+expanded to the query heads locally (inside the kernel call, never before communication) and the gradients
+summed back. Document segments go to flash_attn's varlen kernels (packed, no mask) or, for SDPA, to the
+mem-efficient kernel as an additive bias.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from usp.attention.masks import dense_mask
+
+# --- CUDA: torch SDPA aten ops -----------------------------------------------------------------------------
+
+
+def _expand_kv(q, k, v):
+    group = q.size(2) // k.size(2)
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+
+
+def _reduce_kv(dk, dv, hkv):
+    b, s, h, d = dk.shape
+    if h == hkv:
+        return dk, dv
+    return dk.view(b, s, hkv, h // hkv, d).sum(3), dv.view(b, s, hkv, h // hkv, d).sum(3)
+
+
+def _bias(q, k, causal, segments):
+    """Additive bias ``[B, Hq, Sq, Sk]`` (a broadcast view) with a 16-aligned row stride, for mem-efficient."""
+    mask = dense_mask(q.size(1), k.size(1), causal, segments, q.device)
+    if mask is None:
+        return None
+    sq, sk = mask.shape
+    padded = torch.zeros(sq, (sk + 15) // 16 * 16, dtype=q.dtype, device=q.device)[:, :sk]
+    padded.masked_fill_(~mask, float("-inf"))
+    return padded.expand(q.size(0), q.size(2), sq, sk)
+
+
+def sdpa_forward(kind, q, k, v, causal, scale, segments):
+    ke, ve = _expand_kv(q, k, v)
+    qt, kt, vt = q.transpose(1, 2), ke.transpose(1, 2), ve.transpose(1, 2)  # [B, H, S, D]
+    if segments is not None or kind == "sdpa_efficient":
+        bias = _bias(q, k, causal, segments)
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            qt, kt, vt, bias, True, 0.0, causal and bias is None, scale=scale
+        )
+        lse = lse[..., : q.size(1)]  # mem-efficient pads lse to a multiple of 32 rows
+    elif kind == "sdpa_cudnn":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qt, kt, vt, None, True, 0.0, causal, False, scale=scale
+        )
+        lse = lse.reshape(q.size(0), q.size(2), q.size(1))
+    else:
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+            qt, kt, vt, 0.0, causal, False, scale=scale
+        )
+    return out.transpose(1, 2), lse.float()
+
+
+def sdpa_backward(kind, dout, q, k, v, out, lse, causal, scale, segments):
+    ke, ve = _expand_kv(q, k, v)
+    qt, kt, vt = q.transpose(1, 2), ke.transpose(1, 2), ve.transpose(1, 2)
+    dot, ot = dout.transpose(1, 2), out.transpose(1, 2)
+    sq, sk = q.size(1), k.size(1)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    if segments is not None or kind == "sdpa_efficient":
+        bias = _bias(q, k, causal, segments)
+        pad = (sq + 31) // 32 * 32
+        lse_p = torch.zeros((*lse.shape[:-1], pad), dtype=torch.float32, device=q.device)
+        lse_p[..., :sq] = lse
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dot,
+            qt,
+            kt,
+            vt,
+            bias,
+            ot,
+            lse_p,
+            seed,
+            seed,
+            0.0,
+            [True, True, True, False],
+            causal and bias is None,
+            scale=scale,
+        )
+    elif kind == "sdpa_cudnn":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dot,
+            qt,
+            kt,
+            vt,
+            ot,
+            lse.unsqueeze(-1).contiguous(),
+            seed,
+            seed,
+            None,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            scale=scale,
+        )
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dot, qt, kt, vt, ot, lse.contiguous(), None, None, sq, sk, 0.0, causal, seed, seed, scale=scale
+        )
+    dk, dv = _reduce_kv(dk.transpose(1, 2), dv.transpose(1, 2), k.size(2))
+    return dq.transpose(1, 2), dk, dv
+
+
+# --- CUDA: flash_attn (dense and varlen) -------------------------------------------------------------------
+
+
+def _call_flexible(fn, **kwargs):
+    """Call a flash_attn private function with the keyword names its installed version uses."""
+    params = inspect.signature(fn).parameters
+    return fn(**{name: value for name, value in kwargs.items() if name in params})
+
+
+_FA_BWD_DEFAULTS = dict(
+    dropout_p=0.0,
+    window_size=(-1, -1),
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    rng_state=None,
+)
+
+
+def flash_attn_forward(q, k, v, causal, scale, segments):
+    import flash_attn
+
+    if segments is None:
+        out, lse, _ = flash_attn.flash_attn_func(q, k, v, 0.0, scale, causal, return_attn_probs=True)
+        return out, lse.float()
+    qi, ki, cu_q, cu_k, max_q, max_k = _varlen_pack(segments, q.size(1))
+    assert q.size(0) == 1, "document segments need batch size 1"
+    out_p, lse_p, _ = flash_attn.flash_attn_varlen_func(
+        q[0, qi], k[0, ki], v[0, ki], cu_q, cu_k, max_q, max_k, 0.0, scale, causal, return_attn_probs=True
+    )  # out_p [Nq, Hq, D], lse_p [Hq, Nq]
+    out = q.new_zeros(q.shape)
+    out[0, qi] = out_p
+    lse = torch.full((1, q.size(2), q.size(1)), float("-inf"), dtype=torch.float32, device=q.device)
+    lse[0, :, qi] = lse_p.float()
+    return out, lse
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, segments):
+    from flash_attn import flash_attn_interface as fai
+
+    if segments is None:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _call_flexible(
+            fai._flash_attn_backward,
+            dout=dout,
+            q=q,
+            k=k,
+            v=v,
+            out=out,
+            softmax_lse=lse.contiguous(),
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            softmax_scale=scale,
+            causal=causal,
+            **_FA_BWD_DEFAULTS,
+        )
+        return dq, dk, dv
+    qi, ki, cu_q, cu_k, max_q, max_k = _varlen_pack(segments, q.size(1))
+    qp, kp, vp = q[0, qi], k[0, ki], v[0, ki]
+    dqp, dkp, dvp = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
+    _call_flexible(
+        fai._flash_attn_varlen_backward,
+        dout=dout[0, qi],
+        q=qp,
+        k=kp,
+        v=vp,
+        out=out[0, qi],
+        softmax_lse=lse[0][:, qi].contiguous(),
+        dq=dqp,
+        dk=dkp,
+        dv=dvp,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        softmax_scale=scale,
+        causal=causal,
+        **_FA_BWD_DEFAULTS,
+    )
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq[0, qi], dk[0, ki], dv[0, ki] = dqp, dkp, dvp
+    return dq, dk, dv
+
+
+def _varlen_pack(segments: torch.Tensor, sq: int):
+    """Row indices of the packed q and k, their int32 cu_seqlens and max lengths (segments are sorted)."""
+    q_len = segments[:, 1] - segments[:, 0]
+    k_len = segments[:, 3] - segments[:, 2]
+    qi = _ranges_to_index(segments[:, 0], q_len)
+    ki = _ranges_to_index(segments[:, 2], k_len)
+    zero = segments.new_zeros(1)
+    cu_q = torch.cat([zero, q_len.cumsum(0)]).to(torch.int32)
+    cu_k = torch.cat([zero, k_len.cumsum(0)]).to(torch.int32)
+    return qi, ki, cu_q, cu_k, int(q_len.max()), int(k_len.max())
+
+
+def _ranges_to_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    total = int(lengths.sum())
+    offsets = torch.repeat_interleave(
+        starts - torch.cat([starts.new_zeros(1), lengths.cumsum(0)[:-1]]), lengths
+    )
+    return torch.arange(total, device=starts.device) + offsets

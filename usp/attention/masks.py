@@ -1,0 +1,49 @@
+"""Document segments -> per-row key ranges and dense masks, for the kernels that take a mask.
+
+A segment list is int64 ``[n, 4]`` rows ``(q0, q1, k0, k1)``, sorted and disjoint: query rows ``[q0, q1)``
+attend only to keys ``[k0, k1)`` (causal: each segment is its own aligned lower triangle). Rows outside every
+segment attend to nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def segment_key_ranges(segments: torch.Tensor, sq: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row, the allowed key range ``[lo, hi)`` (int64 ``[sq]`` each; ``lo == hi``: no key)."""
+    rows = torch.arange(sq, device=segments.device)
+    q0, q1, k0, k1 = (c.contiguous() for c in segments.unbind(1))
+    seg = torch.searchsorted(q0, rows, right=True) - 1  # last segment starting at or before the row
+    valid = seg >= 0
+    seg = seg.clamp(min=0)
+    valid &= rows < q1[seg]
+    lo = k0[seg]
+    hi = lo + (rows - q0[seg]) + 1 if causal else k1[seg]
+    zero = torch.zeros_like(lo)
+    return torch.where(valid, lo, zero), torch.where(valid, hi, zero)
+
+
+def segment_mask(segments: torch.Tensor, sq: int, sk: int, causal: bool) -> torch.Tensor:
+    """Boolean ``[sq, sk]`` mask (True = attend) of a segment list."""
+    lo, hi = segment_key_ranges(segments, sq, causal)
+    cols = torch.arange(sk, device=segments.device)
+    return (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+
+
+def dense_mask(sq: int, sk: int, causal: bool, segments: torch.Tensor | None, device: torch.device):
+    """Boolean mask for the dense kernels, or None when no mask is needed (plain full attention)."""
+    if segments is not None:
+        return segment_mask(segments.to(device), sq, sk, causal)
+    if causal:
+        assert sq == sk, "causal blocks are square (same positions for q and k)"
+        return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+    return None
+
+
+def empty_rows(segments: torch.Tensor | None, sq: int, causal: bool) -> torch.Tensor | None:
+    """Boolean ``[sq]``: rows that attend to no key (None without segments: every row has a key)."""
+    if segments is None:
+        return None
+    lo, hi = segment_key_ranges(segments, sq, causal)
+    return hi <= lo
