@@ -1,8 +1,9 @@
 """USP attention: Ulysses all-to-all x zigzag ring attention, exact forward and backward.
 
-Public entry: :func:`usp_attention`. Building blocks: :mod:`.kernels` (local ``(out, lse)`` kernels),
-:mod:`.ulysses` (all-to-all), :mod:`.ring` (ring attention), :mod:`.blocks` (which blocks are computed),
-:mod:`.comm` (instrumented communication).
+Public entry: :func:`usp_attention`. Building blocks: :mod:`.kernels` (local ``(out, lse)`` kernel interface;
+CUDA kernels in :mod:`.cuda_kernels`, document masks in :mod:`.masks`), :mod:`.ulysses` (all-to-all),
+:mod:`.ring` (ring attention), :mod:`.blocks` (which blocks are computed), :mod:`.comm` (instrumented
+communication), :mod:`.cost` (analytic bytes and work), :mod:`.reference` (single-process ground truth).
 """
 
 from usp.attention.comm import CommStats, record_comm
