@@ -292,3 +292,12 @@ def test_cli_efficiency_flags_scale_the_compute(capsys):
     assert same["time_s"]["dense_s"] == pytest.approx(2 * ref["time_s"]["dense_s"])
     assert main(base + ["--attention-efficiency", "1.5"]) == 2
     assert "--attention-efficiency=1.5 must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_cli_overrides_carry_gradient_accumulation(capsys):
+    assert main(["--model", "llama-3.1-8b", "--seq-len", "128K", "--nodes", "2", "--global-batch", "8"]) == 0
+    overrides = capsys.readouterr().out.strip().splitlines()[-1].split()
+    values = dict(o.split("=") for o in overrides)
+    dp = int(values["parallel.dp_degree"])
+    assert int(values.get("trainer.grad_accum_steps", "1")) * dp == 8
+    assert values["trainer.seq_len"] == "131072"

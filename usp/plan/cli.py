@@ -158,7 +158,10 @@ def format_table(
         )
     )
     rows.append("Hydra overrides for the best layout:")
-    rows.append("  " + " ".join(best.overrides() + [f"trainer.seq_len={seq_len}"]))
+    extra = [f"trainer.seq_len={seq_len}"]
+    if best.grad_accum_steps > 1:
+        extra.append(f"trainer.grad_accum_steps={best.grad_accum_steps}")
+    rows.append("  " + " ".join(best.overrides() + extra))
     return "\n".join(rows)
 
 
