@@ -301,3 +301,21 @@ def test_cli_overrides_carry_gradient_accumulation(capsys):
     dp = int(values["parallel.dp_degree"])
     assert int(values.get("trainer.grad_accum_steps", "1")) * dp == 8
     assert values["trainer.seq_len"] == "131072"
+
+
+def test_inference_that_does_not_fit(capsys):
+    # 405B in bf16 is 812 GB: 8 x 40 GB cannot hold even the weights
+    argv = [
+        "--model",
+        "llama-3.1-405b",
+        "--seq-len",
+        "1M",
+        "--nodes",
+        "1",
+        "--gpu",
+        "a100-40g",
+        "--inference",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not fit 8 x a100-40g" in err and "more GPUs" in err
