@@ -39,8 +39,14 @@ def test_bench_tiny_grid_json(dist_pools, tmp_path):
             assert rec["area_max_over_mean"] <= (2 * n + 1) / (2 * n) + 1e-9
         else:
             assert rec["area_max_over_mean"] == pytest.approx(n / ((n + 1) / 2))
+        for f, fb in zip(rec["fwd_attention_flops_per_rank"], rec["fwd_bwd_attention_flops_per_rank"]):
+            assert fb == f * 14 // 4  # fwd 4 D per pair, bwd 10 D per pair
     hybrid = next(r for r in report["results"] if (r["ulysses"], r["ring"], r["num_kv_heads"]) == (2, 2, 1))
     assert hybrid["fwd_bytes_measured"] > 0 and hybrid["bytes_by_kind"]["ring_dkv"] > 0
+    # the planner's calibration reads this file (usp.plan.measurements)
+    from usp.plan.measurements import read_bench_json
+
+    assert {r.kind for r in read_bench_json(out)} == {"fwd", "fwd_bwd"}
 
 
 def test_analytic_bytes_formula_by_hand():

@@ -141,6 +141,7 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict
     fwd_bytes = _gather_ints(fwd_stats.bytes_sent)
     fb_bytes = _gather_ints(fb_stats.bytes_sent)
     pairs = _gather_ints(fwd_stats.attention_pairs)
+    fwd_flops = _gather_ints(fwd_stats.attention_flops)
     flops = _gather_ints(fb_stats.attention_flops)
     work = ring_work(seq_len, r, mesh.ring_layout, args.causal)
     n = r
@@ -173,6 +174,7 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict
         "bytes_equal_on_all_ranks": len(set(fwd_bytes)) == 1 and len(set(fb_bytes)) == 1,
         "bytes_by_kind": fb_stats.bytes_by_kind,
         "pairs_per_rank": pairs,
+        "fwd_attention_flops_per_rank": fwd_flops,
         "fwd_bwd_attention_flops_per_rank": flops,
         "pairs_max_over_mean": imbalance(pairs),
         "area_max_over_mean": imbalance([w["area"] for w in work]),
