@@ -31,7 +31,9 @@ IGNORE_INDEX = -100
 def _chunk_ce_sum(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor
 ) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias).float()  # [chunk, V], fp32 for a stable log-softmax
+    logits = F.linear(hidden, weight, bias)  # [chunk, V]
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()  # bf16/fp16 compute: log-softmax in fp32
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -48,13 +50,14 @@ def chunked_cross_entropy_sum(
     ``hidden`` ``[B, S, H]`` (after the final norm), ``weight`` ``[V, H]`` (``lm_head.weight``), ``labels``
     ``[B, S]``. Returns an fp32 scalar. Differentiable with respect to ``hidden``, ``weight`` and ``bias``;
     each chunk of ``chunk_size`` tokens is recomputed in backward, so peak extra memory is one chunk's logits.
+    The result is fp32 (fp64 for fp64 inputs).
     """
     if chunk_size < 1:
         raise ValueError(f"trainer.loss_chunk_size={chunk_size} must be >= 1 (tokens per cross-entropy chunk).")
     assert hidden.shape[:-1] == labels.shape, f"hidden {tuple(hidden.shape)} vs labels {tuple(labels.shape)}"
     h = hidden.reshape(-1, hidden.size(-1))  # [B*S, H]
     y = labels.reshape(-1)  # [B*S]
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for start in range(0, h.size(0), chunk_size):
         end = min(start + chunk_size, h.size(0))
         total = total + checkpoint(_chunk_ce_sum, h[start:end], weight, bias, y[start:end], use_reentrant=False)

@@ -1,0 +1,82 @@
+"""Loading local checkpoints: clear errors for bad dirs, RoPE overrides in both spellings, dtype."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from usp.model import (
+    apply_rope_overrides,
+    check_heads,
+    check_model_dir,
+    load_causal_lm,
+    parse_dtype,
+    rope_settings,
+)
+from usp.tiny import build_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
+
+
+def test_bad_model_dirs(tmp_path, tiny_llama):
+    with pytest.raises(ValueError, match="model.path is not set"):
+        check_model_dir("???")
+    with pytest.raises(ValueError, match="does not exist"):
+        check_model_dir(tmp_path / "missing")
+    with pytest.raises(ValueError, match="has no config.json"):
+        check_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json could not be read"):
+        check_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    with pytest.raises(ValueError, match="holds a 'bert' model"):
+        check_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text((__import__("pathlib").Path(tiny_llama) / "config.json").read_text())
+    with pytest.raises(ValueError, match="no weight files"):
+        check_model_dir(tmp_path)
+    assert check_model_dir(tiny_llama).model_type == "llama"
+
+
+def test_rope_overrides_both_spellings():
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4)
+    apply_rope_overrides(config, rope_theta=8e6, rope_scaling={"type": "linear", "factor": 4.0},
+                         max_position_embeddings=65536)  # fmt: skip
+    assert rope_settings(config) == {"rope_theta": 8e6, "rope_type": "linear", "factor": 4.0}
+    assert config.max_position_embeddings == 65536
+
+    class Legacy:  # transformers 4.x: top-level rope_theta / rope_scaling
+        rope_theta = 5e5
+        rope_scaling = None
+
+    legacy = apply_rope_overrides(Legacy(), rope_theta=1e6, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    assert legacy.rope_theta == 1e6 and legacy.rope_scaling == {"rope_type": "llama3", "factor": 8.0}
+    with pytest.raises(ValueError, match="model.rope_theta"):
+        apply_rope_overrides(config, rope_theta=-1.0)
+
+
+def test_load_applies_overrides_and_dtype(tiny_llama):
+    model = load_causal_lm(tiny_llama, dtype=torch.bfloat16, rope_theta=123456.0)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.config.rope_parameters["rope_theta"] == 123456.0
+    inv_freq = model.model.rotary_emb.inv_freq
+    head_dim = model.config.head_dim
+    expected = 1.0 / (123456.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    torch.testing.assert_close(inv_freq.float(), expected)
+    with pytest.raises(ValueError, match="model.dtype='int8'"):
+        parse_dtype("int8")
+
+
+def test_check_heads():
+    config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    check_heads(config, 4)  # kv heads repeated over the degree
+    check_heads(config, 2)
+    with pytest.raises(ValueError, match="does not divide the model's 8 attention heads"):
+        check_heads(config, 3)
+    with pytest.raises(ValueError, match="key/value heads"):
+        check_heads(LlamaConfig(hidden_size=96, num_attention_heads=12, num_key_value_heads=3, head_dim=8), 4)
