@@ -41,27 +41,28 @@ def ring_comm(
 ) -> dict[str, float]:
     """Ring P2P per micro step and the part that does not hide behind the attention of each step.
 
-    Forward: ``R - 1`` transfers of a K/V block per layer; backward: K/V again plus the fp32 dK/dV that travel
-    with it (3x the block). Each step overlaps its transfer with the attention of the block it holds, so the
-    exposed time per step is ``max(0, transfer - compute)``.
+    Forward: ``R - 1`` transfers of the K/V block per layer. Backward: ``R - 1`` K/V transfers, and the fp32
+    dK/dV accumulators travel with them and take one more hop home (``R`` transfers). Each step overlaps its
+    transfer with the attention of the block in hand, so the exposed time per step is
+    ``max(0, transfer - compute)``; the final dK/dV hop has nothing to hide behind.
     """
     R = ring_degree
     if R == 1:
         return {"ring_bytes": 0.0, "ring_s": 0.0, "ring_exposed_s": 0.0, "ring_step_comm_s": 0.0}
-    block = kv_block_bytes(model, seq_len, ulysses_degree, R, compute_bytes)
+    kv = kv_block_bytes(model, seq_len, ulysses_degree, R, compute_bytes)
+    dkv = kv_block_bytes(model, seq_len, ulysses_degree, R, 4)
     bw = ring_bandwidth_gbps(device, ulysses_degree, R, node_size) * GB
     L = model.num_layers
-    fwd_step, bwd_step = block / bw, 3 * block / bw
+    fwd_step, bwd_step, home = kv / bw, (kv + dkv) / bw, dkv / bw
     # attention_s covers fwd + bwd of all layers; split it over the 2 x R steps per layer by pass weight.
     per_layer = attention_s / L
     passes = 1 + ATTN_BWD_OVER_FWD_HW
     fwd_compute = per_layer / passes / R
     bwd_compute = per_layer * ATTN_BWD_OVER_FWD_HW / passes / R
-    exposed = (R - 1) * L * (max(0.0, fwd_step - fwd_compute) + max(0.0, bwd_step - bwd_compute))
-    total_bytes = (R - 1) * L * 4 * block
+    exposed = L * ((R - 1) * (max(0.0, fwd_step - fwd_compute) + max(0.0, bwd_step - bwd_compute)) + home)
     return {
-        "ring_bytes": total_bytes,
-        "ring_s": (R - 1) * L * (fwd_step + bwd_step),
+        "ring_bytes": L * ((R - 1) * 2 * kv + R * dkv),
+        "ring_s": L * ((R - 1) * (fwd_step + bwd_step) + home),
         "ring_exposed_s": exposed,
         "ring_step_comm_s": fwd_step,
     }

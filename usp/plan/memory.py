@@ -129,8 +129,9 @@ def training_memory(
         workspace += qkv  # all-to-all send and receive buffers live together
     if R > 1:
         block = kv_block_bytes(model, seq_len, U, R, B) * micro_batch_size
-        # K/V current + next (bf16), dK/dV current + next (fp32), fp32 output / dq accumulator.
-        workspace += 2 * block + 2 * 2 * block + s * H * d * 4
+        block_fp32 = kv_block_bytes(model, seq_len, U, R, 4) * micro_batch_size
+        # K/V current + next (compute dtype), dK/dV current + next (fp32), fp32 output / dq accumulator.
+        workspace += 2 * block + 2 * block_fp32 + s * H * d * 4
 
     chunk = min(loss_chunk_size, s)
     loss = chunk * model.vocab_size * (4 + 4) + 2 * s * h * B  # fp32 logits + grad; final norm in/out
