@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from usp.attention.cost import analytic_bytes_sent
+from usp.attention.cost import analytic_bytes_sent, ring_work
 from usp.plan.comm import kv_block_bytes, ring_comm, ulysses_comm
 from usp.plan.compute import attention_fwd_flops, causal_imbalance, seed_zigzag_speedup
 from usp.plan.hardware import GIB, GPUS
@@ -79,6 +79,16 @@ def test_zigzag_speedup():
     assert round(15 / 8, 2) == 1.88
     assert causal_imbalance(1, "contiguous") == 1.0
     assert causal_imbalance(10_000, "contiguous") == pytest.approx(2.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_causal_imbalance_matches_the_ring_block_plans(layout, n):
+    """The busiest rank's causal (q, k) pairs, counted exactly over the ring kernel's block plans by
+    usp.attention.cost, over the balanced share S^2 / 2N."""
+    S = 16384
+    busiest = max(w["pairs"] for w in ring_work(S, n, layout, True))
+    assert busiest / (S * S / 2 / n) == pytest.approx(causal_imbalance(n, layout), rel=1e-3)
 
 
 def _a100_as_the_seed_counts() -> object:
