@@ -157,3 +157,37 @@ def test_heads_not_divisible_raises(dist_pools, setup, tmp_path):
     cfg = make_config(model_dir, str(tmp_path / "run"), setup["cache"], ulysses_degree=4, ring_degree=1)
     messages = dist_pools(4).run(run_expecting_error, cfg)
     assert all("does not divide the model's 6 attention heads" in m for m in messages)
+
+
+def test_auto_degrees_ask_the_planner(dist_pools, setup, tmp_path):
+    cfg = make_config(setup["model"], str(tmp_path / "auto"), setup["cache"], ulysses_degree="auto", ring_degree="auto")
+    cfg.trainer.max_steps = 1
+    cfg.trainer.export_hf = False
+    out = dist_pools(1).run(run_worker, cfg)[0]
+    layout = out["layout"]
+    assert layout["reason"].startswith("planner:")
+    assert layout["ulysses_degree"] * layout["ring_degree"] * layout["dp_degree"] == 1
+    assert len(out["losses"]) == 1
+
+
+def _fail_on_rank_one() -> str:
+    import torch.distributed as dist
+
+    from usp.train.trainer import on_every_rank
+
+    def check() -> int:
+        if dist.get_rank() == 1:
+            raise ValueError("trainer.seq_len=7 is bad on this rank only")
+        return 0
+
+    try:
+        on_every_rank(check, "config validation")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_error_on_one_rank_raises_on_every_rank(dist_pools):
+    messages = dist_pools(4).run(_fail_on_rank_one)
+    assert all("trainer.seq_len=7 is bad on this rank only" in m for m in messages)
+    assert "failed on rank 1" in messages[0]
