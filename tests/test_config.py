@@ -207,3 +207,16 @@ def test_bad_world_fails_at_start_and_only_rank0_writes(tmp_path):
 def test_conf_recipe_link_points_at_recipes():
     link = REPO / "conf" / "recipe"
     assert link.is_symlink() and link.resolve() == (REPO / "recipes").resolve()
+
+
+def test_valid_values_match_the_modules_that_implement_them():
+    """The entry point's checks accept exactly what the trainer, mesh and kernels implement."""
+    from usp import config
+    from usp.attention import kernels
+    from usp.parallel import mesh
+    from usp.train import parallelize
+
+    assert set(config.FSDP_MODES) == set(parallelize.FSDP_MODES)
+    assert set(config.AC_MODES) == set(parallelize.AC_MODES)
+    assert set(config.RING_LAYOUTS) == set(mesh.RING_LAYOUTS)
+    assert set(config.ATTENTION_BACKENDS) == set(kernels.BACKENDS)
