@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from usp.plan.hardware import GIB, GPUS
-from usp.plan.memory import training_memory
+from usp.plan.memory import activation_bytes_per_token_layer, training_memory
 from usp.plan.models import load_model_spec
 from usp.plan.search import enumerate_layouts
 
@@ -31,12 +32,15 @@ def test_llama31_8b_1m_tokens_32_gpus_ulysses8_ring4_full_checkpointing():
     assert mem.sharded_states == 16 * 8_030_261_248 / 32 == 4_015_130_624
     # largest FSDP unit is the embedding (525M): 2 x bf16 (current + prefetch) + 1 x fp32 grad = 8 B/param
     assert mem.gathered_params == 525_336_576 * 8
-    # one layer's saved activations per token (bf16 elements): 4h = 16384; q,k,v after all-to-all with
-    # 8 KV heads: (32 + 16) x 128 = 6144; attention out + o_proj input 2 x 4096; lse 2 x 32; MLP 4 x 14336
-    per_token_layer = 16384 + 6144 + 8192 + 64 + 57344
-    one_layer = per_token_layer * s * 2
+    # one layer's saved activations per token, bytes: two RMSNorms x 4096 x (fp32 input copy 4 + normalized 2 +
+    # output 2) = 65,536; q,k,v after the all-to-all with 8 KV heads (32 + 16) x 128 x 2 = 12,288; attention
+    # output + the o_proj input after the all-to-all back 2 x 4096 x 2 = 16,384; fp32 lse 4 x 32 + two rsqrt 8
+    # = 136; MLP gate, up, silu, product 4 x 14336 x 2 = 114,688
+    per_token_layer = 65_536 + 12_288 + 16_384 + 136 + 114_688
+    assert per_token_layer == 209_032
+    one_layer = per_token_layer * s
     # full checkpointing: 32 layer inputs (4096 x 2 B per token) + one layer recomputed at a time
-    assert mem.activations == 32 * 4096 * s * 2 + one_layer == 14_365_491_200
+    assert mem.activations == 32 * 4096 * s * 2 + one_layer == 15_439_495_168
     # dq,dk,dv + all-to-all buffers: 2 x 32768 x 48 heads x 128 x 2 B; ring: K,V block of 262,144 tokens x 1 KV
     # head per rank x 128 x 2 (K,V) x 2 B = 128 MiB, 2 in bf16 + 2 fp32 dK/dV (= 6 blocks), fp32 out accumulator
     block = 262_144 * 1 * 128 * 2 * 2
@@ -44,9 +48,9 @@ def test_llama31_8b_1m_tokens_32_gpus_ulysses8_ring4_full_checkpointing():
     # chunked loss: 4096 tokens x 128,256 vocab x (fp32 logits + fp32 grad), final norm in/out in bf16
     assert mem.loss_buffer == 4096 * 128256 * 8 + 2 * s * 4096 * 2
     assert mem.overhead == 1 * GIB  # CUDA context; no margin asked
-    # 4,015,130,624 + 4,202,692,608 + 14,365,491,200 + 2,147,483,648 + 4,739,563,520 + 1,073,741,824
-    assert mem.total == 30_544_103_424
-    assert mem.total_gib == pytest.approx(28.45, abs=0.005)
+    # 4,015,130,624 + 4,202,692,608 + 15,439,495,168 + 2,147,483,648 + 4,739,563,520 + 1,073,741,824
+    assert mem.total == 31_618_107_392
+    assert mem.total_gib == pytest.approx(29.45, abs=0.005)
 
 
 def test_no_checkpointing_keeps_every_layer():
@@ -55,20 +59,57 @@ def test_no_checkpointing_keeps_every_layer():
     none = training_memory(LLAMA8, H100, activation_checkpointing="none", **kw)
     every2 = training_memory(LLAMA8, H100, activation_checkpointing="every_k", ac_every_k=2, **kw)
     s = S // 8
-    one_layer = (16384 + 6144 + 8192 + 64 + 57344) * s * 2
+    one_layer = 209_032 * s  # as above: Ulysses 8 keeps the o_proj input apart from the kernel's output
     assert none.activations == 32 * one_layer
     # 16 layers keep everything, 16 keep their input, plus one recomputed layer
     assert every2.activations == 16 * one_layer + 16 * 4096 * s * 2 + one_layer
 
 
-def test_float32_run_doubles_activations_not_states():
+def test_float32_run_activations_by_hand():
     kw = dict(seq_len=2**16, ulysses_degree=4, ring_degree=2, world_size=8, node_size=8, overhead_frac=0.0)
     bf16 = training_memory(LLAMA8, H100, **kw)
     fp32 = training_memory(LLAMA8, H100, compute_bytes=4, **kw)
-    assert fp32.activations == 2 * bf16.activations
+    s = 2**16 // 8
+    # fp32: norms 2 x 4096 x (4 + 4 + 4), q,k,v (32 + 16) x 128 x 4, out + o_proj input 2 x 4096 x 4, 136, MLP
+    # 4 x 14336 x 4 -- the norms' fp32 input copy does not grow, everything else doubles
+    assert fp32.activations == 32 * s * (98_304 + 24_576 + 32_768 + 136 + 229_376)
+    assert bf16.activations == 32 * s * 209_032
     assert fp32.sharded_states == bf16.sharded_states
     # gathered: 2 copies x 4 B + fp32 grad 4 B = 12 B per parameter of the largest unit, against 8 B in bf16
     assert fp32.gathered_params * 8 == bf16.gathered_params * 12
+
+
+@pytest.mark.parametrize("dtype,compute_bytes", [(torch.bfloat16, 2), (torch.float32, 4)])
+def test_activation_bytes_match_what_autograd_saves(dtype, compute_bytes):
+    """Count the bytes autograd keeps for one Hugging Face Llama decoder layer (SDPA keeps the flash set:
+    q, k, v, out, lse) and compare with the planner's per-token formula (Ulysses 1)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    shape = dict(
+        hidden_size=96, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
+    cfg = LlamaConfig(num_hidden_layers=1, vocab_size=100, **shape)
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, 0).to(dtype)
+    T = 64
+    x = torch.randn(1, T, 96, dtype=dtype, requires_grad=True)
+    pos = torch.arange(T)[None]
+    cos, sin = LlamaRotaryEmbedding(cfg)(x, pos)
+    # weights, and the rotary tables (computed once per model, shared by every layer), are not activations
+    skip = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), cos, sin]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=pos)
+    spec = load_model_spec(shape | {"num_hidden_layers": 1, "vocab_size": 100})
+    assert sum(saved.values()) == T * activation_bytes_per_token_layer(spec, 1, compute_bytes)
 
 
 def test_more_gpus_never_predict_more_memory_per_gpu():

@@ -265,9 +265,9 @@ def test_cli_float32_costs_more_memory(capsys):
     fp32 = {(x["fsdp_mode"], x["activation_checkpointing"]): x for x in json.loads(capsys.readouterr().out)}
     assert len(fp32.keys() & bf16.keys()) >= 2
     for key in fp32.keys() & bf16.keys():
-        assert fp32[key]["memory_gib"]["activations"] == pytest.approx(
-            2 * bf16[key]["memory_gib"]["activations"], rel=1e-3
-        )
+        # everything doubles but the norms' fp32 input copies
+        ratio = fp32[key]["memory_gib"]["activations"] / bf16[key]["memory_gib"]["activations"]
+        assert 1.5 < ratio < 2
         assert fp32[key]["memory_gib"]["sharded_states"] == bf16[key]["memory_gib"]["sharded_states"]
 
 

@@ -4,14 +4,16 @@ Precision assumed (FSDP2 mixed precision, what ``usp.train`` runs): fp32 sharded
 gradients and two fp32 Adam moments (16 bytes per parameter, divided by the shard degree); bf16 parameters
 all-gathered for compute; bf16 activations; fp32 gradient reduction.
 
-Saved activations of one Llama decoder layer, per local token, in bf16 elements (``h`` hidden, ``H`` query
-heads, ``d`` head dim, ``I`` MLP width, ``kv = max(KV heads, ulysses_degree)`` after GQA replication)::
+Saved activations of one Llama decoder layer, per local token, in bytes (``B`` the compute dtype's size, ``h``
+hidden, ``H`` query heads, ``d`` head dim, ``I`` MLP width, ``kv = max(KV heads, ulysses_degree)`` after GQA
+replication), as autograd keeps them for the Hugging Face layer (measured in ``tests/test_plan_memory.py``)::
 
-    4h               layer input, attention-norm output, mid residual, MLP-norm output
-    (H + 2kv) d      q, k, v after the all-to-all (kept by the attention kernel)
-    2 H d            attention output (kept by the kernel) and the o_proj input (after the all-to-all back)
-    2 H              log-sum-exp, fp32
-    4 I              gate, up, silu(gate), silu(gate) * up
+    2 h (4 + 2B)     each RMSNorm: its input upcast to fp32, the normalized input, the output (= next matmul input)
+    (H + 2kv) d B    q, k, v after the all-to-all (kept by the attention kernel)
+    H d B (x2 if U>1) attention output (kept by the kernel); the o_proj input is a view of it, or with
+                     Ulysses the separate result of the all-to-all back
+    4 H + 8          log-sum-exp and the two norms' rsqrt, fp32
+    4 I B            gate, up, silu(gate), silu(gate) * up
 
 With ``full`` checkpointing a layer keeps only its input (``h``) and one layer is recomputed at a time.
 """
@@ -51,11 +53,21 @@ class MemoryBreakdown:
         return {k: v / GIB for k, v in asdict(self).items()} | {"total": self.total_gib}
 
 
-def activation_elems_per_token_layer(model: ModelSpec, ulysses_degree: int) -> int:
-    """Saved activations of one decoder layer per local token, in bf16 elements (module docstring)."""
-    h, d, H, mlp = model.hidden_size, model.head_dim, model.num_heads, model.intermediate_size
+def activation_bytes_per_token_layer(
+    model: ModelSpec, ulysses_degree: int, compute_bytes: int = ACT_BYTES
+) -> int:
+    """Saved activations of one decoder layer per local token, in bytes (module docstring)."""
+    h, d, H, mlp, B = (
+        model.hidden_size,
+        model.head_dim,
+        model.num_heads,
+        model.intermediate_size,
+        compute_bytes,
+    )
     kv = max(model.num_kv_heads, ulysses_degree)
-    return 4 * h + (H + 2 * kv) * d + 2 * H * d + 2 * H + 4 * mlp
+    norms = 2 * h * (4 + 2 * B)
+    attention = (H + 2 * kv) * d * B + H * d * B * (2 if ulysses_degree > 1 else 1)
+    return norms + attention + 4 * H + 8 + 4 * mlp * B
 
 
 def checkpointed_layers(num_layers: int, activation_checkpointing: str, ac_every_k: int = 2) -> int:
@@ -117,7 +129,7 @@ def training_memory(
     unit = max(model.layer_params, model.embedding_params, model.head_params)
     gathered = 0.0 if world_size == 1 else unit * (2 * B + 4)
 
-    per_layer = activation_elems_per_token_layer(model, U) * s * B
+    per_layer = activation_bytes_per_token_layer(model, U, B) * s
     n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
     kept = (model.num_layers - n_ckpt) * per_layer + n_ckpt * h * s * B
     recompute = per_layer if n_ckpt else 0.0
