@@ -28,6 +28,7 @@ from usp.config import TrainConfig, validate_choices, validate_layout
 CONF_DIR: Path = Path(__file__).resolve().parents[2] / "conf"
 """The config groups (a source checkout; ``conf/recipe`` links to the top-level ``recipes/``)."""
 CONFIG_NAME = "train"
+VERSION_BASE = "1.3"
 _MISSING_HINTS: dict[str, str] = {
     "model.path": "model.path=/ckpt/Llama-3.1-8B (a local Hugging Face checkpoint dir: config.json, "
     "*.safetensors, tokenizer files)",
@@ -35,11 +36,11 @@ _MISSING_HINTS: dict[str, str] = {
     "'data.inputs=[/data/a.jsonl]' to tokenize and pack at start-up",
     "data.inputs": "'data.inputs=[/data/a.jsonl,/data/b.parquet]' (local files) or '[owner/dataset]' (hub)",
 }
-VERSION_BASE = "1.3"
 
 
 def _run_id() -> str:
-    """A run-dir name every rank computes identically: the SLURM job id, else torchrun's rendezvous id."""
+    """A run-dir name every rank computes identically: the SLURM job id (a requeued job keeps it, so it
+    resumes from its own checkpoints), else torchrun's rendezvous id (``--standalone`` makes a fresh one)."""
     if os.environ.get("SLURM_JOB_ID"):
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
     rdzv = os.environ.get("TORCHELASTIC_RUN_ID", "")
