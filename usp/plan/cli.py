@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -250,6 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"usp-plan: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `usp-plan ... | head`: the reader left; not an error
+        sys.stdout = open(os.devnull, "w")  # keeps the interpreter's final flush quiet
+        return 0
 
 
 if __name__ == "__main__":
