@@ -146,7 +146,9 @@ def training_memory(
         workspace += 2 * block + 2 * block_fp32 + s * H * d * 4
 
     chunk = min(loss_chunk_size, s)
-    loss = chunk * model.vocab_size * (4 + 4) + 2 * s * h * B  # fp32 logits + grad; final norm in/out
+    # One checkpointed chunk of the cross-entropy at its peak (log-softmax backward): the fp32 log-probabilities it
+    # saved, their gradient and the gradient it returns, 3 x 4 B per logit; plus the final norm's input/output.
+    loss = chunk * model.vocab_size * 12 + 2 * s * h * B
 
     subtotal = states + gathered + activations + workspace + loss
     overhead = overhead_frac * subtotal + device.reserved_gib * GIB
