@@ -9,8 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.mesh_cache import cached_sp_mesh
 from tests.test_attention_usp import check_cases, factorizations
-from usp.attention.blocks import plan_ring_blocks
+from usp.attention import record_comm, usp_attention
+from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
+from usp.attention.cost import analytic_bytes_sent
 
 SEQ_LEN = 48
 # boundaries with 1-token documents, documents crossing zigzag chunks and ring parts, one whole document
@@ -64,3 +67,33 @@ def test_documents_skip_blocks_that_share_no_document():
     assert diag.causal and diag.segments.tolist() == [[0, 6, 0, 6], [6, 12, 6, 12]]
     # without documents nothing is skipped beyond the causal layout rule
     assert all(b is not None for b in plan_ring_blocks(48, 4, 0, "zigzag", True))
+
+
+def test_ring_stops_when_no_rank_needs_later_blocks():
+    every = lambda cu, layout: [  # noqa: E731
+        plan_ring_blocks(48, 4, r, layout, True, torch.tensor(cu)) for r in range(4)
+    ]
+    # contiguous parts of 12: documents cross part boundaries only into the next part -> 2 steps
+    assert ring_steps_needed(every(DOCUMENTS[0], "contiguous")) == 2
+    # 3-token documents aligned with every part and chunk: no communication at all
+    assert ring_steps_needed(every(DOCUMENTS[3], "contiguous")) == 1
+    assert ring_steps_needed(every(DOCUMENTS[3], "zigzag")) == 1
+    # zigzag: a document crossing a back-half chunk boundary needs the last step
+    assert ring_steps_needed(every(DOCUMENTS[0], "zigzag")) == 4
+    assert ring_steps_needed([plan_ring_blocks(48, 4, r, "zigzag", True) for r in range(4)]) == 4
+
+
+def run_document_bytes(layout: str, cu: list[int]) -> int:
+    mesh = cached_sp_mesh(1, 4, layout)
+    q = torch.randn(1, 12, 2, 8, requires_grad=True)
+    with record_comm() as stats:
+        usp_attention(q, q, q, mesh=mesh, cu_seqlens=torch.tensor(cu, dtype=torch.int32)).sum().backward()
+    return stats.bytes_sent
+
+
+@pytest.mark.parametrize("layout, cu, steps", [("contiguous", DOCUMENTS[0], 2), ("zigzag", DOCUMENTS[3], 1)])
+def test_document_ring_bytes_match_trimmed_formula(dist_pools, layout, cu, steps):
+    sent = dist_pools(4).run(run_document_bytes, layout, cu)
+    want = analytic_bytes_sent(batch=1, seq_len=48, num_heads=2, num_kv_heads=2, head_dim=8, ulysses_degree=1,
+                               ring_degree=4, element_size=4, ring_steps=steps)["fwd_bwd"]  # fmt: skip
+    assert sent == [want] * 4

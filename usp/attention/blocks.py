@@ -147,3 +147,13 @@ def plan_ring_blocks(
                 )
         plans.append(block)
     return plans
+
+
+def ring_steps_needed(plans_by_rank: list[list[BlockSpec | None]]) -> int:
+    """Ring steps worth running: up to the last step at which *any* ring rank computes a block.
+
+    K/V parts forwarded after that step would only be passed on, never used, so the ring stops there. Every
+    ring rank derives the same value from the same global inputs (layout and ``cu_seqlens``), so the
+    transfers stay matched. Without documents it is ``R`` for every causal or non-causal layout.
+    """
+    return 1 + max(t for plans in plans_by_rank for t, block in enumerate(plans) if block is not None)

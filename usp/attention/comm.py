@@ -88,17 +88,19 @@ class RingExchange:
     """Send tensors to the next ring rank and receive same-shaped ones from the previous, asynchronously.
 
     ``start(tensors)`` posts the transfer and returns immediately; ``wait()`` returns the received tensors.
-    Both ring neighbours must post the same list (same shapes, dtypes and order) in the same step.
+    Both peers must post the same list (same shapes, dtypes and order) in the same step. ``offset``: send to
+    ring rank ``r + offset`` and receive from ``r - offset`` (1 = the next neighbour; used to send a gradient
+    accumulator straight home when the ring stops early).
     """
 
-    def __init__(self, group: dist.ProcessGroup, kind: str, tag: int = 0):
+    def __init__(self, group: dist.ProcessGroup, kind: str, tag: int = 0, offset: int = 1):
         self.group = group
         self.kind = kind
         self.tag = tag
         self.world = dist.get_world_size(group)
         rank = dist.get_rank(group)
-        self.next_rank = dist.get_global_rank(group, (rank + 1) % self.world)
-        self.prev_rank = dist.get_global_rank(group, (rank - 1) % self.world)
+        self.next_rank = dist.get_global_rank(group, (rank + offset) % self.world)
+        self.prev_rank = dist.get_global_rank(group, (rank - offset) % self.world)
         self._reqs: list = []
         self._recv: list[torch.Tensor] = []
 

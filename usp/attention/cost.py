@@ -10,6 +10,9 @@ K or V part on the ring).
 - backward: ``A(Hq)`` (dout) + ``A(Hq)`` (dq) + ``2 A(Hk')`` (dk, dv) + ``(R - 1) * 2 P e`` (K/V hops again)
   + ``R * 2 P * 4`` (fp32 dK/dV accumulators, one hop behind their K/V; 0 when ``R = 1``).
 
+With document masking the ring may stop after ``T < R`` steps (no rank needs a later block): ``R`` becomes
+``T`` in the ring terms.
+
 Each all-to-all sends only what the other ranks need, and ``R - 1`` hops is the fewest in which a ring shows
 every K/V part to every rank, so these are the minimum for this algorithm. (The dK/dV hops travel in fp32 for
 exact accumulation; an input-dtype variant would halve that term for bf16.)
@@ -31,19 +34,25 @@ def analytic_bytes_sent(
     ulysses_degree: int,
     ring_degree: int,
     element_size: int,
+    ring_steps: int | None = None,
 ) -> dict[str, int]:
-    """Bytes one rank sends per call: ``{"fwd": ..., "bwd": ..., "fwd_bwd": ...}`` (see the module docstring)."""
-    u, r = ulysses_degree, ring_degree
-    local = seq_len // (u * r)
+    """Bytes one rank sends per call: ``{"fwd": ..., "bwd": ..., "fwd_bwd": ...}`` (see the module docstring).
+
+    ``ring_steps``: steps the ring runs (``R`` unless document masking lets it stop early, see
+    :func:`usp.attention.blocks.ring_steps_needed`); the ring terms use it in place of ``R``.
+    """
+    u = ulysses_degree
+    local = seq_len // (u * ring_degree)
+    steps = ring_degree if ring_steps is None else ring_steps
     hk = num_kv_heads * kv_replication(num_heads, num_kv_heads, u)
 
     def a2a(heads: int) -> int:
         return (u - 1) * batch * local * heads * head_dim * element_size // u
 
-    part = batch * (seq_len // r) * (hk // u) * head_dim
-    ring_kv = (r - 1) * 2 * part * element_size
+    part = batch * (seq_len // ring_degree) * (hk // u) * head_dim
+    ring_kv = (steps - 1) * 2 * part * element_size
     fwd = 2 * a2a(num_heads) + 2 * a2a(hk) + ring_kv
-    bwd = 2 * a2a(num_heads) + 2 * a2a(hk) + ring_kv + (r * 2 * part * 4 if r > 1 else 0)
+    bwd = 2 * a2a(num_heads) + 2 * a2a(hk) + ring_kv + (steps * 2 * part * 4 if steps > 1 else 0)
     return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}
 
 

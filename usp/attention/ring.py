@@ -10,8 +10,12 @@ merge its ``(out, lse)`` into the running fp32 result, then wait. ``R - 1`` tran
 
 Backward runs the same ring: each rank computes its block's ``dq`` (kept) and ``dk, dv`` (added to an fp32
 accumulator that travels *with* the K/V part, one hop behind it), using the merged ``out`` and ``lse`` saved by
-the forward. After ``R`` hops every accumulator is home: each rank holds the exact ``dk, dv`` of its own K/V.
-Bytes sent per rank: forward ``(R-1) * 2 * |kv|``; backward ``(R-1) * 2 * |kv| + R * 2 * |kv|_fp32``.
+the forward. After the last step each accumulator is sent straight home (one hop when the ring ran all ``R``
+steps), so each rank holds the exact ``dk, dv`` of its own K/V.
+
+With document masking the ring may stop after ``T < R`` steps when no rank needs a later block (every rank
+computes the same ``T`` from the global ``cu_seqlens``). Bytes sent per rank: forward ``(T-1) * 2 * |kv|``;
+backward ``(T-1) * 2 * |kv| + T * 2 * |kv|_fp32`` (``T = R`` without documents; nothing when ``T = 1``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from usp.attention.blocks import BlockSpec
 from usp.attention.comm import RingExchange, record_attention_work
 from usp.attention.kernels import attention_backward, attention_forward
 
-_TAG_KV, _TAG_DKV = 11, 12
+_TAG_KV, _TAG_DKV, _TAG_DKV_HOME = 11, 12, 13
 
 
 def merge_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -40,10 +44,6 @@ def merge_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor
     lse_acc.copy_(new)
 
 
-def _exchange(group: dist.ProcessGroup, kind: str, tag: int) -> RingExchange | None:
-    return RingExchange(group, kind, tag) if dist.get_world_size(group) > 1 else None
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, plans, softmax_scale, backend):
@@ -51,7 +51,7 @@ class _RingAttention(torch.autograd.Function):
         b, _, hq, d = q.shape
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse_acc = torch.full((b, hq, q.size(1)), float("-inf"), dtype=torch.float32, device=q.device)
-        exchange = _exchange(group, "ring_kv", _TAG_KV)
+        exchange = RingExchange(group, "ring_kv", _TAG_KV) if ring > 1 else None
         kc, vc = k, v
         for step in range(ring):
             if step + 1 < ring:
@@ -81,17 +81,21 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plans, group = ctx.plans, ctx.group
-        ring = len(plans)
         b, _, hq, d = q.shape
         dout = dout.contiguous()
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        kv_exchange = _exchange(group, "ring_kv_bwd", _TAG_KV)
-        dkv_exchange = _exchange(group, "ring_dkv", _TAG_DKV)
+        steps = len(plans)
+        kv_exchange = dkv_exchange = home = None
+        if steps > 1:
+            kv_exchange = RingExchange(group, "ring_kv_bwd", _TAG_KV)
+            dkv_exchange = RingExchange(group, "ring_dkv", _TAG_DKV)
+            # after the last step the accumulator we hold belongs to ring rank r - (steps - 1): send it home
+            home = RingExchange(group, "ring_dkv", _TAG_DKV_HOME, offset=-(steps - 1))
         kc, vc = k, v
-        for step in range(ring):
-            if step + 1 < ring:
+        for step in range(steps):
+            if step + 1 < steps:
                 kv_exchange.start([kc, vc])
             spec: BlockSpec | None = plans[step]
             grads = None
@@ -116,12 +120,14 @@ class _RingAttention(torch.autograd.Function):
             if grads is not None:
                 dk_acc[:, ks] += grads[1]
                 dv_acc[:, ks] += grads[2]
-            if dkv_exchange is not None:
-                dkv_exchange.start([dk_acc, dv_acc])  # one hop behind its K/V; the last hop brings it home
-            if step + 1 < ring:
+            if step + 1 < steps:
+                dkv_exchange.start([dk_acc, dv_acc])  # one hop behind its K/V
+            elif home is not None:
+                home.start([dk_acc, dv_acc])
+            if step + 1 < steps:
                 kc, vc = kv_exchange.wait()
-        if dkv_exchange is not None:
-            dk_acc, dv_acc = dkv_exchange.wait()
+        if home is not None:
+            dk_acc, dv_acc = home.wait()
         return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None
 
 
@@ -137,8 +143,10 @@ def ring_attention(
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over the ring group's whole K/V (see the module docstring).
 
-    ``plans[t]`` is the block computed at ring step ``t`` (from :func:`usp.attention.blocks.plan_ring_blocks`,
-    one per ring rank); ``backend`` is a resolved kernel name. Differentiable w.r.t. ``q, k, v``.
+    ``plans[t]`` is the block computed at ring step ``t`` (from :func:`usp.attention.blocks.plan_ring_blocks`);
+    the list may stop before ``R`` steps when no rank needs the later ones (every ring rank must pass the same
+    length, see :func:`usp.attention.blocks.ring_steps_needed`). ``backend`` is a resolved kernel name.
+    Differentiable w.r.t. ``q, k, v``.
     """
-    assert len(plans) == dist.get_world_size(group), "one block plan per ring step"
+    assert 1 <= len(plans) <= dist.get_world_size(group), "one block plan per ring step, at most R steps"
     return _RingAttention.apply(q, k, v, group, plans, softmax_scale, backend)

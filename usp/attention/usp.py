@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from usp.attention.blocks import plan_ring_blocks
+from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
 from usp.attention.kernels import default_scale, resolve_backend
 from usp.attention.ring import ring_attention
 from usp.attention.ulysses import head_to_seq, kv_replication, kv_seq_to_head, seq_to_head
@@ -71,9 +71,15 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, batch: int) -> tor
 def _cached_plans(
     seq_len: int, ring: int, ring_rank: int, layout: str, causal: bool, cu_key: tuple[int, ...] | None, device
 ) -> list:
-    """Block plans, reused by every layer of a step (same documents) and across steps with the same packing."""
+    """This rank's block plans, trimmed to the ring steps any rank needs; reused by every layer of a step."""
     cu = None if cu_key is None else torch.tensor(cu_key, dtype=torch.int64)
-    return plan_ring_blocks(seq_len, ring, ring_rank, layout, causal, cu, device=device)
+    every = [
+        plan_ring_blocks(
+            seq_len, ring, rank, layout, causal, cu, device=device if rank == ring_rank else None
+        )
+        for rank in range(ring)
+    ]
+    return every[ring_rank][: ring_steps_needed(every)]
 
 
 def usp_attention(
