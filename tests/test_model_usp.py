@@ -150,3 +150,25 @@ def test_packed_documents_do_not_leak(dist_pools, tiny_llama, ulysses, ring):
         model(input_ids=b["input_ids"]).logits[0].float(), b["labels"][0], ignore_index=-100
     )
     assert abs(cross.item() - ref.item()) > 1e-3
+
+
+def misuse_errors(model_dir: str) -> list[str]:
+    """Worker: forwards an apply_usp'd model must refuse (no position ids, a padding mask)."""
+    mesh = cached_sp_mesh(2, 2, "zigzag", 1)
+    model = apply_usp(load_causal_lm(model_dir, dtype=torch.float32), mesh)
+    ids, pos = _inputs(model.config.vocab_size)
+    ids, pos = shard_sequence(ids, mesh), shard_sequence(pos, mesh)
+    messages = []
+    for kwargs in ({"input_ids": ids}, {"input_ids": ids, "position_ids": pos, "attention_mask": torch.ones_like(ids)}):
+        try:
+            model(**kwargs)
+            messages.append("accepted")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_apply_usp_refuses_misuse(dist_pools, tiny_llama):
+    for missing_pos, padding in dist_pools(4).run(misuse_errors, tiny_llama):
+        assert "needs position_ids" in missing_pos
+        assert "take no attention_mask" in padding

@@ -110,7 +110,13 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
-def _check_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> None:
+def _check_forward_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # transformers drops the mask for attention functions without a mask builder, so refuse it here
+    if kwargs.get("attention_mask") is not None or (len(args) > 1 and args[1] is not None):
+        raise ValueError(
+            "apply_usp'd models take no attention_mask (padding masks are not supported under sequence "
+            "parallelism); pack documents and pass position_ids (restarting per document) and cu_seqlens."
+        )
     mesh = getattr(module, _STATE_ATTR).mesh
     if mesh.sp_degree > 1 and kwargs.get("position_ids") is None:
         raise ValueError(
@@ -146,7 +152,7 @@ def apply_usp(model: PreTrainedModel, mesh: SPMesh, *, backend: str = "auto") ->
         setattr(m, _STATE_ATTR, state)
     decoder = model.get_decoder()
     if not hasattr(decoder, _STATE_ATTR):
-        decoder.register_forward_pre_hook(_check_position_ids, with_kwargs=True)
+        decoder.register_forward_pre_hook(_check_forward_inputs, with_kwargs=True)
     setattr(decoder, _STATE_ATTR, state)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
