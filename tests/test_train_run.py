@@ -29,6 +29,8 @@ def make_config(model_dir: str, run_dir: str, cache_dir: str, **parallel) -> Tra
     cfg.model.dtype = "float32"
     cfg.data.build_tiny_corpus = True
     cfg.data.cache_dir = cache_dir
+    cfg.data.validation_fraction = 0.1
+    cfg.trainer.eval_every = 3
     cfg.trainer.seq_len = 64
     cfg.trainer.max_steps = MAX_STEPS
     cfg.trainer.grad_accum_steps = 2
@@ -47,7 +49,8 @@ def make_config(model_dir: str, run_dir: str, cache_dir: str, **parallel) -> Tra
 
 def run_worker(cfg: TrainConfig) -> dict:
     out = run(cfg)
-    return {k: out[k] for k in ("losses", "final_step", "start_step", "checkpoint", "export_dir", "layout")}
+    keys = ("losses", "final_step", "start_step", "checkpoint", "export_dir", "layout", "val_losses")
+    return {k: out[k] for k in keys}
 
 
 def run_expecting_error(cfg: TrainConfig) -> str:
@@ -81,6 +84,9 @@ def test_run_world1_trains_checkpoints_and_exports(straight, setup):
     assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
     assert [r["loss"] for r in records] == pytest.approx(straight["losses"])
     assert all(r["tokens"] == 2 * 64 and r["mfu"] > 0 for r in records)
+    val = straight["val_losses"]
+    assert sorted(val) == [3, 6] and val[6] < val[3] < 10  # validation every 3 steps, and it learns
+    assert [r.get("val_loss") for r in records if "val_loss" in r] == [val[3], val[6]]
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(straight["export_dir"], local_files_only=True)
@@ -110,6 +116,7 @@ def test_resume_into_another_layout(dist_pools, setup, straight, ulysses, ring):
     out = dist_pools(4).run(run_worker, cfg)
     assert all(o["losses"] == out[0]["losses"] for o in out)  # every rank reports the global loss
     assert out[0]["start_step"] == 3 and out[0]["layout"]["ring_degree"] == ring
+    assert out[0]["val_losses"][6] == pytest.approx(straight["val_losses"][6], rel=1e-4)
     losses, expected = torch.tensor(out[0]["losses"]), torch.tensor(straight["losses"][3:])
     print(f"resume u{ulysses}r{ring}: {out[0]['losses']} vs world 1 {straight['losses'][3:]}, "
           f"max rel diff {((losses - expected).abs() / expected).max().item():.2e}")  # fmt: skip
