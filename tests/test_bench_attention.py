@@ -67,3 +67,22 @@ def test_layout_balance():
         con = ring_work(64 * n, n, "contiguous", True)
         assert imbalance([w["pairs"] for w in zig]) == pytest.approx(1.0)
         assert imbalance([w["area"] for w in con]) == pytest.approx(n / ((n + 1) / 2))
+
+
+def run_bench_documents(out_path: str) -> None:
+    from usp.bench.attention import main
+
+    main(["--ulysses", "1", "--ring", "4", "--seq", "64", "--heads", "2", "--kv-heads", "2", "--head-dim", "8",
+          "--iters", "1", "--warmup", "0", "--doc-len", "10", "--out", out_path])  # fmt: skip
+
+
+def test_bench_documents_trim_the_ring(dist_pools, tmp_path):
+    """10-token documents, ring 4 over 64 tokens: contiguous needs 2 ring steps, zigzag all 4; bytes exact."""
+    out = tmp_path / "bench_docs.json"
+    dist_pools(4).run(run_bench_documents, str(out))
+    recs = {r["layout"]: r for r in json.loads(out.read_text())["results"]}
+    assert recs["contiguous"]["ring_steps"] == 2 and recs["zigzag"]["ring_steps"] == 4
+    for rec in recs.values():
+        assert rec["doc_len"] == 10
+        assert rec["fwd_bytes_ratio"] == 1.0 and rec["fwd_bwd_bytes_ratio"] == 1.0
+    assert recs["contiguous"]["fwd_bwd_bytes_measured"] < recs["zigzag"]["fwd_bwd_bytes_measured"]

@@ -20,7 +20,9 @@ exact accumulation; an input-dtype variant would halve that term for bf16.)
 
 from __future__ import annotations
 
-from usp.attention.blocks import plan_ring_blocks
+import torch
+
+from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
 from usp.attention.ulysses import kv_replication
 
 
@@ -56,16 +58,24 @@ def analytic_bytes_sent(
     return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}
 
 
-def ring_work(seq_len: int, ring_degree: int, layout: str, causal: bool) -> list[dict[str, int]]:
+def ring_work(
+    seq_len: int, ring_degree: int, layout: str, causal: bool, cu_seqlens: torch.Tensor | None = None
+) -> list[dict[str, int]]:
     """Per ring rank: attending (q, k) ``pairs`` and computed rectangle ``area`` (causality inside a block not
-    credited), per batch row and head, summed over the ring steps of one forward."""
+    credited), per batch row and head, summed over the ring steps of one forward; plus the ring ``steps`` run
+    (fewer than ``R`` only with documents)."""
+    every = [
+        plan_ring_blocks(seq_len, ring_degree, r, layout, causal, cu_seqlens) for r in range(ring_degree)
+    ]
+    steps = ring_steps_needed(every)
     work = []
-    for rank in range(ring_degree):
-        plans = [b for b in plan_ring_blocks(seq_len, ring_degree, rank, layout, causal) if b is not None]
+    for plans in every:
+        blocks = [b for b in plans if b is not None]
         work.append(
             {
-                "pairs": sum(b.pairs() for b in plans),
-                "area": sum((b.q_end - b.q_start) * (b.k_end - b.k_start) for b in plans),
+                "pairs": sum(b.pairs() for b in blocks),
+                "area": sum((b.q_end - b.q_start) * (b.k_end - b.k_start) for b in blocks),
+                "steps": steps,
             }
         )
     return work

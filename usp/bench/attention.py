@@ -42,6 +42,8 @@ COLUMNS = [
     ("seq_len", "seq", "{}"),
     ("num_heads", "Hq", "{}"),
     ("num_kv_heads", "Hkv", "{}"),
+    ("doc_len", "doc", "{}"),
+    ("ring_steps", "steps", "{}"),
     ("fwd_ms", "fwd ms", "{:.2f}"),
     ("fwd_bwd_ms", "fwd+bwd ms", "{:.2f}"),
     ("fwd_bytes_measured", "fwd bytes", "{}"),
@@ -71,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--no-causal", dest="causal", action="store_false", help="non-causal attention")
+    p.add_argument(
+        "--doc-len",
+        type=int,
+        default=0,
+        help="pack documents of this many tokens (cu_seqlens; needs --batch 1)",
+    )
     p.add_argument("--backend", default="auto")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -118,7 +126,10 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict
     k = torch.randn(*shape_kv, generator=g).to(device, dtype).requires_grad_()
     v = torch.randn(*shape_kv, generator=g).to(device, dtype).requires_grad_()
     dout = torch.randn(*shape_q, generator=g).to(device, dtype)
-    kw = dict(mesh=mesh, causal=args.causal, backend=args.backend)
+    cu = None
+    if args.doc_len:
+        cu = torch.tensor([*range(0, seq_len, args.doc_len), seq_len], dtype=torch.int32)
+    kw = dict(mesh=mesh, causal=args.causal, backend=args.backend, cu_seqlens=cu)
 
     def fwd():
         with torch.no_grad():
@@ -134,16 +145,16 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict
     fwd_ms = _timed(fwd, args.iters, args.warmup, device)
     fwd_bwd_ms = _timed(fwd_bwd, args.iters, args.warmup, device)
 
+    work = ring_work(seq_len, r, mesh.ring_layout, args.causal, cu)
     analytic = analytic_bytes_sent(
         batch=args.batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=args.head_dim,
-        ulysses_degree=u, ring_degree=r, element_size=q.element_size(),
+        ulysses_degree=u, ring_degree=r, element_size=q.element_size(), ring_steps=work[0]["steps"],
     )  # fmt: skip
     fwd_bytes = _gather_ints(fwd_stats.bytes_sent)
     fb_bytes = _gather_ints(fb_stats.bytes_sent)
     pairs = _gather_ints(fwd_stats.attention_pairs)
     fwd_flops = _gather_ints(fwd_stats.attention_flops)
     flops = _gather_ints(fb_stats.attention_flops)
-    work = ring_work(seq_len, r, mesh.ring_layout, args.causal)
     n = r
     if not args.causal or n == 1:
         target = 1.0
@@ -163,6 +174,8 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict
         "head_dim": args.head_dim,
         "batch": args.batch,
         "dtype": args.dtype,
+        "doc_len": args.doc_len,
+        "ring_steps": work[0]["steps"],
         "fwd_ms": fwd_ms,
         "fwd_bwd_ms": fwd_bwd_ms,
         "fwd_bytes_measured": max(fwd_bytes),
@@ -271,6 +284,10 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None
 def main(argv: Sequence[str] | None = None) -> dict | None:
     """CLI entry. Uses the existing process group if there is one, torchrun's if launched by it, else spawns."""
     args = build_parser().parse_args(argv)
+    if args.doc_len and args.batch != 1:
+        raise ValueError(
+            f"--doc-len needs --batch 1 (documents are packed into one sequence), got --batch {args.batch}."
+        )
     if dist.is_initialized():
         return _main_on_rank(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
