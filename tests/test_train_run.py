@@ -145,6 +145,7 @@ def _bad_configs(setup) -> list[tuple[TrainConfig, str]]:
         (cfg(trainer__resume=f"{root}/no_such_ckpt"), "trainer.resume="),
         (cfg(model__dtype="float8"), "model.dtype="),
         (cfg(data__build_tiny_corpus=False), "data.inputs"),
+        (cfg(trainer__micro_batch_size=2), "data.document_masking=true needs trainer.micro_batch_size=1"),
     ]
 
 

@@ -163,6 +163,13 @@ def _check_trainer(cfg: TrainConfig) -> None:
         value = getattr(t, name)
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"trainer.{name}={value!r} must be an integer >= 0 (0 = off).")
+    if cfg.data.document_masking and t.micro_batch_size > 1:
+        raise ValueError(
+            f"data.document_masking=true needs trainer.micro_batch_size=1 (got {t.micro_batch_size}): document "
+            f"boundaries (cu_seqlens) describe one packed row, so with several rows attention would cross "
+            f"documents. Keep micro_batch_size=1 and raise trainer.grad_accum_steps (or the data-parallel "
+            f"degree), or set data.document_masking=false."
+        )
     if t.resume not in (None, "auto") and not Path(t.resume).exists():
         raise ValueError(
             f"trainer.resume={t.resume!r} does not exist. Point it at a step_<N> checkpoint dir (or a checkpoint "
