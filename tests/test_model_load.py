@@ -80,3 +80,30 @@ def test_check_heads():
         check_heads(config, 3)
     with pytest.raises(ValueError, match="key/value heads"):
         check_heads(LlamaConfig(hidden_size=96, num_attention_heads=12, num_key_value_heads=3, head_dim=8), 4)
+
+
+def sharded_load_matches(model_dir: str, rope_theta: float) -> dict:
+    """Worker: meta model -> FSDP2 over 4 ranks -> sharded load; compare with from_pretrained on every rank."""
+    from tests.mesh_cache import cached_sp_mesh
+    from usp.model import build_empty_causal_lm, load_sharded_weights
+    from usp.train.parallelize import parallelize
+
+    mesh = cached_sp_mesh(2, 2, "zigzag", 1)
+    config = apply_rope_overrides(check_model_dir(model_dir), rope_theta=rope_theta)
+    model = build_empty_causal_lm(config)
+    parallelize(model, mesh, param_dtype=torch.float32)
+    load_sharded_weights(model, model_dir, device=torch.device("cpu"))
+    ref = load_causal_lm(model_dir, dtype=torch.float32, rope_theta=rope_theta)
+    params = dict(model.named_parameters())
+    mismatched = [n for n, p in ref.named_parameters() if not torch.equal(params[n].full_tensor(), p)]
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    same_rope = torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+    return {"mismatched": mismatched, "tied": tied, "same_rope": same_rope, "n": len(params)}
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_sharded_load_equals_from_pretrained(dist_pools, tmp_path, tie):
+    model_dir = str(build_tiny_llama(tmp_path / "llama", tie_word_embeddings=tie))
+    for out in dist_pools(4).run(sharded_load_matches, model_dir, 77777.0):
+        assert out["mismatched"] == [] and out["same_rope"] and out["n"] > 0
+        assert out["tied"] == tie

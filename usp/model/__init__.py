@@ -3,9 +3,12 @@
 from usp.model.load import (
     SUPPORTED_MODEL_TYPES,
     apply_rope_overrides,
+    build_empty_causal_lm,
     check_model_dir,
     load_causal_lm,
+    load_sharded_weights,
     parse_dtype,
+    read_full_state_dict,
     rope_settings,
 )
 from usp.model.usp_attention_fn import ATTN_IMPLEMENTATION, apply_usp, check_heads, usp_attention_forward
@@ -15,10 +18,13 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "apply_rope_overrides",
     "apply_usp",
+    "build_empty_causal_lm",
     "check_heads",
     "check_model_dir",
     "load_causal_lm",
+    "load_sharded_weights",
     "parse_dtype",
+    "read_full_state_dict",
     "rope_settings",
     "usp_attention_forward",
 ]

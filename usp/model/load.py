@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 # Model families whose attention goes through transformers' AttentionInterface with the Llama layout
@@ -145,3 +146,75 @@ def load_causal_lm(
     )
     model.train()
     return model
+
+
+# --- memory-frugal loading: empty model first, weights after FSDP2 sharding -------------------------------
+def build_empty_causal_lm(config: PretrainedConfig) -> PreTrainedModel:
+    """The model's skeleton on the meta device (no memory), fp32, ``sdpa`` attention, train mode.
+
+    Shard it (``usp.train.parallelize``), then :func:`load_sharded_weights` fills this rank's shards: no rank
+    ever holds the whole model in fp32.
+    """
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    return model
+
+
+def read_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at ``path`` on CPU, in its stored dtype (``*.safetensors`` or ``*.bin``)."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(p.glob("*.safetensors"))
+    if files:
+        for f in files:
+            state.update(load_file(str(f), device="cpu"))
+    else:
+        for f in sorted(p.glob("pytorch_model*.bin")):
+            state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+    return state
+
+
+def _reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recompute non-persistent buffers (RoPE ``inv_freq``), which neither ``to_empty`` nor a load fills."""
+    for name, module in model.named_modules():
+        own = getattr(module, "_non_persistent_buffers_set", set())
+        if not own:
+            continue
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            raise ValueError(
+                f"{name} ({type(module).__name__}) has non-persistent buffers {sorted(own)} that the sharded "
+                f"loader cannot rebuild; this model family is not supported."
+            )
+        fresh = type(module)(config=module.config)
+        for buf_name, buf in fresh.named_buffers(recurse=False):
+            getattr(module, buf_name).copy_(buf.to(device))
+        if hasattr(fresh, "attention_scaling"):
+            module.attention_scaling = fresh.attention_scaling
+
+
+@torch.no_grad()
+def load_sharded_weights(model: PreTrainedModel, path: str | os.PathLike, *, device: torch.device) -> None:
+    """Materialize a meta-device, FSDP2-sharded ``model`` on ``device`` and load the checkpoint into it.
+
+    Collective: call on every rank. Rank 0 reads the checkpoint (host memory: one copy in its stored dtype);
+    each tensor is broadcast and every rank keeps its own shard (``set_model_state_dict`` with
+    ``broadcast_from_rank0``), upcast to the fp32 parameters. Missing or unexpected keys raise.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    _reset_rotary_buffers(model, device)
+    state: dict[str, torch.Tensor] = {}
+    if dist.get_rank() == 0:
+        state = read_full_state_dict(path)
+        head, embed = "lm_head.weight", "model.embed_tokens.weight"
+        if getattr(model.config, "tie_word_embeddings", False) and head not in state and embed in state:
+            state[head] = state[embed]
+    set_model_state_dict(
+        model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    )

@@ -8,8 +8,9 @@ Order (every rank runs all of it; each stage is collective where it says so):
    planner's choice for ``auto``), world size, sequence length vs layout, heads vs Ulysses, optimizer and
    trainer settings, resume path. A ``ValueError`` on any rank is raised on every rank (one all_gather of
    short strings), so no rank is left waiting in a collective.
-3. mesh, tokenizer, data loaders, model (fp32 master weights) -> :func:`usp.train.parallelize.parallelize`
-   (USP attention, activation checkpointing, FSDP2), AdamW + schedule, resume.
+3. mesh, tokenizer, data loaders; the model built empty (meta device), then
+   :func:`usp.train.parallelize.parallelize` (USP attention, activation checkpointing, FSDP2), then each
+   rank's fp32 shards loaded from the checkpoint (rank 0 reads, broadcasts); AdamW + schedule, resume.
 4. the loop: ``grad_accum_steps`` micro-batches per optimizer step (:func:`usp.train.step.train_step`),
    metrics every step (rank 0 writes), validation every ``eval_every``, a checkpoint every
    ``checkpoint_every`` steps and at the end, then the Hugging Face export.
@@ -30,7 +31,14 @@ import torch
 import torch.distributed as dist
 
 from usp.config import TrainConfig
-from usp.model import check_heads, check_model_dir, load_causal_lm, parse_dtype
+from usp.model import (
+    apply_rope_overrides,
+    build_empty_causal_lm,
+    check_heads,
+    check_model_dir,
+    load_sharded_weights,
+    parse_dtype,
+)
 from usp.parallel import ParallelDims, SPMesh, check_sequence_length, init_sp_mesh
 from usp.train.loss import IGNORE_INDEX
 from usp.train.optim import build_optimizer, check_optim_config
@@ -314,10 +322,12 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         "building the data loaders",
     )  # fmt: skip
 
-    model = load_causal_lm(
-        cfg.model.path, dtype=torch.float32, rope_theta=cfg.model.rope_theta, rope_scaling=cfg.model.rope_scaling,
-        max_position_embeddings=cfg.model.max_position_embeddings, config=model_config,
+    # fp32 master weights, never whole on any rank: an empty (meta) model is sharded, then filled
+    apply_rope_overrides(
+        model_config, rope_theta=cfg.model.rope_theta, rope_scaling=cfg.model.rope_scaling,
+        max_position_embeddings=cfg.model.max_position_embeddings,
     )  # fmt: skip
+    model = build_empty_causal_lm(model_config)
     dense_params = count_dense_params(model)
     loss_model = parallelize(
         model, mesh, attention_backend=cfg.model.attention_backend, fsdp_mode=layout.fsdp_mode,
@@ -326,6 +336,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         reduce_dtype=parse_dtype(cfg.parallel.reduce_dtype, "parallel.reduce_dtype"),
         loss_chunk_size=cfg.trainer.loss_chunk_size,
     )  # fmt: skip
+    load_sharded_weights(model, cfg.model.path, device=device)
     optimizer, scheduler = build_optimizer(loss_model, cfg.optim, max_steps=cfg.trainer.max_steps)
 
     ckpt_root = Path(cfg.trainer.checkpoint_dir or run_dir / "checkpoints")
