@@ -178,7 +178,7 @@ def read_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def _reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
     """Recompute non-persistent buffers (RoPE ``inv_freq``), which neither ``to_empty`` nor a load fills."""
     for name, module in model.named_modules():
         own = getattr(module, "_non_persistent_buffers_set", set())
@@ -208,7 +208,7 @@ def load_sharded_weights(model: PreTrainedModel, path: str | os.PathLike, *, dev
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)
-    _reset_rotary_buffers(model, device)
+    reset_rotary_buffers(model, device)
     state: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
         state = read_full_state_dict(path)

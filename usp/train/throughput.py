@@ -1,0 +1,212 @@
+"""Training-step throughput of a model shape, with random weights: ``python -m usp.train.throughput``.
+
+Runs the trainer's own step (``parallelize`` -> USP attention, activation checkpointing, FSDP2; chunked loss;
+AdamW) on random tokens, so it needs no checkpoint and no data: the weights come from a config (a preset name
+such as ``llama-3.1-8b`` from :data:`usp.plan.models.PRESETS`, or a ``config.json`` / checkpoint dir),
+initialised randomly on the device after sharding. Prints one JSON line per sequence length::
+
+    {"seq_len", "layout", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gib",
+     "step_time_s", "loss"}
+
+``--find-max`` then grows the sequence (doubling, then bisecting in steps of ``--granularity``) until a step
+runs out of device memory, and reports the longest that fit. Only on one rank (an OOM on one of several ranks
+would leave the others in a collective).
+
+    python -m usp.train.throughput --model llama-3.1-8b --seq-len 32768 131072 --ac full --find-max
+    torchrun --nproc-per-node 8 -m usp.train.throughput --model llama-3.1-8b --ulysses 8 --seq-len 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from usp.config import ClusterConfig, OptimConfig
+from usp.model import apply_rope_overrides, build_empty_causal_lm, parse_dtype
+from usp.model.load import reset_rotary_buffers
+from usp.parallel import init_sp_mesh, shard_sequence
+from usp.train.metrics import count_dense_params, peak_flops_per_device, training_flops
+from usp.train.optim import build_optimizer
+from usp.train.parallelize import parallelize
+from usp.train.step import train_step
+from usp.train.trainer import init_distributed, resolve_device
+
+
+def hf_config(model: str, *, rope_theta: float | None = None, max_position_embeddings: int | None = None) -> Any:
+    """A transformers ``LlamaConfig`` for a preset name, or the ``AutoConfig`` of a path."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from usp.plan.models import PRESETS
+
+    if model in PRESETS:
+        fields = dict(PRESETS[model])
+        config = LlamaConfig(**fields, tie_word_embeddings=False)
+    else:
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+    return apply_rope_overrides(config, rope_theta=rope_theta, max_position_embeddings=max_position_embeddings)
+
+
+@torch.no_grad()
+def random_init_(model: torch.nn.Module, device: torch.device, std: float = 0.02) -> None:
+    """Materialize a meta-device (possibly FSDP2-sharded) model on ``device`` with random weights."""
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        if p.ndim == 1:
+            p.fill_(1.0 if "norm" in name else 0.0)
+        else:
+            p.normal_(0.0, std)
+    reset_rotary_buffers(model, device)
+
+
+def random_batch(vocab: int, seq_len: int, mesh: Any, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One packed row of random tokens (no document boundaries), this rank's slice."""
+    ids = torch.randint(0, vocab, (1, seq_len), generator=generator)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    pos = torch.arange(seq_len)[None]
+    batch = {k: shard_sequence(v, mesh) for k, v in {"input_ids": ids, "labels": labels, "position_ids": pos}.items()}
+    batch["document_lengths"] = [[seq_len]]
+    return batch
+
+
+def measure(
+    loss_model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: Any, *, seq_len: int, steps: int,
+    warmup: int, vocab: int, flops_per_token_args: dict[str, int], peak_flops: float, device: torch.device,
+) -> dict[str, Any]:  # fmt: skip
+    """Time ``steps`` optimizer steps at ``seq_len`` (after ``warmup`` untimed ones)."""
+    g = torch.Generator().manual_seed(seq_len)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, loss = [], float("nan")
+    for i in range(warmup + steps):
+        batch = random_batch(vocab, seq_len, mesh, g)
+        res = train_step(loss_model, optimizer, None, [batch], mesh=mesh, grad_clip=1.0, device=device)
+        if i >= warmup:
+            times.append(res.step_time_s)
+        loss = res.loss
+    step_time = sorted(times)[len(times) // 2]  # median
+    world = dist.get_world_size()
+    tokens = seq_len * mesh.dp_degree
+    flops = training_flops(**flops_per_token_args, document_lengths=[[seq_len]] * mesh.dp_degree)
+    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return {
+        "seq_len": seq_len,
+        "layout": mesh.describe(),
+        "tokens_per_s": tokens / step_time,
+        "tokens_per_s_per_gpu": tokens / step_time / world,
+        "tflops_per_gpu": flops / step_time / world / 1e12,
+        "mfu": flops / step_time / world / peak_flops,
+        "peak_mem_gib": peak_mem,
+        "step_time_s": step_time,
+        "loss": loss,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m usp.train.throughput", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b", help="preset name or config.json / checkpoint dir")
+    p.add_argument("--seq-len", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--ulysses", type=int, default=1)
+    p.add_argument("--ring", type=int, default=1)
+    p.add_argument("--ac", choices=("none", "full", "every_k"), default="full")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--loss-chunk-size", type=int, default=4096)
+    p.add_argument("--backend", default="auto", help="attention kernel (model.attention_backend)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--gpu", default="cpu", help="cluster.gpu for the peak FLOP/s (cpu: detect the CUDA device)")
+    p.add_argument("--rope-theta", type=float, default=None)
+    p.add_argument("--find-max", action="store_true", help="grow the sequence until out of memory (one rank)")
+    p.add_argument("--granularity", type=int, default=16384)
+    p.add_argument("--max-seq-len", type=int, default=4 * 1024 * 1024)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    args = build_parser().parse_args(argv)
+    device = resolve_device(args.device)
+    created = init_distributed(device)
+    try:
+        return _main(args, device)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _main(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    mesh = init_sp_mesh(args.ulysses, args.ring, device_type=device.type)
+    config = hf_config(args.model, rope_theta=args.rope_theta, max_position_embeddings=max(args.seq_len))
+    model = build_empty_causal_lm(config)
+    flop_args = {
+        "dense_params": count_dense_params(model),
+        "num_layers": config.num_hidden_layers,
+        "num_heads": config.num_attention_heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+    }
+    loss_model = parallelize(
+        model, mesh, attention_backend=args.backend, activation_checkpointing=args.ac,
+        param_dtype=parse_dtype(args.dtype, "--dtype"), loss_chunk_size=args.loss_chunk_size,
+    )  # fmt: skip
+    random_init_(model, device)
+    optimizer, _ = build_optimizer(loss_model, OptimConfig(lr=1e-5, warmup_steps=0), max_steps=1_000_000)
+    peak = peak_flops_per_device(ClusterConfig(gpu=args.gpu), device.type)
+    kw = dict(steps=args.steps, warmup=args.warmup, vocab=config.vocab_size, flops_per_token_args=flop_args,
+              peak_flops=peak, device=device)  # fmt: skip
+    results = []
+
+    def emit(record: dict[str, Any]) -> None:
+        results.append(record)
+        if dist.get_rank() == 0:
+            print(json.dumps(record), flush=True)
+
+    for seq_len in args.seq_len:
+        emit(measure(loss_model, optimizer, mesh, seq_len=seq_len, **kw))
+    if args.find_max:
+        if dist.get_world_size() != 1:
+            raise ValueError("--find-max runs on one rank only (an OOM on one rank would hang the others).")
+        emit({"longest_fitting_seq_len": _find_max(loss_model, optimizer, mesh, args, kw)})
+    return results
+
+
+def _fits(loss_model: Any, optimizer: Any, mesh: Any, seq_len: int, kw: dict[str, Any]) -> bool:
+    try:
+        measure(loss_model, optimizer, mesh, seq_len=seq_len, **{**kw, "steps": 1, "warmup": 0})
+        return True
+    except torch.OutOfMemoryError:
+        optimizer.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return False
+
+
+def _find_max(loss_model: Any, optimizer: Any, mesh: Any, args: argparse.Namespace, kw: dict[str, Any]) -> int:
+    unit = math.lcm(args.granularity, mesh.sequence_multiple())
+    good = max(unit, (max(args.seq_len) // unit) * unit)
+    bad = None
+    while bad is None:  # double until a step does not fit
+        trial = good * 2
+        if trial > args.max_seq_len:
+            return good
+        if _fits(loss_model, optimizer, mesh, trial, kw):
+            good = trial
+        else:
+            bad = trial
+    while bad - good > unit:  # bisect in whole units
+        mid = (good + bad) // 2 // unit * unit
+        if _fits(loss_model, optimizer, mesh, mid, kw):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
