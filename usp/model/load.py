@@ -179,7 +179,8 @@ def read_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
-    """Recompute non-persistent buffers (RoPE ``inv_freq``), which neither ``to_empty`` nor a load fills."""
+    """Recompute non-persistent buffers (RoPE ``inv_freq``) on ``device``; neither ``to_empty`` nor a load
+    fills them."""
     for name, module in model.named_modules():
         own = getattr(module, "_non_persistent_buffers_set", set())
         if not own:
@@ -191,7 +192,7 @@ def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
             )
         fresh = type(module)(config=module.config)
         for buf_name, buf in fresh.named_buffers(recurse=False):
-            getattr(module, buf_name).copy_(buf.to(device))
+            module._buffers[buf_name] = buf.to(device)  # on the compute device, even when params are offloaded
         if hasattr(fresh, "attention_scaling"):
             module.attention_scaling = fresh.attention_scaling
 

@@ -21,7 +21,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from transformers import PreTrainedModel
 
 from usp.model import apply_usp
@@ -81,6 +87,7 @@ def apply_fsdp(
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
+    cpu_offload: bool = False,
 ) -> FSDPModule:
     """FSDP2 ``fully_shard`` on each of ``layers``, then on ``root``; gradients are summed across ranks.
 
@@ -88,11 +95,16 @@ def apply_fsdp(
     all-gathered in ``param_dtype`` for its forward and freed after it (again for backward); gradients are
     reduce-scattered in ``reduce_dtype`` (all-reduced across replicas under HSDP). The gradient divide factor
     is 1 with sum-only collectives, because the loss is already normalized by the global token count.
+    ``cpu_offload`` (CUDA only) keeps the sharded parameters, gradients and optimizer states in host memory;
+    they are copied to the device for each all-gather and the optimizer step runs on the CPU.
     """
+    if cpu_offload and device_mesh.device_type != "cuda":
+        raise ValueError("FSDP CPU offload needs CUDA devices; turn cpu_offload off on CPU runs.")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for layer in layers:
-        fully_shard(layer, mesh=device_mesh, mp_policy=mp, reshard_after_forward=True)
-    fully_shard(root, mesh=device_mesh, mp_policy=mp)
+        fully_shard(layer, mesh=device_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
+    fully_shard(root, mesh=device_mesh, mp_policy=mp, offload_policy=offload)
     for m in root.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -113,6 +125,7 @@ def parallelize(
     param_dtype: torch.dtype = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
     loss_chunk_size: int = 4096,
+    cpu_offload: bool = False,
 ) -> ChunkedCausalLMLoss:
     """Apply the whole recipe to a loaded (fp32, CPU) model; returns the FSDP2-wrapped loss module.
 
@@ -129,5 +142,7 @@ def parallelize(
         device_mesh = build_hsdp_mesh(mesh, node_size or dist.get_world_size())
     else:
         device_mesh = mesh.fsdp_mesh
-    apply_fsdp(loss_model, layers, device_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    apply_fsdp(
+        loss_model, layers, device_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload
+    )
     return loss_model

@@ -54,9 +54,14 @@ def hf_config(model: str, *, rope_theta: float | None = None, max_position_embed
 
 
 @torch.no_grad()
-def random_init_(model: torch.nn.Module, device: torch.device, std: float = 0.02) -> None:
-    """Materialize a meta-device (possibly FSDP2-sharded) model on ``device`` with random weights."""
-    model.to_empty(device=device)
+def random_init_(
+    model: torch.nn.Module, device: torch.device, *, param_device: torch.device | None = None, std: float = 0.02
+) -> None:
+    """Materialize a meta-device (possibly FSDP2-sharded) model with random weights.
+
+    Parameters go to ``param_device`` (default ``device``; the CPU under FSDP CPU offload), buffers to ``device``.
+    """
+    model.to_empty(device=param_device or device)
     for name, p in model.named_parameters():
         if p.ndim == 1:
             p.fill_(1.0 if "norm" in name else 0.0)
@@ -123,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="auto")
     p.add_argument("--gpu", default="cpu", help="cluster.gpu for the peak FLOP/s (cpu: detect the CUDA device)")
+    p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of params, grads, optimizer")
     p.add_argument("--rope-theta", type=float, default=None)
     p.add_argument("--find-max", action="store_true", help="grow the sequence until out of memory (one rank)")
     p.add_argument("--granularity", type=int, default=16384)
@@ -154,8 +160,9 @@ def _main(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
     loss_model = parallelize(
         model, mesh, attention_backend=args.backend, activation_checkpointing=args.ac,
         param_dtype=parse_dtype(args.dtype, "--dtype"), loss_chunk_size=args.loss_chunk_size,
+        cpu_offload=args.cpu_offload,
     )  # fmt: skip
-    random_init_(model, device)
+    random_init_(model, device, param_device=torch.device("cpu") if args.cpu_offload else None)
     optimizer, _ = build_optimizer(loss_model, OptimConfig(lr=1e-5, warmup_steps=0), max_steps=1_000_000)
     peak = peak_flops_per_device(ClusterConfig(gpu=args.gpu), device.type)
     kw = dict(steps=args.steps, warmup=args.warmup, vocab=config.vocab_size, flops_per_token_args=flop_args,
