@@ -171,6 +171,11 @@ def _check_trainer(cfg: TrainConfig) -> None:
         value = getattr(t, name)
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"trainer.{name}={value!r} must be an integer >= 0 (0 = off).")
+    if t.eval_every and not cfg.data.validation_fraction:
+        raise ValueError(
+            f"trainer.eval_every={t.eval_every} needs validation data: set data.validation_fraction > 0 "
+            f"(e.g. 0.01), or trainer.eval_every=0."
+        )
     if cfg.data.document_masking and t.micro_batch_size > 1:
         raise ValueError(
             f"data.document_masking=true needs trainer.micro_batch_size=1 (got {t.micro_batch_size}): document "
