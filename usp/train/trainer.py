@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from usp.attention import resolve_backend
 from usp.config import TrainConfig
 from usp.model import (
     apply_rope_overrides,
@@ -196,7 +197,11 @@ def validate(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[A
     Raises ``ValueError`` naming the setting and the fix.
     """
     model_config = check_model_dir(cfg.model.path)
-    parse_dtype(cfg.model.dtype, "model.dtype")
+    compute_dtype = parse_dtype(cfg.model.dtype, "model.dtype")
+    try:
+        resolve_backend(cfg.model.attention_backend, device, compute_dtype)
+    except ValueError as e:
+        raise ValueError(f"model.attention_backend={cfg.model.attention_backend!r}: {e}") from e
     parse_dtype(cfg.parallel.reduce_dtype, "parallel.reduce_dtype")
     _check_trainer(cfg)
     check_optim_config(cfg.optim, cfg.trainer.max_steps)
