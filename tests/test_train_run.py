@@ -106,11 +106,15 @@ def test_resume_gives_identical_losses(dist_pools, setup, straight):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ulysses, ring", [(2, 2), (1, 4)], ids=["u2r2", "u1r4"])
-def test_resume_into_another_layout(dist_pools, setup, straight, ulysses, ring):
+@pytest.mark.parametrize(
+    "ulysses, ring, fsdp_mode",
+    [(2, 2, "full_shard"), (1, 4, "full_shard"), (2, 2, "hybrid_shard")],
+    ids=["u2r2", "u1r4", "u2r2-hsdp"],
+)
+def test_resume_into_another_layout(dist_pools, setup, straight, ulysses, ring, fsdp_mode):
     ckpt = Path(setup["root"]) / "straight" / "checkpoints" / "step_3"
-    cfg = make_config(setup["model"], f"{setup['root']}/relayout_u{ulysses}r{ring}", setup["cache"],
-                      ulysses_degree=ulysses, ring_degree=ring)  # fmt: skip
+    cfg = make_config(setup["model"], f"{setup['root']}/relayout_u{ulysses}r{ring}{fsdp_mode}", setup["cache"],
+                      ulysses_degree=ulysses, ring_degree=ring, fsdp_mode=fsdp_mode, node_size=2)  # fmt: skip
     cfg.trainer.resume = str(ckpt)
     cfg.trainer.export_hf = False
     out = dist_pools(4).run(run_worker, cfg)
@@ -118,7 +122,7 @@ def test_resume_into_another_layout(dist_pools, setup, straight, ulysses, ring):
     assert out[0]["start_step"] == 3 and out[0]["layout"]["ring_degree"] == ring
     assert out[0]["val_losses"][6] == pytest.approx(straight["val_losses"][6], rel=1e-4)
     losses, expected = torch.tensor(out[0]["losses"]), torch.tensor(straight["losses"][3:])
-    print(f"resume u{ulysses}r{ring}: {out[0]['losses']} vs world 1 {straight['losses'][3:]}, "
+    print(f"resume u{ulysses}r{ring} {fsdp_mode}: {out[0]['losses']} vs world 1 {straight['losses'][3:]}, "
           f"max rel diff {((losses - expected).abs() / expected).max().item():.2e}")  # fmt: skip
     torch.testing.assert_close(losses, expected, rtol=1e-4, atol=0)
 
