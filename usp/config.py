@@ -68,6 +68,12 @@ class DataConfig:
     document_masking: bool = True
     """Attention never crosses packed document boundaries; position ids restart at each document."""
     validation_fraction: float = 0.0
+    min_doc_tokens: int = 0
+    """Drop documents shorter than this many tokens (after BOS/EOS) before packing; 0 keeps all."""
+    long_doc_threshold: int | None = None
+    """Documents of at least this many tokens count as long (for upsampling); None disables upsampling."""
+    long_doc_factor: float = 1.0
+    """Repeat long documents this many times on average (e.g. 2.0 doubles their share of the corpus)."""
     build_tiny_corpus: bool = False
     """Generate a small synthetic corpus (demo/tests only) when ``inputs`` is empty."""
     seed: int = 1234
@@ -95,6 +101,8 @@ class ParallelConfig:
     """Gradient reduce-scatter dtype under FSDP2."""
     backend: str | None = None
     """Process-group backend; default nccl on CUDA, gloo on CPU."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload of parameters, gradients and optimizer states (CUDA only; for one-GPU long runs)."""
 
 
 @dataclass

@@ -181,9 +181,9 @@ def _run_once_on_rank0(fn: Callable[[], Path]) -> Path:
 
 def _shaping(cfg: DataConfig) -> LengthShaping:
     return LengthShaping(
-        min_doc_tokens=getattr(cfg, "min_doc_tokens", 0),
-        long_doc_threshold=getattr(cfg, "long_doc_threshold", None),
-        long_doc_factor=getattr(cfg, "long_doc_factor", 1.0),
+        min_doc_tokens=cfg.min_doc_tokens,
+        long_doc_threshold=cfg.long_doc_threshold,
+        long_doc_factor=cfg.long_doc_factor,
     )
 
 
