@@ -118,3 +118,18 @@ def test_export_tied_embeddings_stored_once(tmp_path):
     ids = _probe_ids(64)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_export_casts_to_requested_dtype(tiny_dir, tmp_path):
+    """fp32 master weights exported as bf16: every tensor is the bf16 rounding of the trained fp32 value."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    out_dir = tmp_path / "hf_bf16"
+    export_hf(model, tokenizer=None, out_dir=out_dir, dtype=torch.bfloat16)
+    assert json.loads((out_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype="auto")
+    ref = model.state_dict()
+    for k, v in loaded.state_dict().items():
+        assert v.dtype == torch.bfloat16, k
+        torch.testing.assert_close(v, ref[k].to(torch.bfloat16), rtol=0, atol=0)

@@ -152,6 +152,7 @@ def _bad_configs(setup) -> list[tuple[TrainConfig, str]]:
         (cfg(trainer__micro_batch_size=2), "data.document_masking=true needs trainer.micro_batch_size=1"),
         (cfg(data__validation_fraction=0.0), "trainer.eval_every=3 needs validation data"),
         (cfg(model__attention_backend="sdpa_cudnn"), "model.attention_backend='sdpa_cudnn'"),
+        (cfg(parallel__cpu_offload=True), "parallel.cpu_offload=true needs CUDA"),
     ]
 
 

@@ -98,11 +98,13 @@ def export_hf(
     tokenizer: Any | None,
     out_dir: str | os.PathLike,
     max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write ``model``'s full weights, config and ``tokenizer`` to ``out_dir`` as a Hugging Face checkpoint.
 
     Collective when a process group is initialized (call on every rank; works for FSDP2-sharded and plain
-    models). Weights keep the model's parameter dtype; tied output embeddings are stored once. ``out_dir`` is
+    models). Floating-point weights are cast to ``dtype`` (e.g. ``torch.bfloat16`` for fp32 master weights);
+    ``None`` keeps the parameter dtype. Tied output embeddings are stored once. ``out_dir`` is
     replaced atomically if it holds an earlier export; any other non-empty directory raises ``ValueError``.
     Returns ``out_dir``.
     """
@@ -117,21 +119,23 @@ def export_hf(
         try:
             drop = _tied_output_key(model, state_dict)
             tensors = {k: v.detach().cpu() for k, v in state_dict.items() if k != drop}
+            if dtype is not None:
+                tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
             dtypes = {v.dtype for v in tensors.values() if v.is_floating_point()}
-            dtype = dtypes.pop() if len(dtypes) == 1 else None
+            saved_dtype = dtypes.pop() if len(dtypes) == 1 else None
             tmp = out_dir.parent / f".{out_dir.name}.tmp-export"
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
             _write_weights(tensors, tmp, max_shard_size)
-            _plain_config(model, dtype).save_pretrained(str(tmp))
+            _plain_config(model, saved_dtype).save_pretrained(str(tmp))
             _scrub_attention(tmp / "config.json")
             generation_config = getattr(model, "generation_config", None)
             if generation_config is not None:
                 generation_config.save_pretrained(str(tmp))
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
-            marker = {"format": "usp-hf-export", "num_tensors": len(tensors), "dtype": str(dtype)}
+            marker = {"format": "usp-hf-export", "num_tensors": len(tensors), "dtype": str(saved_dtype)}
             (tmp / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
             publish_dir(tmp, out_dir)
         except Exception as e:  # noqa: BLE001 - reported to every rank

@@ -215,6 +215,11 @@ def validate(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[A
         )
     if layout.ac_every_k < 1:
         raise ValueError(f"parallel.ac_every_k={layout.ac_every_k} must be >= 1.")
+    if cfg.parallel.cpu_offload and device.type != "cuda":
+        raise ValueError(
+            "parallel.cpu_offload=true needs CUDA devices (it moves FSDP2 shards between GPU and host); "
+            "set parallel.cpu_offload=false for CPU runs."
+        )
     dims = ParallelDims(
         world_size=world_size,
         ulysses_degree=layout.ulysses_degree,
@@ -344,7 +349,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         node_size=layout.node_size, activation_checkpointing=layout.activation_checkpointing,
         ac_every_k=layout.ac_every_k, param_dtype=parse_dtype(cfg.model.dtype),
         reduce_dtype=parse_dtype(cfg.parallel.reduce_dtype, "parallel.reduce_dtype"),
-        loss_chunk_size=cfg.trainer.loss_chunk_size,
+        loss_chunk_size=cfg.trainer.loss_chunk_size, cpu_offload=cfg.parallel.cpu_offload,
     )  # fmt: skip
     load_sharded_weights(model, cfg.model.path, device=device)
     optimizer, scheduler = build_optimizer(loss_model, cfg.optim, max_steps=cfg.trainer.max_steps)
@@ -420,7 +425,9 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
 
     export_dir = None
     if cfg.trainer.export_hf:
-        export_dir = export_hf(model, tokenizer=tokenizer, out_dir=run_dir / "hf")
+        export_dir = export_hf(
+            model, tokenizer=tokenizer, out_dir=run_dir / "hf", dtype=parse_dtype(cfg.model.dtype)
+        )
     return {
         "losses": losses,
         "final_step": max(start_step, cfg.trainer.max_steps),
