@@ -28,18 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from usp.config import ClusterConfig, WandbConfig
+from usp.plan.hardware import GPUS
 
 GIB = 1024**3
 
-PEAK_TFLOPS: dict[str, float] = {
-    "a100-40g": 312.0,
-    "a100-80g": 312.0,
-    "h100-80g": 989.0,
-    "h200": 989.0,
-    "b200": 2250.0,
-    "cpu": 0.1,  # nominal: a few cores of fp32 eager PyTorch; CPU MFU is only a relative figure
-}
-"""Dense bf16 peak TFLOP/s per device (no sparsity). The ``cpu`` entry is a nominal value."""
+PEAK_TFLOPS: dict[str, float] = {name: spec.peak_tflops for name, spec in GPUS.items()}
+"""Dense bf16 peak TFLOP/s per device (no sparsity), from the planner's device table
+(:data:`usp.plan.hardware.GPUS`), so MFU and the planner use one set of figures. The ``cpu`` entry is nominal
+(a few cores of fp32 eager PyTorch): CPU MFU is only a relative figure."""
 
 METRIC_FIELDS: tuple[str, ...] = (
     "step",
