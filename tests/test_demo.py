@@ -50,3 +50,19 @@ def test_tiny_recipe_trains_under_torchrun(tmp_path):
     assert checkpoints.is_dir() and any(checkpoints.iterdir()), "no checkpoint written"
     assert (run_dir / "hf" / "config.json").is_file(), "no Hugging Face export"
     assert (run_dir / ".hydra" / "config.yaml").is_file()  # written once, by rank 0
+
+    # The planner's honesty figure on this very run: its CPU device entry (fitted on earlier tiny runs, see
+    # docs/planning.md) must predict the measured median step time within a factor of 5 and the peak memory
+    # per rank within 25%. Shared CI machines are noisy; a cost model that is off by more is broken.
+    from usp.plan.calibrate import predict_run
+    from usp.plan.hardware import GPUS
+    from usp.plan.measurements import read_training_run
+
+    measured = read_training_run(run_dir)
+    assert (measured.ulysses_degree, measured.ring_degree, measured.world_size) == (2, 2, 4)
+    predicted = predict_run(measured, GPUS["cpu"])
+    ratio = measured.measured_step_s / predicted.step_time_s
+    assert 0.2 < ratio < 5.0, f"step time measured/predicted = {ratio:.2f}"
+    assert measured.measured_mem_gib is not None
+    mem_ratio = measured.measured_mem_gib / predicted.mem_gib_per_gpu
+    assert 0.75 < mem_ratio < 1.33, f"memory measured/predicted = {mem_ratio:.2f}"
