@@ -91,3 +91,44 @@ def test_shard_gather_world4(dist_pools, ulysses, ring, layout):
         assert desc["ring_degree"] == ring and desc["ulysses_degree"] == ulysses
         r, u = rank // ulysses, rank % ulysses
         assert positions == local_token_indices(48, ring, ulysses, r, u, layout).tolist()
+
+
+def _fake_world_groups(rank: int, world_size: int, **mesh_kwargs) -> dict[str, list[int]]:
+    """Build the real DeviceMesh as ``rank`` of a fake (no-communication) world; return its groups' ranks."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from usp.parallel import init_sp_mesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        mesh = init_sp_mesh(**mesh_kwargs)
+        out = {axis: dist.get_process_group_ranks(mesh.group(axis)) for axis in ("ulysses", "ring", "dp", "sp")}
+        out["fsdp"] = mesh.submesh("fsdp").mesh.tolist()
+        out["coords"] = [mesh.dp_rank, mesh.ring_rank, mesh.ulysses_rank]
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_device_mesh_world16_node8_every_rank():
+    """World 16 on 2 nodes of 8, ulysses 4 x ring 2 x dp 2: the process groups every rank really gets."""
+    for rank in range(16):
+        got = _fake_world_groups(rank, 16, ulysses_degree=4, ring_degree=2, node_size=8)
+        base = rank - rank % 4
+        assert got["ulysses"] == [base, base + 1, base + 2, base + 3]  # adjacent, inside one node
+        assert rank // 8 == base // 8
+        dp_block = rank - rank % 8
+        assert got["ring"] == [dp_block + rank % 4, dp_block + 4 + rank % 4]  # strided by the ulysses degree
+        assert got["dp"] == [rank % 8, rank % 8 + 8]
+        assert got["sp"] == list(range(dp_block, dp_block + 8))
+        assert got["fsdp"] == list(range(16))
+        assert got["coords"] == [rank // 8, (rank // 4) % 2, rank % 4]
+
+
+def test_device_mesh_world16_ulysses8_ring2_spans_nodes_by_ring():
+    """Ulysses 8 fills each node of 8; the ring pairs rank i of node 0 with rank i of node 1."""
+    for rank in (0, 3, 8, 15):
+        got = _fake_world_groups(rank, 16, ulysses_degree=8, ring_degree=2, node_size=8)
+        assert got["ulysses"] == list(range(rank - rank % 8, rank - rank % 8 + 8))
+        assert got["ring"] == [rank % 8, rank % 8 + 8]
