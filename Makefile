@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: install demo test lint clean
 
@@ -17,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m usp.train recipe=tiny hydra.run.dir=outputs/demo
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m usp.train recipe=tiny hydra.run.dir=outputs/demo $(DEMO_ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
