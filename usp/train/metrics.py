@@ -22,6 +22,7 @@ names, see :data:`METRIC_FIELDS`), the wandb run and the progress bar. Every ran
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -29,6 +30,8 @@ from typing import Any
 
 from usp.config import ClusterConfig, WandbConfig
 from usp.plan.hardware import GPUS
+
+logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 
@@ -203,6 +206,7 @@ class MetricsLogger:
         self._file = None
         self._wandb = None
         self._bar = None
+        self.total_steps = total_steps
         if not self.is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -263,6 +267,14 @@ class MetricsLogger:
                 tok_s=f"{record['tokens_per_s']:.0f}",
                 mfu=f"{record['mfu']:.1%}",
             )
+        elif self.is_writer:  # no bar (logs of batch jobs): one line per logged step
+            logger.info(
+                "step %d/%d loss %.4f grad_norm %.3f lr %.3g | %.0f tok/s (%.0f /gpu) %.2f TFLOP/s/gpu MFU %.1f%% "
+                "| %.3f s/step, peak %.2f GiB",
+                record["step"], self.total_steps, record["loss"], record["grad_norm"], record["lr"],
+                record["tokens_per_s"], record["tokens_per_s_per_gpu"], record["tflops_per_gpu"],
+                100 * record["mfu"], record["step_time_s"], record["peak_mem_gib"],
+            )  # fmt: skip
         return record
 
     def close(self) -> None:

@@ -380,6 +380,16 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         config=dataclasses.asdict(cfg), layout=layout_info, total_steps=cfg.trainer.max_steps,
         progress_bar=cfg.logging.progress_bar,
     )  # fmt: skip
+    if rank == 0:
+        logger.info(
+            "training %s (%.1fM params, %d layers) on %d ranks: dp %d x ring %d (%s) x ulysses %d, node size %s, "
+            "fsdp %s, activation checkpointing %s; seq_len %d, %d sequence(s)/step; steps %d -> %d; run dir %s",
+            cfg.model.path, sum(p.numel() for p in model.parameters()) / 1e6, layers, world, mesh.dp_degree,
+            mesh.ring_degree, mesh.ring_layout, mesh.ulysses_degree, layout.node_size, layout.fsdp_mode,
+            layout.activation_checkpointing, cfg.trainer.seq_len,
+            mesh.dp_degree * cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps, start_step,
+            cfg.trainer.max_steps, run_dir,
+        )  # fmt: skip
     losses: list[float] = []
     val_losses: dict[int, float] = {}
     records: list[dict[str, Any]] = []
@@ -428,6 +438,14 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         export_dir = export_hf(
             model, tokenizer=tokenizer, out_dir=run_dir / "hf", dtype=parse_dtype(cfg.model.dtype)
         )
+    if rank == 0:
+        steady = sorted(r["tokens_per_s"] for r in records[1:] or records)
+        logger.info(
+            "done: step %d, loss %s -> %s, median %s tok/s; metrics %s, checkpoint %s, export %s",
+            max(start_step, cfg.trainer.max_steps),
+            f"{losses[0]:.4f}" if losses else "-", f"{losses[-1]:.4f}" if losses else "-",
+            f"{steady[len(steady) // 2]:.0f}" if steady else "-", metrics.path, last_ckpt, export_dir,
+        )  # fmt: skip
     return {
         "losses": losses,
         "final_step": max(start_step, cfg.trainer.max_steps),
