@@ -6,6 +6,7 @@ checked on CPU through a stand-in ``flash_attn`` module whose kernels loop over 
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import types
@@ -206,3 +207,62 @@ def test_cuda_sdpa_paths_on_meta(backend, segments):
     assert lse.shape == (1, 4, 16) and lse.dtype == torch.float32
     dq, dk, dv = attention_backward(out, q, k, k, out, lse, **kw)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+# --- flash-attn >= 2.6: backward kernels wrapped in torch.library.custom_op (signature (*args, **kwargs)) ----
+
+
+def _custom_op_backwards():
+    """Stand-ins for ``_flash_attn_backward`` / ``_flash_attn_varlen_backward`` as flash-attn 2.6+ defines them."""
+    if hasattr(_custom_op_backwards, "ops"):  # an op name can be registered once per process
+        return _custom_op_backwards.ops
+    _, plain = _fake_flash_attn()
+    plain_varlen = plain._flash_attn_varlen_backward
+
+    @torch.library.custom_op("usp_test::fa_bwd", mutates_args=("dq", "dk", "dv"), device_types="cpu")
+    def fa_bwd(
+        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dropout_p: float,
+        softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+        alibi_slopes: torch.Tensor | None, deterministic: bool, rng_state: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        g = attention_backward(dout, q, k, v, out, softmax_lse, causal=causal, softmax_scale=softmax_scale,
+                               backend="math")  # fmt: skip
+        dq.copy_(g[0])
+        dk.copy_(g[1])
+        dv.copy_(g[2])
+
+    @torch.library.custom_op("usp_test::fa_varlen_bwd", mutates_args=("dq", "dk", "dv"), device_types="cpu")
+    def fa_varlen_bwd(
+        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+        cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+        dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+        softcap: float, alibi_slopes: torch.Tensor | None, deterministic: bool,
+        rng_state: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        plain_varlen(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                     softcap, alibi_slopes, deterministic, rng_state)  # fmt: skip
+
+    _custom_op_backwards.ops = fa_bwd, fa_varlen_bwd
+    return _custom_op_backwards.ops
+
+
+@pytest.mark.parametrize("segments", [None, SEGMENTS])
+def test_flash_attn_backward_through_custom_op_wrapper(monkeypatch, segments):
+    """flash-attn >= 2.6 on torch >= 2.4: the backward is a custom op; every argument must still reach it."""
+    fa, iface = _fake_flash_attn()
+    fa_bwd, fa_varlen_bwd = _custom_op_backwards()
+    iface._flash_attn_backward, iface._flash_attn_varlen_backward = fa_bwd, fa_varlen_bwd
+    monkeypatch.setitem(sys.modules, "flash_attn", fa)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)
+    assert str(inspect.signature(fa_bwd)) == "(*args, **kwargs)"  # what broke the keyword filter
+    q, k, v, dout = (t[:1] for t in _inputs(12, 12, 4, 2, seed=5))
+    kw = dict(causal=False, softmax_scale=0.3, segments=segments)
+    out, lse = attention_forward(q, k, v, backend="math", **kw)
+    lse_g = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    got = attention_backward(dout, q, k, v, out, lse_g, backend="flash_attn", **kw)
+    want = attention_backward(dout, q, k, v, out, lse_g, backend="math", **kw)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **FP32)

@@ -120,9 +120,27 @@ def sdpa_backward(kind, dout, q, k, v, out, lse, causal, scale, segments):
 # --- CUDA: flash_attn (dense and varlen) -------------------------------------------------------------------
 
 
+def parameter_names(fn) -> frozenset[str]:
+    """The named parameters of ``fn``, seen through a ``torch.library.custom_op`` wrapper.
+
+    flash-attn >= 2.6 wraps ``_flash_attn_backward`` / ``_flash_attn_varlen_backward`` in
+    ``torch.library.custom_op`` (on torch >= 2.4), whose ``__call__`` signature is ``(*args, **kwargs)``: the
+    real names come from the wrapped function (``_init_fn``) or, failing that, from the op schema.
+    """
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters.values()
+    named = frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    if named:
+        return named
+    op = getattr(fn, "_opoverload", None)
+    schema = getattr(op, "_schema", None)
+    if schema is not None:
+        return frozenset(arg.name for arg in schema.arguments)
+    raise TypeError(f"cannot read the parameter names of {fn!r} (an unsupported flash_attn version?)")
+
+
 def _call_flexible(fn, **kwargs):
     """Call a flash_attn private function with the keyword names its installed version uses."""
-    params = inspect.signature(fn).parameters
+    params = parameter_names(fn)
     return fn(**{name: value for name, value in kwargs.items() if name in params})
 
 
