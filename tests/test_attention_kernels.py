@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+from usp.attention import kernels
 from usp.attention.kernels import attention_backward, attention_forward, resolve_backend
 from usp.attention.masks import segment_mask
 from usp.attention.ring import merge_block_
@@ -266,3 +267,21 @@ def test_flash_attn_backward_through_custom_op_wrapper(monkeypatch, segments):
     want = attention_backward(dout, q, k, v, out, lse_g, backend="math", **kw)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **FP32)
+
+
+def test_auto_skips_flash_attn_that_is_found_but_fails_to_import(tmp_path, monkeypatch):
+    """A flash_attn wheel for another torch ABI is found by find_spec but raises on import: auto uses SDPA."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "raise ImportError('undefined symbol: _ZN3c10 (stand-in ABI mismatch)')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    kernels.flash_attn_import_error.cache_clear()
+    try:
+        assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16) == "sdpa_flash"
+        with pytest.raises(ValueError, match="import flash_attn failed.*undefined symbol"):
+            resolve_backend("flash_attn", torch.device("cuda"), torch.bfloat16)
+    finally:
+        kernels.flash_attn_import_error.cache_clear()

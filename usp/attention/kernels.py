@@ -18,6 +18,7 @@ gradients are exact pieces of the full gradient without recomputing the merge.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from typing import Literal
@@ -40,8 +41,26 @@ BACKENDS: tuple[str, ...] = (
 CUDA_BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 
 
+@functools.lru_cache(maxsize=1)
+def flash_attn_import_error() -> str | None:
+    """Why ``flash_attn`` cannot be used (None when it imports), tried once per process.
+
+    ``find_spec`` alone is not enough: a wheel built for another torch/CUDA ABI is found but fails to import
+    (undefined symbols), and picking it would crash the first attention call.
+    """
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash_attn is not installed"
+    try:
+        import flash_attn  # noqa: F401
+        from flash_attn import flash_attn_interface  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as exc:  # undefined symbols, a missing .so, ABI checks
+        return f"import flash_attn failed: {type(exc).__name__}: {exc}"
+    return None
+
+
 def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """Whether ``flash_attn`` is installed *and* imports (cached: the import is tried once)."""
+    return flash_attn_import_error() is None
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
@@ -70,7 +89,8 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
         )
     if backend == "flash_attn" and not flash_attn_available():
         raise ValueError(
-            "attention backend='flash_attn' but flash_attn is not installed; use backend='auto'."
+            f"attention backend='flash_attn' but {flash_attn_import_error()}; use backend='auto' (torch SDPA) "
+            f"or install a flash-attn build matching this torch and CUDA."
         )
     return backend
 
