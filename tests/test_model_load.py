@@ -107,3 +107,48 @@ def test_sharded_load_equals_from_pretrained(dist_pools, tmp_path, tie):
     for out in dist_pools(4).run(sharded_load_matches, model_dir, 77777.0):
         assert out["mismatched"] == [] and out["same_rope"] and out["n"] > 0
         assert out["tied"] == tie
+
+
+def test_weight_devices_put_offloaded_params_on_the_cpu_and_buffers_on_the_compute_device():
+    from usp.model import weight_devices
+
+    cuda = torch.device("cuda", 0)  # a device object only: nothing is allocated
+    assert weight_devices(cuda, cpu_offload=True) == (torch.device("cpu"), cuda)
+    assert weight_devices(cuda, cpu_offload=False) == (cuda, cuda)
+    cpu = torch.device("cpu")
+    assert weight_devices(cpu) == (cpu, cpu)
+
+
+def test_materialize_empty_splits_params_and_rope_buffers(tiny_llama):
+    from usp.model import build_empty_causal_lm, materialize_empty
+
+    model = build_empty_causal_lm(check_model_dir(tiny_llama))
+    # "meta" stands in for the compute device: the buffers go there, the parameters to param_device
+    materialize_empty(model, device=torch.device("meta"), param_device=torch.device("cpu"))
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert model.model.rotary_emb.inv_freq.device.type == "meta"
+
+
+def load_truncated_weights(model_dir: str) -> str:
+    """Worker: sharded load of a checkpoint whose model.safetensors is truncated; return the error message."""
+    from tests.mesh_cache import cached_sp_mesh
+    from usp.model import build_empty_causal_lm, load_sharded_weights
+    from usp.train.parallelize import parallelize
+
+    mesh = cached_sp_mesh(2, 1, "zigzag", 1)
+    model = build_empty_causal_lm(check_model_dir(model_dir))
+    parallelize(model, mesh, param_dtype=torch.float32)
+    try:
+        load_sharded_weights(model, model_dir, device=torch.device("cpu"))
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_truncated_weights_raise_on_every_rank(dist_pools, tmp_path):
+    model_dir = build_tiny_llama(tmp_path / "llama")
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    messages = dist_pools(2).run(load_truncated_weights, str(model_dir), timeout=120)
+    for m in messages:
+        assert "model.path=" in m and "could not read the weights" in m, m

@@ -7,9 +7,11 @@ from usp.model.load import (
     check_model_dir,
     load_causal_lm,
     load_sharded_weights,
+    materialize_empty,
     parse_dtype,
     read_full_state_dict,
     rope_settings,
+    weight_devices,
 )
 from usp.model.usp_attention_fn import ATTN_IMPLEMENTATION, apply_usp, check_heads, usp_attention_forward
 
@@ -23,8 +25,10 @@ __all__ = [
     "check_model_dir",
     "load_causal_lm",
     "load_sharded_weights",
+    "materialize_empty",
     "parse_dtype",
     "read_full_state_dict",
     "rope_settings",
     "usp_attention_forward",
+    "weight_devices",
 ]

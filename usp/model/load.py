@@ -197,25 +197,64 @@ def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
             module.attention_scaling = fresh.attention_scaling
 
 
+def weight_devices(device: torch.device, *, cpu_offload: bool = False) -> tuple[torch.device, torch.device]:
+    """``(param_device, buffer_device)`` for materializing a sharded model that computes on ``device``.
+
+    FSDP2's ``CPUOffloadPolicy`` keeps the parameter shards in host memory and copies them to the device per
+    layer, so it requires them materialized on the CPU; the RoPE ``inv_freq`` buffers are not managed by FSDP2
+    and must stay on the compute device.
+    """
+    return (torch.device("cpu") if cpu_offload else device), device
+
+
 @torch.no_grad()
-def load_sharded_weights(model: PreTrainedModel, path: str | os.PathLike, *, device: torch.device) -> None:
-    """Materialize a meta-device, FSDP2-sharded ``model`` on ``device`` and load the checkpoint into it.
+def materialize_empty(model: nn.Module, *, device: torch.device, param_device: torch.device | None = None) -> None:
+    """Allocate a meta-device (possibly FSDP2-sharded) model: parameters and persistent buffers (uninitialised)
+    on ``param_device`` (default ``device``), then the RoPE buffers rebuilt from the config on ``device``."""
+    model.to_empty(device=param_device or device)
+    reset_rotary_buffers(model, device)
+
+
+@torch.no_grad()
+def load_sharded_weights(
+    model: PreTrainedModel,
+    path: str | os.PathLike,
+    *,
+    device: torch.device,
+    param_device: torch.device | None = None,
+) -> None:
+    """Materialize a meta-device, FSDP2-sharded ``model`` and load the checkpoint into it.
+
+    ``device`` is the compute device (RoPE buffers live there); ``param_device`` (default ``device``) holds the
+    parameter shards: the CPU under FSDP2 CPU offload (:func:`weight_devices`).
 
     Collective: call on every rank. Rank 0 reads the checkpoint (host memory: one copy in its stored dtype);
     each tensor is broadcast and every rank keeps its own shard (``set_model_state_dict`` with
-    ``broadcast_from_rank0``), upcast to the fp32 parameters. Missing or unexpected keys raise.
+    ``broadcast_from_rank0``), upcast to the fp32 parameters. Missing or unexpected keys raise. A checkpoint
+    rank 0 cannot read (a truncated or corrupt file) raises ``ValueError`` naming ``model.path`` on *every*
+    rank: the outcome of the read is shared (one ``all_gather_object``) before any rank enters the broadcast.
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    model.to_empty(device=device)
-    reset_rotary_buffers(model, device)
+    materialize_empty(model, device=device, param_device=param_device)
     state: dict[str, torch.Tensor] = {}
+    error: str | None = None
     if dist.get_rank() == 0:
-        state = read_full_state_dict(path)
+        try:
+            state = read_full_state_dict(path)
+        except Exception as e:  # noqa: BLE001 - shared with every rank below, then raised there
+            error = f"{type(e).__name__}: {e}"
         head, embed = "lm_head.weight", "model.embed_tokens.weight"
         if getattr(model.config, "tie_word_embeddings", False) and head not in state and embed in state:
             state[head] = state[embed]
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if errors[0] is not None:
+        raise ValueError(
+            f"model.path={str(path)!r}: rank 0 could not read the weights ({errors[0]}). A weight file is "
+            f"damaged or incomplete (an interrupted copy?): copy the checkpoint again, then rerun."
+        )
     set_model_state_dict(
         model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
     )

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from usp.config import ClusterConfig, OptimConfig
 from usp.model import apply_rope_overrides, build_empty_causal_lm, parse_dtype
-from usp.model.load import reset_rotary_buffers
+from usp.model.load import materialize_empty
 from usp.parallel import init_sp_mesh, shard_sequence
 from usp.train.metrics import count_dense_params, peak_flops_per_device, training_flops
 from usp.train.optim import build_optimizer
@@ -61,13 +61,12 @@ def random_init_(
 
     Parameters go to ``param_device`` (default ``device``; the CPU under FSDP CPU offload), buffers to ``device``.
     """
-    model.to_empty(device=param_device or device)
+    materialize_empty(model, device=device, param_device=param_device)
     for name, p in model.named_parameters():
         if p.ndim == 1:
             p.fill_(1.0 if "norm" in name else 0.0)
         else:
             p.normal_(0.0, std)
-    reset_rotary_buffers(model, device)
 
 
 def random_batch(vocab: int, seq_len: int, mesh: Any, generator: torch.Generator) -> dict[str, torch.Tensor]:

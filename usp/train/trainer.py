@@ -39,6 +39,7 @@ from usp.model import (
     check_model_dir,
     load_sharded_weights,
     parse_dtype,
+    weight_devices,
 )
 from usp.parallel import ParallelDims, SPMesh, check_sequence_length, init_sp_mesh
 from usp.train.loss import IGNORE_INDEX
@@ -351,7 +352,8 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         reduce_dtype=parse_dtype(cfg.parallel.reduce_dtype, "parallel.reduce_dtype"),
         loss_chunk_size=cfg.trainer.loss_chunk_size, cpu_offload=cfg.parallel.cpu_offload,
     )  # fmt: skip
-    load_sharded_weights(model, cfg.model.path, device=device)
+    param_device, _ = weight_devices(device, cpu_offload=cfg.parallel.cpu_offload)  # offload: shards on the CPU
+    load_sharded_weights(model, cfg.model.path, device=device, param_device=param_device)
     optimizer, scheduler = build_optimizer(loss_model, cfg.optim, max_steps=cfg.trainer.max_steps)
 
     ckpt_root = Path(cfg.trainer.checkpoint_dir or run_dir / "checkpoints")
