@@ -206,3 +206,47 @@ def test_error_on_one_rank_raises_on_every_rank(dist_pools):
     messages = dist_pools(4).run(_fail_on_rank_one)
     assert all("trainer.seq_len=7 is bad on this rank only" in m for m in messages)
     assert "failed on rank 1" in messages[0]
+
+
+def test_timeout_minutes_reaches_init_process_group(monkeypatch):
+    """parallel.timeout_minutes -> init_process_group(timeout=...), with and without a launcher."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from usp.train import trainer
+
+    calls: list[dict] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append(kw))
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert trainer.init_distributed(torch.device("cpu"), timeout_minutes=90)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert trainer.init_distributed(torch.device("cpu"))
+    assert [c["timeout"] for c in calls] == [timedelta(minutes=90), timedelta(minutes=60)]
+    cfg = TrainConfig()
+    assert cfg.parallel.timeout_minutes == 60
+    cfg.model.path, cfg.data.build_tiny_corpus, cfg.parallel.timeout_minutes = "/m", True, 0
+    from usp.config import validate_choices
+
+    with pytest.raises(ValueError, match="parallel.timeout_minutes=0"):
+        validate_choices(cfg)
+
+
+def test_run_passes_timeout_minutes(monkeypatch, tmp_path):
+    from usp.train import trainer
+
+    seen: dict = {}
+
+    def fake_init(device, backend=None, *, timeout_minutes=60):
+        seen["timeout_minutes"] = timeout_minutes
+        return False
+
+    monkeypatch.setattr(trainer, "init_distributed", fake_init)
+    monkeypatch.setattr(trainer, "_run", lambda cfg, device: {"ok": True})
+    cfg = make_config("/m", str(tmp_path), str(tmp_path))
+    cfg.parallel.timeout_minutes = 123
+    assert trainer.run(cfg) == {"ok": True}
+    assert seen["timeout_minutes"] == 123

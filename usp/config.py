@@ -103,6 +103,9 @@ class ParallelConfig:
     """Process-group backend; default nccl on CUDA, gloo on CPU."""
     cpu_offload: bool = False
     """FSDP2 CPU offload of parameters, gradients and optimizer states (CUDA only; for one-GPU long runs)."""
+    timeout_minutes: int = 60
+    """Process-group timeout: how long a rank waits in a collective for the others (NCCL's default, 10 min,
+    is too short while rank 0 prepares the data at start-up or a large checkpoint is saved)."""
 
 
 @dataclass
@@ -243,6 +246,11 @@ def validate_choices(cfg: TrainConfig) -> None:
         raise ValueError(f"parallel.ac_every_k={p.ac_every_k} is invalid: use an integer >= 1.")
     _check_choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
     _check_choice("parallel.backend", p.backend, BACKENDS)
+    if isinstance(p.timeout_minutes, bool) or not isinstance(p.timeout_minutes, int) or p.timeout_minutes < 1:
+        raise ValueError(
+            f"parallel.timeout_minutes={p.timeout_minutes!r} is invalid: use an integer >= 1 (minutes a rank "
+            "waits for the others in a collective; default 60)."
+        )
     _check_choice("trainer.device", cfg.trainer.device, DEVICES)
     _check_choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     t = cfg.trainer

@@ -23,6 +23,7 @@ import logging
 import os
 import random
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,17 +64,22 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
-def init_distributed(device: torch.device, backend: str | None = None) -> bool:
-    """Initialize torch.distributed unless it already is; returns whether this call created the group."""
+def init_distributed(device: torch.device, backend: str | None = None, *, timeout_minutes: int = 60) -> bool:
+    """Initialize torch.distributed unless it already is; returns whether this call created the group.
+
+    ``timeout_minutes`` (``parallel.timeout_minutes``) bounds every collective wait: long enough for rank 0's
+    start-up data preparation and a large checkpoint save, short enough that a dead peer ends the job.
+    """
     if dist.is_initialized():
         return False
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:  # one process, no launcher
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return True
 
 
@@ -288,7 +294,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     Raises ``ValueError`` on every rank, before loading weights or data, for bad settings.
     """
     device = resolve_device(cfg.trainer.device)
-    created = init_distributed(device, cfg.parallel.backend)
+    created = init_distributed(device, cfg.parallel.backend, timeout_minutes=cfg.parallel.timeout_minutes)
     try:
         return _run(cfg, device)
     finally:
