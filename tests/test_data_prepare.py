@@ -23,6 +23,7 @@ from usp.data import (
     row_positions,
 )
 from usp.data.prepare import main as prepare_main
+from usp.data.sources import weighted_counts
 from usp.tiny import build_tiny_tokenizer, tiny_corpus_texts
 
 
@@ -156,13 +157,15 @@ def test_sources_formats_concat_and_weighted_mix(tmp_path, tokenizer):
     assert sorted(t for t in cat["text"] if t.startswith("gamma")) == [
         f"gamma {i}\nsecond line\n" for i in range(3)
     ]
-    mix1 = load_text_sources(inputs, weights=[0.2, 0.6, 0.2], seed=7, cache_dir=cache)
+    usage: list = []
+    mix1 = load_text_sources(inputs, weights=[0.2, 0.6, 0.2], seed=7, cache_dir=cache, usage=usage)
     mix2 = load_text_sources(inputs, weights=[0.2, 0.6, 0.2], seed=7, cache_dir=cache)
     mix3 = load_text_sources(inputs, weights=[0.2, 0.6, 0.2], seed=8, cache_dir=cache)
     assert mix1["text"] == mix2["text"] and mix1["text"] != mix3["text"]
-    assert set(mix1["text"]) == set(cat["text"])  # every document used at least once
-    beta = sum(t.startswith("beta") for t in mix1["text"])
-    assert beta > 10  # the small, heavily weighted source is repeated
+    # the mix is the largest one without repeats: gamma (3 docs at 0.2) bounds it to 15 = 3 + 9 + 3
+    assert len(mix1) == len(set(mix1["text"])) == 15 and set(mix1["text"]) <= set(cat["text"])
+    assert [sum(t.startswith(k) for t in mix1["text"]) for k in ("alpha", "beta", "gamma")] == [3, 9, 3]
+    assert [(u["used"], u["unused"]) for u in usage] == [(3, 27), (9, 1), (3, 0)]
     stream = load_text_sources(inputs, weights=[0.2, 0.6, 0.2], seed=7, cache_dir=cache, streaming=True)
     assert isinstance(stream, datasets.IterableDataset) and next(iter(stream))["text"]
 
@@ -254,3 +257,59 @@ def test_conf_data_options_match_data_config():
         keys = set(OmegaConf.load(f).keys())
         assert keys == set(DataConfig.__dataclass_fields__), f.name
         OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(f))  # types agree with the schema
+
+
+def test_weighted_mix_never_multiplies_the_corpus(tmp_path):
+    """--weights 0.95 0.05 on two equal sources: at most the corpus, no document twice (was 19x the docs)."""
+    a = _write_jsonl(tmp_path / "a.jsonl", [f"alpha {i}" for i in range(140)])
+    b = _write_jsonl(tmp_path / "b.jsonl", [f"beta {i}" for i in range(140)])
+    usage: list = []
+    logs: list[str] = []
+    mix = load_text_sources(
+        [str(a), str(b)], weights=[0.95, 0.05], seed=1, cache_dir=tmp_path / "hf", usage=usage, log=logs.append
+    )
+    assert len(mix) == len(set(mix["text"])) == 147  # all 140 alpha + floor(140 / 0.95 * 0.05) = 7 beta
+    assert [(u["used"], u["unused"]) for u in usage] == [(140, 0), (7, 133)]
+    assert any("7 of 140 documents used, 133 unused" in m for m in logs)
+    assert weighted_counts([700, 700], [0.95, 0.05]) == [700, 36]
+    assert weighted_counts([10, 10, 10], [1, 0, 1]) == [10, 0, 10]
+    assert weighted_counts([5, 1000], [0.5, 0.5]) == [5, 5]
+    # streams stop at the first exhausted source rather than repeating the others
+    stream = load_text_sources(
+        [str(a), str(b)], weights=[0.95, 0.05], seed=1, cache_dir=tmp_path / "hf", streaming=True
+    )
+    texts = [r["text"] for r in stream]
+    assert len(texts) == len(set(texts)) <= 280
+
+
+def test_hub_download_directory_takes_train_data_only(tmp_path, tokenizer):
+    """A hub snapshot (README.md, .gitattributes, .cache/, data/train-*.parquet, data/test-*.parquet) loads."""
+    root = tmp_path / "snapshot"
+    (root / "data").mkdir(parents=True)
+    (root / ".cache" / "huggingface").mkdir(parents=True)
+    (root / "README.md").write_text("---\nlicense: mit\n---\n# A dataset card\n")
+    (root / ".gitattributes").write_text("*.parquet filter=lfs\n")
+    (root / ".cache" / "huggingface" / "x.json").write_text("{}")
+    (root / "data" / "notes.md").write_text("not a document")
+    for split, n in (("train", 6), ("test", 2)):
+        datasets.Dataset.from_dict({"text": [f"{split} {i}" for i in range(n)]}).to_parquet(
+            str(root / "data" / f"{split}-00000-of-00001.parquet")
+        )
+    logs: list[str] = []
+    ds = load_text_sources([str(root)], cache_dir=tmp_path / "hf", log=logs.append)
+    assert sorted(ds["text"]) == [f"train {i}" for i in range(6)]
+    assert any("only the train split" in m and "'test'" in m for m in logs)
+    assert any("README.md" in m for m in logs)
+    # split folders work the same way; a folder of markdown documents alone is still a corpus
+    (tmp_path / "split" / "train").mkdir(parents=True)
+    (tmp_path / "split" / "validation").mkdir()
+    _write_jsonl(tmp_path / "split" / "train" / "a.jsonl", ["kept"])
+    _write_jsonl(tmp_path / "split" / "validation" / "a.jsonl", ["held out"])
+    assert load_text_sources([str(tmp_path / "split")], cache_dir=tmp_path / "hf")["text"] == ["kept"]
+    (tmp_path / "md").mkdir()
+    for i in range(2):
+        (tmp_path / "md" / f"{i}.md").write_text(f"doc {i}")
+    assert sorted(load_text_sources([str(tmp_path / "md")], cache_dir=tmp_path / "hf")["text"]) == [
+        "doc 0",
+        "doc 1",
+    ]

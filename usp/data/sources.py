@@ -9,24 +9,37 @@ Accepted inputs (``--input`` / ``data.inputs``), each one of:
 - a hub dataset name ``owner/name`` or ``owner/name:config`` (split ``train``). Downloads go to ``cache_dir``;
   with ``HF_DATASETS_OFFLINE=1`` (or ``HF_HUB_OFFLINE=1``) only the local cache is used.
 
+Inside a directory input, README files, hidden files and folders (``.git``, ``.cache``, ``.huggingface``)
+are skipped, ``.md`` files are skipped when the directory also holds data files (a hub download: README.md +
+``data/*.parquet``), and when the files are named by split (``train-*``/``test-*``/``validation-*``, or under
+``train/``/``test/`` folders) only the ``train`` split is read; each choice is logged.
+
 Every source becomes a dataset with exactly one column, ``text`` (taken from ``text_field``), so sources
 with different schemas can be mixed. Mixing with ``weights`` samples documents from the sources with those
-probabilities, deterministically from ``seed``, until every source has been used up at least once
-(``datasets``' ``all_exhausted`` strategy): no document is lost, and a source whose weight exceeds its
-share of the data is repeated.
+probabilities, deterministically from ``seed``, **without repeating any document**: the mix is the largest
+one the sources can fill at those proportions (:func:`weighted_counts`), so the most constrained source is
+used whole and the others partly (their unused documents are logged). To repeat a source on purpose, list
+it twice in the inputs (long-document upsampling is separate: ``LengthShaping``).
 """
 
 from __future__ import annotations
 
 import glob
+import logging
+import math
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import datasets
+import numpy as np
 from datasets import Dataset, IterableDataset
 
 TEXT_COLUMN = "text"
+logger = logging.getLogger(__name__)
+_SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
+_SPLIT_NAME = re.compile(r"^(" + "|".join(_SPLITS) + r")(?:[-_.]|$)", re.IGNORECASE)
 
 _BUILDERS: dict[str, str] = {
     ".jsonl": "json",
@@ -120,16 +133,58 @@ def _is_plain_text(spec: str) -> bool:
     return _looks_local(spec) and not os.path.isdir(os.path.expanduser(spec)) and _builder_for(spec) == "text"
 
 
-def _load_one(spec: str, *, cache_dir: str | None, streaming: bool) -> Dataset | IterableDataset:
+def _split_of(rel: Path) -> str | None:
+    """The split a file belongs to by its folder (``train/...``) or name (``train-00000-of-00002.parquet``)."""
+    for part in rel.parts[:-1]:
+        if part.lower() in _SPLITS:
+            return part.lower()
+    m = _SPLIT_NAME.match(rel.name)
+    return m.group(1).lower() if m else None
+
+
+def directory_files(path: Path, log: Callable[[str], None] | None = None) -> list[str]:
+    """The data files of a directory input, sorted (see the module docstring for what is skipped)."""
+    log = log or logger.info
+    files, skipped = [], []
+    for f in sorted(path.rglob("*")):
+        rel = f.relative_to(path)
+        if not f.is_file():
+            continue
+        if any(part.startswith(".") for part in rel.parts) or f.name.upper().startswith("README"):
+            skipped.append(str(rel))
+        elif _builder_for(str(f)) is not None:
+            files.append(f)
+    if any(_builder_for(str(f)) != "text" for f in files):  # data files: .md/.txt next to them are docs
+        docs = [f for f in files if _builder_for(str(f)) == "text"]
+        skipped += [str(f.relative_to(path)) for f in docs]
+        files = [f for f in files if _builder_for(str(f)) != "text"]
+    if skipped:
+        log(
+            f"input {str(path)!r}: skipping {len(skipped)} non-data files ({', '.join(skipped[:5])}"
+            f"{', ...' if len(skipped) > 5 else ''})"
+        )
+    splits = {f: _split_of(f.relative_to(path)) for f in files}
+    if any(s == "train" for s in splits.values()) and any(s not in (None, "train") for s in splits.values()):
+        others = sorted({s for s in splits.values() if s not in (None, "train")})
+        kept = [f for f in files if splits[f] == "train"]
+        log(
+            f"input {str(path)!r}: using only the train split ({len(kept)} of {len(files)} files; "
+            f"skipping {others}). Pass the files you want (a glob) to use other splits."
+        )
+        files = kept
+    return [str(f) for f in files]
+
+
+def _load_one(
+    spec: str, *, cache_dir: str | None, streaming: bool, log: Callable[[str], None] | None = None
+) -> Dataset | IterableDataset:
     if _looks_local(spec):
         path = Path(os.path.expanduser(spec))
         if _is_saved_dataset(path):
             ds = datasets.load_from_disk(str(path))
             return ds.to_iterable_dataset() if streaming else ds
         if path.is_dir():
-            files = sorted(
-                str(f) for f in path.rglob("*") if f.is_file() and _builder_for(str(f)) is not None
-            )
+            files = directory_files(path, log=log)
             if not files:
                 raise ValueError(
                     f"data.inputs: directory {spec!r} holds no file with a known extension {sorted(_BUILDERS)}."
@@ -187,6 +242,36 @@ def _text_only(
     return ds
 
 
+def weighted_counts(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
+    """Documents to take from each source: the largest mix in proportion ``weights`` that repeats nothing.
+
+    The total ``T = min(size_i / w_i)`` over sources with ``w_i > 0`` (weights normalised) is the most the
+    sources can give at those proportions; source ``i`` contributes ``floor(T * w_i)`` (at most its size),
+    so the most constrained source is used whole and a source of weight 0 not at all.
+    """
+    assert len(sizes) == len(weights) and sum(weights) > 0
+    total = float(sum(weights))
+    share = [w / total for w in weights]
+    t = min(n / w for n, w in zip(sizes, share) if w > 0)
+    return [min(n, math.floor(t * w + 1e-6)) for n, w in zip(sizes, share)]
+
+
+def _mix(parts: list[Dataset], counts: list[int], seed: int) -> Dataset:
+    """``counts[i]`` documents of part ``i`` (a seeded subset, kept in file order), in a seeded random
+    interleaving; no document appears twice."""
+    rng = np.random.default_rng(seed)
+    offset, chosen = 0, []
+    for p, c in zip(parts, counts):
+        pick = np.arange(len(p)) if c == len(p) else np.sort(rng.choice(len(p), size=c, replace=False))
+        chosen.append(offset + pick)
+        offset += len(p)
+    source = rng.permutation(np.repeat(np.arange(len(parts)), counts))
+    order = np.empty(len(source), dtype=np.int64)
+    for i, rows in enumerate(chosen):
+        order[source == i] = rows  # the k-th draw of source i takes its k-th chosen document
+    return datasets.concatenate_datasets(parts).select(order)
+
+
 def load_text_sources(
     inputs: Sequence[str],
     *,
@@ -195,16 +280,24 @@ def load_text_sources(
     seed: int = 0,
     streaming: bool = False,
     cache_dir: str | os.PathLike | None = None,
+    log: Callable[[str], None] | None = None,
+    usage: list[dict[str, object]] | None = None,
 ) -> Dataset | IterableDataset:
     """Load every input, keep only its text (column ``text``), and concatenate or mix them.
 
     Returns a memory-mapped ``Dataset`` (or an ``IterableDataset`` when ``streaming``). Raises ``ValueError``
-    for missing inputs, a missing text field, mismatched weights or an empty result.
+    for missing inputs, a missing text field, mismatched weights or an empty result. With ``weights`` no
+    document is repeated (see :func:`weighted_counts`); the documents used and left unused per source are
+    logged through ``log`` and, when ``usage`` is a list, appended to it (one dict per input; not known
+    up front when ``streaming``: the stream then stops when the first source runs out).
     """
     check_inputs(inputs, weights)
+    log = log or logger.info
     cache = None if cache_dir is None else str(cache_dir)
     parts = [
-        _text_only(_load_one(s, cache_dir=cache, streaming=streaming), s, text_field, _is_plain_text(s))
+        _text_only(
+            _load_one(s, cache_dir=cache, streaming=streaming, log=log), s, text_field, _is_plain_text(s)
+        )
         for s in inputs
     ]
     features = datasets.Features({TEXT_COLUMN: datasets.Value("string")})
@@ -218,10 +311,19 @@ def load_text_sources(
     if weights is None:
         return datasets.concatenate_datasets(parts)
     total = float(sum(weights))
-    nonzero = [(p, w / total) for p, w in zip(parts, weights) if w > 0]
-    return datasets.interleave_datasets(
-        [p for p, _ in nonzero],
-        probabilities=[w for _, w in nonzero],
-        seed=seed,
-        stopping_strategy="all_exhausted",
-    )
+    if streaming:
+        nonzero = [(p, w / total) for p, w in zip(parts, weights) if w > 0]
+        log("weighted mix of streams: sampling stops when the first source runs out (no document repeated)")
+        return datasets.interleave_datasets(
+            [p for p, _ in nonzero],
+            probabilities=[w for _, w in nonzero],
+            seed=seed,
+            stopping_strategy="first_exhausted",
+        )
+    counts = weighted_counts([len(p) for p in parts], weights)
+    for spec, p, w, c in zip(inputs, parts, weights, counts):
+        row = {"input": spec, "weight": w / total, "documents": len(p), "used": c, "unused": len(p) - c}
+        if usage is not None:
+            usage.append(row)
+        log(f"mix: {spec!r} weight {w / total:.3g}: {c} of {len(p)} documents used, {len(p) - c} unused")
+    return _mix(parts, counts, seed)
