@@ -13,6 +13,8 @@ from usp.launch import cli, commands
 from usp.launch.overrides import check_degrees, find_override, override_key
 
 REPO = Path(__file__).resolve().parents[1]
+# What a real recipe needs from the user (composition stops on ??? values before anything is launched).
+USER = ("model.path=/ckpt/m", "data.prepared_path=/data/d")
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
 
 
@@ -48,13 +50,13 @@ def fails(capsys, *argv: str) -> str:
 
 # --- the command lines --------------------------------------------------------------------------------
 def test_local_is_one_plain_process(capsys):
-    out = dry_run(capsys, "local", "recipe=tiny", "trainer.max_steps=5")
-    assert out == shlex.join([sys.executable, "-m", "usp.train", "recipe=tiny", "trainer.max_steps=5"]) + "\n"
+    out = dry_run(capsys, "local", "trainer.max_steps=5")
+    assert out == shlex.join([sys.executable, "-m", "usp.train", "trainer.max_steps=5"]) + "\n"
 
 
 def test_local_cpu_pins_device_and_backend(capsys):
-    out = dry_run(capsys, "local", "--cpu", "recipe=tiny")
-    expected = [sys.executable, "-m", "usp.train", "trainer.device=cpu", "parallel.backend=gloo", "recipe=tiny"]
+    out = dry_run(capsys, "local", "--cpu", "model=tiny")
+    expected = [sys.executable, "-m", "usp.train", "trainer.device=cpu", "parallel.backend=gloo", "model=tiny"]
     assert out == shlex.join(expected) + "\n"
 
 
@@ -68,42 +70,72 @@ def test_torchrun_cpu_tiny_demo(capsys):
 
 
 def test_torchrun_user_override_wins_over_cpu_default(capsys):
-    assert cli.main(["torchrun", "--dry-run", "--cpu", "--nproc-per-node=2", "trainer.device=cpu", "--", "recipe=tiny"]) == 0
+    assert cli.main(["torchrun", "--dry-run", "--cpu", "--nproc-per-node=4", "trainer.device=cpu", "--", "recipe=tiny"]) == 0
     assert capsys.readouterr().out == (
-        "torchrun --standalone --nproc-per-node 2 -m usp.train parallel.backend=gloo trainer.device=cpu recipe=tiny\n"
+        "torchrun --standalone --nproc-per-node 4 -m usp.train parallel.backend=gloo trainer.device=cpu recipe=tiny\n"
     )
 
 
 def test_torchrun_uses_detected_gpus(capsys, monkeypatch):
     monkeypatch.setattr(commands, "count_gpus", lambda: 8)
-    out = dry_run(capsys, "torchrun", "recipe=llama31_8b_128k", "parallel.ulysses_degree=8")
-    assert out == "torchrun --standalone --nproc-per-node 8 -m usp.train recipe=llama31_8b_128k parallel.ulysses_degree=8\n"
+    out = dry_run(capsys, "torchrun", "recipe=llama2_7b_rope_32k", *USER)
+    assert out == f"torchrun --standalone --nproc-per-node 8 -m usp.train recipe=llama2_7b_rope_32k {' '.join(USER)}\n"
 
 
 def test_sbatch_outside_slurm(capsys):
     out = dry_run(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu", "--time",
                   "04:00:00", "--account", "proj1", "--job-name", "ctx128k", "recipe=llama31_8b_128k",
-                  "parallel.ulysses_degree=8", "parallel.ring_degree=2")  # fmt: skip
+                  "parallel.ulysses_degree=8", "parallel.ring_degree=2", *USER)  # fmt: skip
     assert out == (
         "sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 --partition=gpu --time=04:00:00 --account=proj1 "
         "--job-name=ctx128k launch/slurm.sbatch --nproc-per-node 8 recipe=llama31_8b_128k "
-        "parallel.ulysses_degree=8 parallel.ring_degree=2\n"
+        f"parallel.ulysses_degree=8 parallel.ring_degree=2 {' '.join(USER)}\n"
     )
 
 
 def test_sbatch_defaults_and_gres(capsys):
-    out = dry_run(capsys, "slurm", "--gres", "recipe=x")
+    out = dry_run(capsys, "slurm", "--gres", "recipe=llama2_7b_rope_32k", *USER)
     assert out == (
         "sbatch --nodes=1 --ntasks-per-node=1 --gres=gpu:8 --job-name=usp launch/slurm.sbatch "
-        "--nproc-per-node 8 recipe=x\n"
+        f"--nproc-per-node 8 recipe=llama2_7b_rope_32k {' '.join(USER)}\n"
     )
+
+
+@pytest.mark.parametrize(("recipe", "nodes"), [("llama31_8b_1m", 8), ("llama3_70b_128k", 4), ("llama31_8b_128k", 2)])
+def test_sbatch_takes_the_recipes_declared_size(capsys, recipe, nodes):
+    out = dry_run(capsys, "slurm", f"recipe={recipe}", *USER)
+    assert out.startswith(f"sbatch --nodes={nodes} --ntasks-per-node=1 --gpus-per-node=8 --job-name=usp ")
+
+
+def test_recipe_degrees_checked_against_the_job(capsys):
+    err = fails(capsys, "slurm", "--nodes", "4", "recipe=llama31_8b_1m", *USER, "--dry-run")
+    assert "parallel.ulysses_degree=8 x parallel.ring_degree=8 = 64 does not divide the world size" in err
+    assert "4 node(s) x 8 process(es) per node = 32 ranks" in err
+    # the same degrees, from a recipe, on a machine with 4 GPUs
+    err = fails(capsys, "torchrun", "--nproc-per-node", "4", "recipe=llama2_7b_rope_32k", *USER, "--dry-run")
+    assert "parallel.ulysses_degree=8 x parallel.ring_degree=1 = 8 does not divide the world size" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["slurm", "recipe=x"], "Could not find 'recipe/x' - valid recipe options: llama2_7b_rope_128k, "),
+        (["slurm", "recipe=llama31_8b_128k", *USER, "parallel.ulysess_degree=8"], "Could not override 'parallel.ulysess_degree'"),
+        (["torchrun", "--nproc-per-node", "8", "recipe=llama31_8b_128k", "trainer.seq_len=long", *USER], "trainer.seq_len=long"),
+        (["slurm", "recipe=llama31_8b_1m"], "model.path=/ckpt/"),
+    ],
+)  # fmt: skip
+def test_bad_recipe_or_override_exits_2_before_launch(capsys, argv, message):
+    err = fails(capsys, *argv, "--dry-run")
+    assert err.startswith("usp-launch: error: ") and err.count("\n") == 1
+    assert message in err
 
 
 def test_sbatch_script_path_outside_cwd_is_absolute(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    out = dry_run(capsys, "slurm", "--nodes", "4", "recipe=x")
+    out = dry_run(capsys, "slurm", "--nodes", "4", "recipe=llama3_70b_128k", *USER)
     script = str(REPO / "launch" / "slurm.sbatch")
-    assert out == f"sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --job-name=usp {script} --nproc-per-node 8 recipe=x\n"
+    assert out.startswith(f"sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --job-name=usp {script} ")
 
 
 def _allocation(monkeypatch, **extra: str) -> None:
@@ -115,11 +147,13 @@ def _allocation(monkeypatch, **extra: str) -> None:
 
 def test_srun_inside_allocation(capsys, monkeypatch):
     _allocation(monkeypatch, SLURM_GPUS_ON_NODE="8")
-    out = dry_run(capsys, "slurm", "recipe=llama31_8b_128k", "parallel.ulysses_degree=8", "parallel.ring_degree=2")
+    out = dry_run(capsys, "slurm", "recipe=llama31_8b_128k", "parallel.ulysses_degree=8", "parallel.ring_degree=2",
+                  *USER)  # fmt: skip
     assert out == (
         "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes 2 --nproc-per-node 8 "
         "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 -m usp.train "
-        "hydra.run.dir=outputs/slurm-4242 recipe=llama31_8b_128k parallel.ulysses_degree=8 parallel.ring_degree=2\n"
+        "hydra.run.dir=outputs/slurm-4242 recipe=llama31_8b_128k parallel.ulysses_degree=8 parallel.ring_degree=2 "
+        f"{' '.join(USER)}\n"
     )
 
 
@@ -135,16 +169,17 @@ def test_srun_keeps_given_run_dir_and_reads_gpus_per_node(capsys, monkeypatch):
 
 def test_submit_inside_allocation_uses_sbatch(capsys, monkeypatch):
     _allocation(monkeypatch, SLURM_GPUS_ON_NODE="8")
-    out = dry_run(capsys, "slurm", "--submit", "--nodes", "2", "recipe=x")
+    out = dry_run(capsys, "slurm", "--submit", "--nodes", "2", "recipe=llama31_8b_128k", *USER)
     assert out.startswith("sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 --job-name=usp ")
 
 
 def test_cluster_overrides_size_the_job(capsys):
     out = dry_run(capsys, "slurm", "recipe=llama31_8b_1m", "cluster.num_nodes=4", "cluster.gpus_per_node=8",
-                  "parallel.ring_degree=4")  # fmt: skip
+                  "parallel.ring_degree=4", *USER)  # fmt: skip
     assert out == (
         "sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --job-name=usp launch/slurm.sbatch "
-        "--nproc-per-node 8 recipe=llama31_8b_1m cluster.num_nodes=4 cluster.gpus_per_node=8 parallel.ring_degree=4\n"
+        "--nproc-per-node 8 recipe=llama31_8b_1m cluster.num_nodes=4 cluster.gpus_per_node=8 parallel.ring_degree=4 "
+        f"{' '.join(USER)}\n"
     )
 
 
@@ -199,7 +234,8 @@ def test_auto_degrees_accepted(capsys):
     ("argv", "message"),
     [
         (["local", "parallel.ring_degree=2"], "parallel.ring_degree=2 does not divide the world size"),
-        (["slurm", "--nodes", "2", "parallel.ulysses_degree=4", "parallel.ring_degree=2", "parallel.dp_degree=4"],
+        (["slurm", "--nodes", "2", "--gpus-per-node", "8", "parallel.ulysses_degree=4", "parallel.ring_degree=2",
+          "parallel.dp_degree=4"],
          "parallel.dp_degree=4 x ulysses_degree=4 x ring_degree=2 = 32 != 2 node(s)"),
         (["torchrun", "--nproc-per-node", "4", "parallel.ring_degree=two"], "parallel.ring_degree=two is invalid"),
         (["torchrun", "--nproc-per-node", "0"], "--nproc-per-node=0 is invalid"),
@@ -240,15 +276,15 @@ def test_run_returns_the_commands_exit_status(capsys, monkeypatch):
         return subprocess.CompletedProcess(cmd, 3)
 
     monkeypatch.setattr(cli.subprocess, "run", fake_run)
-    assert cli.main(["local", "recipe=tiny"]) == 3
-    assert seen == [[sys.executable, "-m", "usp.train", "recipe=tiny"]]
+    assert cli.main(["local", "model=tiny"]) == 3
+    assert seen == [[sys.executable, "-m", "usp.train", "model=tiny"]]
     assert "usp-launch: " in capsys.readouterr().err
 
 
 def test_run_without_sbatch_says_where_to_run(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(cli.sys, "executable", str(tmp_path / "python"))
-    err = fails(capsys, "slurm", "recipe=x")
+    err = fails(capsys, "slurm", "recipe=llama31_8b_128k", *USER)
     assert "`sbatch` is not on PATH: run this on a SLURM login node" in err
 
 

@@ -11,11 +11,13 @@
 ``nvidia-smi`` lists, and it is what torchrun exports as ``LOCAL_WORLD_SIZE``, the node size the mesh uses to
 keep Ulysses groups inside a node. ``slurm`` submits ``launch/slurm.sbatch`` with sbatch; inside an allocation
 (``SLURM_JOB_ID`` set, e.g. under salloc) it runs ``srun ... torchrun ...`` directly, as the script would.
-Without ``--nodes`` / ``--gpus-per-node``, a ``cluster.num_nodes`` / ``cluster.gpus_per_node`` override sizes
-the job (a recipe's declared size, given on the command line).
+Without ``--nodes`` / ``--gpus-per-node``, the run config's ``cluster.num_nodes`` / ``cluster.gpus_per_node``
+(the size the recipe declares, or a ``cluster.*`` override) sizes the sbatch job.
 
-Degrees given as integer overrides are checked against the processes about to start before anything runs.
-Errors print one line naming the setting and the fix, and exit with status 2.
+Before anything runs, the overrides are composed into the trainer's run config (the same composition
+``usp.train`` does, so an unknown recipe, a misspelled key or a missing ``model.path`` is reported here), and
+the composed degrees (``parallel.*``, from the recipe or the command line) are checked against the processes
+about to start. Errors print a message naming the setting and the fix, and exit with status 2.
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from usp.config import TrainConfig
 from usp.launch import commands
-from usp.launch.overrides import check_degrees, find_override, validate_override_syntax
+from usp.launch.overrides import check_degree_values, check_degrees, find_override, validate_override_syntax
 
 MODES = ("local", "torchrun", "slurm")
 SLURM_ONLY = ("partition", "time", "account", "job_name", "gres", "submit", "script")
-DEFAULT_GPUS_PER_NODE = 8
 
 
 class LaunchError(ValueError):
@@ -53,10 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("mode", choices=MODES, help="local: one process; torchrun: one node; slurm: several nodes")
     p.add_argument(
         "--nproc-per-node", "--gpus-per-node", dest="nproc_per_node", type=int, default=None, metavar="N",
-        help="processes (GPUs) per node; torchrun default: GPUs listed by nvidia-smi; slurm default: the "
-        f"cluster.gpus_per_node override, else the allocation's SLURM_GPUS_ON_NODE, else {DEFAULT_GPUS_PER_NODE}",
+        help="processes (GPUs) per node; torchrun default: GPUs listed by nvidia-smi (or CUDA_VISIBLE_DEVICES); "
+        "slurm default: a cluster.gpus_per_node override, else the allocation's SLURM_GPUS_ON_NODE, else the "
+        "run config's cluster.gpus_per_node (the recipe's)",
     )  # fmt: skip
-    p.add_argument("--nodes", type=int, default=None, help="slurm: number of nodes (default: a cluster.num_nodes override, else the allocation's SLURM_NNODES, else 1)")
+    p.add_argument("--nodes", type=int, default=None, help="slurm: number of nodes (default: a cluster.num_nodes override, else the allocation's SLURM_NNODES, else the run config's cluster.num_nodes, the recipe's)")
     p.add_argument("--partition", help="slurm: sbatch --partition")
     p.add_argument("--time", help="slurm: sbatch --time (e.g. 04:00:00)")
     p.add_argument("--account", help="slurm: sbatch --account")
@@ -95,6 +98,61 @@ def _flag_or_cluster(value: int | None, flag: str, overrides: list[str], key: st
     return int(raw)
 
 
+def _one_line_hydra_error(exc: Exception) -> str:
+    """Hydra's composition error on one line: no config search path, its list of valid options comma-separated."""
+    parts: list[str] = []
+    options: list[str] = []
+    for raw in str(exc).split("Config search path:", 1)[0].strip().splitlines():
+        if raw.startswith("\t"):  # Hydra lists the options of a group one per tab-indented line
+            options.append(raw.strip())
+            continue
+        match = re.fullmatch(r"Available options in '([^']+)':", raw.strip())
+        if raw.strip():
+            parts.append(f"- valid {match.group(1)} options:" if match else raw.strip())
+    if options:
+        parts.append(", ".join(options))
+    cause = exc.__cause__
+    if cause is not None and str(cause).strip() and str(cause).strip() not in str(exc):
+        parts.append(f"({str(cause).strip().splitlines()[0]})")
+    return " ".join(parts)
+
+
+def compose_run_config(overrides: Sequence[str]) -> TrainConfig:
+    """The trainer's run config for ``overrides``, composed as ``usp.train`` will compose it.
+
+    Raises:
+        LaunchError: for an unknown recipe or group option (listing the valid ones), a key the config does
+            not have, a value of the wrong type, or a required setting left unset (``???``).
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from usp.train.__main__ import compose_config
+
+    try:
+        return compose_config(list(overrides))
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise LaunchError(f"the overrides do not compose into a run config: {_one_line_hydra_error(exc)}") from exc
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from exc
+
+
+def config_degrees(cfg: TrainConfig) -> list[str]:
+    """The composed config's layout settings as overrides, for :func:`check_degrees` (recipe values included)."""
+    p = cfg.parallel
+    words = [f"parallel.ulysses_degree={p.ulysses_degree}", f"parallel.ring_degree={p.ring_degree}",
+             f"parallel.dp_degree={p.dp_degree}", f"parallel.allow_cross_node_ulysses={str(p.allow_cross_node_ulysses).lower()}"]  # fmt: skip
+    if p.node_size is not None:
+        words.append(f"parallel.node_size={p.node_size}")
+    return words
+
+
+def _check(overrides: Sequence[str], cfg: TrainConfig, *, nodes: int, nproc_per_node: int) -> None:
+    """The command line's degrees first (its own words in the message), then the composed config's."""
+    check_degrees(overrides, nodes=nodes, nproc_per_node=nproc_per_node)
+    check_degrees(config_degrees(cfg), nodes=nodes, nproc_per_node=nproc_per_node)
+
+
 def plan_command(args: argparse.Namespace, overrides: list[str], env: dict[str, str]) -> list[str]:
     """The command ``args`` asks for, after every check. Raises LaunchError (or ValueError) on bad input."""
     _positive(args.nproc_per_node, "--nproc-per-node")
@@ -115,6 +173,8 @@ def plan_command(args: argparse.Namespace, overrides: list[str], env: dict[str, 
         raise LaunchError("--cpu applies to local and torchrun; SLURM runs use GPUs (drop --cpu).")
     if args.cpu:
         overrides = commands.with_defaults(overrides, commands.cpu_defaults())
+    check_degree_values(overrides)
+    cfg = compose_run_config(overrides)
 
     if args.mode == "local":
         if args.nproc_per_node not in (None, 1):
@@ -122,7 +182,7 @@ def plan_command(args: argparse.Namespace, overrides: list[str], env: dict[str, 
                 f"--nproc-per-node={args.nproc_per_node}: `local` runs one process. "
                 f"Use `usp-launch torchrun --nproc-per-node {args.nproc_per_node}` for several."
             )
-        check_degrees(overrides, nodes=1, nproc_per_node=1)
+        _check(overrides, cfg, nodes=1, nproc_per_node=1)
         return commands.local_command(overrides, python=sys.executable)
 
     if args.mode == "torchrun":
@@ -136,17 +196,17 @@ def plan_command(args: argparse.Namespace, overrides: list[str], env: dict[str, 
                     "no GPUs found (nvidia-smi lists none): pass --nproc-per-node N, "
                     "or --cpu --nproc-per-node N for CPU processes on gloo."
                 )
-        check_degrees(overrides, nodes=1, nproc_per_node=nproc)
+        _check(overrides, cfg, nodes=1, nproc_per_node=nproc)
         return commands.torchrun_command(overrides, nproc_per_node=nproc)
 
     job_id = env.get("SLURM_JOB_ID")
     if job_id and not args.submit:
-        return _srun_in_allocation(args, overrides, env, job_id)
-    return _sbatch(args, overrides)
+        return _srun_in_allocation(args, overrides, cfg, env, job_id)
+    return _sbatch(args, overrides, cfg)
 
 
 def _srun_in_allocation(
-    args: argparse.Namespace, overrides: list[str], env: dict[str, str], job_id: str
+    args: argparse.Namespace, overrides: list[str], cfg: TrainConfig, env: dict[str, str], job_id: str
 ) -> list[str]:
     sbatch_only = [f"--{n.replace('_', '-')}" for n in ("partition", "time", "account", "job_name", "gres", "script")
                    if getattr(args, n) not in (None, False)]  # fmt: skip
@@ -175,18 +235,19 @@ def _srun_in_allocation(
             f"SLURM job {job_id} shows no GPUs (SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE unset): "
             f"pass --gpus-per-node N, or allocate with --gpus-per-node=N."
         )
-    check_degrees(overrides, nodes=nodes, nproc_per_node=nproc)
+    _check(overrides, cfg, nodes=nodes, nproc_per_node=nproc)
     head = commands.first_hostname(env.get("SLURM_JOB_NODELIST", ""), shutil.which("scontrol"))
     return commands.srun_command(
         commands.slurm_overrides(overrides, job_id), nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head
     )
 
 
-def _sbatch(args: argparse.Namespace, overrides: list[str]) -> list[str]:
-    nodes = _flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes") or 1
+def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig) -> list[str]:
+    """sbatch for the flags' size, else the run config's declared ``cluster.num_nodes x cluster.gpus_per_node``."""
+    nodes = _flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes") or cfg.cluster.num_nodes
     gpus = _flag_or_cluster(args.nproc_per_node, "--gpus-per-node", overrides, "cluster.gpus_per_node")
-    gpus = gpus or DEFAULT_GPUS_PER_NODE
-    check_degrees(overrides, nodes=nodes, nproc_per_node=gpus)
+    gpus = gpus or cfg.cluster.gpus_per_node
+    _check(overrides, cfg, nodes=nodes, nproc_per_node=gpus)
     script = Path(args.script) if args.script else commands.default_sbatch_script()
     if not script.is_file():
         raise LaunchError(f"--script {script}: no such file. Pass --script PATH to your copy of slurm.sbatch.")

@@ -1,8 +1,9 @@
 """Hydra override strings as the launcher sees them: plain ``key=value`` parsing and the degree checks.
 
-The launcher does not compose the config (a recipe may set the degrees in YAML, and composition belongs to the
-entry point). It only reads what is on its own command line, so that the most common mistake, degrees that do
-not fit the processes about to be launched, is reported before anything is started or queued.
+The checks take overrides, so that a mistake on the command line is reported in the user's own words; the
+launcher also runs them on the composed config's degrees (``usp.launch.cli.config_degrees``), so degrees a
+recipe sets are checked too. Either way the most common mistake, degrees that do not fit the processes about
+to be launched, is reported before anything is started or queued.
 """
 
 from __future__ import annotations
@@ -72,6 +73,19 @@ def _degree(overrides: Sequence[str], key: str) -> int | None:
         )
         raise ValueError(f"{key}={raw} is invalid: use {allowed}.")
     return value
+
+
+DEGREE_KEYS = ("parallel.ulysses_degree", "parallel.ring_degree", "parallel.dp_degree", "parallel.node_size")
+
+
+def check_degree_values(overrides: Sequence[str]) -> None:
+    """Each degree the command line sets is an integer >= 1 (``auto`` for ulysses/ring, -1 for dp).
+
+    Raises:
+        ValueError: naming the setting and the values it accepts.
+    """
+    for key in DEGREE_KEYS:
+        _degree(overrides, key)
 
 
 def check_degrees(overrides: Sequence[str], *, nodes: int, nproc_per_node: int) -> None:
