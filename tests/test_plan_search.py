@@ -319,3 +319,19 @@ def test_inference_that_does_not_fit(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "does not fit 8 x a100-40g" in err and "more GPUs" in err
+
+
+def test_auto_degrees_keeps_what_the_user_fixed():
+    free = auto_degrees(TINY, seq_len=256, world_size=4, node_size=2, gpu="cpu")
+    other_u = 1 if free["ulysses_degree"] != 1 else 2
+    for fixed in ({"ulysses_degree": other_u}, {"ring_degree": 4 // other_u}):
+        out = auto_degrees(TINY, seq_len=256, world_size=4, node_size=2, gpu="cpu", **fixed)
+        assert all(out[k] == v for k, v in fixed.items()), (fixed, out)
+        assert out["ulysses_degree"] * out["ring_degree"] * out["dp_degree"] == 4
+        assert "fixed" in out["reason"]
+    modes = auto_degrees(TINY, seq_len=256, world_size=4, node_size=2, gpu="cpu",
+                         fsdp_mode="hybrid_shard", activation_checkpointing="every_k", ac_every_k=1)  # fmt: skip
+    assert (modes["fsdp_mode"], modes["activation_checkpointing"], modes["ac_every_k"]) == ("hybrid_shard", "every_k", 1)
+    f32 = auto_degrees(TINY, seq_len=256, world_size=4, node_size=2, gpu="cpu", compute_bytes=4,
+                       ring_layout="contiguous", ulysses_degree=1)  # fmt: skip
+    assert f32["ulysses_degree"] == 1 and f32["ring_degree"] * f32["dp_degree"] == 4

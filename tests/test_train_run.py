@@ -250,3 +250,21 @@ def test_run_passes_timeout_minutes(monkeypatch, tmp_path):
     cfg.parallel.timeout_minutes = 123
     assert trainer.run(cfg) == {"ok": True}
     assert seen["timeout_minutes"] == 123
+
+
+def test_auto_for_one_degree_keeps_the_users_other_settings(setup, tmp_path):
+    """ulysses_degree=2 ring_degree=auto: the planner keeps u=2 and the non-default fsdp / checkpointing modes
+    (unconstrained, it picks u1 r1 dp4 full_shard none for this model)."""
+    from usp.model import check_model_dir
+    from usp.train.trainer import resolve_layout
+
+    cfg = make_config(setup["model"], str(tmp_path), setup["cache"], ulysses_degree=2, ring_degree="auto",
+                      fsdp_mode="hybrid_shard", activation_checkpointing="every_k", ac_every_k=1, node_size=2)  # fmt: skip
+    layout = resolve_layout(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
+    assert layout.ulysses_degree == 2 and layout.ring_degree * layout.dp_degree == 2
+    assert (layout.fsdp_mode, layout.activation_checkpointing, layout.ac_every_k) == ("hybrid_shard", "every_k", 1)
+    assert layout.reason.startswith("planner:") and "fixed" in layout.reason
+    cfg.parallel.ulysses_degree, cfg.parallel.ring_degree = "auto", 2
+    cfg.parallel.fsdp_mode, cfg.parallel.activation_checkpointing = "full_shard", "none"  # defaults: planner's
+    layout = resolve_layout(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
+    assert layout.ring_degree == 2 and layout.ulysses_degree * layout.dp_degree == 2

@@ -206,13 +206,23 @@ def enumerate_layouts(
     loss_chunk_size: int = 4096,
     overhead_frac: float = 0.08,
     compute_bytes: int = 2,
+    fsdp_modes: tuple[str, ...] | None = None,
+    ac_every_k: int | None = None,
 ) -> tuple[list[LayoutEstimate], list[str]]:
-    """Every valid candidate, fitting or not, and the reasons the others were rejected before costing."""
+    """Every valid candidate, fitting or not, and the reasons the others were rejected before costing.
+
+    ``fsdp_modes`` / ``ac_modes`` restrict the FSDP and checkpointing modes tried (default: all;
+    ``hybrid_shard`` only across nodes); ``ac_every_k`` replaces the ``every_k`` candidate's k."""
     rejected: list[str] = []
     out: list[LayoutEstimate] = []
     nodes = world_size // node_size
-    fsdp_modes = ("full_shard", "hybrid_shard") if nodes > 1 else ("full_shard",)
-    acs = [(m, k) for m, k in AC_CANDIDATES if ac_modes is None or m in ac_modes]
+    if fsdp_modes is None:
+        fsdp_modes = ("full_shard", "hybrid_shard") if nodes > 1 else ("full_shard",)
+    acs = [
+        (m, k if ac_every_k is None or m != "every_k" else ac_every_k)
+        for m, k in AC_CANDIDATES
+        if ac_modes is None or m in ac_modes
+    ]
     for U in _divisors(world_size) if ulysses_degree is None else [ulysses_degree]:
         for R in _divisors(world_size // U) if ring_degree is None else [ring_degree]:
             tag = f"ulysses={U} ring={R}"
@@ -303,6 +313,8 @@ def plan_layouts(
     loss_chunk_size: int = 4096,
     overhead_frac: float = 0.08,
     compute_bytes: int = 2,
+    fsdp_modes: tuple[str, ...] | None = None,
+    ac_every_k: int | None = None,
 ) -> list[LayoutEstimate]:
     """Layouts that fit, fastest first (:func:`rank_layouts`: within 2% throughput, less memory first).
 
@@ -325,6 +337,10 @@ def plan_layouts(
         overhead_frac=overhead_frac,
         compute_bytes=compute_bytes,
     )
+    if fsdp_modes is not None:  # only when given: the no-fit advice re-searches with these keywords
+        kw["fsdp_modes"] = fsdp_modes
+    if ac_every_k is not None:
+        kw["ac_every_k"] = ac_every_k
     candidates, rejected = enumerate_layouts(model, device, **kw)
     fitting = [c for c in candidates if c.fits]
     if fitting:
@@ -342,13 +358,25 @@ def auto_degrees(
     node_size: int,
     gpu: str | None = None,
     memory_gib: float | None = None,
+    ulysses_degree: int | None = None,
+    ring_degree: int | None = None,
+    fsdp_mode: str | None = None,
+    activation_checkpointing: str | None = None,
+    ac_every_k: int | None = None,
+    compute_bytes: int = 2,
+    ring_layout: str = "zigzag",
+    loss_chunk_size: int = 4096,
 ) -> dict[str, Any]:
-    """The planner's choice for ``parallel.ulysses_degree=auto parallel.ring_degree=auto``.
+    """The planner's choice for ``parallel.ulysses_degree=auto`` and/or ``parallel.ring_degree=auto``.
 
     ``model_config`` is an HF config dict; ``gpu`` a name from :data:`usp.plan.hardware.GPUS` (default
-    ``h100-80g``; ``cpu`` for CPU runs); ``memory_gib`` overrides the device memory. Returns
-    ``{"ulysses_degree", "ring_degree", "dp_degree", "fsdp_mode", "activation_checkpointing", "reason"}``
-    (plus ``ac_every_k`` when checkpointing is ``every_k``). Raises ``ValueError`` when nothing fits.
+    ``h100-80g``; ``cpu`` for CPU runs); ``memory_gib`` overrides the device memory. The optional keywords are
+    constraints the user fixed: a degree (``ulysses_degree=4`` with ``ring_degree`` left to the planner), the
+    FSDP mode, the checkpointing mode (and its ``ac_every_k``); ``None`` lets the planner choose.
+    ``compute_bytes`` (2 for bf16/fp16 ``model.dtype``, 4 for float32), ``ring_layout`` and ``loss_chunk_size``
+    describe the run for the cost model. Returns ``{"ulysses_degree", "ring_degree", "dp_degree", "fsdp_mode",
+    "activation_checkpointing", "reason"}`` (plus ``ac_every_k`` when checkpointing is ``every_k``). Raises
+    ``ValueError`` when nothing fits.
     """
     from usp.plan.hardware import get_device
     from usp.plan.models import load_model_spec
@@ -356,11 +384,25 @@ def auto_degrees(
     model = load_model_spec(model_config)
     device = get_device(gpu or "h100-80g", memory_gib=memory_gib)
     node = min(node_size, world_size)
-    layouts = plan_layouts(model, device, seq_len=seq_len, world_size=world_size, node_size=node)
+    layouts = plan_layouts(
+        model, device, seq_len=seq_len, world_size=world_size, node_size=node, ring_layout=ring_layout,
+        ulysses_degree=ulysses_degree, ring_degree=ring_degree,
+        ac_modes=None if activation_checkpointing is None else (activation_checkpointing,),
+        fsdp_modes=None if fsdp_mode is None else (fsdp_mode,), ac_every_k=ac_every_k,
+        loss_chunk_size=loss_chunk_size, compute_bytes=compute_bytes,
+    )  # fmt: skip
     best = layouts[0]
+    fixed = {
+        k: v
+        for k, v in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree), ("fsdp_mode", fsdp_mode),
+                     ("activation_checkpointing", activation_checkpointing))
+        if v is not None
+    }  # fmt: skip
     reason = (
         f"fastest of {len(layouts)} layouts that fit {device.name} ({device.memory_gib:g} GiB) at seq_len={seq_len} "
-        f"on {world_size} ranks ({node} per node): predicted {best.mem_gib_per_gpu:.2f} GiB/rank, "
+        f"on {world_size} ranks ({node} per node)"
+        + (f" with {', '.join(f'{k}={v}' for k, v in fixed.items())} fixed" if fixed else "")
+        + f": predicted {best.mem_gib_per_gpu:.2f} GiB/rank, "
         f"{best.step_time_s:.3g} s/step, {best.tokens_per_s_per_gpu:.4g} tokens/s/rank"
     )
     out: dict[str, Any] = {

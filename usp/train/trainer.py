@@ -130,8 +130,35 @@ def _node_size(cfg: TrainConfig, world_size: int) -> int:
     return int(env) if env else world_size
 
 
+def _planner_constraints(cfg: TrainConfig) -> dict[str, Any]:
+    """What the user fixed for :func:`usp.plan.auto_degrees`: a degree that is not ``auto``; ``fsdp_mode`` and
+    ``activation_checkpointing`` when they differ from their defaults (``full_shard``, ``none``: at the default
+    the planner chooses); the compute dtype, ring layout and loss chunk of the run."""
+    p, defaults = cfg.parallel, type(cfg.parallel)()
+    out: dict[str, Any] = {
+        "compute_bytes": 4 if cfg.model.dtype == "float32" else 2,
+        "ring_layout": p.ring_layout,
+        "loss_chunk_size": cfg.trainer.loss_chunk_size,
+    }
+    for name in ("ulysses_degree", "ring_degree"):
+        value = getattr(p, name)
+        if value != "auto":
+            out[name] = int(value)
+    if p.fsdp_mode != defaults.fsdp_mode:
+        out["fsdp_mode"] = p.fsdp_mode
+    if p.activation_checkpointing != defaults.activation_checkpointing:
+        out["activation_checkpointing"] = p.activation_checkpointing
+        out["ac_every_k"] = p.ac_every_k
+    return out
+
+
 def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device: torch.device) -> Layout:
-    """Explicit degrees, or ``auto`` -> :func:`usp.plan.auto_degrees` (both degrees then come from it)."""
+    """Explicit degrees, or ``auto`` -> :func:`usp.plan.auto_degrees`.
+
+    With ``auto`` the planner keeps what the user fixed (:func:`_planner_constraints`): the other degree when
+    only one is ``auto``, and ``fsdp_mode`` / ``activation_checkpointing`` unless they are at their defaults
+    (``full_shard`` / ``none``), which leave the choice to the planner.
+    """
     p = cfg.parallel
     node_size = _node_size(cfg, world_size)
     if "auto" in (p.ulysses_degree, p.ring_degree):
@@ -140,7 +167,7 @@ def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device:
         gpu = cfg.cluster.gpu if device.type == "cuda" else "cpu"
         plan = auto_degrees(
             model_config.to_dict(), seq_len=cfg.trainer.seq_len, world_size=world_size, node_size=node_size,
-            gpu=gpu, memory_gib=cfg.cluster.memory_gib,
+            gpu=gpu, memory_gib=cfg.cluster.memory_gib, **_planner_constraints(cfg),
         )  # fmt: skip
         return Layout(
             ulysses_degree=int(plan["ulysses_degree"]),
