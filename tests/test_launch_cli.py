@@ -152,7 +152,7 @@ def test_srun_inside_allocation(capsys, monkeypatch):
     assert out == (
         "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes 2 --nproc-per-node 8 "
         "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 -m usp.train "
-        "hydra.run.dir=outputs/slurm-4242 recipe=llama31_8b_128k parallel.ulysses_degree=8 parallel.ring_degree=2 "
+        "recipe=llama31_8b_128k parallel.ulysses_degree=8 parallel.ring_degree=2 "
         f"{' '.join(USER)}\n"
     )
 
@@ -165,6 +165,29 @@ def test_srun_keeps_given_run_dir_and_reads_gpus_per_node(capsys, monkeypatch):
         "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 -m usp.train "
         "hydra.run.dir=outputs/slurm-4000 trainer.resume=auto\n"
     )
+
+
+@pytest.mark.parametrize("allocated", [False, True], ids=["sbatch", "srun"])
+def test_slurm_adds_no_run_dir_so_a_pinned_recipe_keeps_its_own(capsys, monkeypatch, allocated):
+    """The staged llama2_7b_rope_* recipes chain through their pinned run dirs (outputs/<stage>/hf)."""
+    if allocated:
+        _allocation(monkeypatch, SLURM_GPUS_ON_NODE="8", SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu007")
+    out = dry_run(capsys, "slurm", "recipe=llama2_7b_rope_32k", *USER)
+    assert "hydra.run.dir" not in out
+    assert out.endswith(f"-m usp.train recipe=llama2_7b_rope_32k {' '.join(USER)}\n") or out.endswith(
+        f"--nproc-per-node 8 recipe=llama2_7b_rope_32k {' '.join(USER)}\n"
+    )
+
+
+def test_default_run_dir_under_the_slurm_launchers_is_the_job_ids(monkeypatch):
+    """Without hydra.run.dir the entry point names the run dir after an id every rank shares: the sbatch's
+    torchrun uses --rdzv-id $SLURM_JOB_ID, so torchrun's TORCHELASTIC_RUN_ID and SLURM_JOB_ID are the same."""
+    from usp.train.__main__ import _run_id
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4242")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert "4242" in _run_id()
 
 
 def test_submit_inside_allocation_uses_sbatch(capsys, monkeypatch):
@@ -329,11 +352,10 @@ def test_module_entry_out_of_process(monkeypatch):
 
 
 def test_launcher_overrides_are_valid_run_config_keys(tmp_path):
-    """What the launchers add (--cpu pinning, the SLURM run dir) composes into the trainer's typed config."""
+    """What the launchers add (--cpu pinning) composes into the trainer's typed config."""
     from usp.train.__main__ import compose_config
 
-    overrides = commands.slurm_overrides(commands.with_defaults(["recipe=tiny"], commands.cpu_defaults()), "4242")
-    assert overrides == ["hydra.run.dir=outputs/slurm-4242", "trainer.device=cpu", "parallel.backend=gloo",
-                         "recipe=tiny"]  # fmt: skip
+    overrides = commands.with_defaults(["recipe=tiny"], commands.cpu_defaults())
+    assert overrides == ["trainer.device=cpu", "parallel.backend=gloo", "recipe=tiny"]
     cfg = compose_config(overrides, run_dir=str(tmp_path))
     assert (cfg.trainer.device, cfg.parallel.backend) == ("cpu", "gloo")

@@ -89,14 +89,12 @@ def test_sbatch_script_runs_the_srun_command_usp_launch_prints(stubs, tmp_path):
     overrides = ["recipe=llama31_8b_128k", "parallel.ulysses_degree=8", "parallel.ring_degree=2"]
     result = run_script(SLURM_SBATCH, overrides, stubs, tmp_path, SLURM_GPUS_ON_NODE="8", **SLURM_ENV)
     assert result.returncode == 0, result.stderr
-    expected = commands.srun_command(
-        commands.slurm_overrides(overrides, "4242"), nodes=2, nproc_per_node=8, job_id="4242", head="gpu007"
-    )
+    expected = commands.srun_command(overrides, nodes=2, nproc_per_node=8, job_id="4242", head="gpu007")
     assert stubs.calls("srun") == [expected[1:]]
     assert expected[1:] == [
         "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
         "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--rdzv-id", "4242", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "gpu007:24242", "-m", "usp.train", "hydra.run.dir=outputs/slurm-4242", *overrides,
+        "--rdzv-endpoint", "gpu007:24242", "-m", "usp.train", *overrides,
     ]  # fmt: skip
     assert stubs.calls("scontrol") == [["show", "hostnames", "gpu[007-008]"]]
 
@@ -108,6 +106,16 @@ def test_sbatch_script_nproc_option_and_given_run_dir(stubs, tmp_path):
     [call] = stubs.calls("srun")
     assert call[call.index("--nproc-per-node") + 1] == "4"
     assert call[call.index("usp.train") + 1 :] == ["++hydra.run.dir=outputs/slurm-4000", "trainer.resume=auto"]
+
+
+def test_sbatch_script_adds_no_run_dir(stubs, tmp_path):
+    """A recipe that pins hydra.run.dir (the staged llama2_7b_rope_* chain) keeps it under SLURM."""
+    result = run_script(SLURM_SBATCH, ["recipe=llama2_7b_rope_64k"], stubs, tmp_path, SLURM_GPUS_ON_NODE="8",
+                        **SLURM_ENV)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [call] = stubs.calls("srun")
+    assert call[call.index("usp.train") + 1 :] == ["recipe=llama2_7b_rope_64k"]
+    assert call[call.index("--rdzv-id") + 1] == "4242"  # the id the default run dir derives from
 
 
 def test_sbatch_script_reads_gpus_per_node(stubs, tmp_path):

@@ -238,7 +238,7 @@ def _srun_in_allocation(
     _check(overrides, cfg, nodes=nodes, nproc_per_node=nproc)
     head = commands.first_hostname(env.get("SLURM_JOB_NODELIST", ""), shutil.which("scontrol"))
     return commands.srun_command(
-        commands.slurm_overrides(overrides, job_id), nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head
+        overrides, nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head
     )
 
 

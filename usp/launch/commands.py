@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from usp.launch.overrides import RUN_DIR_KEY, has_override
+from usp.launch.overrides import has_override
 
 TRAIN_MODULE = "usp.train"
 """The entry point every launcher runs with ``-m``."""
@@ -33,11 +33,6 @@ def with_defaults(overrides: Sequence[str], defaults: Sequence[tuple[str, str]])
 def cpu_defaults() -> list[tuple[str, str]]:
     """Overrides that pin a run to CPU processes talking over gloo (the ``tiny`` recipe, laptops, CI)."""
     return [("trainer.device", "cpu"), ("parallel.backend", "gloo")]
-
-
-def slurm_run_dir(job_id: str) -> str:
-    """The Hydra run dir of a SLURM job: derived from the job id, so every rank on every node agrees on it."""
-    return f"outputs/slurm-{job_id}"
 
 
 def rdzv_port(job_id: str) -> int:
@@ -100,7 +95,8 @@ def srun_command(
     """Inside a SLURM allocation: one torchrun agent per node, c10d rendezvous on ``head``.
 
     ``--kill-on-bad-exit=1`` ends every node's agent when one fails, instead of leaving the others waiting in
-    a collective until the NCCL timeout.
+    a collective until the NCCL timeout. The overrides pass unchanged (no ``hydra.run.dir`` is added): the
+    rendezvous id is the job id, so the entry point's default run dir is one that every rank agrees on.
     """
     return [
         "srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
@@ -113,11 +109,6 @@ def srun_command(
         "-m", TRAIN_MODULE,
         *overrides,
     ]  # fmt: skip
-
-
-def slurm_overrides(overrides: Sequence[str], job_id: str) -> list[str]:
-    """The user's overrides plus the job's run dir (unless ``hydra.run.dir`` is given)."""
-    return with_defaults(overrides, [(RUN_DIR_KEY, slurm_run_dir(job_id))])
 
 
 def sbatch_command(
@@ -135,8 +126,9 @@ def sbatch_command(
     """Submit ``script`` (``launch/slurm.sbatch``) for ``nodes`` nodes of ``gpus_per_node`` GPUs.
 
     GPUs are requested with ``--gpus-per-node=N``, or ``--gres=gpu:N`` when ``gres`` (older or gres-only
-    clusters). The script receives ``--nproc-per-node N`` and the overrides; it adds ``hydra.run.dir`` from the
-    job id itself, since the id is only known once the job starts.
+    clusters). The script receives ``--nproc-per-node N`` and the overrides unchanged: it adds no
+    ``hydra.run.dir``, so a recipe that pins its run dir keeps it, and otherwise the entry point's default run
+    dir (``outputs/${usp_run_id:}``) derives from the job's ids, the same on every rank.
     """
     cmd = ["sbatch", f"--nodes={nodes}", "--ntasks-per-node=1"]
     cmd.append(f"--gres=gpu:{gpus_per_node}" if gres else f"--gpus-per-node={gpus_per_node}")
