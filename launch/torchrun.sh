@@ -3,7 +3,7 @@
 #
 #   launch/torchrun.sh [--nproc-per-node N] [--cpu] [--] [hydra overrides...]
 #
-#   launch/torchrun.sh recipe=llama2_7b_rope_32k                     # one process per GPU nvidia-smi lists
+#   launch/torchrun.sh recipe=llama2_7b_rope_32k ...                 # one process per visible GPU
 #   launch/torchrun.sh --nproc-per-node 4 recipe=llama2_7b_rope_32k  # 4 GPUs (pick them with CUDA_VISIBLE_DEVICES)
 #   launch/torchrun.sh --cpu --nproc-per-node 4 recipe=tiny         # 4 CPU processes on gloo
 #
@@ -49,6 +49,23 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
+# CUDA_VISIBLE_DEVICES (when set and non-empty) restricts the GPUs a process sees: count its entries, up to
+# the first negative one as CUDA does, and never more than nvidia-smi lists.
+visible_gpus() {
+  local listed="$1" visible=0 cvd="${CUDA_VISIBLE_DEVICES:-}" id ids
+  [[ -n "${cvd// /}" ]] || {
+    echo "$listed"
+    return
+  }
+  IFS=',' read -ra ids <<< "$cvd"
+  for id in "${ids[@]}"; do
+    id="${id// /}"
+    [[ "$id" == -* ]] && break
+    [[ -n "$id" ]] && visible=$((visible + 1))
+  done
+  echo $((visible < listed ? visible : listed))
+}
+
 if [[ -n "$nproc" ]] && ! [[ "$nproc" =~ ^[1-9][0-9]*$ ]]; then
   die "--nproc-per-node=$nproc is invalid: use an integer >= 1."
 fi
@@ -60,8 +77,9 @@ if [[ -z "$nproc" ]]; then
   if command -v nvidia-smi > /dev/null 2>&1; then
     gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ' || true)
   fi
+  gpus=$(visible_gpus "$gpus")
   if [[ "$gpus" -lt 1 ]]; then
-    die "no GPUs found (nvidia-smi lists none): pass --nproc-per-node N, or --cpu --nproc-per-node N for CPU processes on gloo."
+    die "no GPUs found (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES:-}' hides them): pass --nproc-per-node N, or --cpu --nproc-per-node N for CPU processes on gloo."
   fi
   nproc="$gpus"
 fi

@@ -162,6 +162,49 @@ def test_torchrun_script_counts_gpus(stubs, tmp_path):
     ]
 
 
+EIGHT_GPUS = "".join(f"GPU {i}: NVIDIA H100 (UUID: g{i})\n" for i in range(8))
+
+
+@pytest.mark.parametrize(
+    ("visible", "nproc"),
+    [("0,1,2,3", "4"), ("GPU-a, GPU-b", "2"), ("", "8"), ("5,-1,6", "1"), ("0,1,2,3,4,5,6,7,8,9", "8")],
+)
+def test_torchrun_script_counts_only_visible_gpus(stubs, tmp_path, visible, nproc):
+    """CUDA_VISIBLE_DEVICES=0,1,2,3 on an 8-GPU machine starts 4 ranks, not 8 (empty: no restriction)."""
+    stubs.add("nvidia-smi", EIGHT_GPUS)
+    result = run_script(TORCHRUN_SH, ["recipe=x"], stubs, tmp_path, CUDA_VISIBLE_DEVICES=visible)
+    assert result.returncode == 0, result.stderr
+    [call] = stubs.calls("torchrun")
+    assert call[call.index("--nproc-per-node") + 1] == nproc
+
+
+def test_torchrun_script_all_gpus_hidden(stubs, tmp_path):
+    stubs.add("nvidia-smi", EIGHT_GPUS)
+    result = run_script(TORCHRUN_SH, ["recipe=x"], stubs, tmp_path, CUDA_VISIBLE_DEVICES="-1")
+    assert result.returncode == 2
+    assert "CUDA_VISIBLE_DEVICES='-1' hides them" in result.stderr
+    assert stubs.calls("torchrun") == []
+
+
+def test_sbatch_script_nvidia_smi_fallback_counts_visible_gpus(stubs, tmp_path):
+    stubs.add("nvidia-smi", EIGHT_GPUS)
+    result = run_script(SLURM_SBATCH, ["recipe=x"], stubs, tmp_path, CUDA_VISIBLE_DEVICES="2,3", **SLURM_ENV)
+    assert result.returncode == 0, result.stderr
+    [call] = stubs.calls("srun")
+    assert call[call.index("--nproc-per-node") + 1] == "2"
+
+
+def test_usp_launch_counts_only_visible_gpus(stubs, monkeypatch):
+    """usp-launch's count agrees with torchrun.sh's, against the same nvidia-smi stub."""
+    stubs.add("nvidia-smi", EIGHT_GPUS)
+    monkeypatch.setenv("PATH", f"{stubs.bin}:/usr/bin:/bin")
+    assert commands.count_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == 4
+    assert commands.count_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 8
+    assert commands.count_gpus({}) == 8
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    assert commands.count_gpus() == 2
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

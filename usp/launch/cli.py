@@ -193,7 +193,7 @@ def plan_command(args: argparse.Namespace, overrides: list[str], env: dict[str, 
             nproc = commands.count_gpus()
             if nproc == 0:
                 raise LaunchError(
-                    "no GPUs found (nvidia-smi lists none): pass --nproc-per-node N, "
+                    "no GPUs found (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them): pass --nproc-per-node N, "
                     "or --cpu --nproc-per-node N for CPU processes on gloo."
                 )
         _check(overrides, cfg, nodes=1, nproc_per_node=nproc)

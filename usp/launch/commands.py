@@ -9,10 +9,11 @@ a c10d rendezvous hosted on the first node of the allocation.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from usp.launch.overrides import has_override
@@ -152,8 +153,26 @@ def display_path(path: Path, cwd: Path) -> str:
         return str(path.resolve())
 
 
-def count_gpus() -> int:
-    """GPUs on this machine as ``nvidia-smi -L`` lists them; 0 without nvidia-smi or a working driver."""
+def visible_devices(value: str | None) -> int | None:
+    """How many devices ``CUDA_VISIBLE_DEVICES=value`` exposes; None when unset or empty (no restriction).
+
+    Entries are comma-separated indices or UUIDs; like CUDA, the list ends at a negative entry (``-1``).
+    """
+    if not value or not value.strip():
+        return None
+    count = 0
+    for entry in value.split(","):
+        entry = entry.strip()
+        if entry.startswith("-"):
+            break
+        count += bool(entry)
+    return count
+
+
+def count_gpus(env: Mapping[str, str] | None = None) -> int:
+    """GPUs this machine's processes can use: those ``nvidia-smi -L`` lists, restricted to
+    ``CUDA_VISIBLE_DEVICES`` when it is set and non-empty; 0 without nvidia-smi or a working driver."""
+    env = os.environ if env is None else env
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return 0
@@ -161,4 +180,6 @@ def count_gpus() -> int:
         out = subprocess.run([smi, "-L"], check=True, capture_output=True, text=True, timeout=30).stdout
     except (subprocess.SubprocessError, OSError):
         return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    listed = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    visible = visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
+    return listed if visible is None else min(listed, visible)
