@@ -156,6 +156,18 @@ def test_run_id_is_shared_by_all_ranks_or_refused(monkeypatch):
         _run_id()
 
 
+def test_run_id_prefers_the_rendezvous_id_inside_a_slurm_allocation(monkeypatch):
+    """torchrun --standalone inside salloc: each launch its own run dir (not the shared slurm-<job id>);
+    srun torchrun --rdzv-id $SLURM_JOB_ID keeps slurm-<job id>; no torchrun id -> the job id."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a9c")
+    assert _run_id() == "torchrun-3f2a9c"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4242")
+    assert _run_id() == "slurm-4242"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert _run_id() == "slurm-4242"
+
+
 def test_main_hands_the_typed_config_to_the_trainer(tmp_path, monkeypatch):
     """The Hydra app end to end, with a stand-in trainer: absolute run dir, typed config, .hydra on rank 0."""
     seen: list[TrainConfig] = []

@@ -268,3 +268,35 @@ def test_auto_for_one_degree_keeps_the_users_other_settings(setup, tmp_path):
     cfg.parallel.fsdp_mode, cfg.parallel.activation_checkpointing = "full_shard", "none"  # defaults: planner's
     layout = resolve_layout(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
     assert layout.ring_degree == 2 and layout.ulysses_degree * layout.dp_degree == 2
+
+
+def test_auto_resume_refuses_another_runs_checkpoint(setup, tmp_path):
+    """resume=auto only continues a checkpoint of the same model.path and seq_len (fingerprint in extra)."""
+    from usp.train.checkpoint import save_checkpoint
+    from usp.train.trainer import check_auto_resume, run_fingerprint
+
+    cfg = make_config(setup["model"], str(tmp_path), setup["cache"])
+    root = tmp_path / "checkpoints"
+    assert check_auto_resume(cfg, root) is None  # nothing to resume
+    model = torch.nn.Linear(2, 2)
+    save_checkpoint(root, 3, model=model, optimizer=None, scheduler=None,
+                    extra={"fingerprint": run_fingerprint(cfg)}, keep_last=2)  # fmt: skip
+    assert check_auto_resume(cfg, root) == root / "step_3"
+    longer = make_config(setup["model"], str(tmp_path), setup["cache"])
+    longer.trainer.seq_len = 128
+    with pytest.raises(ValueError, match=r"trainer.resume=auto .*trainer.seq_len 64 there, 128 now.*hydra.run.dir"):
+        check_auto_resume(longer, root)
+    other = make_config(str(tmp_path / "other-model"), str(tmp_path), setup["cache"])
+    with pytest.raises(ValueError, match="model.path"):
+        check_auto_resume(other, root)
+    save_checkpoint(root, 4, model=model, optimizer=None, scheduler=None, extra={}, keep_last=2)
+    assert check_auto_resume(longer, root) == root / "step_4"  # no fingerprint (older checkpoint): accepted
+
+
+def test_checkpoints_carry_the_run_fingerprint(setup, straight):
+    from usp.train.checkpoint import read_saved_extra
+    from usp.train.trainer import run_fingerprint
+
+    cfg = make_config(setup["model"], f"{setup['root']}/straight", setup["cache"])
+    saved = read_saved_extra(Path(setup["root"]) / "straight" / "checkpoints")
+    assert saved["fingerprint"] == run_fingerprint(cfg)

@@ -39,13 +39,20 @@ _MISSING_HINTS: dict[str, str] = {
 
 
 def _run_id() -> str:
-    """A run-dir name every rank computes identically: the SLURM job id (a requeued job keeps it, so it
-    resumes from its own checkpoints), else torchrun's rendezvous id (``--standalone`` makes a fresh one)."""
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    """A run-dir name every rank computes identically.
+
+    torchrun's rendezvous id first: ``srun torchrun --rdzv-id $SLURM_JOB_ID`` (the multi-node launcher) gives
+    ``slurm-<job id>``, so a requeued job resumes from its own checkpoints; ``torchrun --standalone`` makes a
+    fresh id per launch, so separate experiments inside one ``salloc`` never share a run dir (and
+    ``trainer.resume=auto`` never picks up another run). Then the SLURM job id (a launcher-less
+    ``python -m usp.train`` inside a job), else a timestamp (one process only).
+    """
+    job = os.environ.get("SLURM_JOB_ID", "")
     rdzv = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if rdzv and rdzv != "none":
-        return f"torchrun-{rdzv}"
+        return f"slurm-{job}" if rdzv == job else f"torchrun-{rdzv}"
+    if job:
+        return f"slurm-{job}"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(
             "cannot pick a run dir that every rank agrees on (no SLURM_JOB_ID, and torchrun was started "

@@ -313,6 +313,17 @@ def _load_pickle(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def read_saved_extra(path: str | os.PathLike, rank: int = 0) -> dict[str, Any]:
+    """The ``extra`` dict rank ``rank`` saved in the checkpoint at ``path`` (a ``step_<N>`` dir or a root),
+    without touching the model: cheap (one small file), for checks before loading (run fingerprints)."""
+    ckpt = resolve_checkpoint(path)
+    rank_file = ckpt / f"rank_{rank}.pt"
+    if not rank_file.is_file():
+        raise ValueError(f"trainer.resume={str(path)!r}: {rank_file.name} is missing from {ckpt}; the checkpoint "
+                         f"is damaged. Point trainer.resume at another step_<N> directory.")
+    return _load_pickle(rank_file)["extra"]
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,

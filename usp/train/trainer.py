@@ -295,6 +295,43 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# --- resume ---------------------------------------------------------------------------------------------
+def run_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
+    """What identifies a run's checkpoints, stored in each checkpoint's ``extra["fingerprint"]``: the resolved
+    ``model.path`` and ``trainer.seq_len``."""
+    return {"model_path": str(Path(cfg.model.path).resolve()), "seq_len": int(cfg.trainer.seq_len)}
+
+
+def check_auto_resume(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
+    """``trainer.resume=auto``: the latest complete checkpoint under ``ckpt_root`` (or ``None``), refused with
+    ``ValueError`` when it was saved by a run with another ``model.path`` or ``trainer.seq_len``.
+
+    Guards against two experiments sharing a run dir; an explicit ``trainer.resume=PATH`` is not checked (a
+    new stage at a longer ``seq_len`` is legitimate). Checkpoints without a fingerprint (older) pass.
+    """
+    from usp.train.checkpoint import latest_checkpoint, read_saved_extra
+
+    latest = latest_checkpoint(ckpt_root) if ckpt_root.exists() else None
+    if latest is None:
+        return None
+    saved = read_saved_extra(latest).get("fingerprint")
+    if saved is None:
+        return latest
+    now = run_fingerprint(cfg)
+    diffs = [
+        f"{setting} {saved[key]!r} there, {now[key]!r} now"
+        for key, setting in (("model_path", "model.path"), ("seq_len", "trainer.seq_len"))
+        if key in saved and saved[key] != now[key]
+    ]
+    if diffs:
+        raise ValueError(
+            f"trainer.resume=auto found {latest}, saved by another run ({'; '.join(diffs)}). Give this run its "
+            f"own directory (hydra.run.dir=... or trainer.checkpoint_dir=...), set trainer.resume=null to start "
+            f"fresh, or trainer.resume={latest} to continue from it on purpose (e.g. a longer-context stage)."
+        )
+    return latest
+
+
 # --- validation loss ----------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: torch.device) -> float:
@@ -343,7 +380,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from usp.data import build_dataloaders
-    from usp.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from usp.train.checkpoint import load_checkpoint, save_checkpoint
     from usp.train.export import export_hf
     from usp.train.metrics import MetricsLogger, count_dense_params, peak_flops_per_device, training_flops
 
@@ -352,6 +389,12 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     on_every_rank(lambda: _build_tiny_if_asked(cfg, rank), "building the tiny model (model.build_tiny)")
     model_config, layout = on_every_rank(lambda: validate(cfg, world, device), "config validation")
     peak_flops = on_every_rank(lambda: peak_flops_per_device(cfg.cluster, device.type), "cluster settings")
+    ckpt_root = Path(cfg.trainer.checkpoint_dir or run_dir / "checkpoints")
+    resume_from: Path | None = None
+    if cfg.trainer.resume == "auto":
+        resume_from = on_every_rank(lambda: check_auto_resume(cfg, ckpt_root), "trainer.resume=auto")
+    elif cfg.trainer.resume:
+        resume_from = Path(cfg.trainer.resume)
     seed_everything(cfg.trainer.seed)
 
     mesh = init_sp_mesh(
@@ -389,13 +432,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     load_sharded_weights(model, cfg.model.path, device=device, param_device=param_device)
     optimizer, scheduler = build_optimizer(loss_model, cfg.optim, max_steps=cfg.trainer.max_steps)
 
-    ckpt_root = Path(cfg.trainer.checkpoint_dir or run_dir / "checkpoints")
     start_step = 0
-    resume_from = None
-    if cfg.trainer.resume == "auto":
-        resume_from = latest_checkpoint(ckpt_root) if ckpt_root.exists() else None
-    elif cfg.trainer.resume:
-        resume_from = Path(cfg.trainer.resume)
     if resume_from is not None:
         state = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
         start_step = state["step"]
@@ -430,6 +467,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     last_ckpt: Path | None = Path(resume_from) if resume_from is not None else None
     batches = iter(train_loader)
+    fingerprint = run_fingerprint(cfg)
     try:
         for step in range(start_step, cfg.trainer.max_steps):
             micro = [next(batches) for _ in range(cfg.trainer.grad_accum_steps)]
@@ -462,7 +500,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             if periodic or done == cfg.trainer.max_steps:
                 last_ckpt = save_checkpoint(
                     ckpt_root, done, model=model, optimizer=optimizer, scheduler=scheduler,
-                    extra={"data": train_loader.state_dict(), "rng": rng_state(device)},
+                    extra={"data": train_loader.state_dict(), "rng": rng_state(device), "fingerprint": fingerprint},
                     keep_last=cfg.trainer.keep_last,
                 )  # fmt: skip
     finally:
