@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import datasets
@@ -12,7 +15,7 @@ import torch
 
 from tests.mesh_cache import cached_sp_mesh
 from usp.config import DataConfig
-from usp.data import IGNORE_INDEX, build_dataloaders, load_tokenizer, prepare_dataset
+from usp.data import IGNORE_INDEX, build_dataloaders, load_tokenizer, prepare_dataset, split_rows
 from usp.parallel import local_token_indices
 from usp.tiny import build_tiny_tokenizer, tiny_corpus_texts
 
@@ -242,8 +245,91 @@ def test_resume_single_process_and_errors(corpus):
         build_dataloaders(cfg, **{**kw, "seq_len": 96})
     with pytest.raises(ValueError, match="data.build_tiny_corpus"):
         build_dataloaders(DataConfig(), **kw)
-    with pytest.raises(ValueError, match="data.validation_fraction"):
-        build_dataloaders(DataConfig(prepared_path=corpus["prepared"], validation_fraction=0.001), **kw)
+
+
+def test_small_validation_fraction_holds_out_one_step(corpus, tmp_path):
+    """conf/data/prepared.yaml's 0.001 on a modest corpus: one validation step is held out, not an error."""
+    tok = load_tokenizer(corpus["tok"])
+    kw = dict(tokenizer=tok, seq_len=SEQ_LEN, mesh=None, micro_batch_size=2, seed=9, cache_dir=tmp_path)
+    train, val = build_dataloaders(
+        DataConfig(prepared_path=corpus["prepared"], validation_fraction=0.001), **kw
+    )
+    n = datasets.load_from_disk(corpus["prepared"]).num_rows
+    assert n * 0.001 < 0.5 and val is not None and val.num_samples == 2 and train.num_samples == n - 2
+    assert len(val) == 1 and not set(val.indices) & set(train.indices)
+    t, v = split_rows(5, 0.001, seed=0)
+    assert (len(t), len(v)) == (4, 1)
+    assert [len(x) for x in split_rows(5, 0.0, seed=0)] == [5, 0]
+    with pytest.raises(ValueError, match=r"data.validation_fraction=0.5.*only 1 rows.*validation_fraction=0"):
+        split_rows(1, 0.5, seed=0)
+    with pytest.raises(ValueError, match=r"only 3 rows.*prepare more data"):
+        split_rows(3, 0.001, seed=0, min_rows=2)
+
+
+def test_prepared_data_must_match_the_tokenizer(corpus, tmp_path, caplog):
+    prepared = tmp_path / "prepared"
+    shutil.copytree(corpus["prepared"], prepared)
+    tok = load_tokenizer(corpus["tok"])
+    kw = dict(seq_len=SEQ_LEN, mesh=None, micro_batch_size=1, seed=0, cache_dir=tmp_path)
+    cfg = DataConfig(prepared_path=str(prepared))
+    build_dataloaders(cfg, tokenizer=tok, **kw)  # the same tokenizer: fine
+    other = copy.deepcopy(tok)
+    other.add_tokens(["<extra_a>", "<extra_b>"])
+    with pytest.raises(ValueError, match=r"data.prepared_path=.*another tokenizer.*vocab_size.*--tokenizer"):
+        build_dataloaders(cfg, tokenizer=other, **kw)
+    stats_file = prepared / "usp_prepare.json"
+    stats = json.loads(stats_file.read_text())
+    assert 0 < stats["extra"]["max_token_id"] < len(tok)
+    stats["extra"]["max_token_id"] = len(tok) + 7  # ids the model's embedding does not have
+    stats_file.write_text(json.dumps(stats))
+    with pytest.raises(ValueError, match=rf"holds token id {len(tok) + 7}.*model.path"):
+        build_dataloaders(cfg, tokenizer=tok, **kw)
+    for k in ("max_token_id", "tokenizer_identity"):  # an older output: accepted with a warning
+        del stats["extra"][k]
+    stats_file.write_text(json.dumps(stats))
+    with caplog.at_level(logging.WARNING, logger="usp.data.loader"):
+        build_dataloaders(cfg, tokenizer=other, **kw)
+    assert "no tokenizer fingerprint" in caplog.text
+
+
+def _input_seen_by_one_rank_worker(src: str, tok_dir: str, cache: str, fail_rank: int):
+    """``check_inputs`` fails on ``fail_rank`` only (an input on one node's local disk)."""
+    import torch.distributed as dist
+
+    import usp.data.loader as loader_mod
+
+    real, calls = loader_mod.check_inputs, []
+
+    def check(*args, **kwargs):
+        calls.append(dist.get_rank())
+        if dist.get_rank() == fail_rank:
+            raise ValueError(f"data.inputs: input {src!r} does not exist (rank {fail_rank})")
+        return real(*args, **kwargs)
+
+    loader_mod.check_inputs = check
+    try:
+        train, _ = build_dataloaders(
+            DataConfig(inputs=[src], seed=1), tokenizer=load_tokenizer(tok_dir), seq_len=SEQ_LEN,
+            mesh=cached_sp_mesh(2, 1, "zigzag", 1), micro_batch_size=1, seed=0, cache_dir=cache,
+        )  # fmt: skip
+        return ("ok", train.num_samples, calls)
+    except ValueError as e:
+        return ("error", str(e), calls)
+    finally:
+        loader_mod.check_inputs = real
+
+
+def test_inputs_are_checked_on_rank0_only_world2(dist_pools, corpus):
+    """Every rank reaches the same collective whichever rank cannot see an input: no hang, same outcome."""
+    pool = dist_pools(2)
+    ok = pool.run(_input_seen_by_one_rank_worker, corpus["src"], corpus["tok"], str(corpus["root"] / "r1"), 1)
+    assert [r[0] for r in ok] == ["ok", "ok"] and ok[0][1] == ok[1][1] > 0
+    assert ok[1][2] == []  # rank 1 never looks at the inputs: rank 0 reads them and shares the rows
+    bad = pool.run(
+        _input_seen_by_one_rank_worker, corpus["src"], corpus["tok"], str(corpus["root"] / "r0"), 0
+    )
+    assert [r[0] for r in bad] == ["error", "error"]
+    assert all("does not exist" in r[1] for r in bad)
 
 
 def test_tiny_corpus_on_the_fly(tmp_path):

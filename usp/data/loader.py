@@ -26,7 +26,7 @@ from datasets import Dataset, load_from_disk
 from usp.config import DataConfig
 from usp.data.batch import collate_rows
 from usp.data.pack import LengthShaping
-from usp.data.prepare import preparation_key, prepare_dataset, read_stats
+from usp.data.prepare import preparation_key, prepare_dataset, read_stats, tokenizer_identity
 from usp.data.sources import check_inputs, is_prepared_dataset
 from usp.data.tokenize import check_tokenizer
 from usp.parallel import SPMesh, check_sequence_length
@@ -153,7 +153,13 @@ class PackedLoader:
 
 
 def _run_once_on_rank0(fn: Callable[[], Path]) -> Path:
-    """Run ``fn`` on global rank 0, share its result (or its ValueError) with every rank."""
+    """Run ``fn`` on global rank 0, share its result (or its error) with every rank.
+
+    Collective: one ``broadcast_object_list`` that every rank reaches (``fn`` runs on rank 0 only, so a
+    check that fails on one rank cannot leave the others waiting in another collective). Afterwards each
+    rank checks that it can read the path; that may fail on some ranks only (the caller, e.g. the trainer's
+    ``on_every_rank``, shares such errors).
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return fn()
     box: list[Any] = [None]
@@ -163,18 +169,20 @@ def _run_once_on_rank0(fn: Callable[[], Path]) -> Path:
             box[0] = ("ok", str(fn()))
         except BaseException as e:  # noqa: BLE001 - every rank must learn of the failure, not hang
             failure = e
-            box[0] = ("error", f"{type(e).__name__}: {e}")
+            box[0] = ("value_error" if isinstance(e, ValueError) else "error", f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(box, src=0)
     if failure is not None:
         raise failure
     kind, payload = box[0]
-    if kind == "error":
-        raise ValueError(f"data preparation failed on rank 0: {payload}")
+    if kind != "ok":
+        cls = ValueError if kind == "value_error" else RuntimeError
+        raise cls(f"data preparation failed on rank 0: {payload}")
     path = Path(payload)
-    if not path.exists():
+    if not is_prepared_dataset(path):
         raise ValueError(
-            f"rank {dist.get_rank()} cannot see the prepared data at {path}: the cache_dir must be on a "
-            "filesystem shared by all nodes, or prepare once with usp-prepare-data and set data.prepared_path."
+            f"rank {dist.get_rank()} cannot read the prepared data at {path} that rank 0 found: it must be on a "
+            "filesystem shared by all nodes (data.prepared_path, or data.cache_dir / the run's cache dir for "
+            "on-the-fly preparation)."
         )
     return path
 
@@ -188,27 +196,31 @@ def _shaping(cfg: DataConfig) -> LengthShaping:
 
 
 def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_dir: Path) -> Path:
-    """The packed dataset to train on: ``prepared_path``, a prepared input, or an on-the-fly cache entry."""
-    if cfg.prepared_path:
-        if not is_prepared_dataset(cfg.prepared_path):
-            raise ValueError(
-                f"data.prepared_path={cfg.prepared_path!r} is not a usp-prepare-data output (a directory with "
-                "input_ids and document_lengths). Run usp-prepare-data --output there, or fix the path."
-            )
-        return Path(cfg.prepared_path)
-    if len(cfg.inputs) == 1 and is_prepared_dataset(cfg.inputs[0]):
-        return Path(cfg.inputs[0])
-    inputs = list(cfg.inputs)
-    tiny = not inputs and cfg.build_tiny_corpus
-    if tiny:
-        inputs = [str(cache_dir / "tiny_corpus.jsonl")]
-    else:
-        check_inputs(inputs, cfg.weights)
-    check_tokenizer(tokenizer, setting="model.path")
+    """The packed dataset to train on: ``prepared_path``, a prepared input, or an on-the-fly cache entry.
+
+    Every check that reads the filesystem runs inside the rank-0 function (inputs may exist on node 0 only),
+    so all ranks reach the same broadcast whatever fails.
+    """
     shaping = _shaping(cfg)
     hf_cache = cfg.cache_dir or str(cache_dir / "hf_datasets")
 
-    def prepare() -> Path:
+    def resolve() -> Path:
+        if cfg.prepared_path:
+            if not is_prepared_dataset(cfg.prepared_path):
+                raise ValueError(
+                    f"data.prepared_path={cfg.prepared_path!r} is not a usp-prepare-data output (a directory "
+                    "with input_ids and document_lengths). Run usp-prepare-data --output there, or fix the path."
+                )
+            return Path(cfg.prepared_path)
+        if len(cfg.inputs) == 1 and is_prepared_dataset(cfg.inputs[0]):
+            return Path(cfg.inputs[0])
+        inputs = list(cfg.inputs)
+        tiny = not inputs and cfg.build_tiny_corpus
+        if tiny:
+            inputs = [str(cache_dir / "tiny_corpus.jsonl")]
+        else:
+            check_inputs(inputs, cfg.weights)
+        check_tokenizer(tokenizer, setting="model.path")
         if tiny and not Path(inputs[0]).exists():
             from usp.tiny import build_tiny_corpus
 
@@ -228,12 +240,66 @@ def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_di
         )  # fmt: skip
         return entry
 
-    return _run_once_on_rank0(prepare)
+    return _run_once_on_rank0(resolve)
 
 
-def split_rows(num_rows: int, validation_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Disjoint sorted row indices ``(train, val)``; ``val`` is ``round(fraction * num_rows)`` seeded rows."""
+def check_tokenizer_matches(path: Path, tokenizer: Any, setting: str) -> None:
+    """Raise ``ValueError`` if the rows at ``path`` were tokenized with another tokenizer than ``tokenizer``.
+
+    Uses ``max_token_id`` and ``tokenizer_identity`` from ``usp_prepare.json``; outputs of older versions
+    without them are accepted with a warning.
+    """
+    extra = read_stats(path).get("extra", {})
+    fix = (
+        f"Re-run usp-prepare-data with --tokenizer set to model.path, or point {setting} / model.path at "
+        "matching data and checkpoint."
+    )
+    max_id = extra.get("max_token_id")
+    if max_id is not None and max_id >= len(tokenizer):
+        raise ValueError(
+            f"{setting}={str(path)!r} holds token id {max_id}, but the tokenizer of model.path has only "
+            f"{len(tokenizer)} ids: the data was prepared with another tokenizer. {fix}"
+        )
+    stored = extra.get("tokenizer_identity")
+    if stored is None or max_id is None:
+        logger.warning(
+            "%s=%s records no tokenizer fingerprint (prepared by an older version): cannot check that it "
+            "matches model.path's tokenizer",
+            setting,
+            path,
+        )
+        return
+    current = tokenizer_identity(tokenizer)
+    differ = {k: (v, current.get(k)) for k, v in stored.items() if current.get(k) != v}
+    if differ:
+        detail = ", ".join(f"{k}: data {a!r} vs model {b!r}" for k, (a, b) in differ.items())
+        raise ValueError(
+            f"{setting}={str(path)!r} was prepared with another tokenizer than model.path's ({detail}). {fix}"
+        )
+
+
+def split_rows(
+    num_rows: int, validation_fraction: float, seed: int, min_rows: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint sorted row indices ``(train, val)``; ``val`` is ``round(fraction * num_rows)`` seeded rows.
+
+    With ``validation_fraction > 0``, at least ``min_rows`` rows are held out (a small fraction of a modest
+    corpus would otherwise round to none), as long as at least as many remain for training; otherwise
+    ``ValueError``.
+    """
     n_val = int(round(validation_fraction * num_rows)) if validation_fraction > 0 else 0
+    if validation_fraction > 0 and n_val < min_rows:
+        if num_rows - min_rows < min_rows:
+            raise ValueError(
+                f"data.validation_fraction={validation_fraction} asks for a validation split, but the data has "
+                f"only {num_rows} rows: holding out {min_rows} (one validation step) would leave fewer than "
+                f"that for training. Set data.validation_fraction=0 or prepare more data."
+            )
+        logger.info(
+            "data.validation_fraction=%s of %d rows rounds to %d; holding out %d rows (one validation step)",
+            validation_fraction, num_rows, n_val, min_rows,
+        )  # fmt: skip
+        n_val = min_rows
     perm = np.random.default_rng([seed, 0x5EED]).permutation(num_rows)
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
@@ -278,18 +344,15 @@ def build_dataloaders(
             f"Re-run usp-prepare-data with --seq-len {seq_len}, or set trainer.seq_len={row_len}."
         )
     dp_rank, dp_degree = (mesh.dp_rank, mesh.dp_degree) if mesh is not None else (0, 1)
-    train_rows, val_rows = split_rows(len(dataset), cfg.validation_fraction, cfg.seed)
+    setting = "data.prepared_path" if cfg.prepared_path else "data.inputs"
+    check_tokenizer_matches(path, tokenizer, setting)
+    need = dp_degree * micro_batch_size
+    train_rows, val_rows = split_rows(len(dataset), cfg.validation_fraction, cfg.seed, min_rows=need)
     common = dict(micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_degree=dp_degree, mesh=mesh,
                   document_masking=cfg.document_masking)  # fmt: skip
     tail = int(read_stats(path).get("tokens_dropped", 0))
     train = PackedLoader(dataset, train_rows, seed=seed, infinite=True, tokens_dropped=tail, **common)
-    need = dp_degree * micro_batch_size
-    if cfg.validation_fraction > 0 and len(val_rows) < need:
-        raise ValueError(
-            f"data.validation_fraction={cfg.validation_fraction} holds out {len(val_rows)} of {len(dataset)} rows, "
-            f"fewer than one validation step needs (dp_degree x micro_batch_size = {need}). Use at least "
-            f"data.validation_fraction={need / len(dataset):.4g}, prepare more data, or set it to 0."
-        )
+    assert cfg.validation_fraction == 0 or len(val_rows) >= need
     val = None
     if len(val_rows):
         val = PackedLoader(dataset, val_rows, seed=seed, infinite=False, **common)
