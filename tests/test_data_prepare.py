@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import datasets
@@ -266,7 +267,12 @@ def test_weighted_mix_never_multiplies_the_corpus(tmp_path):
     usage: list = []
     logs: list[str] = []
     mix = load_text_sources(
-        [str(a), str(b)], weights=[0.95, 0.05], seed=1, cache_dir=tmp_path / "hf", usage=usage, log=logs.append
+        [str(a), str(b)],
+        weights=[0.95, 0.05],
+        seed=1,
+        cache_dir=tmp_path / "hf",
+        usage=usage,
+        log=logs.append,
     )
     assert len(mix) == len(set(mix["text"])) == 147  # all 140 alpha + floor(140 / 0.95 * 0.05) = 7 beta
     assert [(u["used"], u["unused"]) for u in usage] == [(140, 0), (7, 133)]
@@ -313,3 +319,57 @@ def test_hub_download_directory_takes_train_data_only(tmp_path, tokenizer):
         "doc 0",
         "doc 1",
     ]
+
+
+def test_output_that_appears_while_preparing_is_never_deleted(tmp_path, tokenizer, monkeypatch):
+    """Two preparations of one path: the later one uses the first's output (same settings) or steps aside."""
+    import usp.data.prepare as prepare_mod
+
+    src = _write_jsonl(tmp_path / "c.jsonl", tiny_corpus_texts(40, seed=5))
+    out = tmp_path / "out"
+    kw = dict(tokenizer=tokenizer, cache_dir=tmp_path / "hf", log=lambda _: None)
+    real_tokenize = prepare_mod.tokenize_documents
+
+    def other_process_first(seq_len: int):
+        def tokenize(*args, **kwargs):  # after our start-up check, another run publishes the same output
+            monkeypatch.setattr(prepare_mod, "tokenize_documents", real_tokenize)
+            prepare_dataset([str(src)], output=out, seq_len=seq_len, **kw)
+            (out / "reader-was-here").write_text("")  # a marker: gone if `out` were replaced
+            monkeypatch.setattr(prepare_mod, "tokenize_documents", tokenize)
+            return real_tokenize(*args, **kwargs)
+
+        monkeypatch.setattr(prepare_mod, "tokenize_documents", tokenize)
+
+    other_process_first(seq_len=40)
+    res = prepare_dataset([str(src)], output=out, seq_len=40, **kw)
+    assert res.path == out and (out / "reader-was-here").exists() and res.stats.rows > 0
+    assert not list(tmp_path.glob(".out.work-*")) and not list(tmp_path.glob("out.usp-*"))
+    shutil.rmtree(out)
+    other_process_first(seq_len=32)  # a different preparation appeared: left alone, ours kept beside it
+    with pytest.raises(ValueError, match=r"appeared while preparing.*left untouched.*out\.usp-"):
+        prepare_dataset([str(src)], output=out, seq_len=40, **kw)
+    assert (out / "reader-was-here").exists() and read_stats(out)["seq_len"] == 32
+    (kept,) = tmp_path.glob("out.usp-*")
+    assert read_stats(kept)["seq_len"] == 40 and datasets.load_from_disk(str(kept)).num_rows > 0
+    assert not list(tmp_path.glob(".out.work-*"))
+
+
+def test_intermediate_files_are_deleted_before_the_final_copy(tmp_path, tokenizer, monkeypatch):
+    """Peak disk: the tokenized documents are gone when save_to_disk copies the packed rows."""
+    seen: list[list[str]] = []
+    real_save = datasets.Dataset.save_to_disk
+
+    def save(self, path, *args, **kwargs):
+        seen.append(sorted(p.name for p in Path(path).parent.iterdir()))
+        return real_save(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", save)
+    src = _write_jsonl(tmp_path / "c.jsonl", tiny_corpus_texts(40, seed=5))
+    res = prepare_dataset(
+        [str(src)], tokenizer=tokenizer, seq_len=40, output=tmp_path / "o", num_proc=2,
+        cache_dir=tmp_path / "hf", log=lambda _: None,
+    )  # fmt: skip
+    assert seen == [["packed.arrow"]]
+    extra = read_stats(res.path)["extra"]
+    assert extra["tokenizer_identity"]["vocab_size"] == len(tokenizer)
+    assert 0 < extra["max_token_id"] < len(tokenizer)

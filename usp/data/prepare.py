@@ -98,8 +98,15 @@ def prepare_dataset(
     """Tokenize, shape, pack and save ``inputs`` to ``output``; see the module docstring.
 
     Writes into a sibling work directory and renames it into place at the end, so an interrupted run never
-    leaves a half-written ``output``. Peak extra disk: the tokenized documents plus one copy of the packed
-    rows. Raises ``ValueError`` for bad inputs before tokenizing, and for a corpus too small to fill a row.
+    leaves a half-written ``output``. Peak extra disk (besides the ``datasets`` cache of the raw text): the
+    tokenized documents and the packed rows while packing, then (the tokenized documents deleted) the packed
+    rows twice while ``save_to_disk`` copies them: about ``8 x tokens`` bytes; ``4 x tokens`` remain.
+
+    If ``output`` appears while this runs (another process preparing the same path), it is never deleted
+    unless ``overwrite``: when it holds the same preparation (same inputs, tokenizer and settings) this
+    run's work is discarded and the existing output used; otherwise this run's rows are kept next to it and
+    ``ValueError`` says where. Raises ``ValueError`` for bad inputs before tokenizing, and for a corpus too
+    small to fill a row.
     """
     log = log or (lambda msg: print(msg, flush=True))
     if not isinstance(seq_len, int) or seq_len < 1:
@@ -110,9 +117,15 @@ def prepare_dataset(
     _check_output(output, overwrite)
     shaping = shaping or LengthShaping()
     t0 = time.perf_counter()
+    key = preparation_key(
+        inputs, tokenizer=tokenizer, seq_len=seq_len, text_field=text_field, weights=weights, seed=seed,
+        streaming=streaming, shaping=shaping, add_bos=add_bos, max_documents=max_documents,
+    )  # fmt: skip
+    usage: list[dict[str, object]] = []
     raw = load_text_sources(
-        inputs, text_field=text_field, weights=weights, seed=seed, streaming=streaming, cache_dir=cache_dir
-    )
+        inputs, text_field=text_field, weights=weights, seed=seed, streaming=streaming, cache_dir=cache_dir,
+        log=log, usage=usage,
+    )  # fmt: skip
     if max_documents is not None:
         raw = (
             raw.take(max_documents)
@@ -130,12 +143,17 @@ def prepare_dataset(
         if isinstance(raw, Dataset):
             stats.extra["documents_empty"] = len(raw) - len(tokenized)
         packed_file = work / "packed.arrow"
+        max_id = [-1]
         with (
             pa.OSFile(str(packed_file), "wb") as sink,
             pa.ipc.new_stream(sink, PACKED_FEATURES.arrow_schema) as w,
         ):
             for batch in pack_documents(
-                document_windows(tokenized, window), seq_len, shaping=shaping, seed=seed, stats=stats
+                _track_max(document_windows(tokenized, window), max_id),
+                seq_len,
+                shaping=shaping,
+                seed=seed,
+                stats=stats,
             ):
                 w.write_batch(batch)
         if stats.rows == 0:
@@ -146,8 +164,12 @@ def prepare_dataset(
                 f"trainer.seq_len={seq_len}. Add data, lower the sequence length, or relax --min-doc-tokens."
             )
         del tokenized
+        for f in work.iterdir():  # the tokenized documents (one file per process): free the disk first
+            if f.is_file() and f != packed_file:
+                f.unlink()
         out_tmp = work / "out"
         Dataset.from_file(str(packed_file)).save_to_disk(str(out_tmp))
+        packed_file.unlink()
         stats.seconds = time.perf_counter() - t0
         stats.extra.update(
             tokens_per_s=stats.document_tokens / max(stats.seconds, 1e-9),
@@ -157,15 +179,68 @@ def prepare_dataset(
             seed=seed,
             tokenizer=getattr(tokenizer, "name_or_path", ""),
             format=FORMAT_VERSION,
+            preparation_key=key,
+            tokenizer_identity=tokenizer_identity(tokenizer),
+            max_token_id=max_id[0],
+            sources=usage,
         )
         (out_tmp / STATS_FILE).write_text(json.dumps(stats.as_dict(), indent=2))
-        if output.exists():
-            shutil.rmtree(output) if output.is_dir() else output.unlink()  # checked above: a prepared dataset
-        os.replace(out_tmp, output)
+        if not _publish(out_tmp, output, key=key, overwrite=overwrite, log=log):
+            return PreparedData(path=output, stats=PackStats(**read_stats(output)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log(summary(stats, output))
     return PreparedData(path=output, stats=stats)
+
+
+def _track_max(
+    windows: Iterator[tuple[np.ndarray, np.ndarray]], max_id: list[int]
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Pass the windows through, recording the largest token id seen in ``max_id[0]``."""
+    for values, lengths in windows:
+        if len(values):
+            max_id[0] = max(max_id[0], int(values.max()))
+        yield values, lengths
+
+
+def _occupied(path: Path) -> bool:
+    return path.exists() and not (path.is_dir() and not any(path.iterdir()))
+
+
+def _publish(out_tmp: Path, output: Path, *, key: str, overwrite: bool, log: Callable[[str], None]) -> bool:
+    """Move the finished rows into place. False when an identical output appeared meanwhile (it is used).
+
+    Never deletes an ``output`` that appeared while this run prepared (another process may be reading it)
+    unless ``overwrite`` and it is a prepared dataset; a different one is left alone and this run's rows
+    are kept at a sibling path named in the ``ValueError``.
+    """
+    for _ in range(2):  # a second look if another process renamed into place between our check and ours
+        if _occupied(output):
+            same = (
+                is_prepared_dataset(output)
+                and read_stats(output).get("extra", {}).get("preparation_key") == key
+            )
+            if same and not overwrite:
+                log(f"{output} was prepared by another process with the same inputs and settings; using it")
+                return False
+            if not (overwrite and is_prepared_dataset(output)):
+                keep = output.parent / f"{output.name}.usp-{os.getpid()}"
+                os.replace(out_tmp, keep)
+                raise ValueError(
+                    f"--output {str(output)!r} appeared while preparing (another process?) and holds other data; "
+                    f"it was left untouched and this run's rows were saved at {str(keep)!r}. Use that path, or "
+                    "move it into place yourself."
+                )
+            shutil.rmtree(output) if output.is_dir() else output.unlink()  # --overwrite, a prepared dataset
+        try:
+            os.replace(out_tmp, output)
+            return True
+        except OSError:
+            if not _occupied(output):
+                raise
+    raise ValueError(
+        f"--output {str(output)!r} keeps being replaced by another process; choose another path."
+    )
 
 
 def summary(stats: PackStats, output: Path | str) -> str:
@@ -183,6 +258,17 @@ def read_stats(path: str | os.PathLike) -> dict[str, Any]:
     """The summary saved next to a prepared dataset (``{}`` if there is none)."""
     f = Path(path) / STATS_FILE
     return json.loads(f.read_text()) if f.exists() else {}
+
+
+def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    """What prepared token ids depend on: vocabulary size, the BOS/EOS ids written around each document, and a
+    hash of the vocabulary (not the backend JSON, which changes between library versions)."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()
+    return {
+        "vocab_size": len(tokenizer),
+        **{f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos")},
+        "vocab_sha256": hashlib.sha256(vocab).hexdigest()[:16],
+    }
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -221,6 +307,7 @@ def preparation_key(
     streaming: bool,
     shaping: LengthShaping,
     add_bos: bool = True,
+    max_documents: int | None = None,
 ) -> str:
     """A short hash of everything that decides the packed rows (used to name on-the-fly cache entries)."""
     desc = {
@@ -235,6 +322,8 @@ def preparation_key(
         "shaping": asdict(shaping),
         "add_bos": add_bos,
     }
+    if max_documents is not None:  # only then, so existing cache entries keep their names
+        desc["max_documents"] = max_documents
     return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
