@@ -15,7 +15,8 @@ from usp.launch.overrides import check_degrees, find_override, override_key
 REPO = Path(__file__).resolve().parents[1]
 # What a real recipe needs from the user (composition stops on ??? values before anything is launched).
 USER = ("model.path=/ckpt/m", "data.prepared_path=/data/d")
-SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE",
+              "SLURM_CPUS_ON_NODE")  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -188,6 +189,13 @@ def test_default_run_dir_under_the_slurm_launchers_is_the_job_ids(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4242")
     monkeypatch.setenv("WORLD_SIZE", "16")
     assert "4242" in _run_id()
+
+
+def test_srun_gives_the_task_the_nodes_cores(capsys, monkeypatch):
+    """One task per node: without --cpus-per-task, core-binding clusters pin torchrun and its ranks to 1 core."""
+    _allocation(monkeypatch, SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="96")
+    out = dry_run(capsys, "slurm", "recipe=llama31_8b_128k", *USER)
+    assert out.startswith("srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=96 --kill-on-bad-exit=1 torchrun ")
 
 
 def test_submit_inside_allocation_uses_sbatch(capsys, monkeypatch):

@@ -108,6 +108,19 @@ def test_sbatch_script_nproc_option_and_given_run_dir(stubs, tmp_path):
     assert call[call.index("usp.train") + 1 :] == ["++hydra.run.dir=outputs/slurm-4000", "trainer.resume=auto"]
 
 
+def test_sbatch_script_gives_each_task_the_nodes_cores(stubs, tmp_path):
+    """srun gets --cpus-per-task=$SLURM_CPUS_ON_NODE, the same line usp-launch prints inside an allocation."""
+    overrides = ["recipe=llama31_8b_128k"]
+    result = run_script(SLURM_SBATCH, overrides, stubs, tmp_path, SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="96",
+                        **SLURM_ENV)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    expected = commands.srun_command(
+        overrides, nodes=2, nproc_per_node=8, job_id="4242", head="gpu007", cpus_per_task=96
+    )
+    assert stubs.calls("srun") == [expected[1:]]
+    assert expected[1:5] == ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=96", "--kill-on-bad-exit=1"]
+
+
 def test_sbatch_script_adds_no_run_dir(stubs, tmp_path):
     """A recipe that pins hydra.run.dir (the staged llama2_7b_rope_* chain) keeps it under SLURM."""
     result = run_script(SLURM_SBATCH, ["recipe=llama2_7b_rope_64k"], stubs, tmp_path, SLURM_GPUS_ON_NODE="8",

@@ -236,9 +236,10 @@ def _srun_in_allocation(
             f"pass --gpus-per-node N, or allocate with --gpus-per-node=N."
         )
     _check(overrides, cfg, nodes=nodes, nproc_per_node=nproc)
+    cpus = int(env["SLURM_CPUS_ON_NODE"]) if env.get("SLURM_CPUS_ON_NODE", "").isdigit() else None
     head = commands.first_hostname(env.get("SLURM_JOB_NODELIST", ""), shutil.which("scontrol"))
     return commands.srun_command(
-        overrides, nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head
+        overrides, nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head, cpus_per_task=cpus
     )
 
 

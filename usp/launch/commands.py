@@ -91,16 +91,28 @@ def torchrun_command(overrides: Sequence[str], *, nproc_per_node: int) -> list[s
 
 
 def srun_command(
-    overrides: Sequence[str], *, nodes: int, nproc_per_node: int, job_id: str, head: str
+    overrides: Sequence[str],
+    *,
+    nodes: int,
+    nproc_per_node: int,
+    job_id: str,
+    head: str,
+    cpus_per_task: int | None = None,
 ) -> list[str]:
     """Inside a SLURM allocation: one torchrun agent per node, c10d rendezvous on ``head``.
+
+    ``cpus_per_task`` (the allocation's ``SLURM_CPUS_ON_NODE``) gives the one task per node all of the node's
+    cores: srun does not inherit sbatch's ``--cpus-per-task``, and a cluster that binds tasks to cores would
+    otherwise pin the torchrun agent, and every rank it starts, to a single core.
 
     ``--kill-on-bad-exit=1`` ends every node's agent when one fails, instead of leaving the others waiting in
     a collective until the NCCL timeout. The overrides pass unchanged (no ``hydra.run.dir`` is added): the
     rendezvous id is the job id, so the entry point's default run dir is one that every rank agrees on.
     """
     return [
-        "srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        "srun", f"--nodes={nodes}", "--ntasks-per-node=1",
+        *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []),
+        "--kill-on-bad-exit=1",
         "torchrun",
         "--nnodes", str(nodes),
         "--nproc-per-node", str(nproc_per_node),
