@@ -97,3 +97,37 @@ def test_document_ring_bytes_match_trimmed_formula(dist_pools, layout, cu, steps
     want = analytic_bytes_sent(batch=1, seq_len=48, num_heads=2, num_kv_heads=2, head_dim=8, ulysses_degree=1,
                                ring_degree=4, element_size=4, ring_steps=steps)["fwd_bwd"]  # fmt: skip
     assert sent == [want] * 4
+
+
+def test_plan_segments_stay_on_the_host():
+    """Kernels read segments as Python ints every block: on the CPU that is free, on a GPU it would sync."""
+    cu = torch.tensor(DOCUMENTS[0])
+    plans = plan_ring_blocks(48, 4, 0, "zigzag", True, cu, device=torch.device("meta"))
+    segmented = [b for b in plans if b is not None and b.segments is not None]
+    assert segmented and all(b.segments.device.type == "cpu" for b in segmented)
+
+
+def test_device_cu_seqlens_is_copied_to_the_host_once_per_tensor(monkeypatch):
+    """Every layer passes the same cu_seqlens: a device tensor is read back once, again only when modified."""
+    from usp.attention import usp as usp_module
+
+    copies = []
+    real_to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        if self.device.type == "meta" and args == ("cpu",):
+            copies.append(1)
+            return torch.tensor(DOCUMENTS[0])
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    cu = torch.empty(len(DOCUMENTS[0]), dtype=torch.int32, device="meta")  # stands in for a CUDA tensor
+    for _ in range(3):
+        assert usp_module._check_cu_seqlens(cu, 48, 1).tolist() == DOCUMENTS[0]
+    assert len(copies) == 1
+    cu.add_(0)  # an in-place change: read it again
+    usp_module._check_cu_seqlens(cu, 48, 1)
+    assert len(copies) == 2
+    cpu_cu = torch.tensor(DOCUMENTS[0])
+    usp_module._check_cu_seqlens(cpu_cu, 48, 1)  # CPU (preferred): no copy at all
+    assert len(copies) == 2

@@ -35,7 +35,7 @@ class BlockSpec:
     k_start: int
     k_end: int
     causal: bool
-    segments: torch.Tensor | None = None  # int64 [n, 4], relative to the rectangle; None = no document mask
+    segments: torch.Tensor | None = None  # int64 [n, 4] on the CPU, relative to the rectangle; None = no mask
 
     @property
     def q_slice(self) -> slice:
@@ -124,7 +124,8 @@ def plan_ring_blocks(
     """The block to compute at each ring step (``None`` = skipped), for ring rank ``ring_rank``.
 
     ``cu_seqlens``: int ``[num_docs + 1]`` boundaries of the global sequence (validated by the caller).
-    Segments are placed on ``device`` (where the kernels run).
+    Segments stay on the CPU whatever ``device`` is (the argument is kept for callers and unused): kernels
+    read them as Python ints, which costs no device sync, and copy what they need without blocking.
     """
     part_len = seq_len // ring_degree
     q_pos = part_positions(seq_len, ring_degree, ring_rank, layout) if cu_seqlens is not None else None
@@ -136,15 +137,6 @@ def plan_ring_blocks(
         if block is not None and cu is not None:
             k_pos = part_positions(seq_len, ring_degree, src, layout)
             block = _document_block(block, q_pos, k_pos, cu)
-            if block is not None and block.segments is not None and device is not None:
-                block = BlockSpec(
-                    block.q_start,
-                    block.q_end,
-                    block.k_start,
-                    block.k_end,
-                    block.causal,
-                    block.segments.to(device),
-                )
         plans.append(block)
     return plans
 

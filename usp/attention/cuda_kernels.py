@@ -4,16 +4,19 @@ Same contract as there: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``out 
 ``lse [B, Hq, Sq]`` fp32; backward from the merged ``out``/``lse``. torch's SDPA ops have no GQA: K/V are
 expanded to the query heads locally (inside the kernel call, never before communication) and the gradients
 summed back. Document segments go to flash_attn's varlen kernels (packed, no mask) or, for SDPA, to the
-mem-efficient kernel as an additive bias.
+mem-efficient kernel as an additive bias when the block is small; larger segmented blocks never reach these
+functions with segments (:mod:`usp.attention.segmented` calls them once per segment, unmasked).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import torch
 
 from usp.attention.masks import dense_mask
+from usp.attention.segmented import host_segments, to_device
 
 # --- CUDA: torch SDPA aten ops -----------------------------------------------------------------------------
 
@@ -33,10 +36,13 @@ def _reduce_kv(dk, dv, hkv):
 
 
 def _bias(q, k, causal, segments):
-    """Additive bias ``[B, Hq, Sq, Sk]`` (a broadcast view) with a 16-aligned row stride, for mem-efficient."""
-    mask = dense_mask(q.size(1), k.size(1), causal, segments, q.device)
-    if mask is None:
+    """Additive bias ``[B, Hq, Sq, Sk]`` (a broadcast view) with a 16-aligned row stride, for mem-efficient.
+
+    None without segments: plain causal attention uses the kernel's own causal flag, never a dense bias.
+    """
+    if segments is None:
         return None
+    mask = dense_mask(q.size(1), k.size(1), causal, segments, q.device)
     sq, sk = mask.shape
     padded = torch.zeros(sq, (sk + 15) // 16 * 16, dtype=q.dtype, device=q.device)[:, :sk]
     padded.masked_fill_(~mask, float("-inf"))
@@ -162,7 +168,7 @@ def flash_attn_forward(q, k, v, causal, scale, segments):
     if segments is None:
         out, lse, _ = flash_attn.flash_attn_func(q, k, v, 0.0, scale, causal, return_attn_probs=True)
         return out, lse.float()
-    qi, ki, cu_q, cu_k, max_q, max_k = _varlen_pack(segments, q.size(1))
+    qi, ki, cu_q, cu_k, max_q, max_k = _varlen_pack(segments, q.device)
     assert q.size(0) == 1, "document segments need batch size 1"
     out_p, lse_p, _ = flash_attn.flash_attn_varlen_func(
         q[0, qi], k[0, ki], v[0, ki], cu_q, cu_k, max_q, max_k, 0.0, scale, causal, return_attn_probs=True
@@ -195,7 +201,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, segments):
             **_FA_BWD_DEFAULTS,
         )
         return dq, dk, dv
-    qi, ki, cu_q, cu_k, max_q, max_k = _varlen_pack(segments, q.size(1))
+    qi, ki, cu_q, cu_k, max_q, max_k = _varlen_pack(segments, q.device)
     qp, kp, vp = q[0, qi], k[0, ki], v[0, ki]
     dqp, dkp, dvp = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
     _call_flexible(
@@ -222,21 +228,18 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, segments):
     return dq, dk, dv
 
 
-def _varlen_pack(segments: torch.Tensor, sq: int):
-    """Row indices of the packed q and k, their int32 cu_seqlens and max lengths (segments are sorted)."""
-    q_len = segments[:, 1] - segments[:, 0]
-    k_len = segments[:, 3] - segments[:, 2]
-    qi = _ranges_to_index(segments[:, 0], q_len)
-    ki = _ranges_to_index(segments[:, 2], k_len)
-    zero = segments.new_zeros(1)
-    cu_q = torch.cat([zero, q_len.cumsum(0)]).to(torch.int32)
-    cu_k = torch.cat([zero, k_len.cumsum(0)]).to(torch.int32)
-    return qi, ki, cu_q, cu_k, int(q_len.max()), int(k_len.max())
+def _varlen_pack(segments: torch.Tensor, device: torch.device):
+    """Row indices of the packed q and k, their int32 cu_seqlens and max lengths, built on the host.
 
-
-def _ranges_to_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    total = int(lengths.sum())
-    offsets = torch.repeat_interleave(
-        starts - torch.cat([starts.new_zeros(1), lengths.cumsum(0)[:-1]]), lengths
-    )
-    return torch.arange(total, device=starts.device) + offsets
+    Segments are read as Python ints (free when on the CPU, as ring plans keep them) and the index tensors
+    copied to ``device`` without blocking: no device sync per block.
+    """
+    segs = host_segments(segments)
+    q_len = [q1 - q0 for q0, q1, _, _ in segs]
+    k_len = [k1 - k0 for _, _, k0, k1 in segs]
+    qi = torch.cat([torch.arange(q0, q1) for q0, q1, _, _ in segs])
+    ki = torch.cat([torch.arange(k0, k1) for _, _, k0, k1 in segs])
+    cu_q = torch.tensor([0, *itertools.accumulate(q_len)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(k_len)], dtype=torch.int32)
+    qi, ki, cu_q, cu_k = (to_device(t, device) for t in (qi, ki, cu_q, cu_k))
+    return qi, ki, cu_q, cu_k, max(q_len), max(k_len)

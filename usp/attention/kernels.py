@@ -26,7 +26,14 @@ from typing import Literal
 import torch
 
 from usp.attention.cuda_kernels import flash_attn_backward, flash_attn_forward, sdpa_backward, sdpa_forward
-from usp.attention.masks import dense_mask, empty_rows
+from usp.attention.masks import dense_mask
+from usp.attention.segmented import (
+    host_segments,
+    per_segment_calls,
+    segmentwise_backward,
+    segmentwise_forward,
+    uncovered_rows,
+)
 
 Backend = Literal["auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "cpu_flash", "math"]
 BACKENDS: tuple[str, ...] = (
@@ -190,6 +197,23 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, segments):
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+# --- document segments on the dense kernels, one unmasked call per segment (usp.attention.segmented) -------
+
+_PER_SEGMENT = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "cpu_flash")  # "math" stays the dense reference
+
+
+def _dense_forward(backend: str):
+    if backend == "cpu_flash":
+        return lambda q, k, v, causal, scale: _cpu_flash_forward(q, k, v, causal, scale, None)
+    return lambda q, k, v, causal, scale: sdpa_forward(backend, q, k, v, causal, scale, None)
+
+
+def _dense_backward(backend: str):
+    if backend == "cpu_flash":
+        return lambda *args: _cpu_flash_backward(*args, None)
+    return lambda *args: sdpa_backward(backend, *args, None)
+
+
 # --- the interface -----------------------------------------------------------------------------------------
 
 
@@ -208,6 +232,9 @@ def attention_forward(
     ``backend`` must already be resolved (:func:`resolve_backend`). Rows with no allowed key get ``out = 0``,
     ``lse = -inf`` whatever the kernel does with them.
     """
+    segs = None if segments is None else host_segments(segments)
+    if segs is not None and backend in _PER_SEGMENT and per_segment_calls(q.size(1), k.size(1)):
+        return segmentwise_forward(_dense_forward(backend), q, k, v, causal, softmax_scale, segs)
     if backend == "math":
         out, lse = _math_forward(q, k, v, causal, softmax_scale, segments)
     elif backend == "cpu_flash":
@@ -216,10 +243,9 @@ def attention_forward(
         out, lse = flash_attn_forward(q, k, v, causal, softmax_scale, segments)
     else:
         out, lse = sdpa_forward(backend, q, k, v, causal, softmax_scale, segments)
-    empty = empty_rows(segments, q.size(1), causal)
-    if empty is not None and bool(empty.any()):
-        lse = lse.masked_fill(empty, float("-inf"))  # broadcast over [B, Hq, Sq]
-        out = out.masked_fill(empty[None, :, None, None], 0.0)
+    for a, b in uncovered_rows(segs, q.size(1)) if segs is not None else ():
+        lse[:, :, a:b] = float("-inf")  # ranges from the host list: no device sync, no [Sq] mask
+        out[:, a:b] = 0.0
     return out, lse
 
 
@@ -242,6 +268,11 @@ def attention_backward(
     must be finite-or-``-inf``-free where a row attends to anything; with them the block's contribution is
     exact: ``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dout * out))``.
     """
+    if segments is not None and backend in _PER_SEGMENT and per_segment_calls(q.size(1), k.size(1)):
+        segs = host_segments(segments)
+        return segmentwise_backward(
+            _dense_backward(backend), dout, q, k, v, out, lse, causal, softmax_scale, segs
+        )
     if backend == "math":
         return _math_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments)
     if backend == "cpu_flash":

@@ -1,4 +1,6 @@
-"""Document segments -> per-row key ranges and dense masks, for the kernels that take a mask.
+"""Document segments -> per-row key ranges and dense masks, for small blocks on the kernels that take a mask.
+
+Large segmented blocks never get here: :mod:`usp.attention.segmented` runs them one unmasked call per segment.
 
 A segment list is int64 ``[n, 4]`` rows ``(q0, q1, k0, k1)``, sorted and disjoint: query rows ``[q0, q1)``
 attend only to keys ``[k0, k1)`` (causal: each segment is its own aligned lower triangle). Rows outside every
@@ -8,6 +10,8 @@ segment attend to nothing.
 from __future__ import annotations
 
 import torch
+
+from usp.attention.segmented import to_device
 
 
 def segment_key_ranges(segments: torch.Tensor, sq: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,16 +38,8 @@ def segment_mask(segments: torch.Tensor, sq: int, sk: int, causal: bool) -> torc
 def dense_mask(sq: int, sk: int, causal: bool, segments: torch.Tensor | None, device: torch.device):
     """Boolean mask for the dense kernels, or None when no mask is needed (plain full attention)."""
     if segments is not None:
-        return segment_mask(segments.to(device), sq, sk, causal)
+        return segment_mask(to_device(segments, device), sq, sk, causal)  # no host wait for CPU segments
     if causal:
         assert sq == sk, "causal blocks are square (same positions for q and k)"
         return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
     return None
-
-
-def empty_rows(segments: torch.Tensor | None, sq: int, causal: bool) -> torch.Tensor | None:
-    """Boolean ``[sq]``: rows that attend to no key (None without segments: every row has a key)."""
-    if segments is None:
-        return None
-    lo, hi = segment_key_ranges(segments, sq, causal)
-    return hi <= lo

@@ -13,6 +13,7 @@ forward ``(U-1)/U * B*L*D*e * (2*Hq + 2*Hk')`` + ``(R-1) * 2 * B*(S/R)*(Hk'/U)*D
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 
 import torch
@@ -45,13 +46,33 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMes
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}.")
 
 
+_last_host_copy: tuple[weakref.ref, int, torch.Tensor] | None = None
+
+
+def _host_copy(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` on the CPU. A CUDA tensor costs one device sync, then its copy is reused while the same,
+    unmodified tensor comes back (every layer of a step passes the same one): one sync per step, not per layer.
+    CPU tensors (preferred) cost nothing.
+    """
+    global _last_host_copy
+    if cu_seqlens.device.type == "cpu":
+        return cu_seqlens.detach()
+    if _last_host_copy is not None:
+        ref, version, host = _last_host_copy
+        if ref() is cu_seqlens and cu_seqlens._version == version:
+            return host
+    host = cu_seqlens.detach().to("cpu")
+    _last_host_copy = (weakref.ref(cu_seqlens), cu_seqlens._version, host)
+    return host
+
+
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
     if batch != 1:
         raise ValueError(
             f"cu_seqlens (document masking) needs batch size 1, got {batch}: pack the documents of the batch into "
             f"one sequence (one row per step) or drop cu_seqlens."
         )
-    cu = cu_seqlens.detach().to("cpu")
+    cu = _host_copy(cu_seqlens)
     if cu.dim() != 1 or cu.numel() < 2 or cu.is_floating_point():
         raise ValueError(
             f"cu_seqlens must be a 1-D integer tensor [num_docs + 1] of document boundaries, got "
@@ -69,16 +90,14 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, batch: int) -> tor
 
 @lru_cache(maxsize=16)
 def _cached_plans(
-    seq_len: int, ring: int, ring_rank: int, layout: str, causal: bool, cu_key: tuple[int, ...] | None, device
+    seq_len: int, ring: int, ring_rank: int, layout: str, causal: bool, cu_key: tuple[int, ...] | None
 ) -> list:
-    """This rank's block plans, trimmed to the ring steps any rank needs; reused by every layer of a step."""
+    """This rank's block plans (segments on the CPU), trimmed to the ring steps any rank needs.
+
+    Reused by every layer of a step: the segments are computed on the host once per distinct ``cu_seqlens``.
+    """
     cu = None if cu_key is None else torch.tensor(cu_key, dtype=torch.int64)
-    every = [
-        plan_ring_blocks(
-            seq_len, ring, rank, layout, causal, cu, device=device if rank == ring_rank else None
-        )
-        for rank in range(ring)
-    ]
+    every = [plan_ring_blocks(seq_len, ring, rank, layout, causal, cu) for rank in range(ring)]
     return every[ring_rank][: ring_steps_needed(every)]
 
 
@@ -104,6 +123,8 @@ def usp_attention(
         backend: ``"auto"`` or one of :data:`usp.attention.kernels.BACKENDS`.
         cu_seqlens: optional int32 ``[num_docs + 1]`` boundaries of the global packed sequence (``0 .. S``, the
             same on every rank; batch size 1): no attention crosses a document boundary, forward or backward.
+            Pass it **on the CPU**: it is read on the host every call (validation, block plans, segments),
+            which is free for a CPU tensor and a device sync per call (per layer) for a CUDA one.
 
     Returns:
         ``out [B, S_local, Hq, D]`` like ``q``. Differentiable w.r.t. ``q, k, v`` (exact gradients).
@@ -122,7 +143,7 @@ def usp_attention(
     scale = default_scale(d, softmax_scale)
     cu = _check_cu_seqlens(cu_seqlens, seq_len, b) if cu_seqlens is not None else None
     cu_key = None if cu is None else tuple(cu.tolist())
-    plans = _cached_plans(seq_len, r, mesh.ring_rank, mesh.ring_layout, causal, cu_key, q.device)
+    plans = _cached_plans(seq_len, r, mesh.ring_rank, mesh.ring_layout, causal, cu_key)
 
     ulysses_group = mesh.ulysses_group
     qh = seq_to_head(q, ulysses_group, "ulysses_q")  # [B, S/R, Hq/U, D]

@@ -1,0 +1,111 @@
+"""Document segments on dense kernels without a dense mask: one unmasked kernel call per segment.
+
+A segment list (``(q0, q1, k0, k1)`` rows, see :mod:`usp.attention.kernels`) says query rows ``[q0, q1)``
+attend only to keys ``[k0, k1)``: causally on the square diagonal pieces of a causal block (same global
+positions for q and k), fully on off-diagonal pieces (the whole key range precedes the query range). A
+dense ``[Sq, Sk]`` mask or bias for that is ``Sq * Sk`` elements per call (32 GiB in bf16 for a 128K-token
+block), so above :data:`DENSE_MASK_MAX_ELEMENTS` the dense backends (torch SDPA on CUDA, torch CPU flash)
+run each segment as its own unmasked block instead: memory ``O(block)``, exact, rows outside every segment
+keep ``out = 0``, ``lse = -inf``. The backward uses the *global* ``lse`` of each segment's rows, like any
+other block.
+
+Segments are read on the host (Python ints). Ring plans keep them on the CPU, so no call here waits for the
+GPU; the small index tensors a kernel needs on the device are copied from pinned memory without blocking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Segment = tuple[int, int, int, int]
+
+DENSE_MASK_MAX_ELEMENTS = 1 << 22
+"""Largest block (``Sq * Sk``) that still runs with a dense mask (one call); larger ones go per segment."""
+
+DenseForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]
+]
+DenseBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def host_segments(segments: torch.Tensor) -> list[Segment]:
+    """The segment rows as Python ints: free for CPU segments (as plans hold them), a device sync otherwise."""
+    return [tuple(row) for row in segments.tolist()]
+
+
+def per_segment_calls(sq: int, sk: int) -> bool:
+    """Whether a dense backend runs a segmented ``[sq, sk]`` block per segment (no dense mask)."""
+    return sq * sk > DENSE_MASK_MAX_ELEMENTS
+
+
+def uncovered_rows(segments: list[Segment], sq: int) -> list[tuple[int, int]]:
+    """Row ranges ``[a, b)`` outside every segment (they attend to nothing); segments are sorted, disjoint."""
+    gaps, pos = [], 0
+    for q0, q1, _, _ in segments:
+        if q0 > pos:
+            gaps.append((pos, q0))
+        pos = q1
+    if pos < sq:
+        gaps.append((pos, sq))
+    return gaps
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to ``device``; to CUDA through pinned memory, so the host does not wait."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def segmentwise_forward(
+    dense_forward: DenseForward,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    segments: list[Segment],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32)`` with ``dense_forward(q, k, v, causal, scale)`` per segment."""
+    b, sq, hq, _ = q.shape
+    out = q.new_zeros(q.shape)
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    for q0, q1, k0, k1 in segments:
+        assert not causal or q1 - q0 == k1 - k0, "causal segments are square"
+        o, l_seg = dense_forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal, scale)
+        out[:, q0:q1] = o
+        lse[:, :, q0:q1] = l_seg
+    return out, lse
+
+
+def segmentwise_backward(
+    dense_backward: DenseBackward,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    segments: list[Segment],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` with ``dense_backward(dout, q, k, v, out, lse, causal, scale)`` per segment.
+
+    ``out``/``lse`` are the merged (global) results, so each segment's gradients are exact pieces; rows and
+    keys outside every segment get zero gradients.
+    """
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for q0, q1, k0, k1 in segments:
+        qs, ks = slice(q0, q1), slice(k0, k1)
+        gq, gk, gv = dense_backward(
+            dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], causal, scale
+        )
+        dq[:, qs] = gq
+        dk[:, ks] += gk  # key ranges of distinct documents are disjoint; += keeps it exact regardless
+        dv[:, ks] += gv
+    return dq, dk, dv
