@@ -136,3 +136,46 @@ def test_wandb_missing_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     with pytest.raises(ImportError, match="logging.wandb.mode=offline needs the wandb package"):
         _logger(tmp_path, wandb_cfg=WandbConfig(mode="offline"))
+
+
+def test_resume_drops_records_after_the_checkpoint_step(tmp_path):
+    """A crash after logging steps 1-5 with the last checkpoint at 3: the resumed run (start_step=3) drops
+    steps 4-5 (and a torn last line) before logging 4, 5, ... again: every step appears once."""
+    with _logger(tmp_path) as log:
+        for step in range(1, 6):
+            log.log_step(step, loss=1.0, grad_norm=1.0, lr=1.0, tokens=1, flops=1.0, step_time_s=1.0)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # cut short by the crash
+    with MetricsLogger(tmp_path, rank=1, world_size=4, peak_flops=1.0, wandb_cfg=DISABLED, config={},
+                       layout={}, total_steps=8, progress_bar=False, start_step=3):  # fmt: skip
+        pass  # only rank 0 touches the file
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 6
+    with MetricsLogger(tmp_path, rank=0, world_size=4, peak_flops=1.0, wandb_cfg=DISABLED, config={},
+                       layout={}, total_steps=8, progress_bar=False, start_step=3) as log:  # fmt: skip
+        for step in (4, 5):
+            log.log_step(step, loss=2.0, grad_norm=1.0, lr=1.0, tokens=1, flops=1.0, step_time_s=1.0)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in records] == [1.0, 1.0, 1.0, 2.0, 2.0]
+
+
+def _peak_mem_max_worker(run_dir: str) -> float:
+    import torch.distributed as dist
+
+    import usp.train.metrics as metrics
+
+    rank = dist.get_rank()
+    original = metrics.peak_memory_gib
+    metrics.peak_memory_gib = lambda: 1.0 + 2.0 * rank  # rank 1 peaks higher than rank 0
+    try:
+        with _logger(run_dir, rank=rank, world_size=2) as log:
+            rec = log.log_step(1, loss=1.0, grad_norm=1.0, lr=1.0, tokens=1, flops=1.0, step_time_s=1.0)
+    finally:
+        metrics.peak_memory_gib = original
+    return rec["peak_mem_gib"]
+
+
+def test_peak_memory_is_the_max_over_ranks(dist_pools, tmp_path):
+    assert dist_pools(2).run(_peak_mem_max_worker, str(tmp_path)) == [3.0, 3.0]
+    written = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert written["peak_mem_gib"] == 3.0

@@ -103,6 +103,9 @@ def test_resume_gives_identical_losses(dist_pools, setup, straight):
     assert second["start_step"] == 3
     assert first["losses"] == straight["losses"]
     assert second["losses"] == straight["losses"][3:]
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))  # steps 4-6 of the first run dropped
+    assert [r["loss"] for r in records] == pytest.approx(straight["losses"])
 
 
 @pytest.mark.slow

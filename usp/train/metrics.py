@@ -16,7 +16,9 @@ hardware FLOPs).
 
 Only rank 0 writes: one JSON object per logged step appended to ``<run_dir>/metrics.jsonl`` (stable field
 names, see :data:`METRIC_FIELDS`), the wandb run and the progress bar. Every rank computes the same numbers
-(``tokens`` and ``flops`` passed in are global totals), so any rank may use the returned dict.
+(``tokens`` and ``flops`` passed in are global totals; ``peak_mem_gib`` is all-reduced to the max over ranks),
+so any rank may use the returned dict. A run resumed at step ``s`` (``start_step=s``) first drops the records
+of steps after ``s`` (logged after the checkpoint, before the crash), so no step appears twice.
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def count_dense_params(model: Any) -> int:
 
 
 def peak_memory_gib() -> float:
-    """Peak memory of this process: CUDA max allocated when CUDA is in use, else the peak resident set."""
+    """Peak memory of this process: CUDA max allocated since the last :func:`reset_peak_memory` when CUDA is in
+    use, else the process's peak resident set since it started (CPU runs: not reset per step)."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / GIB
@@ -145,6 +148,51 @@ def peak_memory_gib() -> float:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / GIB if sys.platform == "darwin" else rss * 1024 / GIB  # bytes on macOS, KiB on Linux
+
+
+def reset_peak_memory() -> None:
+    """Start a new CUDA peak-memory window (no-op without CUDA: the CPU figure is the process peak RSS)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def max_over_ranks(value: float, device: Any = "cpu") -> float:
+    """``value`` all-reduced with MAX over every rank (one float64 all_reduce on ``device``; nccl needs the
+    rank's CUDA device); ``value`` itself without a multi-rank process group."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return float(value)
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def drop_records_after(path: str | os.PathLike, step: int) -> int:
+    """Rewrite ``metrics.jsonl`` at ``path`` without records of steps after ``step`` (and without a torn last
+    line), atomically (temp file + rename). Returns the number of lines dropped; a missing file is fine."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept: list[str] = []
+    dropped = 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the crash
+            dropped += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
 
 
 def _init_wandb(cfg: WandbConfig, run_dir: Path, config: dict, layout: dict) -> Any:
@@ -178,6 +226,10 @@ class MetricsLogger:
         layout: the parallel layout (``SPMesh.describe()``), logged once to wandb and to ``layout.json``.
         total_steps: the progress bar's length (``trainer.max_steps``).
         progress_bar: show a tqdm bar on rank 0.
+        start_step: the step this run starts from (the resumed checkpoint's); when given, records of later
+            steps already in ``metrics.jsonl`` are dropped first. ``None`` (default) appends as is.
+        device: where the per-step max-over-ranks of ``peak_mem_gib`` is reduced (this rank's CUDA device
+            under nccl). With a process group of several ranks, :meth:`log_step` is collective.
     """
 
     def __init__(
@@ -192,6 +244,8 @@ class MetricsLogger:
         layout: dict,
         total_steps: int,
         progress_bar: bool = True,
+        start_step: int | None = None,
+        device: Any = "cpu",
     ) -> None:
         if world_size < 1 or peak_flops <= 0:
             raise ValueError(
@@ -207,9 +261,14 @@ class MetricsLogger:
         self._wandb = None
         self._bar = None
         self.total_steps = total_steps
+        self.device = device
         if not self.is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if start_step is not None:
+            dropped = drop_records_after(self.path, start_step)
+            if dropped:
+                logger.info("metrics.jsonl: dropped %d record(s) after step %d (resumed there)", dropped, start_step)
         (self.run_dir / "layout.json").write_text(json.dumps(layout, indent=2, default=str) + "\n")
         if wandb_cfg.mode != "disabled":
             self._wandb = _init_wandb(wandb_cfg, self.run_dir, config, layout)
@@ -233,10 +292,14 @@ class MetricsLogger:
     ) -> dict:
         """Compute the step's metrics from global ``tokens`` / ``flops`` and its wall time; rank 0 writes them.
 
-        Returns the record (the same on every rank): :data:`METRIC_FIELDS` then ``extra``.
+        Collective under a multi-rank process group (call on every rank): ``peak_mem_gib`` is the max over
+        ranks of :func:`peak_memory_gib` (CUDA: since the previous logged step, the window is reset here; CPU:
+        the process peak RSS). Returns the record (the same on every rank): :data:`METRIC_FIELDS` then ``extra``.
         """
         if step_time_s <= 0:
             raise ValueError(f"step_time_s={step_time_s} must be > 0")
+        peak_mem = max_over_ranks(peak_memory_gib(), self.device)
+        reset_peak_memory()
         flops_per_gpu_s = flops / step_time_s / self.world_size
         record: dict[str, Any] = {
             "step": int(step),
@@ -248,7 +311,7 @@ class MetricsLogger:
             "tokens_per_s_per_gpu": tokens / step_time_s / self.world_size,
             "tflops_per_gpu": flops_per_gpu_s / 1e12,
             "mfu": flops_per_gpu_s / self.peak_flops,
-            "peak_mem_gib": peak_memory_gib(),
+            "peak_mem_gib": peak_mem,
             "step_time_s": float(step_time_s),
         }
         if extra:

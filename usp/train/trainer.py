@@ -450,7 +450,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     metrics = MetricsLogger(
         run_dir, rank=rank, world_size=world, peak_flops=peak_flops, wandb_cfg=cfg.logging.wandb,
         config=dataclasses.asdict(cfg), layout=layout_info, total_steps=cfg.trainer.max_steps,
-        progress_bar=cfg.logging.progress_bar,
+        progress_bar=cfg.logging.progress_bar, start_step=start_step, device=device,
     )  # fmt: skip
     if rank == 0:
         logger.info(
