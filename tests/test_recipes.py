@@ -89,8 +89,25 @@ def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
         loss_chunk_size=cfg.trainer.loss_chunk_size,
     )
     assert est.fits, f"{name}: the planner predicts {est.mem_gib_per_gpu:.1f} GiB per GPU"
+    # the quoted usp-plan command is the recipe's own layout, so rerunning it refreshes the right figures
+    command = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    start = command.index("usp-plan")
+    flags = dict(re.findall(r"--([a-z-]+) (\S+?)[)\s]", command[start : command.index(")", start) + 1]))
+    units = {"K": 1024, "M": 1024 * 1024}
+    seq = flags["seq-len"]
+    assert (flags["model"], int(seq[:-1]) * units[seq[-1]] if seq[-1] in units else int(seq)) == (
+        model,
+        cfg.trainer.seq_len,
+    )
+    assert [int(flags[k]) for k in ("nodes", "gpus-per-node", "ulysses-degree", "ring-degree", "global-batch")] == [
+        cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, p.ulysses_degree, p.ring_degree,
+        dp * cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps,
+    ]  # fmt: skip
     quoted = float(re.search(r"([0-9.]+) GiB/GPU", text).group(1))
-    assert quoted == pytest.approx(est.mem_gib_per_gpu, rel=0.2), "refresh the recipe's memory comment"
+    assert quoted == pytest.approx(est.mem_gib_per_gpu, rel=0.05), (
+        f"{name}: the comment quotes {quoted} GiB/GPU, the planner predicts {est.mem_gib_per_gpu:.1f}: rerun the "
+        "usp-plan command the comment quotes and refresh its figures"
+    )
 
 
 def test_staged_rope_extension_chains_exports():
