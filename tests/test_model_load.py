@@ -152,3 +152,17 @@ def test_truncated_weights_raise_on_every_rank(dist_pools, tmp_path):
     messages = dist_pools(2).run(load_truncated_weights, str(model_dir), timeout=120)
     for m in messages:
         assert "model.path=" in m and "could not read the weights" in m, m
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_sequence_length_dependent_rope_is_refused_under_sequence_parallelism(rope_type):
+    from usp.model import check_rope_for_sequence_parallel
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4)
+    apply_rope_overrides(config, rope_scaling={"type": rope_type, "factor": 4.0})
+    check_rope_for_sequence_parallel(config, 1)  # one rank sees the whole sequence: fine
+    with pytest.raises(ValueError, match=f"model.rope_scaling: rope_type='{rope_type}'.*ulysses x ring = 4"):
+        check_rope_for_sequence_parallel(config, 4)
+    static = apply_rope_overrides(LlamaConfig(hidden_size=64, num_attention_heads=4),
+                                  rope_scaling={"rope_type": "linear", "factor": 4.0})  # fmt: skip
+    check_rope_for_sequence_parallel(static, 4)

@@ -303,3 +303,16 @@ def test_checkpoints_carry_the_run_fingerprint(setup, straight):
     cfg = make_config(setup["model"], f"{setup['root']}/straight", setup["cache"])
     saved = read_saved_extra(Path(setup["root"]) / "straight" / "checkpoints")
     assert saved["fingerprint"] == run_fingerprint(cfg)
+
+
+def test_dynamic_rope_under_sequence_parallelism_fails_validation(setup, tmp_path):
+    """validate() (per rank, before any weights) applies the RoPE overrides and refuses dynamic scaling at sp 4."""
+    from usp.train.trainer import validate
+
+    cfg = make_config(setup["model"], str(tmp_path), setup["cache"], ulysses_degree=2, ring_degree=2)
+    cfg.model.rope_scaling = {"rope_type": "dynamic", "factor": 2.0}
+    with pytest.raises(ValueError, match="model.rope_scaling: rope_type='dynamic'"):
+        validate(cfg, 4, torch.device("cpu"))
+    cfg.parallel.ulysses_degree = cfg.parallel.ring_degree = 1
+    _, layout = validate(cfg, 1, torch.device("cpu"))
+    assert layout.ulysses_degree == 1

@@ -120,6 +120,24 @@ def rope_settings(config: PretrainedConfig) -> dict[str, Any]:
     return {"rope_theta": getattr(config, "rope_theta", None), **(getattr(config, "rope_scaling", None) or {})}
 
 
+def check_rope_for_sequence_parallel(config: PretrainedConfig, sp_degree: int) -> None:
+    """Refuse RoPE types that depend on the current sequence length under sequence parallelism.
+
+    transformers' ``dynamic`` (NTK) and ``longrope`` scaling recompute ``inv_freq`` from the largest position
+    id a forward sees; with ``sp_degree = ulysses x ring > 1`` each rank sees only its slice, so ranks would
+    rotate the same positions differently. Raises ``ValueError`` naming ``model.rope_scaling`` and the fix.
+    """
+    rope_type = str(rope_settings(config).get("rope_type") or rope_settings(config).get("type") or "default")
+    if sp_degree > 1 and ("dynamic" in rope_type or rope_type == "longrope"):
+        raise ValueError(
+            f"model.rope_scaling: rope_type={rope_type!r} rescales RoPE from the longest position each forward "
+            f"sees, but under sequence parallelism (ulysses x ring = {sp_degree}) every rank sees only its own "
+            f"slice, so ranks would disagree. Use a static scaling (model.rope_scaling={{rope_type: linear|yarn|"
+            f"llama3, factor: ...}}) or model.rope_theta, or train with parallel.ulysses_degree=1 "
+            f"parallel.ring_degree=1."
+        )
+
+
 def load_causal_lm(
     path: str | os.PathLike,
     *,

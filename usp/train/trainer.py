@@ -38,6 +38,7 @@ from usp.model import (
     build_empty_causal_lm,
     check_heads,
     check_model_dir,
+    check_rope_for_sequence_parallel,
     load_sharded_weights,
     parse_dtype,
     weight_devices,
@@ -231,6 +232,10 @@ def validate(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[A
     Raises ``ValueError`` naming the setting and the fix.
     """
     model_config = check_model_dir(cfg.model.path)
+    apply_rope_overrides(  # the RoPE the run will train with: the planner and the checks below see it
+        model_config, rope_theta=cfg.model.rope_theta, rope_scaling=cfg.model.rope_scaling,
+        max_position_embeddings=cfg.model.max_position_embeddings,
+    )  # fmt: skip
     compute_dtype = parse_dtype(cfg.model.dtype, "model.dtype")
     try:
         resolve_backend(cfg.model.attention_backend, device, compute_dtype)
@@ -265,6 +270,7 @@ def validate(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[A
     layout.dp_degree = dims.dp_degree
     check_sequence_length(cfg.trainer.seq_len, layout.ring_degree, layout.ulysses_degree, cfg.parallel.ring_layout)
     check_heads(model_config, layout.ulysses_degree)
+    check_rope_for_sequence_parallel(model_config, layout.ulysses_degree * layout.ring_degree)
     if layout.fsdp_mode == "hybrid_shard" and world_size % layout.node_size != 0:
         raise ValueError(
             f"parallel.fsdp_mode=hybrid_shard needs the node size ({layout.node_size}) to divide the world size "
@@ -414,11 +420,8 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         "building the data loaders",
     )  # fmt: skip
 
-    # fp32 master weights, never whole on any rank: an empty (meta) model is sharded, then filled
-    apply_rope_overrides(
-        model_config, rope_theta=cfg.model.rope_theta, rope_scaling=cfg.model.rope_scaling,
-        max_position_embeddings=cfg.model.max_position_embeddings,
-    )  # fmt: skip
+    # fp32 master weights, never whole on any rank: an empty (meta) model is sharded, then filled (the RoPE
+    # overrides were applied to model_config by validate)
     model = build_empty_causal_lm(model_config)
     dense_params = count_dense_params(model)
     loss_model = parallelize(
