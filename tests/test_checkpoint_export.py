@@ -133,3 +133,33 @@ def test_export_casts_to_requested_dtype(tiny_dir, tmp_path):
     for k, v in loaded.state_dict().items():
         assert v.dtype == torch.bfloat16, k
         torch.testing.assert_close(v, ref[k].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_export_cast_frees_each_fp32_tensor_as_it_goes(tiny_dir, tmp_path, monkeypatch):
+    """Casting to bf16 replaces the gathered fp32 tensors one by one: none is alive when the files are written
+    (peak one copy plus one tensor, not the fp32 copy plus a full bf16 copy)."""
+    import weakref
+
+    from transformers import AutoModelForCausalLM
+
+    import usp.train.export as export
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    originals: list[weakref.ref] = []
+
+    def gathered(m, options=None):  # stands in for the gathered full state dict: fresh fp32 tensors
+        sd = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        originals.extend(weakref.ref(v) for v in sd.values())
+        return sd
+
+    alive_at_write: list[int] = []
+    write = export._write_weights
+
+    def spy(state_dict, tmp, max_shard_size):
+        alive_at_write.append(sum(r() is not None for r in originals))
+        write(state_dict, tmp, max_shard_size)
+
+    monkeypatch.setattr(export, "get_model_state_dict", gathered)
+    monkeypatch.setattr(export, "_write_weights", spy)
+    export_hf(model, tokenizer=None, out_dir=tmp_path / "hf", dtype=torch.bfloat16)
+    assert originals and alive_at_write == [0]

@@ -2,7 +2,8 @@
 
 The full (unsharded) state dict is gathered with ``get_model_state_dict(full_state_dict=True,
 cpu_offload=True)``: a collective over the FSDP2 mesh that leaves full CPU tensors on rank 0 only, so peak
-memory on rank 0 is one copy of the model in host RAM (in the training dtype). Rank 0 writes the files into
+memory on rank 0 is one copy of the model in host RAM (in the training dtype) plus one tensor: the cast to the
+export dtype replaces the entries one by one. Rank 0 writes the files into
 ``.<name>.tmp-export`` beside ``out_dir`` and renames the directory into place, so a crash never leaves a
 half-written export at ``out_dir``. The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` in
 plain transformers: the saved config uses the standard ``sdpa`` attention, never the trainer's own ``usp``.
@@ -118,9 +119,13 @@ def export_hf(
     if dist_rank() == 0:
         try:
             drop = _tied_output_key(model, state_dict)
-            tensors = {k: v.detach().cpu() for k, v in state_dict.items() if k != drop}
-            if dtype is not None:
-                tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+            if drop is not None:
+                del state_dict[drop]
+            tensors = state_dict  # cast entry by entry, in place: peak is one copy plus one tensor, not two copies
+            for k in list(tensors):
+                v = tensors[k].detach().cpu()
+                tensors[k] = v.to(dtype) if dtype is not None and v.is_floating_point() else v
+                del v  # the fp32 original is freed as soon as its entry is replaced
             dtypes = {v.dtype for v in tensors.values() if v.is_floating_point()}
             saved_dtype = dtypes.pop() if len(dtypes) == 1 else None
             tmp = out_dir.parent / f".{out_dir.name}.tmp-export"
