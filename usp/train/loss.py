@@ -14,6 +14,10 @@ single-process gradient of the mean loss.
 Memory: the final norm'd hidden states ``[B, S_local, H]`` go through ``lm_head`` ``chunk_size`` tokens at a
 time, each chunk under activation checkpointing, so at most one chunk's ``[chunk, vocab]`` fp32 logits exist
 in forward and in backward.
+
+Precision: under bf16 compute the ``lm_head`` weight is FSDP2's gathered bf16 copy, so its gradient is the
+sum of the per-chunk bf16 gradients, accumulated by autograd in bf16 (one rounding per chunk, before the
+``reduce_dtype`` reduce-scatter). Fewer, larger chunks (``trainer.loss_chunk_size``) mean fewer roundings.
 """
 
 from __future__ import annotations
