@@ -14,22 +14,26 @@ import pytest
 import torch
 
 from tests.test_attention_kernels import FP32, _inputs, _reference
-from usp.attention import cuda_kernels, kernels, segmented
+from usp.attention import cuda_kernels, kernels, masks, segmented
 from usp.attention.blocks import plan_ring_blocks
 from usp.attention.kernels import attention_backward, attention_forward
 from usp.attention.masks import segment_mask
 
 
-@pytest.fixture
-def per_segment(monkeypatch):
-    """Force the per-segment path and fail on any dense mask."""
+@pytest.fixture(params=[0, 40], ids=["one_call_per_segment", "grouped_up_to_40"])
+def per_segment(request, monkeypatch):
+    """Force the per-segment path (groups of at most ``param`` elements) and fail on any larger dense mask."""
+    limit = request.param
+    real = masks.dense_mask
 
-    def no_dense_mask(*args, **kwargs):
-        raise AssertionError("a dense [Sq, Sk] mask was built on the per-segment path")
+    def small_dense_mask(sq, sk, causal, segments, device):
+        if sq * sk > limit:
+            raise AssertionError(f"a dense [{sq}, {sk}] mask was built on the per-segment path")
+        return real(sq, sk, causal, segments, device)
 
-    monkeypatch.setattr(segmented, "DENSE_MASK_MAX_ELEMENTS", 0)
-    monkeypatch.setattr(kernels, "dense_mask", no_dense_mask)
-    monkeypatch.setattr(cuda_kernels, "dense_mask", no_dense_mask)
+    monkeypatch.setattr(segmented, "DENSE_MASK_MAX_ELEMENTS", limit)
+    monkeypatch.setattr(kernels, "dense_mask", small_dense_mask)
+    monkeypatch.setattr(cuda_kernels, "dense_mask", small_dense_mask)
 
 
 def _check_block(q, k, v, dout, causal, segments, scale=0.3):
@@ -60,8 +64,10 @@ def _math_backward_reference(dout, q, k, v, out, lse, causal, scale, segments):
 LAYOUTS = {
     # non-causal off-diagonal pieces: keys precede queries; rows 0 and 9 have no key, key 11 no query
     "offset_rectangles": (12, 12, False, [[1, 4, 0, 3], [4, 9, 3, 8], [10, 12, 9, 11]]),
-    # a document running over the end of the key part and one over the start of the query part
-    "spanning_block_edges": (10, 14, False, [[0, 4, 6, 14], [7, 10, 0, 2]]),
+    # a document running from the end of the key part into the start of the query part; rows 4.. empty
+    "spanning_block_edges": (10, 14, False, [[0, 4, 6, 14]]),
+    # queries starting mid-document in the key part, a last document reaching the end of both parts
+    "spanning_to_the_end": (10, 14, False, [[2, 6, 0, 5], [6, 10, 5, 14]]),
     # causal diagonal: per-document triangles, a 1-token document
     "causal_diagonal": (12, 12, True, [[0, 5, 0, 5], [5, 6, 5, 6], [6, 12, 6, 12]]),
     # causal with rows outside every segment (3, 4)
@@ -148,3 +154,16 @@ def test_sdpa_efficient_causal_without_documents_builds_no_bias(monkeypatch):
     out, lse = attention_forward(q, q[:, :, :2], q[:, :, :2], **kw)
     dq, dk, _ = attention_backward(out, q, q[:, :, :2], q[:, :, :2], out, lse, **kw)
     assert out.shape == dq.shape == q.shape and dk.shape == (1, 64, 2, 8)
+
+
+def test_group_segments_packs_short_documents_under_the_limit():
+    segs = [(0, 3, 0, 3), (3, 5, 3, 5), (5, 12, 5, 12), (12, 13, 12, 13)]
+    groups = segmented.group_segments(segs, 30)
+    assert [rect for rect, _ in groups] == [(0, 5, 0, 5), (5, 12, 5, 12), (12, 13, 12, 13)]
+    assert groups[0][1].tolist() == [[0, 3, 0, 3], [3, 5, 3, 5]]
+    assert groups[1][1] is None and groups[2][1] is None  # one segment: an unmasked call (49 > 30 allowed)
+    # off-diagonal rectangles: rebased on the group's own row and key offsets
+    groups = segmented.group_segments([(1, 4, 0, 3), (4, 9, 3, 8), (10, 12, 9, 11)], 121)
+    assert groups[0][0] == (1, 12, 0, 11)
+    assert groups[0][1].tolist() == [[0, 3, 0, 3], [3, 8, 3, 8], [9, 11, 9, 11]]
+    assert len(segmented.group_segments(segs, 0)) == len(segs)

@@ -203,15 +203,16 @@ _PER_SEGMENT = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "cpu_flash")  # "m
 
 
 def _dense_forward(backend: str):
+    """``(q, k, v, causal, scale, segments)`` -> ``(out, lse)`` of one group (small mask or none)."""
     if backend == "cpu_flash":
-        return lambda q, k, v, causal, scale: _cpu_flash_forward(q, k, v, causal, scale, None)
-    return lambda q, k, v, causal, scale: sdpa_forward(backend, q, k, v, causal, scale, None)
+        return _cpu_flash_forward
+    return lambda *args: sdpa_forward(backend, *args)
 
 
 def _dense_backward(backend: str):
     if backend == "cpu_flash":
-        return lambda *args: _cpu_flash_backward(*args, None)
-    return lambda *args: sdpa_backward(backend, *args, None)
+        return _cpu_flash_backward
+    return lambda *args: sdpa_backward(backend, *args)
 
 
 # --- the interface -----------------------------------------------------------------------------------------

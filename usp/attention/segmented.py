@@ -5,8 +5,9 @@ attend only to keys ``[k0, k1)``: causally on the square diagonal pieces of a ca
 positions for q and k), fully on off-diagonal pieces (the whole key range precedes the query range). A
 dense ``[Sq, Sk]`` mask or bias for that is ``Sq * Sk`` elements per call (32 GiB in bf16 for a 128K-token
 block), so above :data:`DENSE_MASK_MAX_ELEMENTS` the dense backends (torch SDPA on CUDA, torch CPU flash)
-run each segment as its own unmasked block instead: memory ``O(block)``, exact, rows outside every segment
-keep ``out = 0``, ``lse = -inf``. The backward uses the *global* ``lse`` of each segment's rows, like any
+run each segment as its own unmasked block instead (consecutive short segments grouped into rectangles of at
+most that size, with a small mask): memory ``O(block)``, exact, rows outside every segment keep ``out = 0``,
+``lse = -inf``. The backward uses the *global* ``lse`` of each segment's rows, like any
 other block.
 
 Segments are read on the host (Python ints). Ring plans keep them on the CPU, so no call here waits for the
@@ -24,9 +25,7 @@ Segment = tuple[int, int, int, int]
 DENSE_MASK_MAX_ELEMENTS = 1 << 22
 """Largest block (``Sq * Sk``) that still runs with a dense mask (one call); larger ones go per segment."""
 
-DenseForward = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]
-]
+DenseForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 DenseBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -61,6 +60,35 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def group_segments(segments: list[Segment], max_elements: int) -> list[tuple[Segment, torch.Tensor | None]]:
+    """Consecutive segments packed into rectangles of at most ``max_elements`` (``Sq * Sk``) each.
+
+    Returns ``(rect, inner)`` pairs: ``rect = (q0, q1, k0, k1)`` in block coordinates and ``inner`` the
+    group's segments relative to ``rect`` (int64 CPU ``[n, 4]``), or None when the group is one segment (an
+    unmasked call). A single segment larger than ``max_elements`` is a group of its own. Grouping keeps many
+    short documents to a few kernel calls while no mask exceeds ``max_elements`` elements. Segments are
+    sorted and increase in both rows and keys (documents are ordered in both parts).
+    """
+    groups: list[list[Segment]] = []
+    for prev, seg in zip(segments, segments[1:]):
+        assert prev[1] <= seg[0] and prev[3] <= seg[2], f"segments out of order: {prev}, {seg}"
+    for seg in segments:
+        if groups:
+            first = groups[-1][0]
+            if (seg[1] - first[0]) * (seg[3] - first[2]) <= max_elements:
+                groups[-1].append(seg)
+                continue
+        groups.append([seg])
+    out = []
+    for group in groups:
+        (q0, _, k0, _), (_, q1, _, k1) = group[0], group[-1]
+        inner = None
+        if len(group) > 1:
+            inner = torch.tensor(group, dtype=torch.int64) - torch.tensor([q0, q0, k0, k0])
+        out.append(((q0, q1, k0, k1), inner))
+    return out
+
+
 def segmentwise_forward(
     dense_forward: DenseForward,
     q: torch.Tensor,
@@ -70,15 +98,23 @@ def segmentwise_forward(
     scale: float,
     segments: list[Segment],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32)`` with ``dense_forward(q, k, v, causal, scale)`` per segment."""
+    """``(out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32)`` with one ``dense_forward`` call per group of segments.
+
+    ``dense_forward(q, k, v, causal, scale, inner_segments_or_None)`` runs on the group's rectangle; groups
+    are at most :data:`DENSE_MASK_MAX_ELEMENTS` large when they need a mask. Rows outside every segment end
+    with ``out = 0``, ``lse = -inf``.
+    """
     b, sq, hq, _ = q.shape
     out = q.new_zeros(q.shape)
     lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
-    for q0, q1, k0, k1 in segments:
-        assert not causal or q1 - q0 == k1 - k0, "causal segments are square"
-        o, l_seg = dense_forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal, scale)
+    for (q0, q1, k0, k1), inner in group_segments(segments, DENSE_MASK_MAX_ELEMENTS):
+        assert inner is not None or not causal or q1 - q0 == k1 - k0, "causal segments are square"
+        o, l_seg = dense_forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal, scale, inner)
         out[:, q0:q1] = o
         lse[:, :, q0:q1] = l_seg
+    for a, b_ in uncovered_rows(segments, sq):  # gaps inside a group got whatever the kernel wrote
+        out[:, a:b_] = 0.0
+        lse[:, :, a:b_] = float("-inf")
     return out, lse
 
 
@@ -94,18 +130,18 @@ def segmentwise_backward(
     scale: float,
     segments: list[Segment],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` with ``dense_backward(dout, q, k, v, out, lse, causal, scale)`` per segment.
+    """``(dq, dk, dv)`` with ``dense_backward(dout, q, k, v, out, lse, causal, scale, inner)`` per group.
 
-    ``out``/``lse`` are the merged (global) results, so each segment's gradients are exact pieces; rows and
-    keys outside every segment get zero gradients.
+    ``out``/``lse`` are the merged (global) results, so each group's gradients are exact pieces; rows and keys
+    outside every segment get zero gradients (masked out inside a group, never touched outside).
     """
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for q0, q1, k0, k1 in segments:
+    for (q0, q1, k0, k1), inner in group_segments(segments, DENSE_MASK_MAX_ELEMENTS):
         qs, ks = slice(q0, q1), slice(k0, k1)
         gq, gk, gv = dense_backward(
-            dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], causal, scale
+            dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], causal, scale, inner
         )
         dq[:, qs] = gq
-        dk[:, ks] += gk  # key ranges of distinct documents are disjoint; += keeps it exact regardless
+        dk[:, ks] += gk  # groups cover disjoint key ranges; += keeps it exact regardless
         dv[:, ks] += gv
     return dq, dk, dv
