@@ -10,7 +10,10 @@ Masking is described, not materialized, by the caller:
 - ``segments``: int64 ``[n, 4]`` rows ``(q0, q1, k0, k1)``: query rows ``[q0, q1)`` attend only to keys
   ``[k0, k1)`` (with ``causal``: each segment is its own aligned lower triangle, ``q1 - q0 == k1 - k0``).
   Rows outside every segment attend to nothing: their ``out`` is 0 and their ``lse`` is ``-inf``. This is how
-  document masking reaches a kernel: varlen kernels (flash_attn) pack the segments, dense ones build a mask.
+  document masking reaches a kernel: varlen kernels (flash_attn) pack the segments; the dense ones (SDPA,
+  CPU flash) run large blocks one unmasked call per segment (:mod:`usp.attention.segmented`, no ``[Sq, Sk]``
+  mask) and small ones with a mask; ``math`` always builds the mask (it is the reference). Segments are
+  read on the host, so keep them on the CPU (ring plans do): then no call here syncs with the device.
 
 ``attention_backward`` takes the merged (global) ``out`` and ``lse`` of the rows it is given, so a ring block's
 gradients are exact pieces of the full gradient without recomputing the merge.
@@ -197,7 +200,7 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, segments):
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-# --- document segments on the dense kernels, one unmasked call per segment (usp.attention.segmented) -------
+# --- document segments on the dense kernels, one call per segment or group (usp.attention.segmented) -------
 
 _PER_SEGMENT = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "cpu_flash")  # "math" stays the dense reference
 
