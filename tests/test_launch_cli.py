@@ -298,6 +298,33 @@ def test_unknown_mode_is_a_usage_error(capsys):
     assert "invalid choice: 'kubernetes'" in capsys.readouterr().err
 
 
+# --- Hydra's own flags after `--` ---------------------------------------------------------------------
+def test_hydra_flags_after_dashes_pass_through_unchanged(capsys):
+    """`--cfg job` prints a recipe's config: no model.path needed, and the 64-GPU layout is not held against
+    the one process that prints it."""
+    out = dry_run(capsys, "local", "recipe=llama31_8b_1m", "--", "--cfg", "job")
+    assert out == shlex.join([sys.executable, "-m", "usp.train", "recipe=llama31_8b_1m", "--cfg", "job"]) + "\n"
+    out = dry_run(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "--", "recipe=tiny", "--help")
+    assert out.endswith("-m usp.train trainer.device=cpu parallel.backend=gloo recipe=tiny --help\n")
+    # the usage's trailing --dry-run stays usp-launch's, even after --
+    assert cli.main(["local", "--", "--info", "defaults", "--dry-run"]) == 0
+    assert capsys.readouterr().out.endswith("-m usp.train --info defaults\n")
+
+
+def test_hydra_flags_to_sbatch_follow_the_scripts_dashes(capsys):
+    out = dry_run(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "8", "recipe=llama31_8b_128k", "--", "--cfg", "job")
+    assert out.endswith("launch/slurm.sbatch --nproc-per-node 8 -- recipe=llama31_8b_128k --cfg job\n")
+    err = fails(capsys, "slurm", "recipe=llama31_8b_128k", "--", "--cfg", "job", "--dry-run")
+    assert "pass --nodes N --gpus-per-node G" in err
+
+
+def test_hydra_flags_still_rejected_before_dashes(capsys):
+    err = fails(capsys, "local", "recipe=tiny", "--cfg", "job", "--dry-run")
+    assert "unknown option '--cfg'" in err
+    err = fails(capsys, "local", "--", "parallel.ring_degree=2", "--cfg", "job", "--dry-run")
+    assert "parallel.ring_degree=2 does not divide the world size" in err
+
+
 # --- running --------------------------------------------------------------------------------------------
 def test_run_returns_the_commands_exit_status(capsys, monkeypatch):
     seen = []

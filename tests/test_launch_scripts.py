@@ -131,6 +131,15 @@ def test_sbatch_script_adds_no_run_dir(stubs, tmp_path):
     assert call[call.index("--rdzv-id") + 1] == "4242"  # the id the default run dir derives from
 
 
+def test_sbatch_script_passes_hydra_flags_after_dashes(stubs, tmp_path):
+    """What `usp-launch slurm ... -- --cfg job` submits: the script's options, `--`, then usp.train's words."""
+    args = ["--nproc-per-node", "8", "--", "recipe=x", "--cfg", "job"]
+    result = run_script(SLURM_SBATCH, args, stubs, tmp_path, **SLURM_ENV)
+    assert result.returncode == 0, result.stderr
+    [call] = stubs.calls("srun")
+    assert call[call.index("usp.train") + 1 :] == ["recipe=x", "--cfg", "job"]
+
+
 def test_sbatch_script_reads_gpus_per_node(stubs, tmp_path):
     result = run_script(SLURM_SBATCH, ["recipe=x"], stubs, tmp_path, SLURM_GPUS_PER_NODE="h100:4", **SLURM_ENV)
     assert result.returncode == 0, result.stderr

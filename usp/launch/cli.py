@@ -18,6 +18,9 @@ Before anything runs, the overrides are composed into the trainer's run config (
 ``usp.train`` does, so an unknown recipe, a misspelled key or a missing ``model.path`` is reported here), and
 the composed degrees (``parallel.*``, from the recipe or the command line) are checked against the processes
 about to start. Errors print a message naming the setting and the fix, and exit with status 2.
+
+Words after a literal ``--`` that are not ``key=value`` overrides (Hydra's own flags: ``-- --cfg job``,
+``-- --help``) are passed to ``usp.train`` unchanged; the run config is then not composed.
 """
 
 from __future__ import annotations
@@ -147,14 +150,23 @@ def config_degrees(cfg: TrainConfig) -> list[str]:
     return words
 
 
-def _check(overrides: Sequence[str], cfg: TrainConfig, *, nodes: int, nproc_per_node: int) -> None:
+def _check(overrides: Sequence[str], cfg: TrainConfig | None, *, nodes: int, nproc_per_node: int) -> None:
     """The command line's degrees first (its own words in the message), then the composed config's."""
     check_degrees(overrides, nodes=nodes, nproc_per_node=nproc_per_node)
-    check_degrees(config_degrees(cfg), nodes=nodes, nproc_per_node=nproc_per_node)
+    if cfg is not None:
+        check_degrees(config_degrees(cfg), nodes=nodes, nproc_per_node=nproc_per_node)
 
 
-def plan_command(args: argparse.Namespace, overrides: list[str], env: dict[str, str]) -> list[str]:
-    """The command ``args`` asks for, after every check. Raises LaunchError (or ValueError) on bad input."""
+def plan_command(
+    args: argparse.Namespace, overrides: list[str], env: dict[str, str], hydra_flags: Sequence[str] = ()
+) -> list[str]:
+    """The command ``args`` asks for, after every check. Raises LaunchError (or ValueError) on bad input.
+
+    ``hydra_flags`` (what followed ``--`` that is not an override, e.g. ``--cfg job``) go last, unchanged.
+    They change what ``usp.train`` does (print the config, the help) rather than train, so the run config is
+    then not composed here: only the degrees on the command line are checked.
+    """
+    overrides = [*overrides, *hydra_flags]
     _positive(args.nproc_per_node, "--nproc-per-node")
     _positive(args.nodes, "--nodes")
     if args.mode != "slurm":
@@ -174,7 +186,7 @@ def plan_command(args: argparse.Namespace, overrides: list[str], env: dict[str, 
     if args.cpu:
         overrides = commands.with_defaults(overrides, commands.cpu_defaults())
     check_degree_values(overrides)
-    cfg = compose_run_config(overrides)
+    cfg = None if hydra_flags else compose_run_config(overrides)
 
     if args.mode == "local":
         if args.nproc_per_node not in (None, 1):
@@ -206,7 +218,7 @@ def plan_command(args: argparse.Namespace, overrides: list[str], env: dict[str, 
 
 
 def _srun_in_allocation(
-    args: argparse.Namespace, overrides: list[str], cfg: TrainConfig, env: dict[str, str], job_id: str
+    args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | None, env: dict[str, str], job_id: str
 ) -> list[str]:
     sbatch_only = [f"--{n.replace('_', '-')}" for n in ("partition", "time", "account", "job_name", "gres", "script")
                    if getattr(args, n) not in (None, False)]  # fmt: skip
@@ -243,10 +255,16 @@ def _srun_in_allocation(
     )
 
 
-def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig) -> list[str]:
+def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | None) -> list[str]:
     """sbatch for the flags' size, else the run config's declared ``cluster.num_nodes x cluster.gpus_per_node``."""
-    nodes = _flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes") or cfg.cluster.num_nodes
+    nodes = _flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes")
     gpus = _flag_or_cluster(args.nproc_per_node, "--gpus-per-node", overrides, "cluster.gpus_per_node")
+    if cfg is None and (nodes is None or gpus is None):
+        raise LaunchError(
+            "with Hydra flags after --, usp-launch does not compose the run config, so it cannot read the job's "
+            "size from the recipe: pass --nodes N --gpus-per-node G."
+        )
+    nodes = nodes or cfg.cluster.num_nodes
     gpus = gpus or cfg.cluster.gpus_per_node
     _check(overrides, cfg, nodes=nodes, nproc_per_node=gpus)
     script = Path(args.script) if args.script else commands.default_sbatch_script()
@@ -284,15 +302,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in words:
         cut = words.index("--")
         words, after_dashes = words[:cut], words[cut + 1 :]
+        if after_dashes[-1:] == ["--dry-run"]:  # the usage's trailing [--dry-run] stays usp-launch's
+            words, after_dashes = [*words, "--dry-run"], after_dashes[:-1]
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(words)
     except SystemExit as exc:  # argparse already printed the usage / help
         return int(exc.code or 0)
-    overrides = [*extra, *after_dashes]
+    # After a literal `--`, words that are not key=value overrides are passed to usp.train unchanged: Hydra's
+    # own flags and their values (--cfg job, --help, --info defaults).
+    hydra_mode = any(word.startswith("-") for word in after_dashes)
+    overrides = [*extra, *([] if hydra_mode else after_dashes)]
+    hydra_flags = after_dashes if hydra_mode else []
     try:
         validate_override_syntax(overrides)
-        cmd = plan_command(args, overrides, dict(os.environ))
+        cmd = plan_command(args, overrides, dict(os.environ), hydra_flags)
         if args.dry_run:
             print(shlex.join(cmd))
             return 0

@@ -149,7 +149,9 @@ def sbatch_command(
         if value is not None:
             cmd.append(f"--{flag}={value}")
     cmd.append(f"--job-name={job_name}")
-    return [*cmd, script, "--nproc-per-node", str(gpus_per_node), *overrides]
+    # the script takes its own options first; `--` ends them when Hydra flags (--cfg job) are passed through
+    dashes = ["--"] if any(word.startswith("-") for word in overrides) else []
+    return [*cmd, script, "--nproc-per-node", str(gpus_per_node), *dashes, *overrides]
 
 
 def default_sbatch_script() -> Path:
