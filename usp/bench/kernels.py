@@ -6,6 +6,8 @@ on the CPU it checks ``cpu_flash`` against ``math``. For each backend usable on 
 
 - ``max_err_out``, ``max_err_lse``, ``max_err_dq/dk/dv``: max abs difference to the ``math`` backend (fp32
   math on the same inputs), causal, GQA;
+- ``max_err_doc_*``: the same with packed documents (``--doc-len``; lengths cycle ``L, L/8, 1``) as causal
+  segments: on a GPU-sized block this is the per-segment SDPA path (or flash_attn's varlen kernel);
 - ``kernel_tflops``: causal forward+backward FLOPs / time of :func:`usp.attention.kernels.attention_forward`
   + ``attention_backward`` (what one ring step runs), ``sdpa_tflops``: the same for
   ``torch.nn.functional.scaled_dot_product_attention`` + autograd, and their ratio (goal >= 0.90).
@@ -43,7 +45,33 @@ def _time(fn, iters: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def check_backend(backend: str, *, device, dtype, batch, seq_len, heads, kv_heads, head_dim, iters) -> dict:
+def document_segments(seq_len: int, doc_len: int) -> torch.Tensor:
+    """Causal diagonal segments ``[n, 4]`` of documents whose lengths cycle ``doc_len, doc_len // 8, 1``."""
+    bounds, pos, i = [0], 0, 0
+    while pos < seq_len:
+        pos = min(seq_len, pos + (doc_len, max(1, doc_len // 8), 1)[i % 3])
+        bounds.append(pos)
+        i += 1
+    return torch.tensor([[a, b, a, b] for a, b in zip(bounds, bounds[1:])], dtype=torch.int64)
+
+
+def _max_errors(prefix, backend, q, k, v, dout, kw) -> dict:
+    out, lse = attention_forward(q, k, v, backend=backend, **kw)
+    grads = attention_backward(dout, q, k, v, out, lse, backend=backend, **kw)
+    ref_out, ref_lse = attention_forward(q, k, v, backend="math", **kw)
+    ref_grads = attention_backward(dout, q, k, v, ref_out, ref_lse, backend="math", **kw)
+    record = {
+        f"{prefix}out": float((out.float() - ref_out.float()).abs().max()),
+        f"{prefix}lse": float((lse - ref_lse).abs().max()),
+    }
+    for name, a, b in zip(("dq", "dk", "dv"), grads, ref_grads):
+        record[f"{prefix}{name}"] = float((a.float() - b.float()).abs().max())
+    return record
+
+
+def check_backend(
+    backend: str, *, device, dtype, batch, seq_len, heads, kv_heads, head_dim, iters, doc_len=None
+) -> dict:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, seq_len, heads, head_dim, generator=g).to(device, dtype)
     k = torch.randn(batch, seq_len, kv_heads, head_dim, generator=g).to(device, dtype)
@@ -51,19 +79,18 @@ def check_backend(backend: str, *, device, dtype, batch, seq_len, heads, kv_head
     dout = torch.randn(batch, seq_len, heads, head_dim, generator=g).to(device, dtype)
     scale = head_dim**-0.5
     kw = dict(causal=True, softmax_scale=scale)
-    out, lse = attention_forward(q, k, v, backend=backend, **kw)
-    grads = attention_backward(dout, q, k, v, out, lse, backend=backend, **kw)
-    ref_out, ref_lse = attention_forward(q, k, v, backend="math", **kw)
-    ref_grads = attention_backward(dout, q, k, v, ref_out, ref_lse, backend="math", **kw)
     record = {
         "backend": backend,
         "dtype": str(dtype).removeprefix("torch."),
         "shape": [batch, seq_len, heads, kv_heads, head_dim],
-        "max_err_out": float((out.float() - ref_out.float()).abs().max()),
-        "max_err_lse": float((lse - ref_lse).abs().max()),
     }
-    for name, a, b in zip(("dq", "dk", "dv"), grads, ref_grads):
-        record[f"max_err_{name}"] = float((a.float() - b.float()).abs().max())
+    record.update(_max_errors("max_err_", backend, q, k, v, dout, kw))
+    if doc_len:  # documents: batch size 1, as cu_seqlens requires
+        segments = document_segments(seq_len, doc_len)
+        record["doc_len"] = doc_len
+        record.update(
+            _max_errors("max_err_doc_", backend, q[:1], k[:1], v[:1], dout[:1], dict(kw, segments=segments))
+        )
 
     def kernel_step():
         o, lse_ = attention_forward(q, k, v, backend=backend, **kw)
@@ -101,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument(
+        "--doc-len",
+        type=int,
+        default=None,
+        help="document check: longest document; default seq // 8 + 3, 0 = off",
+    )
     p.add_argument("--out", default=None)
     return p
 
@@ -127,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     kv_heads=args.kv_heads,
                     head_dim=args.head_dim,
                     iters=args.iters,
+                    doc_len=seq // 8 + 3 if args.doc_len is None else args.doc_len,
                 )  # fmt: skip
             )
     report = {
@@ -137,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     cols = ["backend", "dtype", "max_err_out", "max_err_lse", "max_err_dq", "max_err_dk", "max_err_dv",
             "kernel_tflops", "sdpa_tflops", "kernel_over_sdpa"]  # fmt: skip
+    if records and "max_err_doc_out" in records[0]:
+        cols[7:7] = ["max_err_doc_out", "max_err_doc_dq"]
     print(
         f"kernels  {report['date']}  device={report['device']}  shape={records[0]['shape'] if records else []}"
     )
