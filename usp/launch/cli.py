@@ -8,8 +8,8 @@
                         [--job-name J] [--gres] [--submit] [overrides...] [--dry-run]
 
 ``local`` runs one plain process. ``torchrun`` runs one node; ``--nproc-per-node`` defaults to the GPUs that
-``nvidia-smi`` lists, and it is what torchrun exports as ``LOCAL_WORLD_SIZE``, the node size the mesh uses to
-keep Ulysses groups inside a node. ``slurm`` submits ``launch/slurm.sbatch`` with sbatch; inside an allocation
+``nvidia-smi`` lists (no more than ``CUDA_VISIBLE_DEVICES`` shows), and it is what torchrun exports as
+``LOCAL_WORLD_SIZE``, the node size the mesh uses to keep Ulysses groups inside a node. ``slurm`` submits ``launch/slurm.sbatch`` with sbatch; inside an allocation
 (``SLURM_JOB_ID`` set, e.g. under salloc) it runs ``srun ... torchrun ...`` directly, as the script would.
 Without ``--nodes`` / ``--gpus-per-node``, the run config's ``cluster.num_nodes`` / ``cluster.gpus_per_node``
 (the size the recipe declares, or a ``cluster.*`` override) sizes the sbatch job.
@@ -143,8 +143,12 @@ def compose_run_config(overrides: Sequence[str]) -> TrainConfig:
 def config_degrees(cfg: TrainConfig) -> list[str]:
     """The composed config's layout settings as overrides, for :func:`check_degrees` (recipe values included)."""
     p = cfg.parallel
-    words = [f"parallel.ulysses_degree={p.ulysses_degree}", f"parallel.ring_degree={p.ring_degree}",
-             f"parallel.dp_degree={p.dp_degree}", f"parallel.allow_cross_node_ulysses={str(p.allow_cross_node_ulysses).lower()}"]  # fmt: skip
+    words = [
+        f"parallel.ulysses_degree={p.ulysses_degree}",
+        f"parallel.ring_degree={p.ring_degree}",
+        f"parallel.dp_degree={p.dp_degree}",
+        f"parallel.allow_cross_node_ulysses={str(p.allow_cross_node_ulysses).lower()}",
+    ]
     if p.node_size is not None:
         words.append(f"parallel.node_size={p.node_size}")
     return words
@@ -205,8 +209,8 @@ def plan_command(
             nproc = commands.count_gpus()
             if nproc == 0:
                 raise LaunchError(
-                    "no GPUs found (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them): pass --nproc-per-node N, "
-                    "or --cpu --nproc-per-node N for CPU processes on gloo."
+                    "no GPUs found (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them): pass "
+                    "--nproc-per-node N, or --cpu --nproc-per-node N for CPU processes on gloo."
                 )
         _check(overrides, cfg, nodes=1, nproc_per_node=nproc)
         return commands.torchrun_command(overrides, nproc_per_node=nproc)
