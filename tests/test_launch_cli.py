@@ -183,12 +183,15 @@ def test_slurm_adds_no_run_dir_so_a_pinned_recipe_keeps_its_own(capsys, monkeypa
 def test_default_run_dir_under_the_slurm_launchers_is_the_job_ids(monkeypatch):
     """Without hydra.run.dir the entry point names the run dir after an id every rank shares: the sbatch's
     torchrun uses --rdzv-id $SLURM_JOB_ID, so torchrun's TORCHELASTIC_RUN_ID and SLURM_JOB_ID are the same."""
-    from usp.train.__main__ import _run_id
+    from omegaconf import OmegaConf
 
+    from usp.train.__main__ import register_configs
+
+    register_configs()  # the ${usp_run_id:} resolver behind conf/train.yaml's default run dir
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4242")
     monkeypatch.setenv("WORLD_SIZE", "16")
-    assert "4242" in _run_id()
+    assert "4242" in OmegaConf.create({"run_dir": "outputs/${usp_run_id:}"}).run_dir
 
 
 def test_srun_gives_the_task_the_nodes_cores(capsys, monkeypatch):
