@@ -166,3 +166,16 @@ def test_sequence_length_dependent_rope_is_refused_under_sequence_parallelism(ro
     static = apply_rope_overrides(LlamaConfig(hidden_size=64, num_attention_heads=4),
                                   rope_scaling={"rope_type": "linear", "factor": 4.0})  # fmt: skip
     check_rope_for_sequence_parallel(static, 4)
+
+
+def test_weights_that_do_not_match_the_config_raise_on_every_rank(dist_pools, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = build_tiny_llama(tmp_path / "llama")
+    weights = model_dir / "model.safetensors"
+    state = load_file(str(weights))
+    del state["model.norm.weight"]
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # old exports: ignored
+    save_file(state, str(weights), metadata={"format": "pt"})
+    for m in dist_pools(2).run(load_truncated_weights, str(model_dir), timeout=120):
+        assert "model.path=" in m and "missing ['model.norm.weight'], unexpected []" in m, m

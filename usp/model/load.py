@@ -262,17 +262,28 @@ def load_sharded_weights(
         try:
             state = read_full_state_dict(path)
         except Exception as e:  # noqa: BLE001 - shared with every rank below, then raised there
-            error = f"{type(e).__name__}: {e}"
+            error = (
+                f"rank 0 could not read the weights ({type(e).__name__}: {e}). A weight file is damaged or "
+                f"incomplete (an interrupted copy?): copy the checkpoint again, then rerun."
+            )
         head, embed = "lm_head.weight", "model.embed_tokens.weight"
         if getattr(model.config, "tie_word_embeddings", False) and head not in state and embed in state:
             state[head] = state[embed]
+        for key in [k for k in state if k.endswith("rotary_emb.inv_freq")]:  # old exports saved the buffer
+            del state[key]
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if error is None and (missing or unexpected):
+            error = (
+                f"the weights do not match the model its config.json describes (missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                f"{' ...' if len(unexpected) > 5 else ''}). Point model.path at a complete checkpoint whose "
+                f"weights and config.json belong together."
+            )
     errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     if errors[0] is not None:
-        raise ValueError(
-            f"model.path={str(path)!r}: rank 0 could not read the weights ({errors[0]}). A weight file is "
-            f"damaged or incomplete (an interrupted copy?): copy the checkpoint again, then rerun."
-        )
+        raise ValueError(f"model.path={str(path)!r}: {errors[0]}")
     set_model_state_dict(
         model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
     )
