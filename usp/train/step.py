@@ -46,7 +46,7 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     assert not missing, f"batch lacks {missing}; a batch is a dict with {BATCH_KEYS} (+ cu_seqlens)"
     out = {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS}
     cu = batch.get("cu_seqlens")
-    out["cu_seqlens"] = None if cu is None else cu.to(device=device, dtype=torch.int32)
+    out["cu_seqlens"] = None if cu is None else cu.to(dtype=torch.int32)  # stays on the CPU: read on the host
     return out
 
 

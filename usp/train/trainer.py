@@ -348,7 +348,7 @@ def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: tor
         cu = batch.get("cu_seqlens")
         loss_sum = loss_model(
             batch["input_ids"].to(device), labels, position_ids=batch["position_ids"].to(device),
-            cu_seqlens=None if cu is None else cu.to(device=device, dtype=torch.int32), num_targets=1.0,
+            cu_seqlens=None if cu is None else cu.to(dtype=torch.int32), num_targets=1.0,  # host-side
         )  # fmt: skip
         total[0] += loss_sum.double()
         total[1] += (labels != IGNORE_INDEX).sum()
