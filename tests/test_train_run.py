@@ -229,6 +229,11 @@ def test_timeout_minutes_reaches_init_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert trainer.init_distributed(torch.device("cpu"))
     assert [c["timeout"] for c in calls] == [timedelta(minutes=90), timedelta(minutes=60)]
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append({"backend": a[0]}))
+    trainer.init_distributed(torch.device("cuda", 0), cpu_offload=True)  # CPU shards need gloo next to nccl
+    trainer.init_distributed(torch.device("cuda", 0))
+    assert [c["backend"] for c in calls[2:]] == ["cpu:gloo,cuda:nccl", "nccl"]
     cfg = TrainConfig()
     assert cfg.parallel.timeout_minutes == 60
     cfg.model.path, cfg.data.build_tiny_corpus, cfg.parallel.timeout_minutes = "/m", True, 0
@@ -243,7 +248,7 @@ def test_run_passes_timeout_minutes(monkeypatch, tmp_path):
 
     seen: dict = {}
 
-    def fake_init(device, backend=None, *, timeout_minutes=60):
+    def fake_init(device, backend=None, *, timeout_minutes=60, cpu_offload=False):
         seen["timeout_minutes"] = timeout_minutes
         return False
 

@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = build_parser().parse_args(argv)
     device = resolve_device(args.device)
-    created = init_distributed(device)
+    created = init_distributed(device, cpu_offload=args.cpu_offload)
     try:
         return _main(args, device)
     finally:

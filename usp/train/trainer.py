@@ -65,17 +65,23 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
-def init_distributed(device: torch.device, backend: str | None = None, *, timeout_minutes: int = 60) -> bool:
+def init_distributed(
+    device: torch.device, backend: str | None = None, *, timeout_minutes: int = 60, cpu_offload: bool = False
+) -> bool:
     """Initialize torch.distributed unless it already is; returns whether this call created the group.
 
     ``timeout_minutes`` (``parallel.timeout_minutes``) bounds every collective wait: long enough for rank 0's
     start-up data preparation and a large checkpoint save, short enough that a dead peer ends the job.
+    ``cpu_offload`` (``parallel.cpu_offload``) with nccl adds gloo for CPU tensors (``cpu:gloo,cuda:nccl``): the
+    offloaded shards are CPU tensors in the weight broadcast and the gradient-norm all-reduce.
     """
     if dist.is_initialized():
         return False
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if cpu_offload and backend == "nccl":
+        backend = "cpu:gloo,cuda:nccl"
     timeout = timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
@@ -364,7 +370,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     Raises ``ValueError`` on every rank, before loading weights or data, for bad settings.
     """
     device = resolve_device(cfg.trainer.device)
-    created = init_distributed(device, cfg.parallel.backend, timeout_minutes=cfg.parallel.timeout_minutes)
+    created = init_distributed(
+        device, cfg.parallel.backend, timeout_minutes=cfg.parallel.timeout_minutes,
+        cpu_offload=cfg.parallel.cpu_offload,
+    )  # fmt: skip
     try:
         return _run(cfg, device)
     finally:
