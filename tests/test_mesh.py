@@ -132,3 +132,26 @@ def test_device_mesh_world16_ulysses8_ring2_spans_nodes_by_ring():
         got = _fake_world_groups(rank, 16, ulysses_degree=8, ring_degree=2, node_size=8)
         assert got["ulysses"] == list(range(rank - rank % 8, rank - rank % 8 + 8))
         assert got["ring"] == [rank % 8, rank % 8 + 8]
+
+
+def _group_timeouts(timeout_s: float | None) -> dict[str, float]:
+    from datetime import timedelta
+
+    from usp.parallel import init_sp_mesh
+
+    mesh = init_sp_mesh(2, 2, timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
+    out = {}
+    for axis in ("dp", "ring", "ulysses", "sp", "fsdp"):
+        backend = mesh.group(axis)._get_backend(torch.device("cpu"))
+        out[axis] = backend.options._timeout.total_seconds()
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t, group=mesh.ring_group)  # the groups still work
+    return out
+
+
+def test_mesh_groups_take_the_requested_timeout(dist_pools):
+    """``init_sp_mesh(timeout=...)`` reaches every axis' group (new_group would otherwise use the default)."""
+    for got in dist_pools(4).run(_group_timeouts, 123.0):
+        assert got == {"dp": 123.0, "ring": 123.0, "ulysses": 123.0, "sp": 123.0, "fsdp": 123.0}
+    for got in dist_pools(4).run(_group_timeouts, None):
+        assert set(got.values()) != {123.0}

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from datetime import timedelta
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -147,6 +148,8 @@ class SPMesh:
     dims: ParallelDims
     device_mesh: DeviceMesh
     ring_layout: RingLayout = "zigzag"
+    group_options: Any = field(default=None, repr=False)
+    """Backend options (collective timeout) for the flattened axes' groups; see :func:`init_sp_mesh`."""
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -155,8 +158,9 @@ class SPMesh:
         names = self.device_mesh.mesh_dim_names
         assert names == MESH_AXES, f"SPMesh needs a DeviceMesh with axes {MESH_AXES}, got {names}"
         if not self._flat:
-            self._flat["sp"] = self.device_mesh["ring", "ulysses"]._flatten("sp")
-            self._flat["fsdp"] = self.device_mesh["dp", "ring", "ulysses"]._flatten("fsdp")
+            override = None if self.group_options is None else (None, self.group_options)
+            self._flat["sp"] = self.device_mesh["ring", "ulysses"]._flatten("sp", backend_override=override)
+            self._flat["fsdp"] = self.device_mesh["dp", "ring", "ulysses"]._flatten("fsdp", backend_override=override)
 
     # --- degrees and coordinates -------------------------------------------------------------------
     @property
@@ -245,6 +249,26 @@ def sequence_multiple(ring_degree: int, ulysses_degree: int, ring_layout: str) -
     return (2 if ring_layout == "zigzag" else 1) * ring_degree * ulysses_degree
 
 
+def group_options_with_timeout(timeout: timedelta | None) -> Any:
+    """Backend options carrying ``timeout`` for new groups of the default backend, or ``None``.
+
+    Sub-groups made by ``new_group`` otherwise take the backend's default collective timeout (10 minutes for
+    NCCL), not the one the default group was initialized with. ``None`` for backends without options here
+    (mixed ``cpu:gloo,cuda:nccl`` groups keep their defaults).
+    """
+    if timeout is None:
+        return None
+    backend = dist.get_backend()
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timeout
+    return options
+
+
 def init_sp_mesh(
     ulysses_degree: int,
     ring_degree: int,
@@ -254,11 +278,13 @@ def init_sp_mesh(
     ring_layout: RingLayout = "zigzag",
     allow_cross_node_ulysses: bool = False,
     device_type: str | None = None,
+    timeout: timedelta | None = None,
 ) -> SPMesh:
     """Validate the degrees and build the job's DeviceMesh ``[dp, ring, ulysses]``.
 
     Needs an initialized default process group (``torch.distributed.init_process_group``, any backend).
     ``node_size`` defaults to the launcher's ``LOCAL_WORLD_SIZE``; without it the job is one node.
+    ``timeout`` bounds every collective on the mesh's groups (default: the backend's default timeout).
     Raises ``ValueError`` (naming the setting and the fix) before any communication happens.
     """
     if not dist.is_initialized():
@@ -280,5 +306,7 @@ def init_sp_mesh(
         raise ValueError(f"ring_layout={ring_layout!r} is invalid; choose one of {RING_LAYOUTS}.")
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = DeviceMesh(device_type, dims.rank_grid(), mesh_dim_names=MESH_AXES)
-    return SPMesh(dims=dims, device_mesh=mesh, ring_layout=ring_layout)
+    options = group_options_with_timeout(timeout)
+    override = None if options is None else tuple((None, options) for _ in MESH_AXES)
+    mesh = DeviceMesh(device_type, dims.rank_grid(), mesh_dim_names=MESH_AXES, backend_override=override)
+    return SPMesh(dims=dims, device_mesh=mesh, ring_layout=ring_layout, group_options=options)

@@ -415,7 +415,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     mesh = init_sp_mesh(
         layout.ulysses_degree, layout.ring_degree, dp_degree=layout.dp_degree, node_size=cfg.parallel.node_size,
         ring_layout=cfg.parallel.ring_layout, allow_cross_node_ulysses=cfg.parallel.allow_cross_node_ulysses,
-        device_type=device.type,
+        device_type=device.type, timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
     )  # fmt: skip
     tokenizer = on_every_rank(
         lambda: AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True), "loading the tokenizer"
