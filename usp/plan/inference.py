@@ -18,10 +18,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from usp.parallel.mesh import ParallelDims
 from usp.plan.compute import attention_fwd_flops, block_efficiency, causal_imbalance
 from usp.plan.hardware import GB, GIB, DeviceSpec
 from usp.plan.models import ModelSpec
+from usp.plan.search import split_layout
 
 BF16 = 2
 
@@ -134,13 +134,8 @@ def plan_inference(
     reasons: list[str] = []
     for U in [u for u in range(1, world_size + 1) if world_size % u == 0]:
         R = world_size // U
-        try:
-            ParallelDims(world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size)
-        except ValueError as e:
-            reasons.append(f"ulysses={U}: {e}")
-            continue
-        why = model.ulysses_split_error(U)
-        if why:
+        dims, why = split_layout(model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size)
+        if dims is None:
             reasons.append(f"ulysses={U}: {why}")
             continue
         out.append(

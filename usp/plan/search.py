@@ -190,6 +190,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def split_layout(
+    model: ModelSpec, *, world_size: int, ulysses_degree: int, ring_degree: int, node_size: int
+) -> tuple[ParallelDims | None, str | None]:
+    """``(dims, None)`` when the degrees fit the world, the nodes and the model's heads; else ``(None, why)``."""
+    try:
+        dims = ParallelDims(
+            world_size=world_size, ulysses_degree=ulysses_degree, ring_degree=ring_degree, node_size=node_size
+        )
+    except ValueError as e:
+        return None, str(e)
+    why = model.ulysses_split_error(ulysses_degree)
+    return (None, why) if why else (dims, None)
+
+
 def enumerate_layouts(
     model: ModelSpec,
     device: DeviceSpec,
@@ -226,15 +240,8 @@ def enumerate_layouts(
     for U in _divisors(world_size) if ulysses_degree is None else [ulysses_degree]:
         for R in _divisors(world_size // U) if ring_degree is None else [ring_degree]:
             tag = f"ulysses={U} ring={R}"
-            try:
-                dims = ParallelDims(
-                    world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size
-                )
-            except ValueError as e:
-                rejected.append(f"{tag}: {e}")
-                continue
-            why = model.ulysses_split_error(U)
-            if why:
+            dims, why = split_layout(model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size)
+            if dims is None:
                 rejected.append(f"{tag}: {why}")
                 continue
             m = sequence_multiple(R, U, ring_layout)
