@@ -86,13 +86,21 @@ def test_auto_degrees_tiny_cpu_model():
 
 def test_auto_degrees_memory_limit_forces_checkpointing():
     # Llama-3.1-8B on 8 GPUs: 32K tokens leave room to keep every activation (none is fastest); at 256K with
-    # 48 GiB only full checkpointing fits (41 GiB; every other layer would need ~100 GiB)
+    # 50 GiB (3.75 GiB of headroom) only full checkpointing fits (44.6 GiB; every other layer would need ~100
+    # GiB); with 48 GiB it needs MLP tiles or checkpoint offload, and offload costs no compute, tiles do
     cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
            "intermediate_size": 14336, "vocab_size": 128256}  # fmt: skip
     roomy = auto_degrees(cfg, seq_len=2**15, world_size=8, node_size=8, gpu="h100-80g")
-    tight = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=48)
-    assert roomy["activation_checkpointing"] == "none"
-    assert tight["activation_checkpointing"] == "full"
+    tight = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=50)
+    tighter = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=48)
+    assert roomy["activation_checkpointing"] == "none" and roomy["mlp_tiles"] == 1
+    assert (tight["activation_checkpointing"], tight["mlp_tiles"]) == ("full", 1)
+    assert tighter["activation_checkpointing"] == "offload"
+    # the trainer's default mlp_tiles=1 is kept; auto may tile
+    assert tighter["mlp_tiles"] == 1
+    tiled = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=48,
+                         activation_checkpointing="full", mlp_tiles="auto")  # fmt: skip
+    assert (tiled["activation_checkpointing"], tiled["mlp_tiles"]) == ("full", 2)
     with pytest.raises(ValueError, match="offload"):
         auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=30)
 
@@ -260,9 +268,9 @@ def test_cli_float32_costs_more_memory(capsys):
         "1",
     ]
     assert main(base) == 0
-    bf16 = {(x["fsdp_mode"], x["activation_checkpointing"]): x for x in json.loads(capsys.readouterr().out)}
+    bf16 = {(x["fsdp_mode"], x["activation_checkpointing"], x["mlp_tiles"]): x for x in json.loads(capsys.readouterr().out)}
     assert main(base + ["--dtype", "float32"]) == 0
-    fp32 = {(x["fsdp_mode"], x["activation_checkpointing"]): x for x in json.loads(capsys.readouterr().out)}
+    fp32 = {(x["fsdp_mode"], x["activation_checkpointing"], x["mlp_tiles"]): x for x in json.loads(capsys.readouterr().out)}
     assert len(fp32.keys() & bf16.keys()) >= 2
     for key in fp32.keys() & bf16.keys():
         # everything doubles but the norms' fp32 input copies

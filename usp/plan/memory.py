@@ -16,6 +16,16 @@ replication), as autograd keeps them for the Hugging Face layer (measured in ``t
     4 I B            gate, up, silu(gate), silu(gate) * up
 
 With ``full`` checkpointing a layer keeps only its input (``h``) and one layer is recomputed at a time.
+With ``offload`` those inputs live in host memory: the device holds :data:`OFFLOAD_DEVICE_CHECKPOINTS` of them
+(the one being copied out or prefetched back, and the one in use) instead of ``L``.
+
+With ``mlp_tiles = T > 1`` the MLP runs over the sequence in ``T`` tiles and recomputes each tile in backward:
+a layer no longer keeps the ``4 I B`` per token of the MLP (only its input, already counted as the norm's
+output), and one tile's ``4 I B s / T`` exists at a time.
+
+Sharded states: 16 B per parameter on the device; with the optimizer offloaded (``optimizer_offload``: Adam
+moments and an fp32 master copy on the host, the step on the host) the device keeps the fp32 parameter and
+its fp32 gradient, 8 B; with FSDP CPU offload (``offload``) nothing stays on the device between uses.
 """
 
 from __future__ import annotations
@@ -27,7 +37,10 @@ from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.models import ModelSpec
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master param + fp32 grad + Adam m and v
-AC_MODES = ("none", "every_k", "full")
+OPTIM_OFFLOAD_DEVICE_BYTES = 8  # fp32 param + fp32 grad stay on the device
+OPTIM_OFFLOAD_HOST_BYTES = 12  # Adam m and v + the fp32 copy the host step updates
+OFFLOAD_DEVICE_CHECKPOINTS = 2  # checkpoint offload: the layer input in flight + the one in use
+AC_MODES = ("none", "every_k", "full", "offload")
 
 
 @dataclass(frozen=True)
@@ -57,24 +70,44 @@ def activation_bytes_per_token_layer(
     model: ModelSpec, ulysses_degree: int, compute_bytes: int = ACT_BYTES
 ) -> int:
     """Saved activations of one decoder layer per local token, in bytes (module docstring)."""
-    h, d, H, mlp, B = (
-        model.hidden_size,
-        model.head_dim,
-        model.num_heads,
-        model.intermediate_size,
-        compute_bytes,
-    )
+    h, d, H, B = model.hidden_size, model.head_dim, model.num_heads, compute_bytes
     kv = max(model.num_kv_heads, ulysses_degree)
     norms = 2 * h * (4 + 2 * B)
     attention = (H + 2 * kv) * d * B + H * d * B * (2 if ulysses_degree > 1 else 1)
-    return norms + attention + 4 * H + 8 + 4 * mlp * B
+    return norms + attention + 4 * H + 8 + mlp_bytes_per_token(model, compute_bytes)
+
+
+def mlp_bytes_per_token(model: ModelSpec, compute_bytes: int = ACT_BYTES) -> int:
+    """What the MLP keeps per token for backward: gate, up, silu(gate), silu(gate) * up (``4 I B``)."""
+    return 4 * model.intermediate_size * compute_bytes
+
+
+def check_mlp_tiles(mlp_tiles: int, local_tokens: float) -> None:
+    """``parallel.mlp_tiles`` must be an integer >= 1 that splits the local tokens evenly."""
+    if isinstance(mlp_tiles, bool) or not isinstance(mlp_tiles, int) or mlp_tiles < 1:
+        raise ValueError(f"parallel.mlp_tiles={mlp_tiles!r} is invalid: use an integer >= 1 (1 = off) or auto.")
+    if mlp_tiles > 1 and local_tokens % mlp_tiles:
+        raise ValueError(
+            f"parallel.mlp_tiles={mlp_tiles} does not divide the {local_tokens:g} local tokens per rank; use a "
+            "divisor of seq_len / (ulysses_degree x ring_degree)."
+        )
+
+
+def device_states_bytes(
+    model: ModelSpec, shard: int, *, offload: bool = False, optimizer_offload: bool = False
+) -> float:
+    """Sharded parameters, gradients and optimizer states left on one device (module docstring)."""
+    if offload:
+        return 0.0
+    per_param = OPTIM_OFFLOAD_DEVICE_BYTES if optimizer_offload else STATE_BYTES_PER_PARAM
+    return model.num_params * per_param / shard
 
 
 def checkpointed_layers(num_layers: int, activation_checkpointing: str, ac_every_k: int = 2) -> int:
     """How many decoder layers keep only their input (and recompute their forward in backward)."""
     if activation_checkpointing == "none":
         return 0
-    if activation_checkpointing == "full":
+    if activation_checkpointing in ("full", "offload"):
         return num_layers
     if activation_checkpointing == "every_k":
         if ac_every_k < 1:
@@ -111,29 +144,35 @@ def training_memory(
     overhead_frac: float = 0.08,
     offload: bool = False,
     compute_bytes: int = ACT_BYTES,
+    mlp_tiles: int = 1,
+    optimizer_offload: bool = False,
 ) -> MemoryBreakdown:
-    """Peak bytes per rank. ``offload`` moves the sharded states to host memory (FSDP2 CPU offload);
-    ``compute_bytes`` is 2 for bf16 compute, 4 for an fp32 run."""
+    """Peak bytes per rank on the device. ``offload`` moves the sharded states to host memory (FSDP2 CPU
+    offload), ``optimizer_offload`` only the optimizer's (module docstring); ``activation_checkpointing=offload``
+    keeps the layer inputs on the host; ``mlp_tiles`` runs the MLP in tiles; ``compute_bytes`` is 2 for bf16
+    compute, 4 for an fp32 run. Host bytes: :func:`usp.plan.offload.host_memory`."""
     B = compute_bytes
     U, R = ulysses_degree, ring_degree
     s = seq_len / (U * R) * micro_batch_size  # local tokens
     h, d, H = model.hidden_size, model.head_dim, model.num_heads
     kv = max(model.num_kv_heads, U)
+    check_mlp_tiles(mlp_tiles, s)
 
-    states = (
-        0.0
-        if offload
-        else model.num_params * STATE_BYTES_PER_PARAM / shard_degree(world_size, node_size, fsdp_mode)
-    )
-    # Current layer and the prefetched one in bf16, plus one fp32 unsharded gradient waiting for reduction.
+    shard = shard_degree(world_size, node_size, fsdp_mode)
+    states = device_states_bytes(model, shard, offload=offload, optimizer_offload=optimizer_offload)
+    # Current layer and the prefetched one in bf16, plus one fp32 unsharded gradient waiting for reduction
+    # (on one rank without offload the parameters are used where they live: nothing is gathered).
     unit = max(model.layer_params, model.embedding_params, model.head_params)
-    gathered = 0.0 if world_size == 1 else unit * (2 * B + 4)
+    gathered = 0.0 if world_size == 1 and not offload else unit * (2 * B + 4)
 
-    per_layer = activation_bytes_per_token_layer(model, U, B) * s
+    mlp = mlp_bytes_per_token(model, B) * s
+    per_layer = activation_bytes_per_token_layer(model, U, B) * s - (mlp if mlp_tiles > 1 else 0.0)
     n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
-    kept = (model.num_layers - n_ckpt) * per_layer + n_ckpt * h * s * B
+    on_device = min(n_ckpt, OFFLOAD_DEVICE_CHECKPOINTS) if activation_checkpointing == "offload" else n_ckpt
+    kept = (model.num_layers - n_ckpt) * per_layer + on_device * h * s * B
     recompute = per_layer if n_ckpt else 0.0
-    activations = kept + recompute
+    tile = mlp / mlp_tiles if mlp_tiles > 1 else 0.0  # one MLP tile in flight (forward, or its recompute)
+    activations = kept + recompute + tile
 
     qkv = s * (H + 2 * kv) * d * B
     workspace = qkv  # dq, dk, dv of the layer in backward
