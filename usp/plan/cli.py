@@ -157,8 +157,8 @@ def format_table(
         f"({device.memory_gib:g} GiB, {device.peak_tflops:g} TFLOP/s peak); {len(layouts)} layouts fit"
     )
     cols = (
-        f"{'#':>3} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<10} {'mem GiB':>8} {'step s':>9} "
-        f"{'tok/s/GPU':>10} {'MFU':>6}"
+        f"{'#':>3} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<10} {'tiles':>5} {'states':<17} "
+        f"{'mem GiB':>8} {'step s':>9} {'tok/s/GPU':>10} {'MFU':>6}"
     )
     rows = [head, cols]
     for i, e in enumerate(layouts[:top], 1):
@@ -167,12 +167,13 @@ def format_table(
         )
         rows.append(
             f"{i:>3} {e.ulysses_degree:>7} {e.ring_degree:>5} {e.dp_degree:>4} {e.fsdp_mode:<12} {ckpt:<10} "
-            f"{e.mem_gib_per_gpu:>8.1f} {e.step_time_s:>9.3g} {e.tokens_per_s_per_gpu:>10.4g} {e.mfu:>6.1%}"
+            f"{e.mlp_tiles:>5} {e.states:<17} {e.mem_gib_per_gpu:>8.1f} {e.step_time_s:>9.3g} {e.tokens_per_s_per_gpu:>10.4g} {e.mfu:>6.1%}"
         )
     best = layouts[0]
     rows.append("")
     rows.append(
-        "best layout, memory GiB/GPU: " + ", ".join(f"{k} {v:.2f}" for k, v in best.memory_gib.items())
+        f"best layout, memory GiB/GPU (+ {best.headroom_gib:.1f} GiB headroom; host {best.host_mem_gib_per_node:.0f} "
+        "GiB/node): " + ", ".join(f"{k} {v:.2f}" for k, v in best.memory_gib.items())
     )
     t = best.time_s
     rows.append(
