@@ -39,19 +39,21 @@ def test_llama31_8b_1m_tokens_32_gpus_ulysses8_ring4_full_checkpointing():
     per_token_layer = 65_536 + 12_288 + 16_384 + 136 + 114_688
     assert per_token_layer == 209_032
     one_layer = per_token_layer * s
-    # full checkpointing: 32 layer inputs (4096 x 2 B per token) + one layer recomputed at a time
-    assert mem.activations == 32 * 4096 * s * 2 + one_layer == 15_439_495_168
+    # full checkpointing: 32 layer inputs (4096 x 2 B per token) + one layer recomputed at a time, + the rotary
+    # cos and sin every layer shares (2 x 128 x 2 B per token)
+    assert mem.activations == 32 * 4096 * s * 2 + one_layer + 2 * 128 * 2 * s == 15_456_272_384
     # dq,dk,dv + all-to-all buffers: 2 x 32768 x 48 heads x 128 x 2 B; ring: K,V block of 262,144 tokens x 1 KV
     # head per rank x 128 x 2 (K,V) x 2 B = 128 MiB, 2 in bf16 + 2 fp32 dK/dV (= 6 blocks), fp32 out accumulator
     block = 262_144 * 1 * 128 * 2 * 2
     assert mem.attention_workspace == 2 * s * 48 * 128 * 2 + 6 * block + s * 32 * 128 * 4 == 2 * GIB
     # chunked loss at its peak, the log-softmax backward of one 4096-token chunk: saved fp32 log-probabilities,
-    # their gradient, the input gradient (3 x 4 B x 128,256 vocab); final norm in/out in bf16
-    assert mem.loss_buffer == 4096 * 128256 * 12 + 2 * s * 4096 * 2 == 6_840_909_824
+    # their gradient, the input gradient (3 x 4 B x 128,256 vocab); what the final RMSNorm keeps, as a layer's:
+    # fp32 input copy, normalized input, output (4 + 2 + 2 B x 4096)
+    assert mem.loss_buffer == 4096 * 128256 * 12 + s * 4096 * 8 == 7_377_780_736
     assert mem.overhead == 1 * GIB  # CUDA context; no margin asked
-    # 4,015,130,624 + 4,202,692,608 + 15,439,495,168 + 2,147,483,648 + 6,840,909,824 + 1,073,741,824
-    assert mem.total == 33_719_453_696
-    assert mem.total_gib == pytest.approx(31.40, abs=0.005)
+    # 4,015,130,624 + 4,202,692,608 + 15,456,272,384 + 2,147,483,648 + 7,377,780,736 + 1,073,741,824
+    assert mem.total == 34_273_101_824
+    assert mem.total_gib == pytest.approx(31.92, abs=0.005)
 
 
 def test_no_checkpointing_keeps_every_layer():
@@ -61,9 +63,10 @@ def test_no_checkpointing_keeps_every_layer():
     every2 = training_memory(LLAMA8, H100, activation_checkpointing="every_k", ac_every_k=2, **kw)
     s = S // 8
     one_layer = 209_032 * s  # as above: Ulysses 8 keeps the o_proj input apart from the kernel's output
-    assert none.activations == 32 * one_layer
+    rotary = 2 * 128 * 2 * s
+    assert none.activations == 32 * one_layer + rotary
     # 16 layers keep everything, 16 keep their input, plus one recomputed layer
-    assert every2.activations == 16 * one_layer + 16 * 4096 * s * 2 + one_layer
+    assert every2.activations == 16 * one_layer + 16 * 4096 * s * 2 + one_layer + rotary
 
 
 def test_float32_run_activations_by_hand():
@@ -73,8 +76,8 @@ def test_float32_run_activations_by_hand():
     s = 2**16 // 8
     # fp32: norms 2 x 4096 x (4 + 4 + 4), q,k,v (32 + 16) x 128 x 4, out + o_proj input 2 x 4096 x 4, 136, MLP
     # 4 x 14336 x 4 -- the norms' fp32 input copy does not grow, everything else doubles
-    assert fp32.activations == 32 * s * (98_304 + 24_576 + 32_768 + 136 + 229_376)
-    assert bf16.activations == 32 * s * 209_032
+    assert fp32.activations == 32 * s * (98_304 + 24_576 + 32_768 + 136 + 229_376) + 2 * 128 * 4 * s
+    assert bf16.activations == 32 * s * 209_032 + 2 * 128 * 2 * s
     assert fp32.sharded_states == bf16.sharded_states
     # gathered: 2 copies x 4 B + fp32 grad 4 B = 12 B per parameter of the largest unit, against 8 B in bf16
     assert fp32.gathered_params * 8 == bf16.gathered_params * 12

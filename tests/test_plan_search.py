@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from usp.config import ParallelConfig
+from usp.config import OptimConfig, ParallelConfig
 from usp.parallel import ParallelDims, sequence_multiple
 from usp.plan import (
     NoFeasibleLayoutError,
@@ -57,12 +57,19 @@ def test_overrides_name_real_config_fields():
     layouts = plan_layouts(
         load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**17, world_size=8, node_size=8
     )
-    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-    for e in layouts:
+    fields = {
+        "parallel": {f.name for f in dataclasses.fields(ParallelConfig)},
+        "optim": {f.name for f in dataclasses.fields(OptimConfig)},
+    }
+    tiled = [e for e in layouts if e.mlp_tiles > 1]
+    assert tiled and any(e.activation_checkpointing == "offload" for e in layouts)
+    optim = plan_layouts(load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**17, world_size=8,
+                         node_size=8, states=("optimizer_offload", "cpu_offload"))  # fmt: skip
+    for e in layouts + optim:
         for item in e.overrides():
             key, value = item.split("=")
             section, name = key.split(".")
-            assert section == "parallel" and name in fields
+            assert name in fields[section], item
             assert value != ""
 
 

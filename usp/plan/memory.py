@@ -15,6 +15,9 @@ replication), as autograd keeps them for the Hugging Face layer (measured in ``t
     4 H + 8          log-sum-exp and the two norms' rsqrt, fp32
     4 I B            gate, up, silu(gate), silu(gate) * up
 
+Outside the layers a forward keeps the rotary tables (cos and sin, ``2 d B`` per token, shared by every layer)
+and the final RMSNorm's ``h (4 + 2B)`` (as a layer's norm; its output is what the chunked loss keeps).
+
 With ``full`` checkpointing a layer keeps only its input (``h``) and one layer is recomputed at a time.
 With ``offload`` those inputs live in host memory: the device holds :data:`OFFLOAD_DEVICE_CHECKPOINTS` of them
 (the one being copied out or prefetched back, and the one in use) instead of ``L``.
@@ -103,6 +106,38 @@ def device_states_bytes(
     return model.num_params * per_param / shard
 
 
+def held_activation_bytes(
+    model: ModelSpec,
+    *,
+    seq_len: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    activation_checkpointing: str = "none",
+    ac_every_k: int = 2,
+    mlp_tiles: int = 1,
+    micro_batch_size: int = 1,
+    compute_bytes: int = ACT_BYTES,
+) -> dict[str, float]:
+    """Bytes autograd keeps on the device at the end of a training forward, per rank (what
+    :func:`usp.train.memory.track_memory` measures as held bytes): ``layers`` (every saved activation of the
+    layers that are not checkpointed, the input of those that are, nothing of the inputs ``offload`` moved to
+    the host), ``rotary`` (cos and sin) and ``final_norm``; ``total`` their sum."""
+    B, h = compute_bytes, model.hidden_size
+    s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
+    check_mlp_tiles(mlp_tiles, s)
+    per_layer = activation_bytes_per_token_layer(model, ulysses_degree, B)
+    if mlp_tiles > 1:
+        per_layer -= mlp_bytes_per_token(model, B)  # a tiled MLP keeps only its input (the norm's output)
+    n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
+    inputs = 0 if activation_checkpointing == "offload" else n_ckpt
+    out = {
+        "layers": ((model.num_layers - n_ckpt) * per_layer + inputs * h * B) * s,
+        "rotary": 2 * model.head_dim * B * s,
+        "final_norm": h * (4 + 2 * B) * s,
+    }
+    return out | {"total": sum(out.values())}
+
+
 def checkpointed_layers(num_layers: int, activation_checkpointing: str, ac_every_k: int = 2) -> int:
     """How many decoder layers keep only their input (and recompute their forward in backward)."""
     if activation_checkpointing == "none":
@@ -168,11 +203,15 @@ def training_memory(
     mlp = mlp_bytes_per_token(model, B) * s
     per_layer = activation_bytes_per_token_layer(model, U, B) * s - (mlp if mlp_tiles > 1 else 0.0)
     n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
-    on_device = min(n_ckpt, OFFLOAD_DEVICE_CHECKPOINTS) if activation_checkpointing == "offload" else n_ckpt
-    kept = (model.num_layers - n_ckpt) * per_layer + on_device * h * s * B
+    held = held_activation_bytes(
+        model, seq_len=seq_len, ulysses_degree=U, ring_degree=R, activation_checkpointing=activation_checkpointing,
+        ac_every_k=ac_every_k, mlp_tiles=mlp_tiles, micro_batch_size=micro_batch_size, compute_bytes=B,
+    )  # fmt: skip
+    # checkpoint offload: the input being copied out (forward) or prefetched (backward) and the one in use
+    in_flight = min(n_ckpt, OFFLOAD_DEVICE_CHECKPOINTS) * h * s * B if activation_checkpointing == "offload" else 0
     recompute = per_layer if n_ckpt else 0.0
     tile = mlp / mlp_tiles if mlp_tiles > 1 else 0.0  # one MLP tile in flight (forward, or its recompute)
-    activations = kept + recompute + tile
+    activations = held["layers"] + held["rotary"] + in_flight + recompute + tile
 
     qkv = s * (H + 2 * kv) * d * B
     workspace = qkv  # dq, dk, dv of the layer in backward
@@ -186,8 +225,8 @@ def training_memory(
 
     chunk = min(loss_chunk_size, s)
     # One checkpointed chunk of the cross-entropy at its peak (log-softmax backward): the fp32 log-probabilities it
-    # saved, their gradient and the gradient it returns, 3 x 4 B per logit; plus the final norm's input/output.
-    loss = chunk * model.vocab_size * 12 + 2 * s * h * B
+    # saved, their gradient and the gradient it returns, 3 x 4 B per logit; plus what the final norm keeps.
+    loss = chunk * model.vocab_size * 12 + held["final_norm"]
 
     subtotal = states + gathered + activations + workspace + loss
     overhead = overhead_frac * subtotal + device.reserved_gib * GIB
