@@ -24,7 +24,9 @@ ATTENTION_BACKENDS: tuple[str, ...] = (
 )
 RING_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
 FSDP_MODES: tuple[str, ...] = ("full_shard", "hybrid_shard")
-AC_MODES: tuple[str, ...] = ("none", "full", "every_k")
+AC_MODES: tuple[str, ...] = ("none", "full", "every_k", "offload")
+"""Activation checkpointing modes (``parallel.activation_checkpointing``); the one list the trainer, the
+parallelize recipe and the planner check against."""
 REDUCE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 BACKENDS: tuple[str | None, ...] = (None, "nccl", "gloo")
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
