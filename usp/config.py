@@ -28,6 +28,8 @@ AC_MODES: tuple[str, ...] = ("none", "full", "every_k", "offload")
 """Activation checkpointing modes (``parallel.activation_checkpointing``); the one list the trainer, the
 parallelize recipe and the planner check against."""
 REDUCE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw_cpu_offload", "deepspeed_cpu_adam")
+"""``optim.name`` values; all but ``adamw`` keep the optimizer states on the host (see ``states_on_host``)."""
 BACKENDS: tuple[str | None, ...] = (None, "nccl", "gloo")
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
 WANDB_MODES: tuple[str, ...] = ("online", "offline", "disabled")
@@ -97,8 +99,13 @@ class ParallelConfig:
     fsdp_mode: str = "full_shard"
     """``full_shard`` (shard over dp x ring x ulysses) | ``hybrid_shard`` (shard in a node, replicate across)."""
     activation_checkpointing: str = "none"
-    """``none`` | ``full`` (every decoder layer) | ``every_k`` (every ``ac_every_k``-th layer)."""
+    """``none`` | ``full`` (every decoder layer) | ``every_k`` (every ``ac_every_k``-th layer) | ``offload``
+    (every layer, the saved layer inputs in host memory: pinned, copied asynchronously; docs/memory.md)."""
     ac_every_k: int = 2
+    mlp_tiles: Any = 1
+    """Sequence tiles for each decoder layer's MLP and the RMSNorms (DeepSpeed ``TiledMLP``): 1 = off, an
+    integer dividing ``trainer.seq_len / (ulysses x ring)``, or ``auto`` (tiles of about ``hidden_size``
+    tokens). Exact; costs one more MLP forward per step."""
     reduce_dtype: str = "float32"
     """Gradient reduce-scatter dtype under FSDP2."""
     backend: str | None = None
@@ -112,6 +119,11 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"
+    """``adamw`` (torch AdamW where the parameters live) | ``adamw_cpu_offload`` (optimizer states, fp32
+    parameters and gradients in host memory, torch AdamW step on the host: FSDP2 CPU offload) |
+    ``deepspeed_cpu_adam`` (the same placement, DeepSpeed's vectorized ``DeepSpeedCPUAdam`` step).
+    ``parallel.cpu_offload=true`` with ``adamw`` means ``adamw_cpu_offload`` (docs/memory.md)."""
     lr: float = 2e-5
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -250,6 +262,12 @@ def validate_choices(cfg: TrainConfig) -> None:
     _check_choice("parallel.activation_checkpointing", p.activation_checkpointing, AC_MODES)
     if p.activation_checkpointing == "every_k" and p.ac_every_k < 1:
         raise ValueError(f"parallel.ac_every_k={p.ac_every_k} is invalid: use an integer >= 1.")
+    if p.mlp_tiles != "auto" and (isinstance(p.mlp_tiles, bool) or not isinstance(p.mlp_tiles, int) or p.mlp_tiles < 1):
+        raise ValueError(
+            f"parallel.mlp_tiles={p.mlp_tiles!r} is invalid: use an integer >= 1 (1 = off) dividing the local "
+            "tokens per rank, or auto."
+        )
+    _check_choice("optim.name", cfg.optim.name, OPTIMIZERS)
     _check_choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
     _check_choice("parallel.backend", p.backend, BACKENDS)
     if isinstance(p.timeout_minutes, bool) or not isinstance(p.timeout_minutes, int) or p.timeout_minutes < 1:
@@ -280,6 +298,13 @@ def validate_choices(cfg: TrainConfig) -> None:
         )
     if cfg.logging.log_every < 1:
         raise ValueError(f"logging.log_every={cfg.logging.log_every} is invalid: use an integer >= 1.")
+
+
+def states_on_host(optim_name: str, cpu_offload: bool) -> bool:
+    """The one rule relating ``optim.name`` and ``parallel.cpu_offload``: the optimizer states (and the fp32
+    sharded parameters and gradients with them) live in host memory when either asks for it. On CUDA that is
+    FSDP2's ``CPUOffloadPolicy``; on a CPU device everything is in host memory already."""
+    return cpu_offload or optim_name != "adamw"
 
 
 def validate_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int | None = None) -> None:
