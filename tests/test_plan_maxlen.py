@@ -34,7 +34,7 @@ def _layout_kw(a) -> dict:
     return dict(
         ulysses_degree=e.ulysses_degree, ring_degree=e.ring_degree, fsdp_mode=e.fsdp_mode,
         activation_checkpointing=e.activation_checkpointing, ac_every_k=e.ac_every_k, mlp_tiles=e.mlp_tiles,
-        offload=e.states == "cpu_offload", optimizer_offload=e.states == "optimizer_offload",
+        offload=e.states == "cpu_offload",
     )  # fmt: skip
 
 
@@ -125,20 +125,21 @@ def test_host_memory_and_offload_time_by_hand():
     S, U = 2**22, 8
     s = S // U  # 524,288 local tokens
     host = host_memory(LLAMA8, seq_len=S, ulysses_degree=U, ring_degree=1, world_size=8, node_size=8,
-                       activation_checkpointing="offload", optimizer_offload=True)  # fmt: skip
-    # 32 layer inputs of 524,288 x 4096 x 2 B = 4 GiB each; Adam m, v + fp32 copy: 12 B x 8.03B / 8
+                       activation_checkpointing="offload", offload=True)  # fmt: skip
+    # 32 layer inputs of 524,288 x 4096 x 2 B = 4 GiB each; fp32 parameter, gradient, Adam m, v: 16 B x 8.03B / 8
     assert host["checkpoints"] == 32 * s * 4096 * 2 == 128 * GIB
-    assert host["states"] == pytest.approx(12 * LLAMA8.num_params / 8)
-    assert host["node"] == pytest.approx(8 * (128 * GIB + 12 * LLAMA8.num_params / 8))
+    assert host["states"] == pytest.approx(16 * LLAMA8.num_params / 8)
+    assert host["node"] == pytest.approx(8 * (128 * GIB + 16 * LLAMA8.num_params / 8))
     t = offload_time(LLAMA8, H100, seq_len=S, ulysses_degree=U, ring_degree=1, world_size=8, node_size=8,
-                     activation_checkpointing="offload", optimizer_offload=True, layer_fwd_s=0.05,
+                     activation_checkpointing="offload", offload=True, layer_fwd_s=0.05,
                      layer_bwd_s=1.0)  # fmt: skip
     # 8 GPUs share 300 GB/s of DRAM: 37.5 GB/s each (under the 50 GB/s PCIe link); 4 GiB take 0.115 s
     copy = s * 4096 * 2 / 37.5e9
     assert t["ckpt_copy_s"] == pytest.approx(copy)
     assert t["ckpt_offload_exposed_s"] == pytest.approx(32 * (copy - 0.05))  # the backward hides its copy
-    # the optimizer step: gradient shard out + parameter shard in (8 B), then 28 B per parameter over the DRAM
-    assert t["optimizer_copy_s"] == pytest.approx(LLAMA8.num_params / 8 * 8 / 37.5e9)
+    # every micro step the fp32 parameter shard comes in twice (forward, backward) and the gradient goes out
+    assert t["fsdp_offload_s"] == pytest.approx(LLAMA8.num_params / 8 * 12 / 37.5e9)
+    # the optimizer step on the host: 28 B per parameter of the node over its DRAM bandwidth
     assert t["host_adam_s"] == pytest.approx(LLAMA8.num_params * HOST_ADAM_BYTES_PER_PARAM / (300 * GB))
 
 
@@ -151,15 +152,21 @@ def test_offload_terms_in_the_device_memory_by_hand():
     full = training_memory(LLAMA8, H100, activation_checkpointing="full", **kw)
     off = training_memory(LLAMA8, H100, activation_checkpointing="offload", **kw)
     tiled = training_memory(LLAMA8, H100, activation_checkpointing="offload", mlp_tiles=8, **kw)
-    opt = training_memory(LLAMA8, H100, activation_checkpointing="offload", optimizer_offload=True, **kw)
+    opt = training_memory(LLAMA8, H100, activation_checkpointing="offload", offload=True, **kw)
     layer_input = s * 4096 * 2
     # offload keeps 2 layer inputs on the device instead of 32
     assert full.activations - off.activations == 30 * layer_input
-    # tiles: the recomputed layer drops its 4 x 14336 x 2 B per token of MLP, one tile of it is in flight
+    # tiles: the recomputed layer keeps 32,768 B per token for its norms (input and output of each, 4 x 4096 x
+    # 2 B) instead of 65,536 + 8 (fp32 copies, normalized inputs, rsqrt) and nothing of its MLP instead of 4 x
+    # 14336 x 2 = 114,688; one MLP tile (1/8 of that) is in flight. Per token: 209,032 -> 61,568 (the q, k, v,
+    # out, o_proj input 28,672 and the lse 128 stay)
+    assert 32_768 + 28_672 + 128 == 61_568
     mlp = 4 * 14336 * 2 * s
-    assert off.activations - tiled.activations == mlp - mlp / 8
-    # optimizer offload: 8 B per parameter shard stay on the device (fp32 parameter and gradient), not 16
-    assert opt.sharded_states * 2 == off.sharded_states == 16 * LLAMA8.num_params / 8
+    assert off.activations - tiled.activations == (209_032 - 61_568) * s - mlp / 8
+    # the final norm keeps its input and output, 2 x 4096 x 2 B per token, instead of 4096 x (4 + 2 + 2)
+    assert off.loss_buffer - tiled.loss_buffer == (8 - 4) * 4096 * s
+    # states offloaded: none of the 16 B per parameter shard stays on the device
+    assert opt.sharded_states == 0 and off.sharded_states == 16 * LLAMA8.num_params / 8
     with pytest.raises(ValueError, match="parallel.mlp_tiles=3 does not divide"):
         training_memory(LLAMA8, H100, activation_checkpointing="full", mlp_tiles=3, **kw)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from usp.config import validate_layout
+from usp.config import states_on_host, validate_layout
 from usp.train.__main__ import compose_config
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -75,7 +75,7 @@ def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     p = cfg.parallel
     dp = world // (p.ulysses_degree * p.ring_degree)
-    tiles = getattr(cfg.parallel, "mlp_tiles", 1)
+    tiles = cfg.parallel.mlp_tiles
     assert isinstance(tiles, int), f"{name}: a recipe fixes parallel.mlp_tiles (the figures quoted are for it)"
     est = plan.evaluate_layout(
         plan.load_model_spec(model),
@@ -92,8 +92,7 @@ def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
         ring_layout=p.ring_layout,
         loss_chunk_size=cfg.trainer.loss_chunk_size,
         mlp_tiles=tiles,
-        offload=cfg.parallel.cpu_offload,
-        optimizer_offload=getattr(cfg.optim, "name", "adamw") == "cpu_adam",
+        offload=states_on_host(cfg.optim.name, cfg.parallel.cpu_offload),
     )
     assert est.fits, f"{name}: the planner predicts {est.mem_gib_per_gpu:.1f} GiB per GPU"
     # the quoted usp-plan command is the recipe's own layout, so rerunning it refreshes the right figures

@@ -22,7 +22,13 @@ from dataclasses import asdict, replace
 from usp.plan.calibrate import Calibration, calibrate, format_report, read_bench_json, read_training_run
 from usp.plan.hardware import GPUS, DeviceSpec, get_device
 from usp.plan.inference import InferenceEstimate, plan_inference
-from usp.plan.maxlen import SEQ_MULTIPLE, MaxSeqLenEstimate, max_seq_lens
+from usp.plan.maxlen import (
+    LOSS_CHUNK_CANDIDATES,
+    SEQ_MULTIPLE,
+    TRAINER_LOSS_CHUNK,
+    MaxSeqLenEstimate,
+    max_seq_lens,
+)
 from usp.plan.models import PRESETS, ModelSpec, load_model_spec
 from usp.plan.search import STATE_PLACEMENTS, LayoutEstimate, plan_layouts
 
@@ -98,7 +104,12 @@ def build_plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--ulysses-degree", type=int, default=None, help="fix the Ulysses degree")
     p.add_argument("--ring-degree", type=int, default=None, help="fix the ring degree")
     p.add_argument("--ring-layout", default="zigzag", choices=["zigzag", "contiguous"])
-    p.add_argument("--loss-chunk-size", type=int, default=4096)
+    p.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        default=None,
+        help="trainer.loss_chunk_size (default 4096; --max-seq-len tries 4096, 2048, 1024 unless given)",
+    )
     p.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="model.dtype"
     )
@@ -118,8 +129,8 @@ def build_plan_parser() -> argparse.ArgumentParser:
         "--states",
         default=None,
         choices=[*STATE_PLACEMENTS, "any"],
-        help="where the sharded states live: device, optimizer_offload (optim.name=cpu_adam), cpu_offload "
-        "(parallel.cpu_offload=true), or any (default: device with --seq-len, any with --max-seq-len)",
+        help="where the sharded states live: device, or cpu_offload (optim.name=deepspeed_cpu_adam: states and "
+        "step on the host), or any (default: device with --seq-len, any with --max-seq-len)",
     )
     p.add_argument(
         "--seq-multiple", type=int, default=SEQ_MULTIPLE, help="--max-seq-len answers multiples of this"
@@ -203,7 +214,7 @@ def format_max_seq_len(
     )
     cols = (
         f"{'#':>3} {'max seq':>10} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<8} {'tiles':>5} "
-        f"{'states':<17} {'mem GiB':>8} {'host GiB/node':>13} {'step s':>9} {'MFU':>6}"
+        f"{'states':<17} {'chunk':>5} {'mem GiB':>8} {'host GiB/node':>13} {'step s':>9} {'MFU':>6}"
     )
     rows = [head, cols]
     for i, a in enumerate(answers[:top], 1):
@@ -211,7 +222,7 @@ def format_max_seq_len(
         ckpt = e.activation_checkpointing + (f"/{e.ac_every_k}" if e.activation_checkpointing == "every_k" else "")
         rows.append(
             f"{i:>3} {a.max_seq_len:>10} {e.ulysses_degree:>7} {e.ring_degree:>5} {e.dp_degree:>4} "
-            f"{e.fsdp_mode:<12} {ckpt:<8} {e.mlp_tiles:>5} {e.states:<17} {e.mem_gib_per_gpu:>8.1f} "
+            f"{e.fsdp_mode:<12} {ckpt:<8} {e.mlp_tiles:>5} {e.states:<17} {a.loss_chunk_size:>5} {e.mem_gib_per_gpu:>8.1f} "
             f"{e.host_mem_gib_per_node:>13.0f} {e.step_time_s:>9.4g} {e.mfu:>6.1%}"
         )
     e = best.estimate
@@ -225,7 +236,7 @@ def format_max_seq_len(
         + ", ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in e.time_s.items() if k.endswith("_s"))
     )
     rows.append("Overrides for the longest layout:")
-    rows.append("  " + " ".join(best.to_dict()["overrides"]))
+    rows.append("  " + " ".join(best.overrides()))
     return "\n".join(rows)
 
 
@@ -292,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             answers = max_seq_lens(
                 model, device, world_size=world, node_size=args.gpus_per_node, ring_layout=args.ring_layout,
                 ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, states=states, mlp_tiles=tiles,
-                loss_chunk_size=args.loss_chunk_size, overhead_frac=args.overhead_frac, compute_bytes=dtype_bytes,
+                loss_chunk_sizes=LOSS_CHUNK_CANDIDATES if args.loss_chunk_size is None else (args.loss_chunk_size,),
+                overhead_frac=args.overhead_frac, compute_bytes=dtype_bytes,
                 headroom_gib=args.headroom_gib, seq_multiple=args.seq_multiple,
             )  # fmt: skip
             print(
@@ -326,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ring_layout=args.ring_layout,
             ulysses_degree=args.ulysses_degree,
             ring_degree=args.ring_degree,
-            loss_chunk_size=args.loss_chunk_size,
+            loss_chunk_size=args.loss_chunk_size or TRAINER_LOSS_CHUNK,
             overhead_frac=args.overhead_frac,
             compute_bytes=dtype_bytes,
             mlp_tiles=tiles,

@@ -6,8 +6,10 @@ then bisection: every memory term grows with the sequence, so "fits" is monotone
 of the layout's granularity: the sequence multiple the trainer requires (``2 x ring x ulysses`` for zigzag),
 ``ulysses x ring x`` the largest MLP tile count (so every tile count divides the local tokens) and
 ``--seq-multiple`` (1024 by default). With ``mlp_tiles`` on ``auto`` a length fits when it fits with the most
-tiles; the answer then reports the fewest tiles that fit. The answer is the longest length over all
-candidates; among candidates that reach it, the fastest (then fewer tricks).
+tiles; the answer then reports the fewest tiles that fit. Smaller loss chunks (``trainer.loss_chunk_size``,
+:data:`LOSS_CHUNK_CANDIDATES` unless one is given) shrink the ``[chunk, vocab]`` fp32 logits of the chunked
+loss; the largest chunk that reaches a candidate's longest length is kept. The answer is the longest length
+over all candidates; among candidates that reach it, the fastest (then fewer tricks).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from usp.plan.search import (
 )
 
 SEQ_MULTIPLE = 1024
+LOSS_CHUNK_CANDIDATES: tuple[int, ...] = (4096, 2048, 1024)
+TRAINER_LOSS_CHUNK = 4096  # trainer.loss_chunk_size's default
 SEQ_LIMIT = 2**31
 """No search goes past this many tokens (the answer says when it hit the limit)."""
 
@@ -41,6 +45,14 @@ class MaxSeqLenEstimate:
     max_seq_len: int
     granularity: int
     estimate: LayoutEstimate
+    loss_chunk_size: int = TRAINER_LOSS_CHUNK
+
+    def overrides(self) -> list[str]:
+        """Hydra overrides that train this layout at this length."""
+        out = self.estimate.overrides() + [f"trainer.seq_len={self.max_seq_len}"]
+        if self.loss_chunk_size != TRAINER_LOSS_CHUNK:
+            out.append(f"trainer.loss_chunk_size={self.loss_chunk_size}")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         e = self.estimate
@@ -59,9 +71,10 @@ class MaxSeqLenEstimate:
             "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu,
             "mfu": round(e.mfu, 4),
             "granularity": self.granularity,
+            "loss_chunk_size": self.loss_chunk_size,
             "memory_gib": {k: round(v, 3) for k, v in e.memory_gib.items()},
             "time_s": e.time_s,
-            "overrides": e.overrides() + [f"trainer.seq_len={self.max_seq_len}"],
+            "overrides": self.overrides(),
         }
 
 
@@ -96,7 +109,7 @@ def max_seq_lens(
     fsdp_modes: tuple[str, ...] | None = None,
     states: tuple[str, ...] = STATE_PLACEMENTS,
     mlp_tiles: int | None = None,
-    loss_chunk_size: int = 4096,
+    loss_chunk_sizes: tuple[int, ...] = (TRAINER_LOSS_CHUNK,),
     overhead_frac: float = 0.08,
     compute_bytes: int = 2,
     headroom_gib: float | None = None,
@@ -104,12 +117,16 @@ def max_seq_lens(
     limit: int = SEQ_LIMIT,
 ) -> list[MaxSeqLenEstimate]:
     """The longest fitting length of every candidate that fits at all, longest first (then fastest, then
-    fewer tricks). ``mlp_tiles`` None is ``auto``. Raises ``ValueError`` when nothing fits at the smallest
+    fewer tricks). ``mlp_tiles`` None is ``auto``; ``loss_chunk_sizes`` the chunks to try, largest first.
+    Raises ``ValueError`` when nothing fits at the smallest
     length, or on bad input."""
     if world_size < 1 or node_size < 1 or world_size % min(node_size, world_size):
         raise ValueError(f"world size {world_size} is not a multiple of the node size {node_size}.")
     if seq_multiple < 1:
         raise ValueError(f"--seq-multiple={seq_multiple} must be >= 1.")
+    if not loss_chunk_sizes or min(loss_chunk_sizes) < 1:
+        raise ValueError(f"--loss-chunk-size={loss_chunk_sizes} must be >= 1.")
+    chunks = sorted(set(loss_chunk_sizes), reverse=True)
     if mlp_tiles is not None and mlp_tiles < 1:
         raise ValueError(f"--mlp-tiles={mlp_tiles} must be >= 1 (or auto).")
     bad = [x for x in states if x not in STATE_PLACEMENTS]
@@ -134,22 +151,25 @@ def max_seq_lens(
                         kw: dict[str, Any] = dict(
                             ulysses_degree=U, ring_degree=R, world_size=world_size, node_size=node,
                             fsdp_mode=fsdp_mode, activation_checkpointing=ac, ac_every_k=k,
-                            ring_layout=ring_layout, loss_chunk_size=loss_chunk_size, overhead_frac=overhead_frac,
-                            offload=where == "cpu_offload", optimizer_offload=where == "optimizer_offload",
-                            compute_bytes=compute_bytes, headroom_gib=headroom_gib,
+                            ring_layout=ring_layout, overhead_frac=overhead_frac,
+                            offload=where == "cpu_offload", compute_bytes=compute_bytes, headroom_gib=headroom_gib,
                         )  # fmt: skip
 
-                        def fits(seq: int, tiles: int = most_tiles, kw: dict[str, Any] = kw) -> bool:
-                            return evaluate_layout(model, device, seq_len=seq, mlp_tiles=tiles, **kw).fits
+                        def fits(seq: int, tiles: int = most_tiles, chunk: int = chunks[0], kw=kw) -> bool:
+                            return evaluate_layout(
+                                model, device, seq_len=seq, mlp_tiles=tiles, loss_chunk_size=chunk, **kw
+                            ).fits
 
-                        seq = _longest(fits, g, limit)
+                        by_chunk = [(_longest(lambda x, c=c: fits(x, chunk=c), g, limit), c) for c in chunks]
+                        seq = max(x for x, _ in by_chunk)
                         if not seq:
                             continue
+                        chunk = next(c for x, c in by_chunk if x == seq)  # the largest chunk that gets there
                         tiles = most_tiles
                         if mlp_tiles is None:  # auto: the fewest tiles that fit at this length
-                            tiles = next(t for t in (1, *MLP_TILE_CANDIDATES) if fits(seq, t))
-                        est = evaluate_layout(model, device, seq_len=seq, mlp_tiles=tiles, **kw)
-                        out.append(MaxSeqLenEstimate(seq, g, est))
+                            tiles = next(t for t in (1, *MLP_TILE_CANDIDATES) if fits(seq, t, chunk))
+                        est = evaluate_layout(model, device, seq_len=seq, mlp_tiles=tiles, loss_chunk_size=chunk, **kw)
+                        out.append(MaxSeqLenEstimate(seq, g, est, chunk))
     if not out:
         raise ValueError(
             f"no layout of {model.name} fits {world_size} x {device.name} ({device.memory_gib:g} GiB each) even "

@@ -22,26 +22,25 @@ With ``full`` checkpointing a layer keeps only its input (``h``) and one layer i
 With ``offload`` those inputs live in host memory: the device holds :data:`OFFLOAD_DEVICE_CHECKPOINTS` of them
 (the one being copied out or prefetched back, and the one in use) instead of ``L``.
 
-With ``mlp_tiles = T > 1`` the MLP runs over the sequence in ``T`` tiles and recomputes each tile in backward:
-a layer no longer keeps the ``4 I B`` per token of the MLP (only its input, already counted as the norm's
-output), and one tile's ``4 I B s / T`` exists at a time.
+With ``mlp_tiles = T > 1`` the MLP and the RMSNorms run over the sequence in ``T`` tiles and recompute each
+tile in backward (:mod:`usp.train.tiling`): a layer no longer keeps the ``4 I B`` per token of the MLP (only
+its input, the norm's output), each norm keeps its input and output (``2 B h``) instead of ``h (4 + 2B)`` and
+an rsqrt, and one MLP tile's ``4 I B s / T`` exists at a time.
 
-Sharded states: 16 B per parameter on the device; with the optimizer offloaded (``optimizer_offload``: Adam
-moments and an fp32 master copy on the host, the step on the host) the device keeps the fp32 parameter and
-its fp32 gradient, 8 B; with FSDP CPU offload (``offload``) nothing stays on the device between uses.
+Sharded states: 16 B per parameter on the device; with them offloaded (``offload``: FSDP2 CPU offload, what
+``parallel.cpu_offload=true`` and an ``optim.name`` that steps on the host both select) nothing stays on the
+device between uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from usp.plan.comm import ACT_BYTES, kv_block_bytes
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.models import ModelSpec
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master param + fp32 grad + Adam m and v
-OPTIM_OFFLOAD_DEVICE_BYTES = 8  # fp32 param + fp32 grad stay on the device
-OPTIM_OFFLOAD_HOST_BYTES = 12  # Adam m and v + the fp32 copy the host step updates
 OFFLOAD_DEVICE_CHECKPOINTS = 2  # checkpoint offload: the layer input in flight + the one in use
 AC_MODES = ("none", "every_k", "full", "offload")
 
@@ -57,26 +56,35 @@ class MemoryBreakdown:
     loss_buffer: float
     overhead: float
 
+    def items(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # (asdict deep-copies: slow in a search)
+
     @property
     def total(self) -> float:
-        return sum(asdict(self).values())
+        return sum(self.items().values())
 
     @property
     def total_gib(self) -> float:
         return self.total / GIB
 
     def as_gib(self) -> dict[str, float]:
-        return {k: v / GIB for k, v in asdict(self).items()} | {"total": self.total_gib}
+        return {k: v / GIB for k, v in self.items().items()} | {"total": self.total_gib}
 
 
 def activation_bytes_per_token_layer(
-    model: ModelSpec, ulysses_degree: int, compute_bytes: int = ACT_BYTES
+    model: ModelSpec, ulysses_degree: int, compute_bytes: int = ACT_BYTES, tiled: bool = False
 ) -> int:
-    """Saved activations of one decoder layer per local token, in bytes (module docstring)."""
+    """Saved activations of one decoder layer per local token, in bytes (module docstring).
+
+    ``tiled`` (``mlp_tiles > 1``, :mod:`usp.train.tiling`): the MLP keeps only its input (the norm's output)
+    and each RMSNorm, checkpointed per tile, keeps only its input (``B h``) and its output (kept by the next
+    matmul, ``B h``) instead of ``h (4 + 2B)`` and an rsqrt."""
     h, d, H, B = model.hidden_size, model.head_dim, model.num_heads, compute_bytes
     kv = max(model.num_kv_heads, ulysses_degree)
-    norms = 2 * h * (4 + 2 * B)
     attention = (H + 2 * kv) * d * B + H * d * B * (2 if ulysses_degree > 1 else 1)
+    if tiled:
+        return 2 * 2 * h * B + attention + 4 * H
+    norms = 2 * h * (4 + 2 * B)
     return norms + attention + 4 * H + 8 + mlp_bytes_per_token(model, compute_bytes)
 
 
@@ -97,13 +105,12 @@ def check_mlp_tiles(mlp_tiles: int, local_tokens: float) -> None:
 
 
 def device_states_bytes(
-    model: ModelSpec, shard: int, *, offload: bool = False, optimizer_offload: bool = False
+    model: ModelSpec, shard: int, *, offload: bool = False
 ) -> float:
     """Sharded parameters, gradients and optimizer states left on one device (module docstring)."""
     if offload:
         return 0.0
-    per_param = OPTIM_OFFLOAD_DEVICE_BYTES if optimizer_offload else STATE_BYTES_PER_PARAM
-    return model.num_params * per_param / shard
+    return model.num_params * STATE_BYTES_PER_PARAM / shard
 
 
 def held_activation_bytes(
@@ -125,15 +132,14 @@ def held_activation_bytes(
     B, h = compute_bytes, model.hidden_size
     s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
     check_mlp_tiles(mlp_tiles, s)
-    per_layer = activation_bytes_per_token_layer(model, ulysses_degree, B)
-    if mlp_tiles > 1:
-        per_layer -= mlp_bytes_per_token(model, B)  # a tiled MLP keeps only its input (the norm's output)
+    tiled = mlp_tiles > 1
+    per_layer = activation_bytes_per_token_layer(model, ulysses_degree, B, tiled)
     n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
     inputs = 0 if activation_checkpointing == "offload" else n_ckpt
     out = {
         "layers": ((model.num_layers - n_ckpt) * per_layer + inputs * h * B) * s,
         "rotary": 2 * model.head_dim * B * s,
-        "final_norm": h * (4 + 2 * B) * s,
+        "final_norm": (2 * h * B if tiled else h * (4 + 2 * B)) * s,
     }
     return out | {"total": sum(out.values())}
 
@@ -180,10 +186,9 @@ def training_memory(
     offload: bool = False,
     compute_bytes: int = ACT_BYTES,
     mlp_tiles: int = 1,
-    optimizer_offload: bool = False,
 ) -> MemoryBreakdown:
     """Peak bytes per rank on the device. ``offload`` moves the sharded states to host memory (FSDP2 CPU
-    offload), ``optimizer_offload`` only the optimizer's (module docstring); ``activation_checkpointing=offload``
+    offload; module docstring); ``activation_checkpointing=offload``
     keeps the layer inputs on the host; ``mlp_tiles`` runs the MLP in tiles; ``compute_bytes`` is 2 for bf16
     compute, 4 for an fp32 run. Host bytes: :func:`usp.plan.offload.host_memory`."""
     B = compute_bytes
@@ -194,14 +199,14 @@ def training_memory(
     check_mlp_tiles(mlp_tiles, s)
 
     shard = shard_degree(world_size, node_size, fsdp_mode)
-    states = device_states_bytes(model, shard, offload=offload, optimizer_offload=optimizer_offload)
+    states = device_states_bytes(model, shard, offload=offload)
     # Current layer and the prefetched one in bf16, plus one fp32 unsharded gradient waiting for reduction
     # (on one rank without offload the parameters are used where they live: nothing is gathered).
     unit = max(model.layer_params, model.embedding_params, model.head_params)
     gathered = 0.0 if world_size == 1 and not offload else unit * (2 * B + 4)
 
     mlp = mlp_bytes_per_token(model, B) * s
-    per_layer = activation_bytes_per_token_layer(model, U, B) * s - (mlp if mlp_tiles > 1 else 0.0)
+    per_layer = activation_bytes_per_token_layer(model, U, B, tiled=mlp_tiles > 1) * s
     n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
     held = held_activation_bytes(
         model, seq_len=seq_len, ulysses_degree=U, ring_degree=R, activation_checkpointing=activation_checkpointing,

@@ -7,16 +7,16 @@ Three things can live in host memory (``B`` the compute dtype's size, ``s`` loca
   per rank, in pinned memory. Each is copied out after its layer's forward and back before its recompute;
   a copy overlaps the compute of a neighbouring layer (the next layer's forward; the current layer's recompute
   and backward), so per layer and direction only ``max(0, copy - compute)`` adds to the step;
-- optimizer offload (``optim.name``, :data:`usp.plan.memory.OPTIM_OFFLOAD_HOST_BYTES`): Adam's moments and
-  the fp32 copy it updates, 12 B per parameter shard. Per optimizer step the fp32 gradient shard goes to the
-  host and the updated fp32 parameters come back (4 + 4 B per parameter shard), then the step runs on the host;
-  nothing overlaps it (the next forward needs the parameters);
-- FSDP CPU offload (``parallel.cpu_offload``): all 16 B per parameter shard; every micro step copies the fp32
-  parameter shard in for the forward and the backward all-gathers and the gradient shard out, behind compute
-  like the all-gathers themselves.
+- offloaded states (FSDP2 CPU offload: ``optim.name=deepspeed_cpu_adam`` or ``adamw_cpu_offload``, or
+  ``parallel.cpu_offload=true``): the fp32 parameter, gradient and Adam moments, 16 B per parameter shard.
+  Every micro step copies the fp32 parameter shard in for the forward and the backward all-gathers and the
+  gradient shard out, behind compute like the all-gathers themselves; then the optimizer steps on the host,
+  which nothing overlaps (the next forward needs the parameters).
 
 The host Adam step reads parameter, gradient, ``m`` and ``v`` and writes parameter, ``m``, ``v``: 28 B per
-parameter, bound by the node's DRAM bandwidth (``DeviceSpec.host_mem_gbps``) over all of its ranks' shards.
+parameter, bound by the node's DRAM bandwidth (``DeviceSpec.host_mem_gbps``) over all of its ranks' shards
+(what DeepSpeed's vectorized ``DeepSpeedCPUAdam`` approaches; torch's AdamW on the host is slower and not
+modelled apart).
 A GPU's copies run at ``min(host_link_gbps, host_mem_gbps / ranks per node)``: the GPUs of a node copy at
 the same time and share its DRAM. Usable host memory is :data:`HOST_USABLE_FRAC` of ``host_mem_gib`` (the
 operating system, the data loader and the Python processes keep the rest).
@@ -25,18 +25,13 @@ operating system, the data loader and the Python processes keep the rest).
 from __future__ import annotations
 
 from usp.plan.hardware import GB, GIB, DeviceSpec
-from usp.plan.memory import (
-    OPTIM_OFFLOAD_HOST_BYTES,
-    STATE_BYTES_PER_PARAM,
-    checkpointed_layers,
-    shard_degree,
-)
+from usp.plan.memory import STATE_BYTES_PER_PARAM, checkpointed_layers, shard_degree
 from usp.plan.models import ModelSpec
 
 HOST_USABLE_FRAC = 0.85
 HOST_ADAM_BYTES_PER_PARAM = 28  # read param, grad, m, v (fp32); write param, m, v
-OFFLOAD_OPTIMIZER = "cpu_adam"
-"""The ``optim.name`` of the optimizer whose states and step live on the host (``DeepSpeedCPUAdam``)."""
+OFFLOAD_OPTIMIZER = "deepspeed_cpu_adam"
+"""The ``optim.name`` the planner proposes for states and step on the host (``DeepSpeedCPUAdam``)."""
 
 
 def host_memory(
@@ -50,7 +45,6 @@ def host_memory(
     fsdp_mode: str = "full_shard",
     activation_checkpointing: str = "none",
     offload: bool = False,
-    optimizer_offload: bool = False,
     micro_batch_size: int = 1,
     compute_bytes: int = 2,
 ) -> dict[str, float]:
@@ -61,8 +55,7 @@ def host_memory(
         n = checkpointed_layers(model.num_layers, activation_checkpointing)
         ckpt = n * s * model.hidden_size * compute_bytes
     shard = shard_degree(world_size, node_size, fsdp_mode)
-    per_param = STATE_BYTES_PER_PARAM if offload else OPTIM_OFFLOAD_HOST_BYTES if optimizer_offload else 0
-    states = model.num_params * per_param / shard
+    states = model.num_params * (STATE_BYTES_PER_PARAM if offload else 0) / shard
     rank = ckpt + states
     return {"checkpoints": ckpt, "states": states, "rank": rank, "node": rank * min(node_size, world_size)}
 
@@ -89,7 +82,6 @@ def offload_time(
     fsdp_mode: str = "full_shard",
     activation_checkpointing: str = "none",
     offload: bool = False,
-    optimizer_offload: bool = False,
     layer_fwd_s: float = 0.0,
     layer_bwd_s: float = 0.0,
     micro_batch_size: int = 1,
@@ -100,7 +92,7 @@ def offload_time(
     ``layer_fwd_s`` / ``layer_bwd_s``: one layer's forward, and its recompute + backward, on this rank (what
     a checkpoint copy hides behind). Returns ``ckpt_copy_s`` (one layer's copy, one direction),
     ``ckpt_offload_exposed_s`` (per micro step), ``fsdp_offload_s`` (per micro step, to add to the FSDP
-    traffic that hides behind compute), and per optimizer step ``optimizer_copy_s`` and ``host_adam_s``.
+    traffic that hides behind compute), and per optimizer step ``host_adam_s``.
     """
     ranks = min(node_size, world_size)
     bw = host_link_gbps(device, ranks) * GB
@@ -109,7 +101,6 @@ def offload_time(
         "ckpt_copy_s": 0.0,
         "ckpt_offload_exposed_s": 0.0,
         "fsdp_offload_s": 0.0,
-        "optimizer_copy_s": 0.0,
         "host_adam_s": 0.0,
     }
     if activation_checkpointing == "offload":
@@ -120,9 +111,7 @@ def offload_time(
     shard_params = model.num_params / shard_degree(world_size, node_size, fsdp_mode)
     if offload:
         out["fsdp_offload_s"] = shard_params * 4 * 3 / bw  # param shard in (forward, backward), grad out
-    if offload or optimizer_offload:
-        if optimizer_offload and not offload:
-            out["optimizer_copy_s"] = shard_params * 8 / bw  # grad shard out, updated param shard in
+    if offload:
         node_params = shard_params * ranks
         out["host_adam_s"] = node_params * HOST_ADAM_BYTES_PER_PARAM / (device.host_mem_gbps * GB)
     return out

@@ -27,11 +27,11 @@ from usp.plan.offload import OFFLOAD_OPTIMIZER, host_memory, offload_time, usabl
 
 TIE_TOLERANCE = 0.02
 AC_CANDIDATES: tuple[tuple[str, int], ...] = (("none", 2), ("every_k", 2), ("full", 2), ("offload", 2))
-MLP_TILE_CANDIDATES: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
+MLP_TILE_CANDIDATES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
 """``mlp_tiles=auto`` tries these in order and keeps the first that fits (more tiles only save memory)."""
-STATE_PLACEMENTS: tuple[str, ...] = ("device", "optimizer_offload", "cpu_offload")
-"""Where the sharded states live: on the device; Adam on the host (``optim.name=cpu_adam``); everything on
-the host (``parallel.cpu_offload=true``)."""
+STATE_PLACEMENTS: tuple[str, ...] = ("device", "cpu_offload")
+"""Where the sharded states live: on the device, or on the host with the optimizer step there
+(``optim.name=deepspeed_cpu_adam``: FSDP2 CPU offload, :func:`usp.config.states_on_host`)."""
 
 
 @dataclass
@@ -66,7 +66,7 @@ class LayoutEstimate:
     def tricks(self) -> int:
         """How many memory-saving tricks the layout uses (checkpoint offload, MLP tiles, offloaded states)."""
         used = (self.activation_checkpointing == "offload", self.mlp_tiles > 1, self.states != "device")
-        return sum(used) + (self.states == "cpu_offload")
+        return sum(used)
 
     def overrides(self) -> list[str]:
         """Hydra overrides that select this layout in ``usp-train``."""
@@ -82,8 +82,6 @@ class LayoutEstimate:
         if self.mlp_tiles > 1:
             out.append(f"parallel.mlp_tiles={self.mlp_tiles}")
         if self.states == "cpu_offload":
-            out.append("parallel.cpu_offload=true")
-        if self.states == "optimizer_offload":
             out.append(f"optim.name={OFFLOAD_OPTIMIZER}")
         return out
 
@@ -135,12 +133,11 @@ def evaluate_layout(
     offload: bool = False,
     compute_bytes: int = 2,
     mlp_tiles: int = 1,
-    optimizer_offload: bool = False,
     headroom_gib: float | None = None,
 ) -> LayoutEstimate:
     """Memory and time of one (already validated) layout. ``global_batch`` in sequences; default one per dp
-    rank. ``compute_bytes``: 2 for bf16 compute (``model.dtype``), 4 for float32. ``offload``: FSDP CPU
-    offload of all states; ``optimizer_offload``: the optimizer's on the host; ``headroom_gib``: free device
+    rank. ``compute_bytes``: 2 for bf16 compute (``model.dtype``), 4 for float32. ``offload``: the sharded
+    states and the optimizer step on the host (FSDP2 CPU offload); ``headroom_gib``: free device
     memory the fit requires (default :attr:`DeviceSpec.default_headroom_gib`)."""
     U, R = ulysses_degree, ring_degree
     D = ParallelDims(world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size).dp_degree
@@ -167,7 +164,6 @@ def evaluate_layout(
         offload=offload,
         compute_bytes=compute_bytes,
         mlp_tiles=mlp_tiles,
-        optimizer_offload=optimizer_offload,
     )
     L = model.num_layers
     n_ckpt = checkpointed_layers(L, activation_checkpointing, ac_every_k)
@@ -184,7 +180,7 @@ def evaluate_layout(
     placement = dict(
         seq_len=seq_len, ulysses_degree=U, ring_degree=R, world_size=world_size, node_size=node_size,
         fsdp_mode=fsdp_mode, activation_checkpointing=activation_checkpointing, offload=offload,
-        optimizer_offload=optimizer_offload, compute_bytes=compute_bytes,
+        compute_bytes=compute_bytes,
     )  # fmt: skip
     host = host_memory(model, **placement)
     # One layer's forward (what a checkpoint's copy out hides behind) and its recompute + backward (the copy in)
@@ -213,7 +209,7 @@ def evaluate_layout(
     fsdp_exposed = max(0.0, fsdp["fsdp_s"] + off["fsdp_offload_s"] - busy)
     micro = busy + comp["overhead_s"] + uly["ulysses_s"] + ring["ring_exposed_s"] + fsdp_exposed
     micro += off["ckpt_offload_exposed_s"]
-    step = micro * accum + off["optimizer_copy_s"] + off["host_adam_s"]
+    step = micro * accum + off["host_adam_s"]
     tokens_per_gpu = batch * seq_len / step / world_size
     mfu = model_flops_per_token(model, seq_len) * tokens_per_gpu / device.peak_flops
     times = {
@@ -226,7 +222,7 @@ def evaluate_layout(
         "ring_step_comm_s": ring["ring_step_comm_s"],
         "ring_block_gb": kv_block_bytes(model, seq_len, U, R, B) / 1e9 if R > 1 else 0.0,
         "ckpt_offload_exposed_s": off["ckpt_offload_exposed_s"] * accum,
-        "optimizer_host_s": off["optimizer_copy_s"] + off["host_adam_s"],
+        "host_adam_s": off["host_adam_s"],
     }
     headroom = device.default_headroom_gib if headroom_gib is None else headroom_gib
     host_fits = host["node"] <= usable_host_bytes(device)
@@ -247,7 +243,7 @@ def evaluate_layout(
         memory_gib=mem.as_gib(),
         time_s=times,
         mlp_tiles=mlp_tiles,
-        states="cpu_offload" if offload else "optimizer_offload" if optimizer_offload else "device",
+        states="cpu_offload" if offload else "device",
         host_mem_gib_per_node=host["node"] / GIB,
         headroom_gib=headroom,
         host_fits=host_fits,
@@ -344,8 +340,7 @@ def enumerate_layouts(
                             seq_len=seq_len, ulysses_degree=U, ring_degree=R, world_size=world_size,
                             node_size=node_size, fsdp_mode=fsdp_mode, activation_checkpointing=ac, ac_every_k=k,
                             global_batch=global_batch, ring_layout=ring_layout, loss_chunk_size=loss_chunk_size,
-                            overhead_frac=overhead_frac, offload=where == "cpu_offload",
-                            optimizer_offload=where == "optimizer_offload", compute_bytes=compute_bytes,
+                            overhead_frac=overhead_frac, offload=where == "cpu_offload", compute_bytes=compute_bytes,
                             headroom_gib=headroom_gib,
                         )  # fmt: skip
                         est = evaluate_layout(model, device, mlp_tiles=mlp_tiles or 1, **kw)
@@ -462,7 +457,6 @@ def auto_degrees(
     ring_layout: str = "zigzag",
     loss_chunk_size: int = 4096,
     mlp_tiles: int | str = 1,
-    optimizer_offload: bool = False,
     cpu_offload: bool = False,
     host_mem_gib: float | None = None,
     headroom_gib: float | None = None,
@@ -475,11 +469,11 @@ def auto_degrees(
     FSDP mode, the checkpointing mode (and its ``ac_every_k``); ``None`` lets the planner choose.
     ``compute_bytes`` (2 for bf16/fp16 ``model.dtype``, 4 for float32), ``ring_layout`` and ``loss_chunk_size``
     describe the run for the cost model. ``mlp_tiles`` (``parallel.mlp_tiles``: an integer, or ``"auto"`` to
-    let the planner tile when needed), ``optimizer_offload`` (``optim.name=cpu_adam``), ``cpu_offload``
-    (``parallel.cpu_offload``), ``host_mem_gib`` (``cluster.host_mem_gib``) and ``headroom_gib`` complete the
+    let the planner tile when needed), ``cpu_offload`` (:func:`usp.config.states_on_host`: the states and
+    the optimizer step on the host), ``host_mem_gib`` (``cluster.host_mem_gib``) and ``headroom_gib`` complete the
     run's description. Returns ``{"ulysses_degree", "ring_degree", "dp_degree", "fsdp_mode",
-    "activation_checkpointing", "mlp_tiles", "reason"}`` (plus ``ac_every_k`` when checkpointing is
-    ``every_k``). Raises ``ValueError`` when nothing fits.
+    "activation_checkpointing", "reason"}`` (plus ``ac_every_k`` when checkpointing is ``every_k``, and
+    ``mlp_tiles`` when it was ``"auto"``). Raises ``ValueError`` when nothing fits.
     """
     from usp.plan.hardware import get_device
     from usp.plan.models import load_model_spec
@@ -487,7 +481,7 @@ def auto_degrees(
     model = load_model_spec(model_config)
     device = get_device(gpu or "h100-80g", memory_gib=memory_gib, host_mem_gib=host_mem_gib)
     node = min(node_size, world_size)
-    where = "cpu_offload" if cpu_offload else "optimizer_offload" if optimizer_offload else "device"
+    where = "cpu_offload" if cpu_offload else "device"
     layouts = plan_layouts(
         model, device, seq_len=seq_len, world_size=world_size, node_size=node, ring_layout=ring_layout,
         ulysses_degree=ulysses_degree, ring_degree=ring_degree,
@@ -516,9 +510,10 @@ def auto_degrees(
         "dp_degree": best.dp_degree,
         "fsdp_mode": best.fsdp_mode,
         "activation_checkpointing": best.activation_checkpointing,
-        "mlp_tiles": best.mlp_tiles,
         "reason": reason,
     }
+    if mlp_tiles == "auto":  # the planner's choice; a fixed count stays the user's
+        out["mlp_tiles"] = best.mlp_tiles
     if best.activation_checkpointing == "every_k":
         out["ac_every_k"] = best.ac_every_k
     return out
