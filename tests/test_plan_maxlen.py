@@ -183,3 +183,19 @@ def test_bad_input(capsys):
     tiny = replace(H100, memory_gib=2.0)
     with pytest.raises(ValueError, match="no layout of llama-3.1-8b fits"):
         max_seq_len(LLAMA8, tiny, world_size=1, node_size=1)
+
+
+def test_offload_copies_show_when_the_host_link_is_slow():
+    kw = dict(seq_len=2**20, ulysses_degree=8, ring_degree=1, world_size=8, node_size=8,
+              activation_checkpointing="offload")  # fmt: skip
+    fast = evaluate_layout(LLAMA8, H100, **kw)
+    assert fast.time_s["ckpt_offload_exposed_s"] == 0.0  # 1 GiB in 29 ms behind seconds of compute per layer
+    # at 0.1 GB/s a 1 GiB layer input takes 10.7 s, more than a layer's forward (~2.7 s here)
+    copy = 2**17 * 4096 * 2 / 0.1e9
+    slow = evaluate_layout(LLAMA8, get_device("h100-80g", host_link_gbps=0.1), **kw)
+    slower = evaluate_layout(LLAMA8, get_device("h100-80g", host_link_gbps=0.05), **kw)
+    exposed = slow.time_s["ckpt_offload_exposed_s"]
+    assert 32 * (copy - 3.0) < exposed < 2 * 32 * copy
+    assert slower.time_s["ckpt_offload_exposed_s"] > exposed + 32 * copy  # twice the copy time, out and back
+    assert slow.step_time_s == pytest.approx(fast.step_time_s + exposed)
+    assert slow.mem_gib_per_gpu == fast.mem_gib_per_gpu
