@@ -4,6 +4,7 @@
 ``max_seq_len`` finds the longest sequence a cluster trains (``usp-plan --max-seq-len``).
 """
 
+from usp.plan.auto import auto_degrees
 from usp.plan.calibrate import Calibration, calibrate, read_bench_json, read_training_run
 from usp.plan.hardware import GPUS, DeviceSpec, get_device
 from usp.plan.inference import InferenceEstimate, kv_cache_bytes_per_gpu, plan_inference
@@ -11,7 +12,7 @@ from usp.plan.maxlen import MaxSeqLenEstimate, max_seq_len, max_seq_lens
 from usp.plan.memory import MemoryBreakdown, held_activation_bytes, training_memory
 from usp.plan.models import PRESETS, ModelSpec, load_model_spec
 from usp.plan.offload import host_memory, offload_time
-from usp.plan.search import LayoutEstimate, NoFeasibleLayoutError, auto_degrees, evaluate_layout, plan_layouts
+from usp.plan.search import LayoutEstimate, NoFeasibleLayoutError, evaluate_layout, plan_layouts
 
 __all__ = [
     "GPUS",
