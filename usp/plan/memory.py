@@ -36,13 +36,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from usp.config import AC_MODES
 from usp.plan.comm import ACT_BYTES, kv_block_bytes
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.models import ModelSpec
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master param + fp32 grad + Adam m and v
 OFFLOAD_DEVICE_CHECKPOINTS = 2  # checkpoint offload: the layer input in flight + the one in use
-AC_MODES = ("none", "every_k", "full", "offload")
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,7 @@ def check_mlp_tiles(mlp_tiles: int, local_tokens: float) -> None:
         )
 
 
-def device_states_bytes(
-    model: ModelSpec, shard: int, *, offload: bool = False
-) -> float:
+def device_states_bytes(model: ModelSpec, shard: int, *, offload: bool = False) -> float:
     """Sharded parameters, gradients and optimizer states left on one device (module docstring)."""
     if offload:
         return 0.0
@@ -188,9 +186,9 @@ def training_memory(
     mlp_tiles: int = 1,
 ) -> MemoryBreakdown:
     """Peak bytes per rank on the device. ``offload`` moves the sharded states to host memory (FSDP2 CPU
-    offload; module docstring); ``activation_checkpointing=offload``
-    keeps the layer inputs on the host; ``mlp_tiles`` runs the MLP in tiles; ``compute_bytes`` is 2 for bf16
-    compute, 4 for an fp32 run. Host bytes: :func:`usp.plan.offload.host_memory`."""
+    offload); ``activation_checkpointing=offload`` keeps the layer inputs there; ``mlp_tiles`` runs the MLPs
+    and norms in tiles (module docstring); ``compute_bytes`` is 2 for bf16 compute, 4 for an fp32 run. Host
+    bytes: :func:`usp.plan.offload.host_memory`."""
     B = compute_bytes
     U, R = ulysses_degree, ring_degree
     s = seq_len / (U * R) * micro_batch_size  # local tokens
