@@ -160,3 +160,20 @@ def test_offload_and_tiles_resume_and_export_like_the_plain_run(dist_pools, mode
         # near-zero gradient moves by up to lr per step and carries fp32 summation-order noise (~1e-5 here on
         # a handful of elements) while the losses agree to 1e-5
         torch.testing.assert_close(got[name], t, rtol=1e-4, atol=5e-4 * t.abs().max().item(), msg=name)
+
+
+@pytest.mark.slow
+def test_deepspeed_cpu_adam_trains_and_resumes_like_adamw(dist_pools, model_dir, tmp_path):
+    """``optim.name=deepspeed_cpu_adam`` on FSDP2 shards (world 2): the losses of torch AdamW (rtol 1e-5), and
+    a resume through a distributed checkpoint continues them. The first use compiles DeepSpeed's C++ op (about
+    2 minutes on 2 cores; cached under TORCH_EXTENSIONS_DIR)."""
+    plain = dist_pools(2).run(run_worker, make_config(model_dir, str(tmp_path / "adamw"), ring_degree=2))[0]
+    cfg = make_config(model_dir, str(tmp_path / "ds"), ring_degree=2)
+    cfg.optim.name = "deepspeed_cpu_adam"
+    cfg.trainer.export_hf = False
+    first = dist_pools(2).run(run_worker, cfg)[0]
+    shutil.rmtree(tmp_path / "ds" / "checkpoints" / "step_4")
+    second = dist_pools(2).run(run_worker, cfg)[0]
+    assert second["start_step"] == 2
+    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(second["losses"]), torch.tensor(first["losses"][2:]), rtol=0, atol=0)
