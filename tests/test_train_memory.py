@@ -19,6 +19,7 @@ def test_cpu_peak_is_the_high_water_mark_of_known_allocations():
         del a  # live: 2 MiB after a 6 MiB high-water mark
         c = torch.empty(1 * MIB, dtype=torch.uint8)
     assert 6 * MIB <= mem.peak_bytes <= 6 * MIB + SLACK
+    assert 3 * MIB <= mem.net_bytes <= 3 * MIB + SLACK  # b and c still allocated
     assert mem.peak_reserved_bytes is None
     del b, c
 

@@ -15,6 +15,9 @@
   leaves that require grad (parameters) left out. Tensors saved under an inner hook are not seen: inside a
   checkpointed region only the region's inputs count (what the checkpoint keeps), and checkpointed inputs
   that :mod:`usp.train.offload` moves to the host do not count.
+- ``net_bytes``: bytes allocated at the end of the block minus at its start (what the block left allocated,
+  e.g. the activations a forward keeps for backward), with the same CPU caveat as ``peak_bytes``. A forward's
+  ``net_bytes`` plus the backward's ``peak_bytes`` is the step's peak during backward.
 - ``peak_reserved_bytes``: CUDA only (``None`` on CPU): the caching allocator's peak reserved bytes during the
   block, absolute (what an out-of-memory error depends on: allocated plus fragmentation).
 
@@ -42,6 +45,8 @@ class MemoryReport:
     """Peak bytes allocated on ``device`` during the block, above the bytes allocated at its start."""
     held_bytes: int = 0
     """Bytes saved for backward on ``device`` by the block (each storage once; parameters excluded)."""
+    net_bytes: int = 0
+    """Bytes allocated on ``device`` at the end of the block minus at its start."""
     peak_reserved_bytes: int | None = None
     """CUDA: peak bytes reserved by the caching allocator during the block (absolute); ``None`` on CPU."""
     start_bytes: int = 0
@@ -58,8 +63,9 @@ class MemoryReport:
         return t
 
 
-def cpu_peak_from_profile(prof: torch.profiler.profile) -> int:
-    """Peak of the running sum of the CPU allocator's allocation events recorded by ``prof`` (bytes, >= 0).
+def cpu_peak_from_profile(prof: torch.profiler.profile) -> tuple[int, int]:
+    """``(peak, net)``: the maximum (>= 0) and the final value of the running sum of the CPU allocator's
+    allocation events recorded by ``prof``, in bytes.
 
     ``prof`` must have been run with ``profile_memory=True``. Events are ordered by time over all threads
     (backward runs in autograd's threads on some devices).
@@ -80,14 +86,16 @@ def cpu_peak_from_profile(prof: torch.profiler.profile) -> int:
     for _, delta in events:
         live += delta
         peak = max(peak, live)
-    return peak
+    return peak, live
 
 
 @contextmanager
 def track_memory(device: torch.device | str) -> Iterator[MemoryReport]:
     """Measure the block's peak allocated bytes and the bytes it saves for backward on ``device``.
 
-    Yields a :class:`MemoryReport` whose ``peak_bytes`` / ``peak_reserved_bytes`` are set on exit. On CUDA the
+    Yields a :class:`MemoryReport` whose ``peak_bytes``, ``net_bytes`` and ``peak_reserved_bytes`` are set on
+    exit. Measure a forward and its backward in two blocks: the hooks would otherwise also count what a
+    backward's recomputation saves. On CUDA the
     device is synchronized on entry and exit, and the peak-memory window is reset on entry (so it does not
     nest with another CUDA peak measurement). On CPU it runs the PyTorch profiler (which does not nest either).
     """
@@ -101,6 +109,7 @@ def track_memory(device: torch.device | str) -> Iterator[MemoryReport]:
             yield report
         torch.cuda.synchronize(device)
         report.peak_bytes = max(0, torch.cuda.max_memory_allocated(device) - report.start_bytes)
+        report.net_bytes = torch.cuda.memory_allocated(device) - report.start_bytes
         report.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
         return
     if device.type != "cpu":
@@ -110,4 +119,4 @@ def track_memory(device: torch.device | str) -> Iterator[MemoryReport]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with saved_tensors_hooks(report._pack, lambda t: t):
             yield report
-    report.peak_bytes = cpu_peak_from_profile(prof)
+    report.peak_bytes, report.net_bytes = cpu_peak_from_profile(prof)
