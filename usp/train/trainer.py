@@ -475,7 +475,9 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     )  # fmt: skip
     param_device, _ = weight_devices(device, cpu_offload=fsdp_cpu_offload(cfg, device))  # offload: shards on the CPU
     load_sharded_weights(model, cfg.model.path, device=device, param_device=param_device)
-    optimizer, scheduler = build_optimizer(loss_model, cfg.optim, max_steps=cfg.trainer.max_steps)
+    optimizer, scheduler = build_optimizer(
+        loss_model, cfg.optim, max_steps=cfg.trainer.max_steps, host_states=fsdp_cpu_offload(cfg, device)
+    )
 
     start_step = 0
     if resume_from is not None:
