@@ -380,6 +380,7 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+_REFUSED = "is not allowed in a checkpoint's DCP .metadata"
 _SAFE_MODULES = ("torch.distributed.checkpoint.",)
 _SAFE_GLOBALS = {
     ("torch", "Size"),
@@ -403,7 +404,7 @@ class _MetadataUnpickler(pickle.Unpickler):
                 return obj
         if (module, name) in _SAFE_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's DCP .metadata")
+        raise pickle.UnpicklingError(f"{module}.{name} {_REFUSED}")
 
 
 # --- save ----------------------------------------------------------------------------------------------
@@ -591,6 +592,12 @@ def load_checkpoint(
         with _single_process_quiet():
             dcp.load(state, storage_reader=SafeFileSystemReader(ckpt / DCP_DIR), no_dist=not _distributed())
     except CheckpointException as e:  # raised on every rank
+        if _REFUSED in _first_failure(e):  # DCP wraps our UnpicklingError (in an AssertionError on 2.13)
+            raise ValueError(
+                f"trainer.resume={str(path)!r}: {ckpt / DCP_DIR / '.metadata'} holds objects usp refuses to "
+                f"unpickle ({_first_failure(e)}); it was not written by usp. Point trainer.resume at another "
+                f"step_<N> directory."
+            ) from e
         raise ValueError(
             f"trainer.resume={str(path)!r}: {ckpt} does not fit this model/optimizer ({_first_failure(e)}). "
             f"Resume with the model config and optimizer the checkpoint was saved with, or start fresh "

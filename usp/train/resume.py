@@ -1,7 +1,8 @@
 """Which checkpoint a run starts from: ``trainer.resume`` resolved, verified and fingerprinted, collectively.
 
 - ``auto``: the newest checkpoint under the checkpoint dir whose files verify against the checksums saved with
-  it (newer damaged ones are skipped, each named with its damaged file); refused when it was saved by a run
+  it (newer damaged ones are skipped, each named with its damaged file, and renamed ``damaged-step_<N>``);
+  refused when it was saved by a run
   with another ``model.path`` / ``trainer.seq_len`` (its fingerprint), or when checkpoints exist but none
   verifies.
 - a path: that ``step_<N>`` (a root: its newest complete one), which must verify; ``ValueError`` naming the
@@ -15,6 +16,8 @@ Whatever the choice, a run never shares its checkpoint dir with checkpoints it d
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +57,24 @@ def check_fingerprint(cfg: TrainConfig, ckpt: Path) -> None:
         )
 
 
-def newest_intact_checkpoint(ckpt_root: Path) -> Path | None:
+DAMAGED_PREFIX = "damaged-"
+
+
+def set_aside_damaged(skipped: list[tuple[Path, list[str]]]) -> None:
+    """Rename checkpoints that failed verification to ``damaged-step_<N>`` (kept for inspection, invisible to
+    ``resume=auto`` and keep-last; delete them by hand). Rank 0 only."""
+    for path, _ in skipped:
+        target = path.with_name(DAMAGED_PREFIX + path.name)
+        if target.exists():
+            target = path.with_name(f"{DAMAGED_PREFIX}{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(path, target)
+        logger.warning("moved the damaged checkpoint %s aside to %s", path, target)
+
+
+def newest_intact_checkpoint(ckpt_root: Path, *, set_aside: bool = False) -> Path | None:
     """The newest checkpoint under ``ckpt_root`` that verifies, ``None`` if there is none; rank 0 logs the
-    newer ones it skipped and why. ``ValueError`` (every rank) if checkpoints exist but none verifies.
-    Collective under a process group."""
+    newer ones it skipped and why (and, with ``set_aside``, renames them: :func:`set_aside_damaged`).
+    ``ValueError`` (every rank) if checkpoints exist but none verifies. Collective under a process group."""
     from usp.train.checkpoint import find_intact_checkpoint
     from usp.train.rundir import describe_skipped
 
@@ -71,6 +88,14 @@ def newest_intact_checkpoint(ckpt_root: Path) -> Path | None:
             f"Move them aside (mv {ckpt_root} {ckpt_root}.damaged) to start fresh, or point trainer.resume at "
             f"a checkpoint saved elsewhere."
         )
+    if skipped and set_aside:
+        if dist.is_initialized():
+            from usp.train.trainer import on_every_rank
+
+            rank = dist.get_rank()
+            on_every_rank(lambda: set_aside_damaged(skipped) if rank == 0 else None, "trainer.resume=auto")
+        else:
+            set_aside_damaged(skipped)
     return intact
 
 
@@ -103,7 +128,7 @@ def choose_resume(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
     resume = cfg.trainer.resume
     resume_from: Path | None = None
     if resume == "auto":
-        intact = newest_intact_checkpoint(ckpt_root)
+        intact = newest_intact_checkpoint(ckpt_root, set_aside=True)  # damaged ones are not another run's
         if intact is not None:
             on_every_rank(lambda: check_fingerprint(cfg, intact), "trainer.resume=auto")
         resume_from = intact
