@@ -165,7 +165,10 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     log_every: int = 1
+    """Steps between metrics records (metrics.jsonl, wandb, and the log line when there is no bar)."""
     progress_bar: bool = True
+    """A tqdm bar on rank 0, drawn only when stderr is a terminal; otherwise (batch jobs) one log line per
+    logged step (step, loss, tokens/s, MFU, memory)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

@@ -206,7 +206,8 @@ def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device:
 
 def _check_trainer(cfg: TrainConfig) -> None:
     t = cfg.trainer
-    for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "loss_chunk_size", "keep_last"):
+    for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "loss_chunk_size", "keep_last",
+                 "max_bad_steps"):  # fmt: skip
         value = getattr(t, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"trainer.{name}={value!r} must be an integer >= 1.")
