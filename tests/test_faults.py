@@ -97,7 +97,7 @@ def test_fresh_start_over_an_earlier_run_is_refused(dist_pools, setup, tmp_path)
     before = _snapshot(ckpts)
     fresh = dist_pools(1).run(run_reporting, config(setup, run_dir, max_steps=4, checkpoint_every=2, resume=None))[0]
     assert fresh["error"] is not None and fresh["error"][0] == "ValueError", fresh
-    assert "step_4" in fresh["error"][1] and f"mv {ckpts}" in fresh["error"][1]
+    assert "step_4" in fresh["error"][1] and f"mv {run_dir} {run_dir}.old-" in fresh["error"][1]
     assert _snapshot(ckpts) == before  # nothing pruned, nothing added
 
 

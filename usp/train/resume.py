@@ -140,5 +140,8 @@ def choose_resume(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
                 f"trainer.resume={resume!r}: {resume_from} fails verification: {'; '.join(problems)}. Point "
                 f"trainer.resume at another step_<N> directory (trainer.resume=auto takes the newest intact one)."
             )
-    on_every_rank(lambda: check_checkpoints_of_other_runs(ckpt_root, resume_from), "trainer.checkpoint_dir")
+    on_every_rank(
+        lambda: check_checkpoints_of_other_runs(ckpt_root, resume_from, run_dir=Path(cfg.run_dir)),
+        "trainer.checkpoint_dir",
+    )
     return resume_from

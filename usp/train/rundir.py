@@ -211,13 +211,14 @@ def _step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def check_checkpoints_of_other_runs(ckpt_root: Path, resume_from: Path | None, *, why: str = "") -> None:
+def check_checkpoints_of_other_runs(ckpt_root: Path, resume_from: Path | None, *, run_dir: Path | None = None) -> None:
     """``ValueError`` if this run would share ``ckpt_root`` with checkpoints it did not resume from.
 
     ``resume_from=None`` (a fresh start): any ``step_<N>`` there belongs to an earlier run. A resume from a
     checkpoint outside ``ckpt_root`` (a new stage): the same. A resume from ``ckpt_root/step_<N>``: the ones
     with a higher step belong to an abandoned branch (``resume=auto`` would take them after a crash, and
-    keep-last would keep them instead of this run's). ``why`` is prepended to the message.
+    keep-last would keep them instead of this run's). When ``ckpt_root`` is ``<run_dir>/checkpoints`` the
+    advice is to move the whole run dir aside (its metrics.jsonl and hf/ belong to the old run too).
     """
     existing = _step_dirs(ckpt_root)
     if resume_from is not None:
@@ -228,12 +229,14 @@ def check_checkpoints_of_other_runs(ckpt_root: Path, resume_from: Path | None, *
     if not existing:
         return
     names = ", ".join(p.name for _, p in existing[-4:]) + (" ..." if len(existing) > 4 else "")
-    aside = f"{ckpt_root}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+    inside = run_dir is not None and ckpt_root.resolve().parent == Path(run_dir).resolve()
+    moved = Path(run_dir) if inside else ckpt_root
+    aside = f"mv {moved} {moved}.old-{time.strftime('%Y%m%d-%H%M%S')}"
     start = "a fresh start" if resume_from is None else f"resuming from {resume_from}"
     raise ValueError(
-        f"{why}{start} would share trainer.checkpoint_dir={str(ckpt_root)!r} with checkpoints this run did not "
+        f"{start} would share trainer.checkpoint_dir={str(ckpt_root)!r} with checkpoints this run did not "
         f"come from ({names}): keep-last would prune them or this run's, and trainer.resume=auto after a crash "
-        f"would continue the wrong run. Move them aside (mv {ckpt_root} {aside}), or give this run its own "
+        f"would continue the wrong run. Move the earlier run aside ({aside}), or give this run its own "
         f"directory (hydra.run.dir=... or trainer.checkpoint_dir=...), or continue them with trainer.resume=auto."
     )
 
