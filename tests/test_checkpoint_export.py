@@ -154,13 +154,25 @@ def test_export_cast_frees_each_fp32_tensor_as_it_goes(tiny_dir, tmp_path, monke
         return sd
 
     alive_at_write: list[int] = []
-    write = export._write_weights
+    write = export.save_torch_state_dict
 
-    def spy(state_dict, tmp, max_shard_size):
+    def spy(state_dict, tmp, **kwargs):
         alive_at_write.append(sum(r() is not None for r in originals))
-        write(state_dict, tmp, max_shard_size)
+        write(state_dict, tmp, **kwargs)
 
     monkeypatch.setattr(export, "get_model_state_dict", gathered)
-    monkeypatch.setattr(export, "_write_weights", spy)
+    monkeypatch.setattr(export, "save_torch_state_dict", spy)
     export_hf(model, tokenizer=None, out_dir=tmp_path / "hf", dtype=torch.bfloat16)
     assert originals and alive_at_write == [0]
+
+
+def test_export_in_several_shards_loads_with_from_pretrained(tiny_dir, tmp_path):
+    """A small max_shard_size writes several safetensors files and the index; from_pretrained reads them."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    out = export_hf(model, tokenizer=None, out_dir=tmp_path / "hf", max_shard_size="20KB")
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    for (name, a), b in zip(loaded.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
