@@ -59,7 +59,8 @@ class DataConfig:
     """Local files (jsonl, parquet, text, arrow) or hub dataset names; or one ``usp-prepare-data`` output."""
     prepared_path: str | None = None
     """A dir written by ``usp-prepare-data`` (loads with ``datasets.load_from_disk``); preferred for big runs."""
-    text_field: str = "text"
+    text_field: Any = "text"
+    """Column holding the document text: one name for every input, or a list with one name per input."""
     weights: list[float] | None = None
     """Mixing weights for several ``inputs`` (same length), or None for concatenation."""
     streaming: bool = False
@@ -227,6 +228,10 @@ def validate_choices(cfg: TrainConfig) -> None:
             "no training data: set data.prepared_path=<a usp-prepare-data output dir>, or "
             "data.inputs=[a.jsonl,owner/dataset] (local files or hub dataset names)."
         )
+    if not isinstance(d.text_field, str):
+        from usp.data.sources import text_fields_per_input
+
+        text_fields_per_input(d.text_field, d.inputs)
     if d.weights is not None and len(d.weights) != len(d.inputs):
         raise ValueError(
             f"data.weights has {len(d.weights)} entries but data.inputs has {len(d.inputs)}: give one weight "

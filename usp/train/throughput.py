@@ -37,6 +37,7 @@ from usp.train.optim import build_optimizer
 from usp.train.parallelize import parallelize
 from usp.train.step import train_step
 from usp.train.trainer import init_distributed, resolve_device
+from usp.units import parse_seq_len
 
 
 def hf_config(model: str, *, rope_theta: float | None = None, max_position_embeddings: int | None = None) -> Any:
@@ -116,7 +117,7 @@ def measure(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m usp.train.throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b", help="preset name or config.json / checkpoint dir")
-    p.add_argument("--seq-len", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--seq-len", type=parse_seq_len, nargs="+", default=[32768, 131072])
     p.add_argument("--ulysses", type=int, default=1)
     p.add_argument("--ring", type=int, default=1)
     p.add_argument("--ac", choices=("none", "full", "every_k"), default="full")
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-theta", type=float, default=None)
     p.add_argument("--find-max", action="store_true", help="grow the sequence until out of memory (one rank)")
     p.add_argument("--granularity", type=int, default=16384)
-    p.add_argument("--max-seq-len", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--max-seq-len", type=parse_seq_len, default=4 * 1024 * 1024)
     return p
 
 
