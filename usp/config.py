@@ -11,20 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from usp.modes import AC_MODES, ATTENTION_BACKENDS, FSDP_MODES, RING_LAYOUTS
+
 # Valid values of the string-enum fields (checked once, by ``validate_choices``).
 DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float16")
-ATTENTION_BACKENDS: tuple[str, ...] = (
-    "auto",
-    "flash_attn",
-    "sdpa_flash",
-    "sdpa_efficient",
-    "sdpa_cudnn",
-    "cpu_flash",
-    "math",
-)
-RING_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
-FSDP_MODES: tuple[str, ...] = ("full_shard", "hybrid_shard")
-AC_MODES: tuple[str, ...] = ("none", "full", "every_k")
 REDUCE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 BACKENDS: tuple[str | None, ...] = (None, "nccl", "gloo")
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")

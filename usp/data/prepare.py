@@ -31,10 +31,10 @@ import numpy as np
 import pyarrow as pa
 from datasets import Dataset, IterableDataset
 
-from usp.config import RING_LAYOUTS
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
 from usp.data.sources import check_inputs, is_prepared_dataset, load_text_sources
 from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, load_tokenizer, tokenize_documents
+from usp.modes import RING_LAYOUTS
 from usp.parallel import check_sequence_length
 from usp.units import parse_seq_len
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-RingLayout = Literal["zigzag", "contiguous"]
-RING_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
+from usp.modes import RING_LAYOUTS, RingLayout
+
 MESH_AXES: tuple[str, str, str] = ("dp", "ring", "ulysses")
 
 

@@ -31,11 +31,9 @@ from torch.distributed.fsdp import (
 from transformers import PreTrainedModel
 
 from usp.model import apply_usp
+from usp.modes import AC_MODES, FSDP_MODES
 from usp.parallel import SPMesh
 from usp.train.loss import ChunkedCausalLMLoss
-
-FSDP_MODES: tuple[str, ...] = ("full_shard", "hybrid_shard")
-AC_MODES: tuple[str, ...] = ("none", "full", "every_k")
 
 
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from usp.config import ClusterConfig, OptimConfig
 from usp.model import apply_rope_overrides, build_empty_causal_lm, parse_dtype
 from usp.model.load import materialize_empty
+from usp.modes import AC_MODES
 from usp.parallel import init_sp_mesh, shard_sequence
 from usp.train.metrics import count_dense_params, peak_flops_per_device, training_flops
 from usp.train.optim import build_optimizer
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=parse_seq_len, nargs="+", default=[32768, 131072])
     p.add_argument("--ulysses", type=int, default=1)
     p.add_argument("--ring", type=int, default=1)
-    p.add_argument("--ac", choices=("none", "full", "every_k"), default="full")
+    p.add_argument("--ac", choices=AC_MODES, default="full")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--loss-chunk-size", type=int, default=4096)
     p.add_argument("--backend", default="auto", help="attention kernel (model.attention_backend)")
