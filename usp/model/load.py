@@ -323,6 +323,8 @@ def _load_broadcast_from_rank0(model: PreTrainedModel, path: str | os.PathLike) 
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    from usp.parallel.agree import raise_if_any_failed
+
     state: dict[str, torch.Tensor] = {}
     error: str | None = None
     if dist.get_rank() == 0:
@@ -333,10 +335,7 @@ def _load_broadcast_from_rank0(model: PreTrainedModel, path: str | os.PathLike) 
         sources, mismatch = _weights_mismatch(model, set(state))
         error = error or mismatch
         state = {key: state[src] for key, src in sources.items() if src in state}
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    if errors[0] is not None:
-        raise ValueError(f"model.path={str(path)!r}: {errors[0]}")
+    raise_if_any_failed(None if error is None else ValueError(f"model.path={str(path)!r}: {error}"), "loading weights")
     set_model_state_dict(
         model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
     )

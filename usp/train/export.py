@@ -22,7 +22,8 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from usp.train.checkpoint import dist_rank, publish_dir, raise_if_any_failed
+from usp.parallel.agree import dist_rank, raise_if_any_failed
+from usp.train.checkpoint import publish_dir
 
 EXPORT_MARKER = "usp_export.json"
 SAFE_ATTENTION = "sdpa"
