@@ -228,6 +228,23 @@ class SPMesh:
     def fsdp_mesh(self) -> DeviceMesh:
         return self.submesh("fsdp")
 
+    def hsdp_mesh(self, node_size: int) -> DeviceMesh:
+        """A 2-D ``(replicate, shard)`` DeviceMesh over the same ranks for HSDP: shard inside a node of
+        ``node_size`` ranks, replicate across nodes. Its groups get the job's collective timeout, like every
+        other group of this mesh. Collective: every rank must call it.
+        """
+        world = self.dims.world_size
+        if node_size < 1 or world % node_size != 0:
+            raise ValueError(
+                f"parallel.fsdp_mode=hybrid_shard needs the node size ({node_size}) to divide the world size "
+                f"{world}; set parallel.node_size or use parallel.fsdp_mode=full_shard."
+            )
+        grid = torch.arange(world).reshape(world // node_size, node_size)  # [nodes, ranks per node]
+        override = None if self.group_options is None else ((None, self.group_options),) * 2
+        return DeviceMesh(
+            self.device_mesh.device_type, grid, mesh_dim_names=("replicate", "shard"), backend_override=override
+        )
+
     def sequence_multiple(self) -> int:
         """Global sequence lengths must be a multiple of this (2*ring*ulysses for zigzag, ring*ulysses else)."""
         return sequence_multiple(self.ring_degree, self.ulysses_degree, self.ring_layout)
