@@ -12,7 +12,8 @@ import pytest
 from hydra.errors import MissingConfigException
 
 from usp.config import TrainConfig, validate_choices, validate_layout
-from usp.train.__main__ import _run_id, compose_config, launched_world, main
+from usp.parallel.mesh import launched_world
+from usp.train.__main__ import _run_id, compose_config, main
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,6 +18,7 @@ Flattened axes built on the same mesh:
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -266,6 +267,17 @@ def sequence_multiple(ring_degree: int, ulysses_degree: int, ring_layout: str) -
     return (2 if ring_layout == "zigzag" else 1) * ring_degree * ulysses_degree
 
 
+def launched_world(env: Mapping[str, str] | None = None) -> tuple[int, int | None]:
+    """``(WORLD_SIZE, LOCAL_WORLD_SIZE)`` as the launcher set them; ``(1, None)`` without a launcher.
+
+    The one place the node size is read from the environment: torchrun's ``--nproc-per-node`` becomes
+    ``LOCAL_WORLD_SIZE``, which the mesh takes as the node size (Ulysses groups stay inside it).
+    """
+    env = os.environ if env is None else env
+    local = env.get("LOCAL_WORLD_SIZE")
+    return int(env.get("WORLD_SIZE", "1")), (int(local) if local else None)
+
+
 def group_options_with_timeout(timeout: timedelta | None) -> Any:
     """Backend options carrying ``timeout`` for new groups of the default backend, or ``None``.
 
@@ -309,8 +321,8 @@ def init_sp_mesh(
             "init_sp_mesh needs torch.distributed to be initialized first "
             "(torch.distributed.init_process_group(backend='nccl' or 'gloo'))."
         )
-    if node_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
-        node_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    if node_size is None:
+        node_size = launched_world()[1]
     dims = ParallelDims(
         world_size=dist.get_world_size(),
         ulysses_degree=ulysses_degree,

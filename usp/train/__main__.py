@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -129,19 +129,14 @@ def compose_config(overrides: Sequence[str] = (), *, run_dir: str | None = None)
     return to_train_config(cfg, run_dir=run_dir)
 
 
-def launched_world(env: Mapping[str, str] | None = None) -> tuple[int, int | None]:
-    """``(WORLD_SIZE, LOCAL_WORLD_SIZE)`` as the launcher set them; ``(1, None)`` without a launcher."""
-    env = os.environ if env is None else env
-    local = env.get("LOCAL_WORLD_SIZE")
-    return int(env.get("WORLD_SIZE", "1")), (int(local) if local else None)
-
-
 def _task(dcfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = to_train_config(dcfg, run_dir=HydraConfig.get().runtime.output_dir)
+        from usp.parallel.mesh import launched_world  # lazy: torch is not needed to compose a config
+
         world_size, local_world_size = launched_world()
         validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
     except ValueError as err:

@@ -44,6 +44,7 @@ from usp.model import (
 )
 from usp.parallel import ParallelDims, SPMesh, check_sequence_length, init_sp_mesh
 from usp.parallel.agree import on_every_rank
+from usp.parallel.mesh import launched_world
 from usp.train.loss import IGNORE_INDEX
 from usp.train.optim import build_optimizer, check_optim_config
 from usp.train.parallelize import AC_MODES, FSDP_MODES, decoder_layers, parallelize
@@ -108,8 +109,7 @@ class Layout:
 def _node_size(cfg: TrainConfig, world_size: int) -> int:
     if cfg.parallel.node_size is not None:
         return int(cfg.parallel.node_size)
-    env = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(env) if env else world_size
+    return launched_world()[1] or world_size
 
 
 def _planner_constraints(cfg: TrainConfig) -> dict[str, Any]:
