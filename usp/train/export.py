@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -123,7 +124,11 @@ def export_hf(
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
             # safetensors shards + model.safetensors.index.json when sharded, named like save_pretrained's
-            save_torch_state_dict(tensors, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
+            logging.disable(logging.INFO)  # its "weights successfully saved to <tmp dir>" line would mislead
+            try:
+                save_torch_state_dict(tensors, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
+            finally:
+                logging.disable(logging.NOTSET)
             _plain_config(model, saved_dtype).save_pretrained(str(tmp))
             _scrub_attention(tmp / "config.json")
             generation_config = getattr(model, "generation_config", None)
