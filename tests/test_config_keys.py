@@ -62,3 +62,11 @@ def test_entry_point_exits_2_with_the_message():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "usp calls it trainer.grad_accum_steps" in proc.stderr
     assert proc.stderr.count("unknown config key") == 1
+
+
+def test_rope_scaling_can_be_set_on_the_command_line():
+    """A dict for a field that defaults to null (OmegaConf cannot merge into a typed None dict node)."""
+    cfg = compose_config(["recipe=tiny", "model.rope_scaling={rope_type: linear, factor: 4.0}"])
+    assert cfg.model.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    cfg = compose_config(["recipe=tiny", "+model.rope_scaling.factor=2.0"])
+    assert cfg.model.rope_scaling == {"factor": 2.0}

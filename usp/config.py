@@ -33,7 +33,7 @@ class ModelConfig:
     | ``cpu_flash`` | ``math``."""
     rope_theta: float | None = None
     """Override ``rope_theta`` for context extension (e.g. 500000 -> 8000000)."""
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: Any = None
     """Override ``rope_scaling`` (e.g. ``{rope_type: llama3, factor: 8.0, ...}``)."""
     max_position_embeddings: int | None = None
     """Override ``max_position_embeddings`` (set to at least ``trainer.seq_len``)."""
