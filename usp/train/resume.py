@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from usp.config import TrainConfig
+from usp.parallel.agree import on_every_rank, on_rank0
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +90,7 @@ def newest_intact_checkpoint(ckpt_root: Path, *, set_aside: bool = False) -> Pat
             f"a checkpoint saved elsewhere."
         )
     if skipped and set_aside:
-        if dist.is_initialized():
-            from usp.train.trainer import on_every_rank
-
-            rank = dist.get_rank()
-            on_every_rank(lambda: set_aside_damaged(skipped) if rank == 0 else None, "trainer.resume=auto")
-        else:
-            set_aside_damaged(skipped)
+        on_rank0(lambda: set_aside_damaged(skipped), "trainer.resume=auto: setting damaged checkpoints aside")
     return intact
 
 
@@ -123,7 +118,6 @@ def choose_resume(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
     """
     from usp.train.checkpoint import resolve_checkpoint, verify_checkpoint
     from usp.train.rundir import check_checkpoints_of_other_runs
-    from usp.train.trainer import on_every_rank
 
     resume = cfg.trainer.resume
     resume_from: Path | None = None
