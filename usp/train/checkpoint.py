@@ -354,8 +354,9 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 _REFUSED = "is not allowed in a checkpoint's DCP .metadata"
-_SAFE_MODULES = ("torch.distributed.checkpoint.",)
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _SAFE_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch._utils", "_get_layout"),
     ("torch.serialization", "_get_layout"),
@@ -371,9 +372,9 @@ _SAFE_GLOBALS = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_SAFE_MODULES) and not name.startswith("__"):
+        if module == _METADATA_MODULE and (not name.startswith("_") or name == "_MEM_FORMAT_ENCODING"):
             obj = super().find_class(module, name)
-            if isinstance(obj, type):  # DCP's dataclasses and enums, never a function
+            if isinstance(obj, type) and obj.__module__ == module:  # DCP's own dataclasses and enums only
                 return obj
         if (module, name) in _SAFE_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
