@@ -429,6 +429,31 @@ def test_crafted_pickle_is_refused_without_running(setup, tmp_path, target):
     assert not planted.exists(), "a checkpoint file ran code while loading"
 
 
+class _Construct:
+    """Unpickling this calls ``cls(*args)``: a class that is not DCP metadata must be refused by name."""
+
+    def __init__(self, cls, *args) -> None:
+        self.cls, self.args = cls, args
+
+    def __reduce__(self):
+        return (self.cls, self.args)
+
+
+def test_metadata_unpickler_admits_dcp_metadata_only(tmp_path):
+    import io
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from usp.train.checkpoint import SafeFileSystemReader, _MetadataUnpickler
+
+    _small_checkpoints(tmp_path / "c", (1,))
+    real = SafeFileSystemReader(tmp_path / "c" / "step_1" / "dcp").read_metadata()
+    assert real.state_dict_metadata  # a real DCP .metadata loads
+    for payload in (_Construct(FileSystemWriter, str(tmp_path / "w")), _Construct(os.system, "true")):
+        with pytest.raises(pickle.UnpicklingError, match="is not allowed"):
+            _MetadataUnpickler(io.BytesIO(pickle.dumps(payload))).load()
+
+
 def test_extra_that_is_not_plain_data_is_refused_at_save(tmp_path):
     import numpy as np
 
