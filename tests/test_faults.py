@@ -134,6 +134,19 @@ def test_locked_run_dir_is_refused_on_every_rank(dist_pools, setup, tmp_path):
     assert all(r["error"] is None for r in after), after  # the holder let go: the dir is free again
 
 
+def test_dir_lock_names_its_holder_and_is_released(tmp_path):
+    import socket
+
+    from usp.train.rundir import DirLock
+
+    with DirLock(tmp_path / "ckpts", "trainer.checkpoint_dir").acquire():
+        with pytest.raises(ValueError, match=rf"trainer.checkpoint_dir=.* is in use by another run \(held by pid "
+                                             rf"{os.getpid()} on host {socket.gethostname()} since"):  # fmt: skip
+            DirLock(tmp_path / "ckpts", "trainer.checkpoint_dir").acquire()
+    DirLock(tmp_path / "ckpts").acquire().release()  # free again once released
+    assert (tmp_path / "ckpts" / ".usp.lock").read_text() == ""  # no stale holder left behind
+
+
 def _lock_pid(run_dir: Path) -> int | None:
     try:
         return int(json.loads((run_dir / ".usp.lock").read_text())["pid"])
