@@ -1,15 +1,28 @@
 """CUDA kernels behind the :mod:`usp.attention.kernels` interface: torch SDPA aten ops and flash_attn.
 
 Same contract as there: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``out [B, Sq, Hq, D]``,
-``lse [B, Hq, Sq]`` fp32; backward from the merged ``out``/``lse``. torch's SDPA ops have no GQA: K/V are
-expanded to the query heads locally (inside the kernel call, never before communication) and the gradients
-summed back. Document segments go to flash_attn's varlen kernels (packed, no mask) or, for SDPA, to the
-mem-efficient kernel as an additive bias when the block is small; larger segmented blocks never reach these
-functions with segments (:mod:`usp.attention.segmented` calls them once per segment, unmasked).
+``lse [B, Hq, Sq]`` fp32; backward from the merged ``out``/``lse``. GQA: flash_attn and torch's flash kernel
+take ``Hq % Hkv == 0`` natively; mem-efficient and cuDNN get K/V expanded to the query heads locally (inside
+the kernel call, never before communication) and the gradients summed back. Document segments go to
+flash_attn's varlen kernels (packed, no mask) or, for SDPA, to the mem-efficient kernel as an additive bias
+when the block is small; larger segmented blocks never reach these functions with segments
+(:mod:`usp.attention.segmented` calls them once per segment, unmasked).
+
+Kernel rules the wrappers keep (checked on fake CUDA tensors by ``tests/test_cuda_fake.py``):
+
+- causal blocks are square (``Sq == Sk``, per segment with documents): flash aligns a causal mask
+  bottom-right, mem-efficient and cuDNN top-left, and only square blocks mean the same thing in both;
+- head dims are multiples of 8 for flash and cuDNN (:func:`usp.attention.kernels.resolve_backend` refuses
+  the rest up front);
+- the cuDNN backward gets the lse with the rank its forward returns (``[B, H, S, 1]`` on recent torch,
+  ``[B, H, S]`` on older ones) and dense q, k, v, out, dout with identical layouts (its graph derives the
+  O/dO strides from q and checks them exactly);
+- the mem-efficient backward gets the lse padded to a multiple of 32 rows, as its forward returns it.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 
@@ -19,6 +32,19 @@ from usp.attention.masks import dense_mask
 from usp.attention.segmented import host_segments, to_device
 
 # --- CUDA: torch SDPA aten ops -----------------------------------------------------------------------------
+
+_EXPANDS_KV = ("sdpa_efficient", "sdpa_cudnn")  # kernels without grouped heads; torch's flash has them
+
+
+def check_square_causal(q: torch.Tensor, k: torch.Tensor, causal: bool, segments) -> None:
+    """Assert that a causal block (or each causal segment) is square: every kernel then means the same mask."""
+    if not causal:
+        return
+    if segments is None:
+        assert q.size(1) == k.size(1), f"causal blocks must be square, got Sq={q.size(1)}, Sk={k.size(1)}"
+        return
+    for q0, q1, k0, k1 in host_segments(segments):
+        assert q1 - q0 == k1 - k0, f"causal segments must be square, got {(q0, q1, k0, k1)}"
 
 
 def _expand_kv(q, k, v):
@@ -33,6 +59,28 @@ def _reduce_kv(dk, dv, hkv):
     if h == hkv:
         return dk, dv
     return dk.view(b, s, hkv, h // hkv, d).sum(3), dv.view(b, s, hkv, h // hkv, d).sum(3)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ([B, S, H, D]) with exactly the strides of a contiguous tensor: a view when only size-1 dims
+    differ (a B = 1 slice), else a copy. cuDNN compares strides literally, size-1 dims included."""
+    want = torch.empty(t.shape, device="meta").stride()
+    if t.stride() == want:
+        return t
+    if all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), want)):
+        return t.as_strided(t.shape, want)
+    return t.contiguous().as_strided(t.shape, want)
+
+
+@functools.lru_cache(maxsize=1)
+def cudnn_lse_rank() -> int:
+    """Rank of the lse this torch's cuDNN SDPA forward returns (4: ``[B, H, S, 1]``; older releases: 3).
+
+    Read from the op's meta kernel once: the backward must be fed the rank the forward produced.
+    """
+    x = torch.empty(1, 1, 8, 8, device="meta", dtype=torch.bfloat16)
+    _, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
+    return lse.dim()
 
 
 def _bias(q, k, causal, segments):
@@ -50,9 +98,13 @@ def _bias(q, k, causal, segments):
 
 
 def sdpa_forward(kind, q, k, v, causal, scale, segments):
-    ke, ve = _expand_kv(q, k, v)
+    check_square_causal(q, k, causal, segments)
+    efficient = segments is not None or kind == "sdpa_efficient"
+    ke, ve = _expand_kv(q, k, v) if efficient or kind in _EXPANDS_KV else (k, v)
+    if kind == "sdpa_cudnn" and not efficient:
+        q, ke, ve = _dense(q), _dense(ke), _dense(ve)
     qt, kt, vt = q.transpose(1, 2), ke.transpose(1, 2), ve.transpose(1, 2)  # [B, H, S, D]
-    if segments is not None or kind == "sdpa_efficient":
+    if efficient:
         bias = _bias(q, k, causal, segments)
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             qt, kt, vt, bias, True, 0.0, causal and bias is None, scale=scale
@@ -62,7 +114,7 @@ def sdpa_forward(kind, q, k, v, causal, scale, segments):
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             qt, kt, vt, None, True, 0.0, causal, False, scale=scale
         )
-        lse = lse.reshape(q.size(0), q.size(2), q.size(1))
+        lse = lse.reshape(q.size(0), q.size(2), q.size(1))  # [B, H, S, 1] or [B, H, S] -> [B, H, S]
     else:
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
             qt, kt, vt, 0.0, causal, False, scale=scale
@@ -71,12 +123,16 @@ def sdpa_forward(kind, q, k, v, causal, scale, segments):
 
 
 def sdpa_backward(kind, dout, q, k, v, out, lse, causal, scale, segments):
-    ke, ve = _expand_kv(q, k, v)
+    check_square_causal(q, k, causal, segments)
+    efficient = segments is not None or kind == "sdpa_efficient"
+    ke, ve = _expand_kv(q, k, v) if efficient or kind in _EXPANDS_KV else (k, v)
+    if kind == "sdpa_cudnn" and not efficient:
+        q, ke, ve, out, dout = (_dense(t) for t in (q, ke, ve, out, dout))
     qt, kt, vt = q.transpose(1, 2), ke.transpose(1, 2), ve.transpose(1, 2)
     dot, ot = dout.transpose(1, 2), out.transpose(1, 2)
     sq, sk = q.size(1), k.size(1)
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    if segments is not None or kind == "sdpa_efficient":
+    if efficient:
         bias = _bias(q, k, causal, segments)
         pad = (sq + 31) // 32 * 32
         lse_p = torch.zeros((*lse.shape[:-1], pad), dtype=torch.float32, device=q.device)
@@ -97,13 +153,14 @@ def sdpa_backward(kind, dout, q, k, v, out, lse, causal, scale, segments):
             scale=scale,
         )
     elif kind == "sdpa_cudnn":
+        lse_c = lse.contiguous() if cudnn_lse_rank() == 3 else lse.unsqueeze(-1).contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dot,
             qt,
             kt,
             vt,
             ot,
-            lse.unsqueeze(-1).contiguous(),
+            lse_c,
             seed,
             seed,
             None,

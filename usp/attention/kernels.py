@@ -73,18 +73,27 @@ def flash_attn_available() -> bool:
     return flash_attn_import_error() is None
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """Map ``backend`` (``"auto"`` or a name in ``BACKENDS``) to a concrete kernel for ``device`` and ``dtype``.
+HALF_ONLY: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_cudnn")
+"""CUDA kernels with fp16/bf16 only and ``head_dim % 8 == 0`` (their backward checks it)."""
 
-    ``"auto"``: on CUDA, flash_attn when installed and the dtype is fp16/bf16, else torch's flash SDPA for
-    fp16/bf16 and mem-efficient SDPA for fp32 (flash kernels have no fp32); on CPU, torch's CPU flash.
+
+def resolve_backend(
+    backend: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> str:
+    """Map ``backend`` (``"auto"`` or a name in ``BACKENDS``) to a concrete kernel for ``device``, ``dtype``, ``head_dim``.
+
+    ``"auto"``: on CUDA, flash_attn when installed (>= 2.6, see :func:`flash_attn_import_error`) and the dtype is
+    fp16/bf16, else torch's flash SDPA for fp16/bf16 and mem-efficient SDPA for fp32 (flash kernels have no
+    fp32) or a head dim that is not a multiple of 8; on CPU, torch's CPU flash. An explicit CUDA backend that
+    cannot run the dtype or head dim raises ``ValueError`` naming the backends that can.
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend={backend!r} is unknown; choose one of {BACKENDS}.")
+    odd_head = head_dim is not None and head_dim % 8 != 0
     if backend == "auto":
         if device.type == "cuda":
             half = dtype in (torch.float16, torch.bfloat16) or dtype is None
-            if not half:
+            if not half or odd_head:
                 return "sdpa_efficient"
             return "flash_attn" if flash_attn_available() else "sdpa_flash"
         return "cpu_flash" if device.type == "cpu" else "math"
@@ -96,6 +105,16 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
     if backend == "cpu_flash" and device.type != "cpu":
         raise ValueError(
             f"attention backend='cpu_flash' needs CPU tensors, got {device.type}; use backend='auto'."
+        )
+    if backend in HALF_ONLY and odd_head:
+        raise ValueError(
+            f"attention backend={backend!r} needs head_dim % 8 == 0 (its backward checks it), got "
+            f"head_dim={head_dim}; use backend='sdpa_efficient' (or 'auto', which picks it) or 'math'."
+        )
+    if backend in HALF_ONLY and dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"attention backend={backend!r} runs float16/bfloat16 only, got {str(dtype).removeprefix('torch.')}; "
+            f"use backend='sdpa_efficient' (or 'auto', which picks it) or 'math', or a half-precision dtype."
         )
     if backend == "flash_attn" and not flash_attn_available():
         raise ValueError(
