@@ -257,6 +257,9 @@ def _setitem(self, idx, value):
     view, advanced = _basic(self, idx)
     if not isinstance(value, torch.Tensor):
         value = torch.full((), value, dtype=self.dtype, device=self.device)
+    target = _getitem(self, idx).shape  # the fake index_put_ does not check that the value fits: do it here
+    if torch.broadcast_shapes(value.shape, target) != target:
+        raise RuntimeError(f"shape mismatch: value {tuple(value.shape)} cannot go into {tuple(target)}")
     if any(a is not None for a in advanced):
         aten.index_put_.default(view, advanced, value.to(self.dtype))
     else:

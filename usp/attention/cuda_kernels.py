@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import re
 
 import torch
 
@@ -219,9 +220,38 @@ _FA_BWD_DEFAULTS = dict(
 )
 
 
+FLASH_ATTN_MIN = (2, 5, 9)
+"""Oldest flash-attn release checked (its Python interface against a stub of its extension, tests)."""
+
+
+def flash_attn_version(module) -> tuple[int, int, int]:
+    """``(major, minor, patch)`` of an imported ``flash_attn`` module (``"2.5.9.post1"`` -> ``(2, 5, 9)``)."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", getattr(module, "__version__", ""))
+    if m is None:
+        raise ValueError(f"cannot read flash_attn.__version__={getattr(module, '__version__', None)!r}")
+    return int(m[1]), int(m[2]), int(m[3] or 0)
+
+
+def _varlen_lse_packed() -> bool:
+    """Whether the varlen kernels use the packed lse ``[H, total_q]`` (flash-attn >= 2.6) rather than the
+    padded ``[num_seqs, H, max_seqlen_q]`` of 2.5.x (``mha_varlen_fwd`` in each release's flash_api.cpp)."""
+    import flash_attn
+
+    return flash_attn_version(flash_attn) >= (2, 6, 0)
+
+
+def _padded_rows(segments, device):
+    """Per packed query row, its sequence and its offset in it: indices into the 2.5.x padded lse."""
+    segs = host_segments(segments)
+    seq = torch.cat([torch.full((q1 - q0,), i, dtype=torch.int64) for i, (q0, q1, _, _) in enumerate(segs)])
+    pos = torch.cat([torch.arange(q1 - q0) for q0, q1, _, _ in segs])
+    return to_device(seq, device), to_device(pos, device)
+
+
 def flash_attn_forward(q, k, v, causal, scale, segments):
     import flash_attn
 
+    check_square_causal(q, k, causal, segments)
     if segments is None:
         out, lse, _ = flash_attn.flash_attn_func(q, k, v, 0.0, scale, causal, return_attn_probs=True)
         return out, lse.float()
@@ -229,7 +259,10 @@ def flash_attn_forward(q, k, v, causal, scale, segments):
     assert q.size(0) == 1, "document segments need batch size 1"
     out_p, lse_p, _ = flash_attn.flash_attn_varlen_func(
         q[0, qi], k[0, ki], v[0, ki], cu_q, cu_k, max_q, max_k, 0.0, scale, causal, return_attn_probs=True
-    )  # out_p [Nq, Hq, D], lse_p [Hq, Nq]
+    )  # out_p [Nq, Hq, D]; lse_p [Hq, Nq] (>= 2.6) or [n, Hq, max_q] (2.5.x)
+    if lse_p.dim() == 3:
+        seq, pos = _padded_rows(segments, q.device)
+        lse_p = lse_p.permute(0, 2, 1)[seq, pos].t()  # [n, max_q, Hq] -> [Nq, Hq] -> [Hq, Nq]
     out = q.new_zeros(q.shape)
     out[0, qi] = out_p
     lse = torch.full((1, q.size(2), q.size(1)), float("-inf"), dtype=torch.float32, device=q.device)
@@ -240,6 +273,7 @@ def flash_attn_forward(q, k, v, causal, scale, segments):
 def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, segments):
     from flash_attn import flash_attn_interface as fai
 
+    check_square_causal(q, k, causal, segments)
     if segments is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _call_flexible(
@@ -261,6 +295,12 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, segments):
     qi, ki, cu_q, cu_k, max_q, max_k = _varlen_pack(segments, q.device)
     qp, kp, vp = q[0, qi], k[0, ki], v[0, ki]
     dqp, dkp, dvp = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
+    lse_p = lse[0][:, qi]  # [Hq, Nq]
+    if not _varlen_lse_packed():  # 2.5.x reads [n, Hq, max_q]; padding rows are never read
+        seq, pos = _padded_rows(segments, q.device)
+        padded = torch.zeros(cu_q.numel() - 1, max_q, q.size(2), dtype=torch.float32, device=q.device)
+        padded[seq, pos] = lse_p.t()
+        lse_p = padded.permute(0, 2, 1)  # [n, Hq, max_q]
     _call_flexible(
         fai._flash_attn_varlen_backward,
         dout=dout[0, qi],
@@ -268,7 +308,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, segments):
         k=kp,
         v=vp,
         out=out[0, qi],
-        softmax_lse=lse[0][:, qi].contiguous(),
+        softmax_lse=lse_p.contiguous(),
         dq=dqp,
         dk=dkp,
         dv=dvp,

@@ -28,7 +28,14 @@ from typing import Literal
 
 import torch
 
-from usp.attention.cuda_kernels import flash_attn_backward, flash_attn_forward, sdpa_backward, sdpa_forward
+from usp.attention.cuda_kernels import (
+    FLASH_ATTN_MIN,
+    flash_attn_backward,
+    flash_attn_forward,
+    flash_attn_version,
+    sdpa_backward,
+    sdpa_forward,
+)
 from usp.attention.masks import dense_mask
 from usp.attention.segmented import (
     host_segments,
@@ -56,15 +63,25 @@ def flash_attn_import_error() -> str | None:
     """Why ``flash_attn`` cannot be used (None when it imports), tried once per process.
 
     ``find_spec`` alone is not enough: a wheel built for another torch/CUDA ABI is found but fails to import
-    (undefined symbols), and picking it would crash the first attention call.
+    (undefined symbols), and picking it would crash the first attention call. Releases older than
+    :data:`~usp.attention.cuda_kernels.FLASH_ATTN_MIN` (unchecked) are refused with their version named.
     """
     if importlib.util.find_spec("flash_attn") is None:
         return "flash_attn is not installed"
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn
         from flash_attn import flash_attn_interface  # noqa: F401
     except (ImportError, OSError, RuntimeError) as exc:  # undefined symbols, a missing .so, ABI checks
         return f"import flash_attn failed: {type(exc).__name__}: {exc}"
+    try:
+        version = flash_attn_version(flash_attn)
+    except ValueError as exc:
+        return str(exc)
+    if version < FLASH_ATTN_MIN:
+        return (
+            f"flash_attn {flash_attn.__version__} is older than the oldest release checked, "
+            f"{'.'.join(map(str, FLASH_ATTN_MIN))} (pip install 'flash-attn>=2.5.9')"
+        )
     return None
 
 
