@@ -180,3 +180,44 @@ def test_causal_blocks_must_be_square(backend):
         out, lse = cuda_randn(1, 40, 4, 64), torch.empty(1, 4, 40, device="cuda")
         with pytest.raises(AssertionError, match="square"):
             attention_backward(q, q, k, k, out, lse, causal=True, softmax_scale=0.1, backend=backend)
+
+
+# --- usp-bench under nccl --------------------------------------------------------------------------------
+
+
+def _cuda_only_process_group():
+    """A 2-rank process group whose backend, like nccl, is registered for CUDA tensors only (no-op collectives):
+    a CPU tensor fails with nccl's own error, "No backend type associated with device type cpu"."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    fake_pg = torch._C._distributed_c10d.FakeProcessGroup
+    if "cuda_only" not in dist.Backend.backend_list:
+        dist.Backend.register_backend(
+            "cuda_only", lambda store, rank, size, timeout: fake_pg._create_internal(rank, size), devices=["cuda"]
+        )
+    dist.init_process_group("cuda_only", store=FakeStore(), rank=0, world_size=2)
+
+
+def test_bench_collectives_run_on_a_cuda_only_backend(monkeypatch):
+    """usp-bench all-reduced and all-gathered CPU tensors on the default group: nccl refuses those."""
+    import torch.distributed as dist
+
+    from usp.bench import attention as bench
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    _cuda_only_process_group()
+    try:
+        with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+            dist.all_reduce(torch.zeros(1))  # the failure mode being emulated
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        with fake_cuda():
+            # fake tensors hold no values: read them as zeros (what is checked is where the tensors live)
+            monkeypatch.setattr(torch.Tensor, "tolist", lambda self: [0] * self.numel())
+            monkeypatch.setattr(torch.Tensor, "item", lambda self: 0.0)
+            device = torch.device("cuda", 0)
+            assert bench._timed(lambda: None, 1, 0, device) == 0.0
+            assert bench._gather_ints(7, device) == [0, 0]
+    finally:
+        dist.destroy_process_group()
