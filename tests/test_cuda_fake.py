@@ -221,3 +221,47 @@ def test_bench_collectives_run_on_a_cuda_only_backend(monkeypatch):
             assert bench._gather_ints(7, device) == [0, 0]
     finally:
         dist.destroy_process_group()
+
+
+# --- the kernel benchmark's SDPA baseline -------------------------------------------------------------------
+
+
+class _Output:
+    def __init__(self, shape):
+        self.shape = shape
+
+    def backward(self, grad):
+        assert grad.shape == self.shape
+
+
+@pytest.mark.parametrize("dtype, want", [(torch.float32, "efficient_attention"), (torch.bfloat16, "flash_attention")])
+def test_bench_sdpa_baseline_is_a_pinned_fused_kernel(monkeypatch, dtype, want):
+    """The fp32 GQA baseline ran unpinned, i.e. the math kernel. scaled_dot_product_attention itself cannot run
+    on fake CUDA tensors (its CPU-build backend choice aborts), so a stand-in applies torch's selection rules
+    for the enabled backends: flash has no fp32, mem-efficient no grouped heads, math is what we must avoid."""
+    from usp.bench import kernels as bench
+
+    calls = []
+
+    def sdpa(q, k, v, *, is_causal, scale, enable_gqa=False):
+        on = {n for n in ("flash", "mem_efficient", "math", "cudnn") if getattr(torch.backends.cuda, f"{n}_sdp_enabled")()}
+        usable = set(on)
+        if q.dtype == torch.float32:
+            usable -= {"flash", "cudnn"}
+        if k.size(1) != q.size(1):
+            usable -= {"mem_efficient"}
+        calls.append((on, usable, k.size(1)))
+        if not usable:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        assert usable == on and len(on) == 1 and "math" not in on, f"baseline may fall back: enabled {on}"
+        return _Output(q.shape)  # autograd on fake CUDA tensors needs a CUDA stream: stand in for it too
+
+    monkeypatch.setattr(bench.F, "scaled_dot_product_attention", sdpa)
+    with fake_cuda():
+        q, k = cuda_randn(1, 40, 8, 64, dtype=dtype), cuda_randn(1, 40, 2, 64, dtype=dtype)
+        dout = cuda_randn(1, 40, 8, 64, dtype=dtype)
+        step, info = bench.sdpa_baseline(q, k, k, dout, 0.125)
+        step()
+    assert info["sdpa_backend"] == want
+    assert info["sdpa_gqa"] == (dtype != torch.float32)  # mem-efficient gets K/V expanded to 8 heads
+    assert calls[-1][2] == (8 if dtype == torch.float32 else 2)

@@ -10,7 +10,9 @@ on the CPU it checks ``cpu_flash`` against ``math``. For each backend usable on 
   segments: on a GPU-sized block this is the per-segment SDPA path (or flash_attn's varlen kernel);
 - ``kernel_tflops``: causal forward+backward FLOPs / time of :func:`usp.attention.kernels.attention_forward`
   + ``attention_backward`` (what one ring step runs), ``sdpa_tflops``: the same for
-  ``torch.nn.functional.scaled_dot_product_attention`` + autograd, and their ratio (goal >= 0.90).
+  ``torch.nn.functional.scaled_dot_product_attention`` + autograd pinned to a fused kernel
+  (``sdpa_backend``: flash for fp16/bf16, mem-efficient for fp32; :func:`sdpa_baseline`), and their ratio
+  (goal >= 0.90).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import argparse
 import datetime
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -96,12 +98,8 @@ def check_backend(
         o, lse_ = attention_forward(q, k, v, backend=backend, **kw)
         attention_backward(dout, q, k, v, o, lse_, backend=backend, **kw)
 
-    qs, ks, vs = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))  # [B, H, S, D]
-
-    def sdpa_step():
-        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).backward(
-            dout.transpose(1, 2)
-        )
+    sdpa_step, baseline = sdpa_baseline(q, k, v, dout, scale)
+    record.update(baseline)
 
     flops = (
         3.5 * 4 * batch * heads * head_dim * seq_len * seq_len / 2
@@ -115,6 +113,42 @@ def check_backend(
         kernel_over_sdpa=t_sdpa / t_kernel,
     )
     return record
+
+
+def sdpa_baseline(q, k, v, dout, scale) -> tuple[Callable[[], None], dict]:
+    """The plain-SDPA step to compare the ring-step kernel with: a *fused* kernel, pinned with ``sdpa_kernel``.
+
+    Unpinned, ``scaled_dot_product_attention`` picks what it can: in fp32 with grouped heads that is the math
+    kernel (flash has no fp32 and mem-efficient no grouped heads), the slowest one. Here: flash for fp16/bf16
+    on CUDA, mem-efficient for fp32, CPU flash on the CPU. If the pinned kernel refuses grouped heads
+    (``enable_gqa``), K/V are expanded to the query heads once, outside the timed step. Returns the step and
+    ``{"sdpa_backend", "sdpa_gqa"}`` for the record.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if q.device.type == "cuda":
+        fused = SDPBackend.FLASH_ATTENTION if q.dtype in (torch.float16, torch.bfloat16) else SDPBackend.EFFICIENT_ATTENTION
+    else:
+        fused = SDPBackend.FLASH_ATTENTION  # torch's CPU flash kernel
+    qs, ks, vs = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))  # [B, H, S, D]
+    dot = dout.transpose(1, 2)
+
+    def step(kt, vt, gqa):
+        with sdpa_kernel([fused]):
+            out = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+            out.backward(dot)
+
+    gqa = ks.size(1) != qs.size(1)
+    try:
+        step(ks, vs, gqa)
+    except RuntimeError:  # the pinned kernel has no grouped heads: give it expanded K/V
+        if not gqa:
+            raise
+        group = qs.size(1) // ks.size(1)
+        ks, vs = (t.detach().repeat_interleave(group, dim=1).requires_grad_() for t in (ks, vs))  # [B, Hq, S, D]
+        gqa = False
+        step(ks, vs, gqa)
+    return (lambda: step(ks, vs, gqa)), {"sdpa_backend": fused.name.lower(), "sdpa_gqa": gqa}
 
 
 def build_parser() -> argparse.ArgumentParser:
