@@ -148,10 +148,16 @@ def default_scale(head_dim: int, softmax_scale: float | None) -> float:
 # --- math reference ----------------------------------------------------------------------------------------
 
 
+def _acc_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32 accumulation, or fp64 for fp64 inputs (the float64 reference of the kernel check)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _math_scores(q, k, scale, mask):
     group = q.size(2) // k.size(2)
-    qf = q.float().transpose(1, 2)  # [B, Hq, Sq, D]
-    kf = k.float().transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, Sk, D]
+    acc = _acc_dtype(q)
+    qf = q.to(acc).transpose(1, 2)  # [B, Hq, Sq, D]
+    kf = k.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, Sk, D]
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hq, Sq, Sk]
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
@@ -161,10 +167,11 @@ def _math_scores(q, k, scale, mask):
 def _math_forward(q, k, v, causal, scale, segments):
     mask = dense_mask(q.size(1), k.size(1), causal, segments, q.device)
     s = _math_scores(q, k, scale, mask)
+    acc = s.dtype
     lse = torch.logsumexp(s, dim=-1)  # [B, Hq, Sq], -inf on rows with no key
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     group = q.size(2) // k.size(2)
-    vf = v.float().transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, Sk, D]
+    vf = v.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, Sk, D]
     out = torch.matmul(p, vf).transpose(1, 2)  # [B, Sq, Hq, D]
     return out.to(q.dtype), lse
 
@@ -172,16 +179,17 @@ def _math_forward(q, k, v, causal, scale, segments):
 def _math_backward(dout, q, k, v, out, lse, causal, scale, segments):
     mask = dense_mask(q.size(1), k.size(1), causal, segments, q.device)
     s = _math_scores(q, k, scale, mask)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])  # [B, Hq, Sq, Sk]
+    acc = s.dtype
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse.to(acc))[..., None])  # [B, Hq, Sq, Sk]
     group = q.size(2) // k.size(2)
     b, sk, hkv, d = k.shape
-    do = dout.float().transpose(1, 2)  # [B, Hq, Sq, D]
-    vf = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
-    kf = k.float().transpose(1, 2).repeat_interleave(group, dim=1)
-    delta = (do * out.float().transpose(1, 2)).sum(-1, keepdim=True)  # [B, Hq, Sq, 1]
+    do = dout.to(acc).transpose(1, 2)  # [B, Hq, Sq, D]
+    vf = v.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)
+    kf = k.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)
+    delta = (do * out.to(acc).transpose(1, 2)).sum(-1, keepdim=True)  # [B, Hq, Sq, 1]
     ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
     dq = torch.matmul(ds, kf) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.float().transpose(1, 2)) * scale  # [B, Hq, Sk, D]
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).transpose(1, 2)) * scale  # [B, Hq, Sk, D]
     dv = torch.matmul(p.transpose(-1, -2), do)
     dk = dk.view(b, hkv, group, sk, d).sum(2)  # sum the GQA group back onto its KV head
     dv = dv.view(b, hkv, group, sk, d).sum(2)

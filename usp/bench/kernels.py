@@ -1,11 +1,11 @@
-"""Local kernel check and speed: every backend's forward/backward (with lse) vs the math reference, and the
+"""Local kernel check and speed: every backend's forward/backward (with lse) vs a float64 reference, and the
 ring-step kernel's TFLOP/s vs plain ``scaled_dot_product_attention`` on the same shape.
 
 This is the one script to run when a GPU is available (``python -m usp.bench.kernels --out kernels.json``);
 on the CPU it checks ``cpu_flash`` against ``math``. For each backend usable on the device and each dtype:
 
-- ``max_err_out``, ``max_err_lse``, ``max_err_dq/dk/dv``: max abs difference to the ``math`` backend (fp32
-  math on the same inputs), causal, GQA;
+- ``max_err_out``, ``max_err_lse``, ``max_err_dq/dk/dv``: max abs difference to the ``math`` backend run in
+  float64 on the same inputs, causal, GQA;
 - ``max_err_doc_*``: the same with packed documents (``--doc-len``; lengths cycle ``L, L/8, 1``) as causal
   segments: on a GPU-sized block this is the per-segment SDPA path (or flash_attn's varlen kernel);
 - ``kernel_tflops``: causal forward+backward FLOPs / time of :func:`usp.attention.kernels.attention_forward`
@@ -60,14 +60,17 @@ def document_segments(seq_len: int, doc_len: int) -> torch.Tensor:
 def _max_errors(prefix, backend, q, k, v, dout, kw) -> dict:
     out, lse = attention_forward(q, k, v, backend=backend, **kw)
     grads = attention_backward(dout, q, k, v, out, lse, backend=backend, **kw)
-    ref_out, ref_lse = attention_forward(q, k, v, backend="math", **kw)
-    ref_grads = attention_backward(dout, q, k, v, ref_out, ref_lse, backend="math", **kw)
+    qd, kd, vd, dd = (t.double() for t in (q, k, v, dout))  # the float64 reference on the same inputs
+    ref_out, ref_lse = attention_forward(qd, kd, vd, backend="math", **kw)
+    ref_grads = attention_backward(dd, qd, kd, vd, ref_out, ref_lse, backend="math", **kw)
+    finite = torch.isfinite(ref_lse)  # rows with no key: -inf in both
     record = {
-        f"{prefix}out": float((out.float() - ref_out.float()).abs().max()),
-        f"{prefix}lse": float((lse - ref_lse).abs().max()),
+        f"{prefix}out": float((out.double() - ref_out).abs().max()),
+        f"{prefix}lse": float((lse.double() - ref_lse)[finite].abs().max()),
     }
+    assert torch.equal(torch.isinf(lse), ~finite), "rows without keys must have lse = -inf"
     for name, a, b in zip(("dq", "dk", "dv"), grads, ref_grads):
-        record[f"{prefix}{name}"] = float((a.float() - b.float()).abs().max())
+        record[f"{prefix}{name}"] = float((a.double() - b).abs().max())
     return record
 
 
