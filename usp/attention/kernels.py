@@ -12,8 +12,8 @@ Masking is described, not materialized, by the caller:
   Rows outside every segment attend to nothing: their ``out`` is 0 and their ``lse`` is ``-inf``. This is how
   document masking reaches a kernel: varlen kernels (flash_attn) pack the segments; the dense ones (SDPA,
   CPU flash) run large blocks one unmasked call per segment (:mod:`usp.attention.segmented`, no ``[Sq, Sk]``
-  mask) and small ones with a mask; ``math`` always builds the mask (it is the reference). Segments are
-  read on the host, so keep them on the CPU (ring plans do): then no call here syncs with the device.
+  mask) and small ones with a mask; ``math`` always builds the mask (it is the reference; float64 inputs
+  run it in float64, lse included). Segments are read on the host, so keep them on the CPU (ring plans do): then no call here syncs with the device.
 
 ``attention_backward`` takes the merged (global) ``out`` and ``lse`` of the rows it is given, so a ring block's
 gradients are exact pieces of the full gradient without recomputing the merge.
