@@ -48,23 +48,28 @@ def _run_block(spec, backend, *, batch, hq, hkv, d, dtype):
         assert g.shape == x.shape and g.dtype == x.dtype and g.device == x.device
 
 
-CASES = [  # (layout, causal, documents, batch, hq, hkv, d)
-    ("zigzag", True, False, 2, 8, 2, 64),
-    ("zigzag", True, False, 1, 4, 4, 128),
-    ("contiguous", True, False, 2, 8, 2, 64),
-    ("zigzag", False, False, 2, 4, 1, 64),
-    ("zigzag", True, True, 1, 8, 2, 64),
-    ("contiguous", True, True, 1, 8, 2, 64),
+CASES = [  # (layout, causal, documents, per-segment calls, batch, hq, hkv, d)
+    ("zigzag", True, False, False, 2, 8, 2, 64),
+    ("zigzag", True, False, False, 1, 4, 4, 128),
+    ("contiguous", True, False, False, 2, 8, 2, 64),
+    ("zigzag", False, False, False, 2, 4, 1, 64),
+    ("zigzag", True, True, False, 1, 8, 2, 64),
+    ("contiguous", True, True, False, 1, 8, 2, 64),
+    ("zigzag", True, True, True, 1, 8, 2, 64),
+    ("contiguous", True, True, True, 1, 8, 2, 64),
 ]
 
 
-@pytest.mark.parametrize("per_segment", [False, True], ids=["small_mask", "per_segment"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def _case_id(case) -> str:
+    layout, causal, docs, per_segment, batch, hq, hkv, d = case
+    docs_id = ("docs_per_segment" if per_segment else "docs_small_mask") if docs else "dense"
+    return f"{layout}-{'causal' if causal else 'full'}-{docs_id}-B{batch}-H{hq}/{hkv}-D{d}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 @pytest.mark.parametrize("backend", SDPA)
-def test_every_ring_block_meets_the_kernel_contracts(monkeypatch, backend, case, per_segment):
-    layout, causal, docs, batch, hq, hkv, d = case
-    if per_segment and not docs:
-        pytest.skip("per-segment calls only happen with documents")
+def test_every_ring_block_meets_the_kernel_contracts(monkeypatch, backend, case):
+    layout, causal, docs, per_segment, batch, hq, hkv, d = case
     if per_segment:  # what a GPU-sized block (> 2**22 elements) does with documents
         monkeypatch.setattr(segmented, "DENSE_MASK_MAX_ELEMENTS", 0)
     dtypes = [torch.bfloat16, torch.float32] if backend == "sdpa_efficient" else [torch.bfloat16]
