@@ -178,12 +178,14 @@ def _efficient_bwd(mode, a):
 
 
 def _cudnn_fwd(mode, a):
-    _qkv(a, dtypes=HALF, gqa=False, head_dim_multiple=8, name="cudnn fwd")
+    _, _, _, sk, _ = _qkv(a, dtypes=HALF, gqa=False, head_dim_multiple=8, name="cudnn fwd")
     _require(a["attn_bias"] is None, "cudnn fwd: the wrappers pass no bias")
+    _require(sk != 1, "cudnn fwd: cuDNN SDPA does not support key/value sequence length 1")
 
 
 def _cudnn_bwd(mode, a):
     b, hq, sq, sk, _ = _qkv(a, dtypes=HALF, gqa=False, head_dim_multiple=8, name="cudnn bwd")
+    _require(sk != 1, "cudnn bwd: cuDNN SDPA does not support key/value sequence length 1")
     rank = mode.cudnn_lse_rank or 4
     _lse(a["logsumexp"], (b, hq, sq, 1)[:rank], "cudnn bwd")
     _require((a["max_q"], a["max_k"]) == (sq, sk), "cudnn bwd: max_q/max_k must be Sq/Sk")

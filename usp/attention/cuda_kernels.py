@@ -17,7 +17,8 @@ Kernel rules the wrappers keep (checked on fake CUDA tensors by ``tests/test_cud
 - the cuDNN backward gets the lse with the rank its forward returns (``[B, H, S, 1]`` on recent torch,
   ``[B, H, S]`` on older ones) and dense q, k, v, out, dout with identical layouts (its graph derives the
   O/dO strides from q and checks them exactly);
-- the mem-efficient backward gets the lse padded to a multiple of 32 rows, as its forward returns it.
+- the mem-efficient backward gets the lse padded to a multiple of 32 rows, as its forward returns it;
+- cuDNN never gets a key/value length of 1 (unsupported): those calls go to mem-efficient.
 """
 
 from __future__ import annotations
@@ -98,9 +99,15 @@ def _bias(q, k, causal, segments):
     return padded.expand(q.size(0), q.size(2), sq, sk)
 
 
+def _use_efficient(kind: str, k: torch.Tensor, segments) -> bool:
+    """Mem-efficient runs segmented blocks (bias), its own backend, and the calls cuDNN cannot take: cuDNN SDPA
+    does not support a key/value length of 1 (a 1-token document run per segment)."""
+    return segments is not None or kind == "sdpa_efficient" or (kind == "sdpa_cudnn" and k.size(1) == 1)
+
+
 def sdpa_forward(kind, q, k, v, causal, scale, segments):
     check_square_causal(q, k, causal, segments)
-    efficient = segments is not None or kind == "sdpa_efficient"
+    efficient = _use_efficient(kind, k, segments)
     ke, ve = _expand_kv(q, k, v) if efficient or kind in _EXPANDS_KV else (k, v)
     if kind == "sdpa_cudnn" and not efficient:
         q, ke, ve = _dense(q), _dense(ke), _dense(ve)
@@ -125,7 +132,7 @@ def sdpa_forward(kind, q, k, v, causal, scale, segments):
 
 def sdpa_backward(kind, dout, q, k, v, out, lse, causal, scale, segments):
     check_square_causal(q, k, causal, segments)
-    efficient = segments is not None or kind == "sdpa_efficient"
+    efficient = _use_efficient(kind, k, segments)
     ke, ve = _expand_kv(q, k, v) if efficient or kind in _EXPANDS_KV else (k, v)
     if kind == "sdpa_cudnn" and not efficient:
         q, ke, ve, out, dout = (_dense(t) for t in (q, ke, ve, out, dout))
