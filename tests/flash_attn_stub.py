@@ -47,10 +47,10 @@ def fetch(version: str) -> Path:
     if not sdist.is_file():
         # pip prepares the sdist's metadata (runs its setup.py): with torch importable, no CUDA build
         env = dict(os.environ, FLASH_ATTENTION_SKIP_CUDA_BUILD="TRUE")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--no-build-isolation", f"flash-attn=={version}", "-d", str(root)]  # fmt: skip
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--timeout", "30",
+               "--retries", "2", "--no-build-isolation", f"flash-attn=={version}", "-d", str(root)]  # fmt: skip
         try:
-            run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise RuntimeError(f"pip download flash-attn=={version}: {exc}") from exc
         if run.returncode != 0 or not sdist.is_file():

@@ -89,6 +89,14 @@ def test_every_ring_block_meets_the_kernel_contracts(monkeypatch, backend, case)
             assert ops == {want}, ops
 
 
+def test_the_ops_have_meta_kernels():
+    """FakeTensorMode runs an op's Meta kernel: all six SDPA CUDA ops have one (no CUDA kernel is needed)."""
+    for name in ("flash", "efficient", "cudnn"):
+        for suffix in ("", "_backward"):
+            op = getattr(torch.ops.aten, f"_scaled_dot_product_{name}_attention{suffix}").default
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"), op
+
+
 def test_contracts_catch_a_bad_call():
     """The checker can fail: mem-efficient attention has no grouped heads, lse of the wrong layout."""
     with fake_cuda():
