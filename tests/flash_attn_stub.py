@@ -206,10 +206,12 @@ def release(version: str) -> dict[str, types.ModuleType]:
         modules = {n: sys.modules.pop(n) for n in _NAMES if n in sys.modules}
         sys.modules.update(saved)
     assert flash_attn.__version__ == version and modules["flash_attn"] is flash_attn
+    fai._release_fakes = {}  # the release's own fake kernels, kept to compare with the stub
     for name in ("_flash_attn_forward", "_flash_attn_varlen_forward", "_flash_attn_backward",
                  "_flash_attn_varlen_backward"):  # fmt: skip
         op = getattr(fai, name)
         if hasattr(op, "register_fake") and hasattr(op, "_init_fn"):
+            fai._release_fakes[name] = op._abstract_fn
             op.register_fake(op._init_fn)
     _LOADED[version] = modules
     return modules

@@ -53,6 +53,25 @@ def test_stub_reads_each_release_lse_layout(flash_attn_release):
     assert api["bwd"]["head8"] and api["varlen_bwd"]["head8"]
 
 
+def test_stub_agrees_with_the_release_own_fake_kernels(flash_attn_release):
+    """Releases with torch.library ops ship fake kernels: their out/lse shapes match the stub's (from the C++)."""
+    fai = flash_attn_release["flash_attn.flash_attn_interface"]
+    if not fai._release_fakes:
+        pytest.skip(f"flash-attn {flash_attn_release['flash_attn'].__version__} has no fake kernels")
+    with fake_cuda():
+        q, k = cuda_randn(30, 8, 64), cuda_randn(30, 2, 64)  # packed: 2 sequences of 10 and 20 tokens
+        cu = torch.tensor([0, 10, 30], dtype=torch.int32).to(q.device)
+        q4, k4 = cuda_randn(2, 40, 8, 64), cuda_randn(2, 40, 2, 64)
+        for name, args in (
+            ("_flash_attn_varlen_forward", (q, k, k, cu, cu, 20, 20, 0.0, 0.125, True)),
+            ("_flash_attn_forward", (q4, k4, k4, 0.0, 0.125, True, -1, -1, 0.0, None, False)),
+        ):
+            theirs = fai._release_fakes[name](*args)
+            ours = getattr(fai, name)._init_fn(*args)
+            for a, b in zip(theirs[:2], ours[:2]):  # out, softmax_lse
+                assert (a.shape, a.dtype) == (b.shape, b.dtype), (name, a.shape, b.shape)
+
+
 def test_auto_picks_each_checked_release(flash_attn_release):
     assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16, head_dim=64) == "flash_attn"
 
