@@ -205,7 +205,7 @@ def run_grid(args: argparse.Namespace) -> dict:
         if dist.get_backend() == "nccl"
         else torch.device("cpu")
     )
-    kernel = resolve_backend(args.backend, device, getattr(torch, args.dtype), head_dim=args.head_dim)
+    kernel = resolve_backend(args.backend, device, getattr(torch, args.dtype))
     records, skipped, meshes = [], [], {}
     grid = itertools.product(
         args.ulysses, args.ring, args.layouts.split(","), args.seq, args.heads, args.kv_heads
