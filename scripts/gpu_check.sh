@@ -7,10 +7,10 @@
 # 1. python -m usp.bench.kernels: every CUDA backend (flash_attn if installed, sdpa_flash, sdpa_efficient,
 #    sdpa_cudnn) forward and backward against a float64 reference, dense causal GQA and document-masked
 #    (the per-segment SDPA path and flash_attn's varlen kernel), bf16 and fp32; plus TFLOP/s of the ring-step
-#    kernel vs a pinned fused SDPA kernel. -> kernels.json
+#    kernel vs a pinned fused SDPA kernel. -> kernels.json; then head_dim 12 (only mem-efficient takes it).
 # 2. usp-bench under torchrun on the nccl backend (1 process): the collectives that broke under nccl, and
 #    the fwd/fwd+bwd step at 8K and 32K tokens, dense and with packed documents. -> usp_bench*.json
-# Each step has its own timeout (4 + 1.5 + 1.5 min); a failing step is recorded and the next one still runs.
+# Each step has its own timeout (3.5 + 1 + 1.5 + 1.5 min, 7.5 at most); a failing step is recorded and the next one still runs.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 out=${1:-bench_results/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
@@ -41,8 +41,10 @@ run() {  # run NAME SECONDS CMD...: log to $out/NAME.log, record the exit code
     [ "$rc" -eq 0 ] || status=1
 }
 
-run kernels 240 "$py" -m usp.bench.kernels --seq 4096 --heads 32 --kv-heads 8 --head-dim 128 --iters 5 \
+run kernels 210 "$py" -m usp.bench.kernels --seq 4096 --heads 32 --kv-heads 8 --head-dim 128 --iters 5 \
     --out "$out/kernels.json"
+run kernels_head_dim_12 60 "$py" -m usp.bench.kernels --seq 1024 --heads 8 --kv-heads 2 --head-dim 12 --iters 2 \
+    --out "$out/kernels_head_dim_12.json"  # what auto picks for such heads: sdpa_efficient, bf16 and fp32
 run usp_bench 90 "$py" -m torch.distributed.run --standalone --nproc-per-node 1 -m usp.bench.attention \
     --ulysses 1 --ring 1 --layouts zigzag --seq 8192,32768 --heads 32 --kv-heads 8 --head-dim 128 \
     --dtype bfloat16 --iters 5 --out "$out/usp_bench.json"

@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
 
 def _commands() -> list[list[str]]:
     text = SCRIPT.read_text().replace("\\\n", " ")
-    return [shlex.split(line.strip())[3:] for line in text.splitlines() if line.strip().startswith("run ")]
+    return [shlex.split(line, comments=True)[3:] for line in text.splitlines() if line.strip().startswith("run ")]
 
 
 def test_bash_syntax_and_shellcheck():

@@ -26,7 +26,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from usp.attention.kernels import CUDA_BACKENDS, attention_backward, attention_forward, flash_attn_available
+from usp.attention.kernels import (
+    CUDA_BACKENDS,
+    HALF_ONLY,
+    attention_backward,
+    attention_forward,
+    flash_attn_available,
+)
 
 
 def usable_backends(device: torch.device) -> list[str]:
@@ -184,8 +190,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for name in dtypes.split(","):
         dtype = getattr(torch, name)
         for backend in usable_backends(device):
-            if backend in ("flash_attn", "sdpa_flash", "sdpa_cudnn") and dtype == torch.float32:
-                continue  # flash kernels are fp16/bf16 only
+            if backend in HALF_ONLY and (dtype == torch.float32 or args.head_dim % 8):
+                continue  # flash and cuDNN: fp16/bf16 and head_dim % 8 == 0 only (resolve_backend refuses them)
             records.append(
                 check_backend(
                     backend,
