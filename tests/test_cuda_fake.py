@@ -280,3 +280,17 @@ def test_bench_sdpa_baseline_is_a_pinned_fused_kernel(monkeypatch, dtype, want):
     assert info["sdpa_backend"] == want
     assert info["sdpa_gqa"] == (dtype != torch.float32)  # mem-efficient gets K/V expanded to 8 heads
     assert calls[-1][2] == (8 if dtype == torch.float32 else 2)
+
+
+def test_bench_sdpa_baseline_is_none_when_no_fused_kernel_takes_the_shape(monkeypatch):
+    """E.g. head_dim 12 in bf16 (flash and mem-efficient want multiples of 8): no figure rather than math's."""
+    from usp.bench import kernels as bench
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(bench.F, "scaled_dot_product_attention", refuse)
+    with fake_cuda():
+        q, k = cuda_randn(1, 40, 8, 12), cuda_randn(1, 40, 2, 12)
+        step, info = bench.sdpa_baseline(q, k, k, q, 0.3)
+    assert step is None and info == {"sdpa_backend": None, "sdpa_gqa": None}

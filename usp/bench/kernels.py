@@ -113,51 +113,61 @@ def check_backend(
     flops = (
         3.5 * 4 * batch * heads * head_dim * seq_len * seq_len / 2
     )  # causal fwd (4 S^2 D / 2) + bwd (2.5x)
-    t_kernel, t_sdpa = _time(kernel_step, iters, device), _time(sdpa_step, iters, device)
+    t_kernel = _time(kernel_step, iters, device)
+    t_sdpa = _time(sdpa_step, iters, device) if sdpa_step is not None else None
     record.update(
         kernel_ms=t_kernel * 1e3,
-        sdpa_ms=t_sdpa * 1e3,
+        sdpa_ms=t_sdpa * 1e3 if t_sdpa else None,
         kernel_tflops=flops / t_kernel / 1e12,
-        sdpa_tflops=flops / t_sdpa / 1e12,
-        kernel_over_sdpa=t_sdpa / t_kernel,
+        sdpa_tflops=flops / t_sdpa / 1e12 if t_sdpa else None,
+        kernel_over_sdpa=t_sdpa / t_kernel if t_sdpa else None,
     )
     return record
 
 
-def sdpa_baseline(q, k, v, dout, scale) -> tuple[Callable[[], None], dict]:
+def sdpa_baseline(q, k, v, dout, scale) -> tuple[Callable[[], None] | None, dict]:
     """The plain-SDPA step to compare the ring-step kernel with: a *fused* kernel, pinned with ``sdpa_kernel``.
 
     Unpinned, ``scaled_dot_product_attention`` picks what it can: in fp32 with grouped heads that is the math
-    kernel (flash has no fp32 and mem-efficient no grouped heads), the slowest one. Here: flash for fp16/bf16
-    on CUDA, mem-efficient for fp32, CPU flash on the CPU. If the pinned kernel refuses grouped heads
-    (``enable_gqa``), K/V are expanded to the query heads once, outside the timed step. Returns the step and
-    ``{"sdpa_backend", "sdpa_gqa"}`` for the record.
+    kernel (flash has no fp32 and mem-efficient no grouped heads), the slowest one. Here the first fused
+    kernel that takes the shape: flash then mem-efficient for fp16/bf16 on CUDA, mem-efficient for fp32, CPU
+    flash on the CPU. If a kernel refuses grouped heads (``enable_gqa``), K/V are expanded to the query heads
+    once, outside the timed step. Returns the step (None when no fused kernel takes the shape, e.g. a head
+    dim that is not a multiple of 8 in bf16) and ``{"sdpa_backend", "sdpa_gqa"}`` for the record.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if q.device.type == "cuda":
-        fused = SDPBackend.FLASH_ATTENTION if q.dtype in (torch.float16, torch.bfloat16) else SDPBackend.EFFICIENT_ATTENTION
+    if q.device.type != "cuda":
+        candidates = [SDPBackend.FLASH_ATTENTION]  # torch's CPU flash kernel
+    elif q.dtype in (torch.float16, torch.bfloat16):
+        candidates = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     else:
-        fused = SDPBackend.FLASH_ATTENTION  # torch's CPU flash kernel
+        candidates = [SDPBackend.EFFICIENT_ATTENTION]
     qs, ks, vs = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))  # [B, H, S, D]
+    group = qs.size(1) // ks.size(1)
+    expanded = None
     dot = dout.transpose(1, 2)
 
-    def step(kt, vt, gqa):
+    def step(fused, kt, vt, gqa):
         with sdpa_kernel([fused]):
             out = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
             out.backward(dot)
 
-    gqa = ks.size(1) != qs.size(1)
-    try:
-        step(ks, vs, gqa)
-    except RuntimeError:  # the pinned kernel has no grouped heads: give it expanded K/V
-        if not gqa:
-            raise
-        group = qs.size(1) // ks.size(1)
-        ks, vs = (t.detach().repeat_interleave(group, dim=1).requires_grad_() for t in (ks, vs))  # [B, Hq, S, D]
-        gqa = False
-        step(ks, vs, gqa)
-    return (lambda: step(ks, vs, gqa)), {"sdpa_backend": fused.name.lower(), "sdpa_gqa": gqa}
+    for fused in candidates:
+        for gqa in (True, False) if group > 1 else (False,):
+            if gqa:
+                kt, vt = ks, vs
+            else:
+                if expanded is None:
+                    expanded = tuple(t.detach().repeat_interleave(group, dim=1).requires_grad_() for t in (ks, vs))
+                kt, vt = expanded  # [B, Hq, S, D]
+            try:
+                step(fused, kt, vt, gqa)
+            except RuntimeError:  # "No available kernel": this kernel does not take the shape
+                continue
+            info = {"sdpa_backend": fused.name.lower(), "sdpa_gqa": gqa}
+            return (lambda fused=fused, kt=kt, vt=vt, gqa=gqa: step(fused, kt, vt, gqa)), info
+    return None, {"sdpa_backend": None, "sdpa_gqa": None}
 
 
 def build_parser() -> argparse.ArgumentParser:
