@@ -147,6 +147,19 @@ def test_dir_lock_names_its_holder_and_is_released(tmp_path):
     assert (tmp_path / "ckpts" / ".usp.lock").read_text() == ""  # no stale holder left behind
 
 
+def test_two_run_dirs_sharing_a_checkpoint_dir_are_refused(setup, tmp_path):
+    from usp.train.rundir import claim_run_dir
+
+    shared = tmp_path / "shared-checkpoints"
+    first, second = (config(setup, tmp_path / name, checkpoint_dir=str(shared)) for name in ("a", "b"))
+    with claim_run_dir(first, rank=0):
+        with pytest.raises(ValueError, match=r"trainer.checkpoint_dir=.*shared-checkpoints.* is in use"):
+            claim_run_dir(second, rank=0)
+        assert not (tmp_path / "b" / ".usp.lock").read_text()  # b's own lock was let go again
+    with claim_run_dir(second, rank=0):
+        assert (tmp_path / "b" / "usp-run.json").is_file()
+
+
 def _lock_pid(run_dir: Path) -> int | None:
     try:
         return int(json.loads((run_dir / ".usp.lock").read_text())["pid"])
