@@ -21,17 +21,14 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from usp.config import OptimConfig
 from usp.modes import OPTIMIZERS
+from usp.train.deepspeed_parts import import_deepspeed_part
 
 
 def _import_cpu_adam() -> type:
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except ImportError as e:
-        raise ValueError(
-            f"optim.name=deepspeed_cpu_adam needs DeepSpeed, which is not importable ({e}); install it "
-            "(pip install 'usp[deepspeed]') or use optim.name=adamw_cpu_offload (torch AdamW on the host)."
-        ) from e
-    return DeepSpeedCPUAdam
+    return import_deepspeed_part(
+        "deepspeed.ops.adam", "DeepSpeedCPUAdam", setting="optim.name=deepspeed_cpu_adam",
+        alternative="optim.name=adamw_cpu_offload (torch's fused AdamW on the host)",
+    )  # fmt: skip
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
