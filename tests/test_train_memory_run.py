@@ -105,7 +105,14 @@ def test_trainer_validation_catches_them_before_any_weights(model_dir, tmp_path,
     with pytest.raises(ValueError, match=r"parallel.mlp_tiles > 1 uses DeepSpeed's TiledMLP.*parallel.mlp_tiles=1"):
         trainer.validate(cfg, 2, cpu)
     cfg.parallel.mlp_tiles, cfg.optim.name = 1, "deepspeed_cpu_adam"
-    with pytest.raises(ValueError, match=r"optim.name=deepspeed_cpu_adam needs DeepSpeed.*adamw_cpu_offload"):
+    with pytest.raises(ValueError, match=r"optim.name=deepspeed_cpu_adam uses DeepSpeed's DeepSpeedCPUAdam.*adamw_cpu_offload"):
+        trainer.validate(cfg, 2, cpu)
+    monkeypatch.undo()
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.16.4")  # too old: the interfaces used were not checked there
+    cfg.parallel.mlp_tiles, cfg.optim.name = 4, "adamw"
+    with pytest.raises(ValueError, match=r"checked against deepspeed>=0.19.8, but 0.16.4 is installed"):
         trainer.validate(cfg, 2, cpu)
 
 

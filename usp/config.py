@@ -11,25 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from usp.modes import AC_MODES, ATTENTION_BACKENDS, FSDP_MODES, OPTIMIZERS, RING_LAYOUTS
+
 # Valid values of the string-enum fields (checked once, by ``validate_choices``).
 DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float16")
-ATTENTION_BACKENDS: tuple[str, ...] = (
-    "auto",
-    "flash_attn",
-    "sdpa_flash",
-    "sdpa_efficient",
-    "sdpa_cudnn",
-    "cpu_flash",
-    "math",
-)
-RING_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
-FSDP_MODES: tuple[str, ...] = ("full_shard", "hybrid_shard")
-AC_MODES: tuple[str, ...] = ("none", "full", "every_k", "offload")
-"""Activation checkpointing modes (``parallel.activation_checkpointing``); the one list the trainer, the
-parallelize recipe and the planner check against."""
 REDUCE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw_cpu_offload", "deepspeed_cpu_adam")
-"""``optim.name`` values; all but ``adamw`` keep the optimizer states on the host (see ``states_on_host``)."""
 BACKENDS: tuple[str | None, ...] = (None, "nccl", "gloo")
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
 WANDB_MODES: tuple[str, ...] = ("online", "offline", "disabled")
@@ -47,7 +33,7 @@ class ModelConfig:
     | ``cpu_flash`` | ``math``."""
     rope_theta: float | None = None
     """Override ``rope_theta`` for context extension (e.g. 500000 -> 8000000)."""
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: Any = None
     """Override ``rope_scaling`` (e.g. ``{rope_type: llama3, factor: 8.0, ...}``)."""
     max_position_embeddings: int | None = None
     """Override ``max_position_embeddings`` (set to at least ``trainer.seq_len``)."""
@@ -63,7 +49,8 @@ class DataConfig:
     """Local files (jsonl, parquet, text, arrow) or hub dataset names; or one ``usp-prepare-data`` output."""
     prepared_path: str | None = None
     """A dir written by ``usp-prepare-data`` (loads with ``datasets.load_from_disk``); preferred for big runs."""
-    text_field: str = "text"
+    text_field: Any = "text"
+    """Column holding the document text: one name for every input, or a list with one name per input."""
     weights: list[float] | None = None
     """Mixing weights for several ``inputs`` (same length), or None for concatenation."""
     streaming: bool = False
@@ -147,6 +134,11 @@ class TrainerConfig:
     grad_accum_steps: int = 1
     loss_chunk_size: int = 4096
     """Tokens per chunk of the chunked cross-entropy (full logits never materialized)."""
+    max_bad_steps: int = 3
+    """Consecutive steps with a non-finite loss or gradient norm (each one skipped: no optimizer step) after
+    which the run stops with an error; non-finite weights are never checkpointed or exported."""
+    loss_spike_factor: float = 3.0
+    """Log a warning when a step's loss exceeds this many times the median of the last 100 losses; 0 = off."""
     checkpoint_every: int = 500
     keep_last: int = 2
     checkpoint_dir: str | None = None
@@ -174,7 +166,10 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     log_every: int = 1
+    """Steps between metrics records (metrics.jsonl, wandb, and the log line when there is no bar)."""
     progress_bar: bool = True
+    """A tqdm bar on rank 0, drawn only when stderr is a terminal; otherwise (batch jobs) one log line per
+    logged step (step, loss, tokens/s, MFU, memory)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -245,6 +240,10 @@ def validate_choices(cfg: TrainConfig) -> None:
             "no training data: set data.prepared_path=<a usp-prepare-data output dir>, or "
             "data.inputs=[a.jsonl,owner/dataset] (local files or hub dataset names)."
         )
+    if not isinstance(d.text_field, str):
+        from usp.data.sources import text_fields_per_input
+
+        text_fields_per_input(d.text_field, d.inputs)
     if d.weights is not None and len(d.weights) != len(d.inputs):
         raise ValueError(
             f"data.weights has {len(d.weights)} entries but data.inputs has {len(d.inputs)}: give one weight "
@@ -281,6 +280,16 @@ def validate_choices(cfg: TrainConfig) -> None:
     for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "loss_chunk_size"):
         if getattr(t, name) < 1:
             raise ValueError(f"trainer.{name}={getattr(t, name)} is invalid: use an integer >= 1.")
+    if isinstance(t.max_bad_steps, bool) or not isinstance(t.max_bad_steps, int) or t.max_bad_steps < 1:
+        raise ValueError(
+            f"trainer.max_bad_steps={t.max_bad_steps!r} is invalid: use an integer >= 1 (consecutive non-finite "
+            "steps before the run stops; default 3)."
+        )
+    if not (t.loss_spike_factor == 0 or t.loss_spike_factor > 1):
+        raise ValueError(
+            f"trainer.loss_spike_factor={t.loss_spike_factor} is invalid: use a factor > 1 (e.g. 3.0), or 0 to "
+            "turn the loss-spike warning off."
+        )
     if t.checkpoint_every < 0 or t.keep_last < 1:
         raise ValueError(
             f"trainer.checkpoint_every={t.checkpoint_every} / trainer.keep_last={t.keep_last}: "

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from usp.config import AC_MODES
+from usp.modes import AC_MODES
 from usp.plan.comm import ACT_BYTES, kv_block_bytes
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.models import ModelSpec

@@ -1,6 +1,6 @@
 """AdamW, linear warmup + cosine decay, and gradient clipping by the global norm across FSDP shards.
 
-``optim.name`` picks the AdamW implementation (:data:`usp.config.OPTIMIZERS`): ``adamw`` and
+``optim.name`` picks the AdamW implementation (:data:`usp.modes.OPTIMIZERS`): ``adamw`` and
 ``adamw_cpu_offload`` use ``torch.optim.AdamW`` (the second with the states on the host, see
 :func:`usp.config.states_on_host`, and torch's fused kernel, which on the host CPU steps about 5x faster than
 the default for-each one); ``deepspeed_cpu_adam`` uses DeepSpeed's vectorized C++ CPU Adam
@@ -19,18 +19,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from usp.config import OPTIMIZERS, OptimConfig
+from usp.config import OptimConfig
+from usp.modes import OPTIMIZERS
+from usp.train.deepspeed_parts import import_deepspeed_part
 
 
 def _import_cpu_adam() -> type:
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except ImportError as e:
-        raise ValueError(
-            f"optim.name=deepspeed_cpu_adam needs DeepSpeed, which is not importable ({e}); install it "
-            "(pip install 'usp[deepspeed]') or use optim.name=adamw_cpu_offload (torch AdamW on the host)."
-        ) from e
-    return DeepSpeedCPUAdam
+    return import_deepspeed_part(
+        "deepspeed.ops.adam", "DeepSpeedCPUAdam", setting="optim.name=deepspeed_cpu_adam",
+        alternative="optim.name=adamw_cpu_offload (torch's fused AdamW on the host)",
+    )  # fmt: skip
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -147,13 +145,29 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def reapply_schedule(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, lr: float) -> None:
+    """After loading a checkpoint: make the next step's learning rate the one this run's schedule gives.
+
+    A loaded optimizer carries the saved run's current lr and a loaded scheduler its base lr, so a resume with
+    a larger ``trainer.max_steps`` (or another ``optim.lr``) would take its first step on the old schedule.
+    The schedule functions are this run's (``LambdaLR`` does not save them); this sets ``base_lr = lr`` and
+    every group's lr to ``lr * factor(last_epoch)``.
+    """
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 @torch.no_grad()
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
     """Clip gradients to ``max_norm`` by their global L2 norm; return the norm before clipping.
 
     With FSDP2 the gradients are sharded DTensors: the norm of each is a DTensor whose ``full_tensor()``
     reduces the partial sums of squares over the shard axis (and not over replicas under HSDP), so every rank
-    gets the norm of the whole, unsharded gradient. ``max_norm == 0`` only measures.
+    gets the norm of the whole, unsharded gradient. ``max_norm == 0`` only measures; a non-finite norm is
+    returned without clipping (the step will be skipped, see :func:`usp.train.step.train_step`).
     """
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params]
@@ -162,6 +176,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()
-    if max_norm > 0:
+    norm = float(total.item())
+    if max_norm > 0 and math.isfinite(norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return float(total.item())
+    return norm

@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from usp.train.deepspeed_parts import import_deepspeed_part
+
 
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
@@ -68,14 +70,10 @@ def resolve_mlp_tiles(setting: Any, *, local_tokens: int, hidden_size: int) -> i
 
 
 def _require_tiled_mlp() -> Any:
-    try:
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-    except ImportError as e:
-        raise ValueError(
-            "parallel.mlp_tiles > 1 uses DeepSpeed's TiledMLP, but deepspeed is not importable "
-            f"({e}); install it (pip install 'usp[deepspeed]') or set parallel.mlp_tiles=1."
-        ) from e
-    return TiledMLP
+    return import_deepspeed_part(
+        "deepspeed.runtime.sequence_parallel.ulysses_sp", "TiledMLP", setting="parallel.mlp_tiles > 1",
+        alternative="parallel.mlp_tiles=1",
+    )  # fmt: skip
 
 
 def check_tiling_available(tiles: int) -> None:
