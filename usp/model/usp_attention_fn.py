@@ -89,6 +89,9 @@ def usp_attention_forward(
         )
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported by usp attention; set attention_dropout=0.")
+    kv_cache = kwargs.get("usp_kv_cache")  # distributed decoding (usp.eval.decode): a forward kwarg, no global
+    if kv_cache is not None and kv_cache.decoding:
+        return kv_cache.decode_attention(module.layer_idx, query, key, value, scaling), None
     window = kwargs.get("sliding_window")
     if window is not None and window < query.size(2) * state.mesh.sp_degree:
         raise ValueError(
@@ -103,6 +106,8 @@ def usp_attention_forward(
     out = usp_attention(
         q, k, v, mesh=state.mesh, causal=True, softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens
     )
+    if kv_cache is not None:  # prefill: keep this rank's K/V shard for the decode steps
+        kv_cache.keep(module.layer_idx, k, v)
     return out, None  # out: [B, S_local, Hq, D]
 
 
