@@ -2,7 +2,7 @@
 
 A prompt of exactly ``length`` tokens is built from token ids (so every length suits the sequence layout)::
 
-    [BOS] intro | filler[:before] | needle("The secret number is 48213. ...") | filler[before:] | question
+    [BOS] intro | filler[:before] | needle("The secret number is 48213. Remember 48213.") | filler[before:] | question
 
 ``before = round(depth x filler tokens)``. The model's answer is :func:`usp.eval.decode.decode`'s greedy
 continuation; a trial is correct when the first run of digits in the decoded answer equals the passkey.
@@ -25,13 +25,13 @@ from usp.config import EvalConfig
 from usp.eval.decode import decode
 from usp.parallel import SPMesh
 
-INTRO = "Somewhere in the long text below there is a secret number. Read everything and keep the number in mind."
+INTRO = "A secret number is hidden in this text. Remember it."
 FILLER = (
     " Rain fell on the old town and the streets grew quiet. A cat slept by the warm stove. The clock on the "
     "wall kept its slow time, and nobody hurried anywhere."
 )
-NEEDLE = " The secret number is {key}. Keep it: {key} is the secret number."
-QUESTION = " Now tell me the secret number. The secret number is"
+NEEDLE = " The secret number is {key}. Remember {key}."
+QUESTION = " What is the secret number? The secret number is"
 
 
 @dataclass

@@ -10,6 +10,7 @@ any forward.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,7 @@ def run_ppl(
             "documents": int(docs.size(0)),
             "tokens": int(all_losses[:, :-1].numel()),
             "loss": mean,
-            "ppl": float(torch.tensor(mean).exp()),
+            "ppl": math.exp(mean),
             "buckets": bucket_losses(all_losses, bucket_size),
         }
     return {

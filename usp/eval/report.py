@@ -45,8 +45,11 @@ def plot_ppl(result: dict[str, Any], path: Path, *, original_context: int | None
     for length, entry in result["lengths"].items():
         xs = [(b["start"] + b["end"]) / 2 for b in entry["buckets"]]
         ax.plot(xs, [b["ppl"] for b in entry["buckets"]], marker="o", markersize=3, label=f"length {length}")
-    if original_context:
+    longest = max(int(length) for length in result["lengths"])
+    if original_context and original_context <= longest:
         ax.axvline(original_context, color="gray", linestyle="--", label=f"original context {original_context}")
+    elif original_context:  # beyond every evaluated position: say so rather than stretch the axis
+        ax.plot([], [], color="gray", linestyle="--", label=f"original context {original_context} (beyond the plot)")
     ax.set_xlabel("position (tokens)")
     ax.set_ylabel("perplexity")
     ax.set_title("Perplexity by position")

@@ -186,6 +186,9 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     from usp.eval import report
     from usp.model import apply_usp
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(cfg.run_dir)
     lengths, dims, source, tokenizer = on_every_rank(lambda: _prepare(cfg, world), "eval config validation")
