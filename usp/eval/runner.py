@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 from usp.config import EVAL_TASKS, TrainConfig
-from usp.model import apply_rope_overrides, check_heads, check_model_dir, check_rope_for_sequence_parallel, parse_dtype
+from usp.model import (
+    apply_rope_overrides,
+    check_heads,
+    check_model_dir,
+    check_rope_for_sequence_parallel,
+    parse_dtype,
+)
 from usp.parallel import ParallelDims, init_sp_mesh, sequence_multiple
 from usp.train.trainer import init_distributed, on_every_rank, resolve_device
 
@@ -181,12 +187,12 @@ def _prepare(cfg: TrainConfig, world: int) -> tuple[list[int], ParallelDims, Mod
 
 
 def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+    from transformers.utils import logging as hf_logging
+
     from usp.eval import passkey as passkey_task
     from usp.eval import ppl as ppl_task
     from usp.eval import report
     from usp.model import apply_usp
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing
     rank, world = dist.get_rank(), dist.get_world_size()
