@@ -176,3 +176,13 @@ def loader_position_losses(
         "loss": loss,
         "ppl": [math.exp(x) for x in loss],
     }
+
+
+def val_ppl_by_position(
+    loss_model: nn.Module, loader: Any, mesh: SPMesh, device: torch.device, *, bucket_size: int, chunk_size: int = 4096
+) -> dict[str, float]:
+    """The trainer's ``val_ppl_by_position`` metric: ``{"<bucket start>": perplexity}`` in position order
+    (from :func:`loader_position_losses`). A flat mapping, so wandb charts one line per bucket
+    (``val_ppl_by_position.<start>``) and metrics.jsonl keeps one small object per evaluation."""
+    table = loader_position_losses(loss_model, loader, mesh, device, bucket_size=bucket_size, chunk_size=chunk_size)
+    return {str(start): ppl for start, ppl in zip(table["start"], table["ppl"])}
