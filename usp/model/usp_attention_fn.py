@@ -79,6 +79,10 @@ def usp_attention_forward(
     ``query`` ``[B, Hq, S_local, D]``, ``key``/``value`` ``[B, Hkv, S_local, D]`` (this rank's tokens, RoPE
     applied with global positions). ``cu_seqlens``: int32 ``[num_docs + 1]`` global document boundaries, or
     ``None``. Returns ``([B, S_local, Hq, D], None)`` as transformers expects.
+
+    The forward kwarg ``usp_kv_cache`` (a :class:`usp.eval.decode.ShardedKVCache`, distributed decoding) keeps
+    this rank's ``k, v`` after the prefill's USP attention, and once it is ``decoding`` answers single-token
+    steps itself (attention over every rank's K/V shard, merged exactly).
     """
     state: USPAttentionState | None = getattr(module, _STATE_ATTR, None)
     assert state is not None, "the 'usp' attention function runs only on modules prepared by usp.model.apply_usp"
