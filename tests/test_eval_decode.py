@@ -29,12 +29,12 @@ def _ids(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def eval_worker(model_dir: str, ulysses: int, ring: int, layout: str) -> dict:
+def eval_worker(model_dir: str, ulysses: int, ring: int, layout: str, dp: int = 1) -> dict:
     """Worker: token_losses on one batch and decode on every PROMPTS case; every rank returns its results."""
     from usp.eval import token_losses
     from usp.eval.decode import decode
 
-    mesh = cached_sp_mesh(ulysses, ring, layout, 1)
+    mesh = cached_sp_mesh(ulysses, ring, layout, dp)
     model = apply_usp(load_causal_lm(model_dir, dtype=torch.float32).eval(), mesh)
     vocab = model.config.vocab_size
     out = {"losses": token_losses(model, _ids(vocab, 2, SEQ_LEN, 0), mesh), "decode": []}
@@ -76,8 +76,18 @@ def _reference(model_dir: str) -> dict:
 @pytest.mark.parametrize("family", ["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("ulysses, ring, layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_token_losses_and_generate_match_single_process(dist_pools, models, family, ulysses, ring, layout):
-    per_rank = dist_pools(4).run(eval_worker, models[family], ulysses, ring, layout)
-    ref = _reference(models[family])
+    _check_against_reference(dist_pools(4).run(eval_worker, models[family], ulysses, ring, layout), models[family])
+
+
+@pytest.mark.slow  # two more worlds of the same checks
+@pytest.mark.parametrize("ulysses, ring, layout, dp", [(2, 1, "zigzag", 2), (2, 2, "contiguous", 1)],
+                         ids=["u2r1-dp2", "u2r2-contiguous"])  # fmt: skip
+def test_generate_with_dp_replicas_and_contiguous_layout(dist_pools, models, ulysses, ring, layout, dp):
+    _check_against_reference(dist_pools(4).run(eval_worker, models["gqa"], ulysses, ring, layout, dp), models["gqa"])
+
+
+def _check_against_reference(per_rank: list[dict], model_dir: str) -> None:
+    ref = _reference(model_dir)
     tol = 1e-5 * float(ref["losses"].abs().max())
     for rank, got in enumerate(per_rank):
         assert got["losses"].dtype == torch.float32 and got["losses"].shape == (2, SEQ_LEN)
