@@ -58,3 +58,14 @@ def test_sbatch_script_bad_entry_starts_nothing(stubs, tmp_path, entry):  # noqa
                         **SLURM_ENV)  # fmt: skip
     assert result.returncode == 1 and "--entry" in result.stderr
     assert stubs.calls("srun") == []
+
+
+def test_torchrun_script_entry_eval_matches_usp_launch(stubs, tmp_path):  # noqa: F811
+    from tests.test_launch_scripts import TORCHRUN_SH
+
+    overrides = ["recipe=tiny", "model.path=outputs/demo/hf", "eval=passkey"]
+    result = run_script(TORCHRUN_SH, ["--cpu", "--nproc-per-node", "4", "--entry", "eval", *overrides], stubs, tmp_path)
+    assert result.returncode == 0, result.stderr
+    expected = commands.torchrun_command(commands.with_defaults(overrides, commands.cpu_defaults()), nproc_per_node=4,
+                                         module="usp.eval")  # fmt: skip
+    assert stubs.calls("torchrun") == [expected[1:]]
