@@ -21,7 +21,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from usp.config import DataConfig, TrainConfig, validate_choices
-from usp.train.__main__ import CONF_DIR, VERSION_BASE, check_conf_dir, register_configs
+from usp.config_keys import check_composed_keys, check_override_keys
+from usp.train.__main__ import CONF_DIR, VERSION_BASE, check_conf_dir, config_groups, register_configs
 
 CONFIG_NAME = "eval"
 
@@ -36,6 +37,7 @@ def to_eval_config(cfg: DictConfig, *, run_dir: str | None = None) -> TrainConfi
     cfg = cfg.copy()
     if run_dir is not None:
         cfg.run_dir = str(Path(run_dir).resolve())
+    check_composed_keys(cfg, TrainConfig)
     for key in OmegaConf.missing_keys(cfg):
         if key.startswith("data."):
             OmegaConf.update(cfg, key, [] if key == "data.inputs" else None)
@@ -60,6 +62,7 @@ def compose_eval_config(overrides: Sequence[str] = (), *, run_dir: str | None = 
 
     check_conf_dir()
     register_configs()
+    check_override_keys(overrides, TrainConfig, config_groups())
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=VERSION_BASE, job_name="usp-eval"):
@@ -93,6 +96,12 @@ def main() -> None:
 
     check_conf_dir()
     register_configs()
+    try:
+        check_override_keys(sys.argv[1:], TrainConfig, config_groups())
+    except ValueError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"usp-eval: error: {err}", file=sys.stderr)
+        sys.exit(2)
     if int(os.environ.get("RANK", "0")) > 0:  # rank 0 alone writes .hydra/ and the log
         sys.argv.extend(["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"])
     app = hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=CONFIG_NAME)(_task)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from usp.model import packed_sequence_kwargs
 from usp.parallel import SPMesh, check_sequence_length, gather_sequence, shard_sequence
 
 IGNORE_INDEX = -100
@@ -32,7 +33,7 @@ def _local_losses(
     chunk_size: int = 4096,
 ) -> torch.Tensor:
     """This rank's token losses ``[B, S_local]`` fp32 (0 where ``labels == -100``); never builds ``[S, V]``."""
-    extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    extra = packed_sequence_kwargs(cu_seqlens)
     hidden = model.get_decoder()(
         input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
     ).last_hidden_state  # [B, S_local, H], after the final norm

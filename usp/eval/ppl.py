@@ -5,7 +5,7 @@ datasets, hub names), tokenized like training data (``[BOS] + tokens + [EOS]``).
 ``L`` the first ``eval.num_documents`` documents of at least ``L`` tokens are cut to their first ``L`` tokens
 (a document shorter than ``L`` is never padded or packed: it would not measure long context). Rank 0 reads
 and tokenizes; the token ids (or the error) are broadcast, so every rank fails or succeeds together before
-any forward.
+any forward (:func:`usp.parallel.agree.on_rank0`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from usp.config import TrainConfig
@@ -78,22 +77,6 @@ def read_documents(cfg: TrainConfig, tokenizer: Any, lengths: list[int], cache_d
             f"or longer documents in eval.inputs."
         )
     return {length: torch.tensor(docs, dtype=torch.long) for length, docs in found.items()}
-
-
-def share_from_rank0(fn: Any) -> Any:
-    """Run ``fn`` on global rank 0 and broadcast its result, or its error, to every rank (one collective)."""
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", fn())
-        except Exception as e:  # noqa: BLE001 - every rank raises it below
-            box[0] = ("value_error" if isinstance(e, ValueError) else "error", f"{e}")
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    kind, payload = box[0]
-    if kind == "ok":
-        return payload
-    raise (ValueError if kind == "value_error" else RuntimeError)(payload)
 
 
 def run_ppl(

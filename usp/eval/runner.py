@@ -34,7 +34,9 @@ from usp.model import (
     parse_dtype,
 )
 from usp.parallel import ParallelDims, init_sp_mesh, sequence_multiple
-from usp.train.trainer import init_distributed, on_every_rank, resolve_device
+from usp.parallel.agree import on_every_rank, on_rank0
+from usp.parallel.mesh import launched_world
+from usp.train.trainer import init_distributed, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +111,10 @@ def check_eval_settings(cfg: TrainConfig, world_size: int) -> tuple[list[int], P
             "usp-eval needs explicit degrees: set parallel.ulysses_degree and parallel.ring_degree (the planner's "
             "auto choice is for training)."
         )
+    node_size = p.node_size if p.node_size is not None else launched_world()[1]  # LOCAL_WORLD_SIZE
     dims = ParallelDims(
         world_size=world_size, ulysses_degree=int(p.ulysses_degree), ring_degree=int(p.ring_degree),
-        dp_degree=p.dp_degree, node_size=p.node_size, allow_cross_node_ulysses=p.allow_cross_node_ulysses,
+        dp_degree=p.dp_degree, node_size=node_size, allow_cross_node_ulysses=p.allow_cross_node_ulysses,
     )  # fmt: skip
     lengths = resolve_lengths(cfg)
     m = sequence_multiple(dims.ring_degree, dims.ulysses_degree, p.ring_layout)
@@ -203,7 +206,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         trials = on_every_rank(lambda: passkey_task.build_trials(tokenizer, lengths, cfg.eval), "passkey prompts")
     else:
         cache_dir = Path(cfg.data.cache_dir or run_dir / "data_cache")
-        documents = ppl_task.share_from_rank0(lambda: ppl_task.read_documents(cfg, tokenizer, lengths, cache_dir))
+        documents = on_rank0(lambda: ppl_task.read_documents(cfg, tokenizer, lengths, cache_dir), "reading eval.inputs")
 
     mesh = init_sp_mesh(
         dims.ulysses_degree, dims.ring_degree, dp_degree=dims.dp_degree, node_size=cfg.parallel.node_size,
