@@ -166,7 +166,7 @@ def test_usp_eval_passkey_under_torchrun(tiny_model, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", WANDB_SILENT="true")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "usp.eval",
-        "recipe=tiny", f"model.path={tiny_model}", "eval=passkey", "eval.lengths=[128,256]", "eval.batch_size=2",
+        "recipe=tiny", f"model.path={tiny_model}", "eval=passkey", "eval.lengths=[128,256]", "eval.micro_batch_size=2",
         "eval.passkey.max_new_tokens=4", "logging.wandb.mode=offline", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -180,3 +180,35 @@ def test_usp_eval_passkey_under_torchrun(tiny_model, tmp_path):
     assert data["timing"]["prefill_tokens_per_s"] > 0 and data["timing"]["decode_tokens_per_s"] > 0
     assert (run_dir / "passkey.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((run_dir / "wandb").glob("offline-run-*")), "no offline wandb run"
+
+
+# --- model.path: an HF export or a training checkpoint ---------------------------------------------------
+def eval_worker(cfg: TrainConfig) -> dict:
+    from usp.eval.runner import run
+
+    return run(cfg)["result"]
+
+
+def test_checkpoint_and_export_give_the_same_results(dist_pools, tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from usp.model import load_causal_lm
+    from usp.train.checkpoint import save_checkpoint
+    from usp.train.export import export_hf
+
+    model = load_causal_lm(tiny_model, dtype=torch.float32)
+    with torch.no_grad():  # "trained" weights: neither the base checkpoint's nor each other's by accident
+        for p in model.parameters():
+            p.mul_(1.05)
+    save_checkpoint(tmp_path / "checkpoints", 3, model=model, optimizer=None, scheduler=None, keep_last=1,
+                    extra={"fingerprint": {"model_path": tiny_model, "seq_len": 64}})  # fmt: skip
+    export_hf(model, tokenizer=AutoTokenizer.from_pretrained(tiny_model), out_dir=tmp_path / "hf")
+    results = {}
+    for name, path in (("checkpoint", tmp_path / "checkpoints"), ("export", tmp_path / "hf"), ("base", tiny_model)):
+        cfg = _eval_cfg(str(path), str(tmp_path / name), lengths=[96], num_documents=2)
+        cfg.parallel.ulysses_degree = cfg.parallel.ring_degree = 1
+        cfg.parallel.node_size = None
+        results[name] = dist_pools(1).run(eval_worker, cfg)[0]["lengths"]["96"]
+    ppl = {name: torch.tensor([b["ppl"] for b in r["buckets"]]) for name, r in results.items()}
+    torch.testing.assert_close(ppl["checkpoint"], ppl["export"], rtol=1e-6, atol=0)
+    assert not torch.allclose(ppl["checkpoint"], ppl["base"], rtol=1e-3)

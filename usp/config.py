@@ -207,7 +207,7 @@ class EvalConfig:
     lengths: list[int] | None = None
     """Evaluated sequence lengths in tokens; each must suit the layout (a multiple of 2 x ring x ulysses for
     zigzag). None: ``[trainer.seq_len]`` for ppl, ``[seq_len/4, seq_len/2, seq_len, 2 seq_len]`` for passkey."""
-    batch_size: int = 1
+    micro_batch_size: int = 1
     """Sequences per forward (documents for ppl, trials for passkey)."""
     bucket_size: int = 1024
     """Width of a position bucket for perplexity by position, in tokens."""

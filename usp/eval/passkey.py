@@ -105,7 +105,7 @@ def answer_of(tokenizer: Any, tokens: list[int]) -> str:
 def run_passkey(
     model: nn.Module, tokenizer: Any, mesh: SPMesh, trials: list[PasskeyTrial], cfg: EvalConfig
 ) -> dict[str, Any]:
-    """Decode every trial (``eval.batch_size`` prompts of one length per call); accuracy per cell.
+    """Decode every trial (``eval.micro_batch_size`` prompts of one length per call); accuracy per cell.
 
     Returns ``{"cells": [{"length", "depth", "trials", "correct", "accuracy"}], "accuracy", "trials":
     [{"length", "depth", "trial", "passkey", "answer", "correct"}], "timing": {...}}`` (same on every rank).
@@ -118,7 +118,7 @@ def run_passkey(
     i = 0
     while i < len(trials):
         group = [trials[i]]
-        while i + len(group) < len(trials) and len(group) < cfg.batch_size and trials[i + len(group)].length == group[0].length:
+        while i + len(group) < len(trials) and len(group) < cfg.micro_batch_size and trials[i + len(group)].length == group[0].length:
             group.append(trials[i + len(group)])
         ids = torch.tensor([t.input_ids for t in group], dtype=torch.long, device=device)  # [B, length]
         res = decode(model, ids, mesh, cfg.passkey.max_new_tokens)

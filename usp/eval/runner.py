@@ -95,7 +95,7 @@ def check_eval_settings(cfg: TrainConfig, world_size: int) -> tuple[list[int], P
     e, p = cfg.eval, cfg.parallel
     if e.task not in EVAL_TASKS:
         raise ValueError(f"eval.task={e.task!r} is invalid; choose eval=ppl or eval=passkey.")
-    for name in ("batch_size", "bucket_size", "num_documents"):
+    for name in ("micro_batch_size", "bucket_size", "num_documents"):
         if getattr(e, name) < 1:
             raise ValueError(f"eval.{name}={getattr(e, name)} is invalid: use an integer >= 1.")
     k = e.passkey
@@ -223,7 +223,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         result = passkey_task.run_passkey(model, tokenizer, mesh, trials, cfg.eval)
     else:
         result = ppl_task.run_ppl(
-            model, mesh, documents, batch_size=cfg.eval.batch_size, bucket_size=cfg.eval.bucket_size
+            model, mesh, documents, batch_size=cfg.eval.micro_batch_size, bucket_size=cfg.eval.bucket_size
         )
     timing = {**result.pop("timing"), "load_s": load_s}
     entry = {
