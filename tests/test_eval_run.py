@@ -212,3 +212,23 @@ def test_checkpoint_and_export_give_the_same_results(dist_pools, tiny_model, tmp
     ppl = {name: torch.tensor([b["ppl"] for b in r["buckets"]]) for name, r in results.items()}
     torch.testing.assert_close(ppl["checkpoint"], ppl["export"], rtol=1e-6, atol=0)
     assert not torch.allclose(ppl["checkpoint"], ppl["base"], rtol=1e-3)
+
+
+@pytest.mark.slow  # four evaluations at world 4
+def test_dp_replicas_split_the_work_and_agree_with_one_replica(dist_pools, tiny_model, tmp_path):
+    """u2r1 x dp2 (documents and trials split over 2 replicas) gives what u2r2 (one replica) gives."""
+    results = {}
+    for name, (ulysses, ring) in {"dp2": (2, 1), "dp1": (2, 2)}.items():
+        for task in ("ppl", "passkey"):
+            cfg = _eval_cfg(tiny_model, str(tmp_path / name), task=task, lengths=[128], num_documents=3)
+            cfg.parallel.ulysses_degree, cfg.parallel.ring_degree = ulysses, ring
+            cfg.eval.passkey.trials, cfg.eval.passkey.max_new_tokens = 3, 3
+            results[name, task] = dist_pools(4).run(eval_worker, cfg)
+    for task in ("ppl", "passkey"):
+        assert all(r == results["dp2", task][0] for r in results["dp2", task][1:])  # every rank has everything
+    ppl = {name: torch.tensor([b["ppl"] for b in results[name, "ppl"][0]["lengths"]["128"]["buckets"]])
+           for name in ("dp1", "dp2")}  # fmt: skip
+    torch.testing.assert_close(ppl["dp2"], ppl["dp1"], rtol=1e-5, atol=0)
+    assert results["dp2", "ppl"][0]["lengths"]["128"]["documents"] == 3
+    answers = {name: [(t["passkey"], t["answer"]) for t in results[name, "passkey"][0]["trials"]] for name in ("dp1", "dp2")}
+    assert answers["dp2"] == answers["dp1"] and len(answers["dp1"]) == 9

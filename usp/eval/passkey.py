@@ -23,6 +23,7 @@ from torch import nn
 
 from usp.config import EvalConfig
 from usp.eval.decode import decode
+from usp.eval.replicas import gather_shares, gather_timing, my_share
 from usp.parallel import SPMesh
 
 INTRO = "A secret number is hidden in this text. Remember it."
@@ -105,7 +106,8 @@ def answer_of(tokenizer: Any, tokens: list[int]) -> str:
 def run_passkey(
     model: nn.Module, tokenizer: Any, mesh: SPMesh, trials: list[PasskeyTrial], cfg: EvalConfig
 ) -> dict[str, Any]:
-    """Decode every trial (``eval.micro_batch_size`` prompts of one length per call); accuracy per cell.
+    """Decode every trial (``eval.micro_batch_size`` prompts of one length per call; dp replicas split the
+    trials, :mod:`usp.eval.replicas`); accuracy per cell.
 
     Returns ``{"cells": [{"length", "depth", "trials", "correct", "accuracy"}], "accuracy", "trials":
     [{"length", "depth", "trial", "passkey", "answer", "correct"}], "timing": {...}}`` (same on every rank).
@@ -115,6 +117,7 @@ def run_passkey(
     prefill_tokens = decode_tokens = 0
     prefill_s = decode_s = 0.0
     t0 = time.perf_counter()
+    everything, trials = trials, my_share(trials, mesh)  # dp replicas split the trials
     i = 0
     while i < len(trials):
         group = [trials[i]]
@@ -131,8 +134,11 @@ def run_passkey(
             results.append({"length": t.length, "depth": t.depth, "trial": t.trial, "passkey": t.key,
                             "answer": answer, "correct": answer == t.key})  # fmt: skip
         i += len(group)
+    results = gather_shares(results, mesh)
+    prefill_s, prefill_tokens = gather_timing(prefill_s, prefill_tokens, mesh)
+    decode_s, decode_tokens = gather_timing(decode_s, decode_tokens, mesh)
     cells = []
-    for length in dict.fromkeys(t.length for t in trials):
+    for length in dict.fromkeys(t.length for t in everything):
         for depth in cfg.passkey.depths:
             rows = [r for r in results if r["length"] == length and r["depth"] == depth]
             correct = sum(r["correct"] for r in rows)

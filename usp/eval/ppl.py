@@ -20,6 +20,7 @@ from torch import nn
 
 from usp.config import TrainConfig
 from usp.eval.losses import bucket_losses, token_losses
+from usp.eval.replicas import gather_shares, gather_timing, my_share
 from usp.parallel import SPMesh
 
 
@@ -85,19 +86,22 @@ def run_ppl(
     """Token losses of every document at every length, bucketed by position.
 
     Returns ``{"lengths": {L: {"documents", "tokens", "loss", "ppl", "buckets": [...]}}, "timing": {...}}``
-    (same on every rank; ``buckets`` as :func:`usp.eval.losses.bucket_losses`).
+    (same on every rank; ``buckets`` as :func:`usp.eval.losses.bucket_losses`). dp replicas split the
+    documents (:mod:`usp.eval.replicas`).
     """
     out: dict[str, Any] = {}
     tokens = 0
     seconds = 0.0
     for length, docs in documents.items():
+        rows = my_share(list(docs), mesh)  # this dp replica's documents, [L] each
         losses = []
-        for start in range(0, docs.size(0), batch_size):
+        for start in range(0, len(rows), batch_size):
+            batch = torch.stack(rows[start : start + batch_size])  # [b, L]
             t0 = time.perf_counter()
-            losses.append(token_losses(model, docs[start : start + batch_size], mesh))
+            losses.extend(token_losses(model, batch, mesh).cpu())
             seconds += time.perf_counter() - t0
-            tokens += losses[-1].numel()
-        all_losses = torch.cat(losses).cpu()  # [n, L]
+            tokens += batch.numel()
+        all_losses = torch.stack(gather_shares(losses, mesh))  # [n, L], document order
         mean = float(all_losses[:, :-1].double().mean())
         out[str(length)] = {
             "documents": int(docs.size(0)),
@@ -106,6 +110,7 @@ def run_ppl(
             "ppl": math.exp(mean),
             "buckets": bucket_losses(all_losses, bucket_size),
         }
+    seconds, tokens = gather_timing(seconds, tokens, mesh)
     return {
         "lengths": out,
         "timing": {"forward_tokens": tokens, "forward_s": seconds,
