@@ -10,12 +10,15 @@ cheap in-training variant: it buckets the validation loader's token losses by th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from usp.model import packed_sequence_kwargs
 from usp.parallel import SPMesh, check_sequence_length, gather_sequence, shard_sequence
@@ -106,25 +109,18 @@ def bucket_losses(losses: torch.Tensor, bucket_size: int, *, valid_len: int | No
 
 
 # --- during training: the validation loader, bucketed by position in the document --------------------------
-def _unsharded(model: nn.Module) -> Any:
-    """A context that gathers an FSDP2 root's own parameters (embeddings, final norm, lm_head) for a forward
-    that bypasses the root's ``forward`` (decoder layers gather their own), and reshards them after."""
-    from contextlib import contextmanager
-
-    from torch.distributed.fsdp import FSDPModule
-
-    @contextmanager
-    def ctx():
-        if isinstance(model, FSDPModule):
-            model.unshard()
-            try:
-                yield
-            finally:
-                model.reshard()
-        else:
-            yield
-
-    return ctx()
+@contextmanager
+def _unsharded(model: nn.Module) -> Iterator[None]:
+    """Gather an FSDP2 root's own parameters (embeddings, final norm, lm_head) for a forward that bypasses the
+    root's ``forward`` (the decoder layers gather their own), and reshard them after. No-op without FSDP2."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 @torch.no_grad()
@@ -142,7 +138,7 @@ def loader_position_losses(
     if bucket_size < 1:
         raise ValueError(f"eval.bucket_size={bucket_size} must be >= 1 (tokens per position bucket).")
     model = loss_model.model
-    sums: dict[int, list[float]] = {}
+    acc = torch.zeros(2, 0, dtype=torch.float64, device=device)  # [loss sum, tokens] per bucket, grows
     with _unsharded(loss_model):
         for batch in loader:
             labels = batch["labels"].to(device)
@@ -153,20 +149,16 @@ def loader_position_losses(
                 cu_seqlens=None if cu is None else cu.to(dtype=torch.int32), chunk_size=chunk_size,
             )  # fmt: skip
             valid = labels != IGNORE_INDEX
-            bucket = (pos[valid] // bucket_size).long()
+            bucket = (pos[valid] // bucket_size).long()  # [targets]
             n = int(bucket.max()) + 1 if bucket.numel() else 0
-            loss_sum = torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, bucket, losses[valid].double())
-            count = torch.bincount(bucket, minlength=n).double()
-            for k in range(n):
-                acc = sums.setdefault(k, [0.0, 0.0])
-                acc[0] += float(loss_sum[k])
-                acc[1] += float(count[k])
+            if n > acc.size(1):
+                acc = F.pad(acc, (0, n - acc.size(1)))
+            acc[0].index_add_(0, bucket, losses[valid].double())
+            acc[1].index_add_(0, bucket, torch.ones_like(bucket, dtype=torch.float64))
     group = mesh.group("fsdp")
-    width = torch.tensor([max(sums, default=-1) + 1], dtype=torch.int64, device=device)
-    dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
-    total = torch.zeros(2, int(width), dtype=torch.float64, device=device)  # [loss sum, tokens] per bucket
-    for k, (loss, count) in sums.items():
-        total[0, k], total[1, k] = loss, count
+    width = torch.tensor([acc.size(1)], dtype=torch.int64, device=device)
+    dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)  # ranks saw different largest positions
+    total = F.pad(acc, (0, int(width) - acc.size(1)))
     dist.all_reduce(total, group=group)
     keep = [k for k in range(int(width)) if total[1, k] > 0]
     loss = [float(total[0, k] / total[1, k]) for k in keep]
