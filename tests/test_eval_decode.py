@@ -134,3 +134,20 @@ def test_merge_with_empty_shards_is_exact(dist_pools):
         assert torch.isfinite(r["merged"]).all()
         torch.testing.assert_close(r["merged"], r["ref"], rtol=1e-5, atol=1e-6)
         assert torch.equal(r["merged"], results[0]["merged"])  # bitwise the same on every rank
+
+
+def test_cache_appends_past_its_reserve():
+    """The buffer grows when appends outrun the reserve; the filled slots are the tokens in order."""
+    from types import SimpleNamespace
+
+    from usp.eval.decode import ShardedKVCache
+
+    cache = ShardedKVCache(SimpleNamespace(sp_degree=1, sp_rank=0), num_layers=1, reserve=1)
+    g = torch.Generator().manual_seed(3)
+    ks = [torch.randn(2, 3, 2, 4, generator=g)] + [torch.randn(2, 1, 2, 4, generator=g) for _ in range(6)]
+    cache.keep(0, ks[0], -ks[0])
+    for k in ks[1:]:
+        cache._append(0, k, -k)
+    n = cache.used[0]
+    assert n == 9 and cache.k[0].size(1) >= n
+    assert torch.equal(cache.k[0][:, :n], torch.cat(ks, 1)) and torch.equal(cache.v[0][:, :n], -torch.cat(ks, 1))

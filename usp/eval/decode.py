@@ -67,18 +67,22 @@ class ShardedKVCache:
     :meth:`keep` during the prefill and :meth:`decode_attention` once ``decoding`` is set.
     """
 
-    def __init__(self, mesh: SPMesh, num_layers: int, backend: str = "auto") -> None:
+    def __init__(self, mesh: SPMesh, num_layers: int, backend: str = "auto", reserve: int = 0) -> None:
         self.mesh = mesh
         self.backend = backend
-        self.k: list[torch.Tensor | None] = [None] * num_layers  # [B, L_r, Hkv, D]
+        self.reserve = reserve  # free slots per layer beyond the prefill, so appends rarely reallocate
+        self.k: list[torch.Tensor | None] = [None] * num_layers  # [B, capacity, Hkv, D]
         self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.used = [0] * num_layers  # filled slots of this rank's buffers
         self.held = [0] * mesh.sp_degree  # tokens each sp rank holds (every rank knows every count)
         self.owner = 0
         self.decoding = False
 
     def keep(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Prefill: store this rank's ``k, v`` ``[B, S_local, Hkv, D]`` of ``layer``."""
-        self.k[layer], self.v[layer] = k.detach(), v.detach()
+        """Prefill: store this rank's ``k, v`` ``[B, S_local, Hkv, D]`` of ``layer`` (plus ``reserve`` slots)."""
+        self.k[layer] = _with_room(k.detach(), k, self.reserve)
+        self.v[layer] = _with_room(v.detach(), v, self.reserve)
+        self.used[layer] = k.size(1)
 
     def prefilled(self, tokens_per_rank: int) -> None:
         self.held = [tokens_per_rank] * self.mesh.sp_degree
@@ -88,29 +92,44 @@ class ShardedKVCache:
         self.owner = min(range(self.mesh.sp_degree), key=lambda r: (self.held[r], r))
         self.held[self.owner] += 1
 
+    def _append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write one token ``[B, 1, Hkv, D]`` into the next free slot (the buffer doubles when full)."""
+        n = self.used[layer]
+        if self.k[layer] is None or n == self.k[layer].size(1):
+            room = max(1, n, self.reserve)
+            self.k[layer] = _with_room(self.k[layer], k_new, room)
+            self.v[layer] = _with_room(self.v[layer], v_new, room)
+        self.k[layer][:, n : n + 1] = k_new
+        self.v[layer][:, n : n + 1] = v_new
+        self.used[layer] = n + 1
+
     def decode_attention(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
     ) -> torch.Tensor:
         """One new token: ``query [B, Hq, 1, D]``, ``key/value [B, Hkv, 1, D]`` (the same on every rank) ->
         ``out [B, 1, Hq, D]`` over every rank's keys, identical on every rank. Collective over the sp group."""
         q = query.transpose(1, 2)  # [B, 1, Hq, D]
-        k_new, v_new = key.transpose(1, 2), value.transpose(1, 2)  # [B, 1, Hkv, D]
         if self.owner == self.mesh.sp_rank:
-            kc, vc = self.k[layer], self.v[layer]
-            self.k[layer] = k_new if kc is None else torch.cat([kc, k_new], dim=1)
-            self.v[layer] = v_new if vc is None else torch.cat([vc, v_new], dim=1)
+            self._append(layer, key.transpose(1, 2), value.transpose(1, 2))  # [B, 1, Hkv, D]
         b, _, hq, d = q.shape
-        kc, vc = self.k[layer], self.v[layer]
-        if kc is None or kc.size(1) == 0:  # no key here yet: contributes nothing to the merge
+        n = self.used[layer]
+        if n == 0:  # no key here yet: contributes nothing to the merge
             out = torch.zeros(b, 1, hq, d, dtype=torch.float32, device=q.device)
             lse = torch.full((b, hq, 1), float("-inf"), dtype=torch.float32, device=q.device)
         else:
             scale = d**-0.5 if scaling is None else float(scaling)
             kernel = resolve_backend(self.backend, q.device, q.dtype)
             # every key held is at or before the query's position: no mask
+            kc, vc = self.k[layer][:, :n], self.v[layer][:, :n]  # [B, n, Hkv, D]
             out, lse = attention_forward(q, kc, vc, causal=False, softmax_scale=scale, backend=kernel)
         merged = merge_partials(out.float(), lse.float(), self.mesh)
         return merged.to(query.dtype)  # [B, 1, Hq, D]
+
+
+def _with_room(x: torch.Tensor | None, like: torch.Tensor, room: int) -> torch.Tensor:
+    """``x`` ``[B, n, Hkv, D]`` (or nothing) followed by ``room`` empty slots along the sequence dim."""
+    free = like.new_empty(like.shape[0], room, *like.shape[2:])  # [B, room, Hkv, D]
+    return free if x is None else torch.cat([x, free], dim=1)
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, mesh: SPMesh) -> torch.Tensor:
@@ -181,8 +200,9 @@ def decode(
     ids = input_ids.to(device=device, dtype=torch.long)
     b, s = ids.shape
     decoder = model.get_decoder()
-    cache = ShardedKVCache(mesh, model.config.num_hidden_layers, backend)
     prefix = (s // mesh.sequence_multiple()) * mesh.sequence_multiple()
+    reserve = -(-(s - prefix + max_new_tokens) // mesh.sp_degree)  # appended tokens per rank, rounded up
+    cache = ShardedKVCache(mesh, model.config.num_hidden_layers, backend, reserve=reserve)
     logits: torch.Tensor | None = None
 
     t0 = time.perf_counter()
