@@ -66,9 +66,9 @@ def _reference(model_dir: str) -> dict:
     decodes = []
     for i, (length, new) in enumerate(PROMPTS):
         prompt = _ids(vocab, 2, length, 10 + i)
-        cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        g = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=cfg,
-                           output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           output_logits=True, return_dict_in_generate=True)
+        g = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=cfg)
         decodes.append({"tokens": g.sequences[:, length:], "logits": torch.stack(g.logits, dim=1).float()})
     return {"losses": losses, "decode": decodes}
 

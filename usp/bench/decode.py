@@ -39,9 +39,9 @@ def _reference(model, ids: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.
     losses = torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, vocab).float(), ids[:, 1:].reshape(-1), reduction="none"
     ).view(ids.size(0), -1)
-    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    g = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, output_logits=True,
-                       return_dict_in_generate=True)  # fmt: skip
+    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           output_logits=True, return_dict_in_generate=True)
+    g = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
     return losses, g.sequences[:, ids.size(1) :], torch.stack(g.logits, dim=1).float()
 
 
