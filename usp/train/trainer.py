@@ -219,7 +219,10 @@ def validate(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[A
     )  # fmt: skip
     compute_dtype = parse_dtype(cfg.model.dtype, "model.dtype")
     try:
-        resolve_backend(cfg.model.attention_backend, device, compute_dtype)
+        head_dim = getattr(model_config, "head_dim", None) or (
+            model_config.hidden_size // model_config.num_attention_heads
+        )
+        resolve_backend(cfg.model.attention_backend, device, compute_dtype, head_dim=head_dim)
     except ValueError as e:
         raise ValueError(f"model.attention_backend={cfg.model.attention_backend!r}: {e}") from e
     parse_dtype(cfg.parallel.reduce_dtype, "parallel.reduce_dtype")
