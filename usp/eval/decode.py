@@ -118,7 +118,7 @@ class ShardedKVCache:
             lse = torch.full((b, hq, 1), float("-inf"), dtype=torch.float32, device=q.device)
         else:
             scale = d**-0.5 if scaling is None else float(scaling)
-            kernel = resolve_backend(self.backend, q.device, q.dtype)
+            kernel = resolve_backend(self.backend, q.device, q.dtype, head_dim=d)
             # every key held is at or before the query's position: no mask
             kc, vc = self.k[layer][:, :n], self.v[layer][:, :n]  # [B, n, Hkv, D]
             out, lse = attention_forward(q, kc, vc, causal=False, softmax_scale=scale, backend=kernel)
