@@ -39,6 +39,9 @@ def test_compose_eval_config_takes_recipes_and_the_eval_group(tmp_path):
     assert cfg.eval.task == "ppl" and cfg.trainer.seq_len == 131072 and cfg.parallel.ring_degree == 2
     with pytest.raises(ValueError, match="model.path="):
         compose_eval_config(["recipe=llama31_8b_128k"])
+    for group in ("data=prepared", "data=jsonl", "data=hub"):  # their required paths (???) are not needed
+        cfg = compose_eval_config([group, "model.path=/x"])
+        assert cfg.data.prepared_path is None and cfg.data.inputs == []
 
 
 def test_default_lengths_follow_the_task_and_the_layout():
