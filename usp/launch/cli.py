@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="usp-launch",
         usage="usp-launch {local,torchrun,slurm} [options] [hydra overrides...] [--dry-run]",
-        description="Print, run or submit the command that starts usp.train with the given Hydra overrides.",
+        description="Print, run or submit the command that starts usp.train (or usp.eval: --entry eval) with the "
+        "given Hydra overrides.",
         epilog="Example: usp-launch torchrun --cpu --nproc-per-node 4 recipe=tiny --dry-run",
         allow_abbrev=False,
     )
