@@ -349,3 +349,21 @@ def test_auto_degrees_keeps_what_the_user_fixed():
     f32 = auto_degrees(TINY, seq_len=256, world_size=4, node_size=2, gpu="cpu", compute_bytes=4,
                        ring_layout="contiguous", ulysses_degree=1)  # fmt: skip
     assert f32["ulysses_degree"] == 1 and f32["ring_degree"] * f32["dp_degree"] == 4
+
+
+def test_auto_degrees_with_states_on_the_host_and_little_host_memory():
+    cfg = load_model_spec("llama-3.1-8b")
+    hf = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "intermediate_size": 14336, "vocab_size": 128256}  # fmt: skip
+    assert cfg.num_params == load_model_spec(hf).num_params
+    # one H100, 256K tokens: 128 GB of fp32 states do not fit on the device; on the host (optim.name=
+    # deepspeed_cpu_adam) they do, with the layer inputs offloaded and the MLPs/norms tiled when asked
+    with pytest.raises(ValueError, match="no layout"):
+        auto_degrees(hf, seq_len=2**18, world_size=1, node_size=1, gpu="h100-80g", mlp_tiles="auto")
+    out = auto_degrees(hf, seq_len=2**18, world_size=1, node_size=1, gpu="h100-80g", mlp_tiles="auto",
+                       cpu_offload=True)  # fmt: skip
+    assert out["activation_checkpointing"] == "offload" and out["mlp_tiles"] > 1
+    # with 32 GiB of host RAM the 128 GB of states do not fit on the host either
+    with pytest.raises(ValueError, match="no layout"):
+        auto_degrees(hf, seq_len=2**18, world_size=1, node_size=1, gpu="h100-80g", mlp_tiles="auto",
+                     cpu_offload=True, host_mem_gib=32)  # fmt: skip
