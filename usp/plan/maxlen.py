@@ -138,11 +138,18 @@ def max_seq_lens(
         fsdp_modes = ("full_shard", "hybrid_shard") if nodes > 1 else ("full_shard",)
     acs = [(m, k) for m, k in AC_CANDIDATES if ac_modes is None or m in ac_modes]
     most_tiles = MLP_TILE_CANDIDATES[-1] if mlp_tiles is None else mlp_tiles
+    for name, value in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
+        if value is not None and (value < 1 or world_size % value):
+            raise ValueError(f"--{name.replace('_', '-')}={value} must divide the world size {world_size}.")
     out: list[MaxSeqLenEstimate] = []
+    rejected: list[str] = []
+    pairs = 0
     for U in _divisors(world_size) if ulysses_degree is None else [ulysses_degree]:
         for R in _divisors(world_size // U) if ring_degree is None else [ring_degree]:
-            dims, _ = split_layout(model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node)
+            pairs += 1
+            dims, why = split_layout(model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node)
             if dims is None:
+                rejected.append(f"ulysses={U} ring={R}: {why}")
                 continue
             g = math.lcm(sequence_multiple(R, U, ring_layout), U * R * most_tiles, seq_multiple)
             for fsdp_mode in fsdp_modes:
@@ -170,6 +177,8 @@ def max_seq_lens(
                             tiles = next(t for t in (1, *MLP_TILE_CANDIDATES) if fits(seq, t, chunk))
                         est = evaluate_layout(model, device, seq_len=seq, mlp_tiles=tiles, loss_chunk_size=chunk, **kw)
                         out.append(MaxSeqLenEstimate(seq, g, est, chunk))
+    if rejected and len(rejected) == pairs:
+        raise ValueError("every (ulysses, ring) pair was rejected: " + "; ".join(rejected[:8]))
     if not out:
         raise ValueError(
             f"no layout of {model.name} fits {world_size} x {device.name} ({device.memory_gib:g} GiB each) even "
