@@ -180,6 +180,8 @@ def test_bad_input(capsys):
     assert "--mlp-tiles='0' is invalid" in capsys.readouterr().err
     assert main(["--model", "llama-3.1-8b", "--max-seq-len", "--host-mem-gib", "-1"]) == 2
     assert "--host-mem-gib=-1.0 must be > 0" in capsys.readouterr().err
+    assert main(["--model", "llama-3.1-8b", "--max-seq-len", "--headroom-gib", "-2"]) == 2
+    assert "--headroom-gib=-2.0 must be >= 0" in capsys.readouterr().err
     assert main(["--model", "llama-3.1-8b", "--max-seq-len", "--ulysses-degree", "3"]) == 2
     assert "--ulysses-degree=3 must divide the world size 8" in capsys.readouterr().err
     assert main(["--model", "llama-3.1-8b", "--max-seq-len", "--nodes", "2", "--ulysses-degree", "16"]) == 2

@@ -294,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "give --seq-len N (rank the layouts at that length; --inference needs it) or --max-seq-len "
                 "(find the longest length that fits), not both."
             )
+        if args.headroom_gib is not None and args.headroom_gib < 0:
+            raise ValueError(f"--headroom-gib={args.headroom_gib} must be >= 0 (GiB of device memory left free).")
         tiles = None if args.mlp_tiles == "auto" else int(args.mlp_tiles) if args.mlp_tiles.isdigit() else -1
         if tiles is not None and tiles < 1:
             raise ValueError(f"--mlp-tiles={args.mlp_tiles!r} is invalid: use an integer >= 1 or auto.")
