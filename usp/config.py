@@ -9,7 +9,7 @@ Stable public override keys: ``recipe=NAME``, ``parallel.ulysses_degree``, ``par
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 # Valid values of the string-enum fields (checked once, by ``validate_choices``).
 DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float16")
@@ -22,7 +22,11 @@ ATTENTION_BACKENDS: tuple[str, ...] = (
     "cpu_flash",
     "math",
 )
-RING_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
+RingLayout = Literal["zigzag", "contiguous", "balanced"]
+"""How ring ranks share a sequence (the one list: the mesh, the sharding, the planner import it from here):
+``zigzag`` chunks ``r`` and ``2R-1-r`` (balanced causal work over one sequence), ``contiguous`` chunk ``r``,
+``balanced`` placed from the packed row's document boundaries (zigzag without them)."""
+RING_LAYOUTS: tuple[str, ...] = get_args(RingLayout)
 FSDP_MODES: tuple[str, ...] = ("full_shard", "hybrid_shard")
 AC_MODES: tuple[str, ...] = ("none", "full", "every_k")
 REDUCE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
@@ -88,7 +92,9 @@ class ParallelConfig:
     dp_degree: int = -1
     """Data-parallel degree; -1 = the remaining ranks."""
     ring_layout: str = "zigzag"
-    """``zigzag`` (balanced causal work) or ``contiguous``."""
+    """``zigzag`` (balanced causal work over one sequence), ``contiguous``, or ``balanced`` (placed from each
+    packed row's document boundaries so every ring rank does the same attention work; zigzag without
+    document masking). See docs/attention.md."""
     node_size: int | None = None
     """Ranks per node; default: the launcher's LOCAL_WORLD_SIZE."""
     allow_cross_node_ulysses: bool = False

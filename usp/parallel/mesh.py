@@ -20,14 +20,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-RingLayout = Literal["zigzag", "contiguous"]
-RING_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
+from usp.config import RING_LAYOUTS, RingLayout
+
 MESH_AXES: tuple[str, str, str] = ("dp", "ring", "ulysses")
 
 
@@ -229,7 +229,8 @@ class SPMesh:
         return self.submesh("fsdp")
 
     def sequence_multiple(self) -> int:
-        """Global sequence lengths must be a multiple of this (2*ring*ulysses for zigzag, ring*ulysses else)."""
+        """Global sequence lengths must be a multiple of this (2*ring*ulysses for zigzag and balanced,
+        ring*ulysses for contiguous)."""
         return sequence_multiple(self.ring_degree, self.ulysses_degree, self.ring_layout)
 
     def describe(self) -> dict[str, object]:
@@ -246,7 +247,7 @@ class SPMesh:
 def sequence_multiple(ring_degree: int, ulysses_degree: int, ring_layout: str) -> int:
     if ring_layout not in RING_LAYOUTS:
         raise ValueError(f"ring_layout={ring_layout!r} is invalid; choose one of {RING_LAYOUTS}.")
-    return (2 if ring_layout == "zigzag" else 1) * ring_degree * ulysses_degree
+    return (1 if ring_layout == "contiguous" else 2) * ring_degree * ulysses_degree
 
 
 def group_options_with_timeout(timeout: timedelta | None) -> Any:

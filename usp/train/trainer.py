@@ -397,7 +397,13 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     from usp.data import build_dataloaders
     from usp.train.checkpoint import load_checkpoint, save_checkpoint
     from usp.train.export import export_hf
-    from usp.train.metrics import MetricsLogger, count_dense_params, peak_flops_per_device, training_flops
+    from usp.train.metrics import (
+        MetricsLogger,
+        attention_work_imbalance,
+        count_dense_params,
+        peak_flops_per_device,
+        training_flops,
+    )
 
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(cfg.run_dir)
@@ -497,7 +503,13 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             if mesh.dp_degree > 1:  # each replica counted its own documents
                 dist.all_reduce(flops, group=mesh.dp_group)
             done = step + 1
-            extra: dict[str, Any] = {"num_targets": res.num_targets}
+            imbalance = torch.tensor(  # the slowest replica's attention work max/mean over its ring ranks
+                attention_work_imbalance(res.document_lengths, mesh.ring_degree, mesh.ring_layout),
+                dtype=torch.float64, device=device,
+            )  # fmt: skip
+            if mesh.dp_degree > 1:
+                dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=mesh.dp_group)
+            extra: dict[str, Any] = {"num_targets": res.num_targets, "attn_work_imbalance": float(imbalance)}
             if cfg.trainer.eval_every and val_loader is not None and done % cfg.trainer.eval_every == 0:
                 val_losses[done] = extra["val_loss"] = evaluate(loss_model, val_loader, mesh, device)
             if done % cfg.logging.log_every == 0 or done == cfg.trainer.max_steps:
