@@ -6,17 +6,25 @@ kernels: the blocks its ring rank computes (forward and backward, from the same 
 on random tensors of the right shapes, serially and measured as thread CPU time (wall time after a device
 sync on CUDA). ``max`` over ranks is the attention time of the slowest rank, what sets the step time once
 communication is hidden; ``max / mean`` is the imbalance a layout leaves.
+
+``python -m usp.bench.balance --seq 16384 --ring 4,8 --doc-lengths lognormal:mean=2048`` runs every ring
+rank of each layout one after another in this process (one thread) and prints the slowest rank's time.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
+from collections.abc import Sequence
 
 import torch
 
 from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
-from usp.attention.kernels import attention_backward, attention_forward, default_scale
+from usp.attention.kernels import attention_backward, attention_forward, default_scale, resolve_backend
 from usp.attention.ulysses import kv_replication
+from usp.data.doc_lengths import DocLengths, boundaries, parse_doc_lengths
+from usp.parallel import ring_rank_pairs
 
 
 def rank_attention_ms(
@@ -74,3 +82,95 @@ def rank_attention_ms(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (clock() - start) / iters * 1e3
+
+
+def measure_layouts(
+    *,
+    seq_len: int,
+    ring_degree: int,
+    ulysses_degree: int,
+    layouts: list[str],
+    spec: DocLengths,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    iters: int,
+    row: int = 0,
+) -> list[dict]:
+    """Every ring rank's attention kernel time, one after another in this process, for each layout.
+
+    Returns one record per layout: exact pairs per rank (max / mean), each rank's ms, the slowest rank's ms.
+    """
+    lengths = spec.row(seq_len, row)
+    cu = torch.from_numpy(boundaries(lengths))
+    device = torch.device("cpu")
+    backend = resolve_backend("auto", device, torch.float32)
+    records = []
+    for layout in layouts:
+        pairs = ring_rank_pairs(seq_len, ring_degree, layout, cu)
+        ms = [
+            rank_attention_ms(
+                seq_len=seq_len, ring_degree=ring_degree, ulysses_degree=ulysses_degree, ring_rank=r,
+                layout=layout, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                dtype=torch.float32, causal=True, cu_seqlens=cu, backend=backend, device=device, iters=iters,
+            )  # fmt: skip
+            for r in range(ring_degree)
+        ]
+        records.append(
+            {
+                "doc_lengths": spec.text,
+                "num_docs": len(lengths),
+                "seq_len": seq_len,
+                "ring": ring_degree,
+                "ulysses": ulysses_degree,
+                "layout": layout,
+                "pairs_per_rank": pairs,
+                "pairs_max_over_mean": max(pairs) / (sum(pairs) / len(pairs)),
+                "rank_attn_ms": ms,
+                "slowest_rank_attn_ms": max(ms),
+                "rank_attn_max_over_mean": max(ms) / (sum(ms) / len(ms)),
+            }
+        )
+    return records
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    """``python -m usp.bench.balance``: per-rank attention time of each layout on document mixtures (CPU)."""
+    p = argparse.ArgumentParser(prog="python -m usp.bench.balance", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=16384)
+    p.add_argument("--ring", default="4,8", help="ring degrees, comma-separated")
+    p.add_argument("--ulysses", default="1", help="ulysses degrees, comma-separated (heads are divided)")
+    p.add_argument("--layouts", default="zigzag,contiguous,balanced")
+    p.add_argument("--doc-lengths", action="append", required=True, metavar="SPEC")
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    specs = [parse_doc_lengths(s) for s in args.doc_lengths]
+    records = []
+    for spec in specs:
+        for r in (int(x) for x in args.ring.split(",")):
+            for u in (int(x) for x in args.ulysses.split(",")):
+                found = measure_layouts(
+                    seq_len=args.seq, ring_degree=r, ulysses_degree=u, layouts=args.layouts.split(","), spec=spec,
+                    num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, iters=args.iters,
+                )  # fmt: skip
+                for rec in found:
+                    print(
+                        f"{rec['doc_lengths']:<40} docs={rec['num_docs']:<4} R={r} U={u} {rec['layout']:<10} "
+                        f"pairs max/mean {rec['pairs_max_over_mean']:.3f}  slowest rank {rec['slowest_rank_attn_ms']:.1f} ms"
+                        f"  ms max/mean {rec['rank_attn_max_over_mean']:.3f}",
+                        flush=True,
+                    )
+                records += found
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": "cpu", "threads": 1, "torch": torch.__version__, "results": records}, f, indent=2)
+    return records
+
+
+if __name__ == "__main__":
+    main()
