@@ -25,6 +25,7 @@ from usp.attention.kernels import attention_backward, attention_forward, default
 from usp.attention.ulysses import kv_replication
 from usp.data.doc_lengths import DocLengths, boundaries, parse_doc_lengths
 from usp.parallel import ring_rank_pairs
+from usp.parallel.balance import balanced_placement, pieces_to_positions
 
 
 def rank_attention_ms(
@@ -134,6 +135,30 @@ def measure_layouts(
     return records
 
 
+def placement_cost(seq_len: int, ring_degree: int, spec: DocLengths, repeats: int = 200) -> dict:
+    """Host time of the balanced placement of one row (no cache): the cut points and every rank's pieces, and
+    the positions of one rank's part (what ``shard_sequence`` indexes with). Min and median over ``repeats``."""
+    cu = boundaries(spec.row(seq_len))
+
+    def timed(fn) -> tuple[float, float]:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        times.sort()
+        return times[0], times[len(times) // 2]
+
+    place = timed(lambda: balanced_placement(seq_len, ring_degree, cu))
+    pieces = balanced_placement(seq_len, ring_degree, cu)
+    index = timed(lambda: pieces_to_positions(pieces[0]))
+    return {
+        "doc_lengths": spec.text, "seq_len": seq_len, "ring": ring_degree, "num_docs": len(cu) - 1,
+        "placement_ms_min": place[0], "placement_ms_median": place[1],
+        "rank_positions_ms_min": index[0], "rank_positions_ms_median": index[1],
+    }  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     """``python -m usp.bench.balance``: per-rank attention time of each layout on document mixtures (CPU)."""
     p = argparse.ArgumentParser(prog="python -m usp.bench.balance", description=__doc__.split("\n\n")[0])
@@ -146,11 +171,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--placement", action="store_true", help="only time the host-side balanced placement")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     specs = [parse_doc_lengths(s) for s in args.doc_lengths]
     records = []
+    if args.placement:
+        for spec in specs:
+            for r in (int(x) for x in args.ring.split(",")):
+                rec = placement_cost(args.seq, r, spec)
+                print(
+                    f"{spec.text:<40} S={args.seq} R={r} docs={rec['num_docs']}: placement "
+                    f"{rec['placement_ms_min']:.3f} ms min / {rec['placement_ms_median']:.3f} median, one rank's "
+                    f"positions {rec['rank_positions_ms_min']:.3f} ms min",
+                    flush=True,
+                )
+                records.append(rec)
+        return records
     for spec in specs:
         for r in (int(x) for x in args.ring.split(",")):
             for u in (int(x) for x in args.ulysses.split(",")):

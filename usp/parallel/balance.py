@@ -139,7 +139,7 @@ def balanced_cuts(
     part = seq_len // ring_degree
     work = lengths * (lengths + 1) // 2
     total = int(work.sum())
-    by_length = np.argsort(lengths, kind="stable")
+    by_length = np.argsort(lengths)
     is_light = (lengths[by_length] + 1) * seq_len < 2 * total
     light, heavy = by_length[is_light], by_length[~is_light][::-1]  # shortest first / longest first
     mean = total / seq_len
@@ -154,7 +154,7 @@ def balanced_cuts(
     # vertices of the path (L, H) along which the two excesses are equal, ordered by tokens L + H
     lv = np.concatenate([x_light, _inverse(e_heavy, e_light, x_light)])
     hv = np.concatenate([_inverse(e_light, e_heavy, x_heavy), x_heavy])
-    order = np.argsort(lv + hv, kind="stable")  # the path rises in both L and H: tokens order it
+    order = np.argsort(lv + hv)  # the path rises in both L and H: tokens order it
     lv, hv = np.maximum.accumulate(lv[order]), np.maximum.accumulate(hv[order])
     tokens = lv + hv
     targets = part * np.arange(1, ring_degree, dtype=np.float64)
@@ -171,7 +171,9 @@ def balanced_cuts(
     return light, heavy, cuts_light, cuts_heavy
 
 
-def _balanced_pieces(seq_len: int, ring_degree: int, cu: np.ndarray) -> list[np.ndarray]:
+def balanced_placement(seq_len: int, ring_degree: int, cu: np.ndarray) -> list[np.ndarray]:
+    """Per ring rank, the pieces ``[n_r, 2]`` of the ``balanced`` layout for boundaries ``cu`` (int64, valid);
+    uncached (:func:`ring_pieces` caches)."""
     starts, lengths = cu[:-1], np.diff(cu)
     keep = lengths > 0
     starts, lengths = starts[keep], lengths[keep]
@@ -189,7 +191,7 @@ def _balanced_pieces(seq_len: int, ring_degree: int, cu: np.ndarray) -> list[np.
 @lru_cache(maxsize=8)
 def _balanced_cached(seq_len: int, ring_degree: int, cu_bytes: bytes) -> tuple[np.ndarray, ...]:
     cu = np.frombuffer(cu_bytes, dtype=np.int64)
-    return tuple(_balanced_pieces(seq_len, ring_degree, cu))
+    return tuple(balanced_placement(seq_len, ring_degree, cu))
 
 
 def ring_pieces(
