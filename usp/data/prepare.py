@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 from datasets import Dataset, IterableDataset
 
+from usp.config import RING_LAYOUTS
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
 from usp.data.sources import check_inputs, is_prepared_dataset, load_text_sources
 from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, load_tokenizer, tokenize_documents
@@ -365,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument("--ulysses-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument(
-        "--ring-layout", default="zigzag", choices=["zigzag", "contiguous"], help="(for the check)"
+        "--ring-layout", default="balanced", choices=list(RING_LAYOUTS), help="(for the check)"
     )
     return p
 

@@ -92,7 +92,7 @@ def build_plan_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ulysses-degree", type=int, default=None, help="fix the Ulysses degree")
     p.add_argument("--ring-degree", type=int, default=None, help="fix the ring degree")
-    p.add_argument("--ring-layout", default="zigzag", choices=list(RING_LAYOUTS))
+    p.add_argument("--ring-layout", default="balanced", choices=list(RING_LAYOUTS))
     p.add_argument(
         "--doc-lengths",
         default=None,
