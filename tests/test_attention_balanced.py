@@ -19,6 +19,7 @@ import torch
 
 from tests.mesh_cache import cached_sp_mesh
 from tests.test_attention_usp import factorizations, reference_results, run_usp_cases
+from tests.tolerance import assert_close_scaled
 from usp.attention import usp_attention
 from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
 from usp.attention.cost import ring_work
@@ -179,10 +180,7 @@ def check_scaled(pool, cases: list[dict]) -> None:
         assert reports
         for results in reports:
             for what, a, b in zip(("out", "dq", "dk", "dv"), results, ref):
-                tol = 5e-5 * max(float(b.abs().max()), 1e-6)
-                torch.testing.assert_close(
-                    a.double(), b, atol=tol, rtol=5e-5, msg=lambda m, w=what, c=case: f"{w} {c}: {m}"
-                )
+                assert_close_scaled(a.double(), b, 5e-5, msg=f"{what} {case}")
 
 
 @pytest.mark.parametrize("world", [2, 4])

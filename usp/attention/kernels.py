@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-from typing import Literal
 
 import torch
 
@@ -37,18 +36,10 @@ from usp.attention.segmented import (
     segmentwise_forward,
     uncovered_rows,
 )
+from usp.modes import ATTENTION_BACKENDS, CUDA_BACKENDS, AttentionBackend
 
-Backend = Literal["auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "cpu_flash", "math"]
-BACKENDS: tuple[str, ...] = (
-    "auto",
-    "flash_attn",
-    "sdpa_flash",
-    "sdpa_efficient",
-    "sdpa_cudnn",
-    "cpu_flash",
-    "math",
-)
-CUDA_BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+Backend = AttentionBackend
+BACKENDS: tuple[str, ...] = ATTENTION_BACKENDS
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 
-from usp.config import RING_LAYOUTS
+from usp.modes import RING_LAYOUTS
 from usp.plan.calibrate import Calibration, calibrate, format_report, read_bench_json, read_training_run
 from usp.plan.compute import DocumentWork
 from usp.plan.hardware import GPUS, DeviceSpec, get_device

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from usp.config import TrainConfig, validate_choices, validate_layout
+from usp.config_keys import check_composed_keys, check_override_keys
 
 CONF_DIR: Path = Path(__file__).resolve().parents[2] / "conf"
 """The config groups (a source checkout; ``conf/recipe`` links to the top-level ``recipes/``)."""
@@ -78,15 +79,22 @@ def check_conf_dir() -> None:
         )
 
 
+def config_groups() -> list[str]:
+    """The config-group names under ``conf/`` (``recipe``, ``model``, ...): ``group=option`` overrides."""
+    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
+
+
 def to_train_config(cfg: DictConfig, *, run_dir: str | None = None) -> TrainConfig:
     """The composed DictConfig -> a validated :class:`TrainConfig` (the one conversion of a run).
 
     ``run_dir`` (absolute) is set first, so ``${run_dir}`` interpolations in the groups resolve to it.
-    Raises ``ValueError`` naming the setting and the valid values for a bad enum field or a missing path.
+    Raises ``ValueError`` naming the setting and the valid values for a bad enum field or a missing path, and
+    for a key the schema does not have (``+trainer.gradient_accumulation_steps=4``), naming the real key.
     """
     cfg = cfg.copy()
     if run_dir is not None:
         cfg.run_dir = str(Path(run_dir).resolve())
+    check_composed_keys(cfg, TrainConfig)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ValueError(
@@ -113,18 +121,12 @@ def compose_config(overrides: Sequence[str] = (), *, run_dir: str | None = None)
 
     check_conf_dir()
     register_configs()
+    check_override_keys(overrides, TrainConfig, config_groups())
     if GlobalHydra.instance().is_initialized():  # e.g. called from inside a running Hydra app
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=VERSION_BASE, job_name="usp"):
         cfg = compose(config_name=CONFIG_NAME, overrides=list(overrides))
     return to_train_config(cfg, run_dir=run_dir)
-
-
-def launched_world(env: Mapping[str, str] | None = None) -> tuple[int, int | None]:
-    """``(WORLD_SIZE, LOCAL_WORLD_SIZE)`` as the launcher set them; ``(1, None)`` without a launcher."""
-    env = os.environ if env is None else env
-    local = env.get("LOCAL_WORLD_SIZE")
-    return int(env.get("WORLD_SIZE", "1")), (int(local) if local else None)
 
 
 def _task(dcfg: DictConfig) -> None:
@@ -133,6 +135,8 @@ def _task(dcfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = to_train_config(dcfg, run_dir=HydraConfig.get().runtime.output_dir)
+        from usp.parallel.mesh import launched_world  # lazy: torch is not needed to compose a config
+
         world_size, local_world_size = launched_world()
         validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
     except ValueError as err:
@@ -157,6 +161,12 @@ def main() -> None:
 
     check_conf_dir()
     register_configs()
+    try:
+        check_override_keys(sys.argv[1:], TrainConfig, config_groups())
+    except ValueError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"usp-train: error: {err}", file=sys.stderr)
+        sys.exit(2)
     sys.argv.extend(_rank_overrides(int(os.environ.get("RANK", "0"))))
     app = hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=CONFIG_NAME)(_task)
     app()
