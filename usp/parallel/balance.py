@@ -152,10 +152,14 @@ def balanced_cuts(
     e_light, x_light = knots(light, 1.0)
     e_heavy, x_heavy = knots(heavy, -1.0)
     # vertices of the path (L, H) along which the two excesses are equal, ordered by tokens L + H
-    lv = np.concatenate([x_light, _inverse(e_heavy, e_light, x_light)])
-    hv = np.concatenate([_inverse(e_light, e_heavy, x_heavy), x_heavy])
-    order = np.argsort(lv + hv)  # the path rises in both L and H: tokens order it
-    lv, hv = np.maximum.accumulate(lv[order]), np.maximum.accumulate(hv[order])
+    # both knot lists are sorted by excess: merge them (no sort), the path rises in both L and H along it
+    at_light = np.searchsorted(e_heavy, e_light, side="left") + np.arange(len(e_light))
+    at_heavy = np.searchsorted(e_light, e_heavy, side="right") + np.arange(len(e_heavy))
+    lv = np.empty(len(e_light) + len(e_heavy))
+    hv = np.empty_like(lv)
+    lv[at_light], hv[at_light] = x_light, _inverse(e_light, e_heavy, x_heavy)
+    lv[at_heavy], hv[at_heavy] = _inverse(e_heavy, e_light, x_light), x_heavy
+    lv, hv = np.maximum.accumulate(lv), np.maximum.accumulate(hv)
     tokens = lv + hv
     targets = part * np.arange(1, ring_degree, dtype=np.float64)
     cut_l = np.rint(np.interp(targets, tokens, lv)).astype(np.int64)
