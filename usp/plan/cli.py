@@ -194,12 +194,19 @@ def format_inference(
     return "\n".join(rows)
 
 
-def format_documents(documents: DocumentWork, ring_degree: int) -> str:
-    """The packed-document attention terms: pairs vs one sequence, busiest ring rank per layout."""
-    per_layout = ", ".join(f"{lay} {documents.imbalance(ring_degree, lay):.2f}" for lay in RING_LAYOUTS)
+def format_documents(documents: DocumentWork, best: LayoutEstimate, ring_layout: str) -> str:
+    """The packed-document attention terms: pairs vs one sequence, and per ring layout the busiest ring rank's
+    share and the attention seconds per step it predicts for the best layout (which layout to choose)."""
+    r = best.ring_degree
+    attention = best.time_s["attention_s"] / documents.imbalance(r, ring_layout)  # per unit of share
+    per_layout = ", ".join(
+        f"{lay} {documents.imbalance(r, lay):.2f} ({attention * documents.imbalance(r, lay):.3g} s)"
+        for lay in RING_LAYOUTS
+    )
     return (
         f"documents {documents.spec}: attention pairs {documents.pair_fraction:.3f} x one causal sequence "
-        f"(mean of {len(documents.rows)} rows); busiest ring rank's work / mean at ring {ring_degree}: {per_layout}"
+        f"(mean of {len(documents.rows)} rows); busiest ring rank's work / mean at ring {r} (attention s/step "
+        f"of the best layout): {per_layout}"
     )
 
 
@@ -269,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(format_table(model, device, args.seq_len, world, layouts, args.top))
             if documents is not None:
-                print(format_documents(documents, layouts[0].ring_degree))
+                print(format_documents(documents, layouts[0], args.ring_layout))
         return 0
     except ValueError as e:
         print(f"usp-plan: error: {e}", file=sys.stderr)
