@@ -53,25 +53,29 @@ def single(dist_pools, setup) -> dict:
     return dist_pools(1).run(train_worker, config(setup, "world1"))[0]
 
 
+@pytest.fixture(scope="module")
+def balanced(dist_pools, setup) -> dict:
+    cfg = config(setup, "u1r4-balanced", ulysses_degree=1, ring_degree=4, ring_layout="balanced")
+    out = dist_pools(4).run(train_worker, cfg)[0]
+    return {**out, "imbalance": imbalance_records(cfg.run_dir)}
+
+
 def check_same_losses(got: dict, ref: dict) -> None:
     losses, want = torch.tensor(got["losses"], dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64)
     assert len(losses) == STEPS
     torch.testing.assert_close(losses, want, rtol=1e-5, atol=0)
 
 
-def test_balanced_trains_like_one_process(dist_pools, setup, single):
-    cfg = config(setup, "u1r4-balanced", ulysses_degree=1, ring_degree=4, ring_layout="balanced")
-    got = dist_pools(4).run(train_worker, cfg)[0]
-    check_same_losses(got, single)
-    assert all(1.0 <= x < 5.0 for x in imbalance_records(cfg.run_dir))
+def test_balanced_trains_like_one_process(setup, single, balanced):
+    check_same_losses(balanced, single)
+    assert all(1.0 <= x < 5.0 for x in balanced["imbalance"])
     assert imbalance_records(f"{setup['root']}/world1") == [1.0] * STEPS  # no ring: nothing to balance
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ulysses, ring, layout", [(1, 4, "zigzag"), (2, 2, "balanced")])
-def test_other_layouts_train_the_same_losses(dist_pools, setup, single, ulysses, ring, layout):
+def test_other_layouts_train_the_same_losses(dist_pools, setup, single, balanced, ulysses, ring, layout):
     cfg = config(setup, f"u{ulysses}r{ring}-{layout}", ulysses_degree=ulysses, ring_degree=ring, ring_layout=layout)
     check_same_losses(dist_pools(4).run(train_worker, cfg)[0], single)
     if layout == "zigzag":  # same rows, same order: balanced never does worse than zigzag
-        balanced = imbalance_records(f"{setup['root']}/u1r4-balanced")
-        assert all(b <= z + 1e-9 for b, z in zip(balanced, imbalance_records(cfg.run_dir)))
+        assert all(b <= z + 1e-9 for b, z in zip(balanced["imbalance"], imbalance_records(cfg.run_dir)))
