@@ -84,21 +84,26 @@ def _inverse(e: np.ndarray, knots_e: np.ndarray, knots_x: np.ndarray) -> np.ndar
 
 
 def _stream_pieces(
-    starts: np.ndarray, lengths: np.ndarray, cuts: np.ndarray
+    starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, cuts: np.ndarray, split: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pieces (rank, start, end: int64 arrays) of a stream of documents (in stream order) cut at ``cuts``.
+    """Pieces (rank, start, end: int64 arrays) of the ``split`` documents of a stream (documents ``order``, in
+    stream order) cut at ``cuts`` (``R + 1`` stream offsets, ``0 .. total``, delimiting each rank's slice).
 
-    ``cuts`` (``R + 1`` stream offsets, ``0 .. total``) delimit each rank's slice; a slice ``[a, b)`` of a
-    document (document-relative stream offsets) is its head ``[ceil(a/2), ceil(b/2))`` and tail
-    ``[d - floor(b/2), d - floor(a/2))``, one piece when they touch (a whole document, the innermost slice).
+    A slice ``[a, b)`` of a document (document-relative stream offsets) is its head ``[ceil(a/2), ceil(b/2))``
+    and tail ``[d - floor(b/2), d - floor(a/2))``, one piece when they touch (the innermost slice).
     """
-    prefix = np.concatenate([[0], np.cumsum(lengths)])
-    bounds = np.insert(prefix, np.searchsorted(prefix, cuts), cuts)  # both sorted: a merge, no sort
-    bounds = bounds[np.concatenate([[True], bounds[1:] != bounds[:-1]])]
+    prefix = np.concatenate([[0], np.cumsum(lengths[order])])
+    cut_docs = np.flatnonzero(split[order])  # stream positions of the documents a cut falls inside
+    lo_doc, hi_doc = prefix[cut_docs], prefix[cut_docs + 1]
+    inner = cuts[(cuts > lo_doc.min()) & (cuts < hi_doc.max())]
+    bounds = np.union1d(np.concatenate([lo_doc, hi_doc]), inner)
     lo, hi = bounds[:-1], bounds[1:]
-    doc = np.searchsorted(prefix, lo, side="right") - 1
+    at = np.searchsorted(prefix, lo, side="right") - 1
+    keep = split[order][at]  # slices of the cut documents only (not the whole ones in between)
+    lo, hi, at = lo[keep], hi[keep], at[keep]
     rank = np.searchsorted(cuts, lo, side="right") - 1
-    a, b = lo - prefix[doc], hi - prefix[doc]
+    doc = order[at]
+    a, b = lo - prefix[at], hi - prefix[at]
     d, s = lengths[doc], starts[doc]
     h0, h1 = s + (a + 1) // 2, s + (b + 1) // 2
     t0, t1 = s + d - b // 2, s + d - a // 2
@@ -111,13 +116,21 @@ def _stream_pieces(
     )
 
 
-def _merge(
-    rank: np.ndarray, start: np.ndarray, end: np.ndarray, ring_degree: int, seq_len: int
-) -> list[np.ndarray]:
-    """Per rank, its pieces sorted by start, empty ones dropped, adjacent ones merged: ``[n_r, 2]`` each."""
-    keep = end > start
-    rank, start, end = rank[keep], start[keep], end[keep]
-    order = np.argsort(rank * (seq_len + 1) + start)
+def _doc_ranks(lengths: np.ndarray, order: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For a stream (documents ``order``, in stream order) cut at ``cuts``: each document's rank (the one holding
+    its first token) and whether a cut falls inside it, both indexed by document (scattered back)."""
+    prefix = np.cumsum(lengths[order])
+    first = np.searchsorted(cuts, prefix - lengths[order], side="right") - 1
+    last = np.searchsorted(cuts, prefix - 1, side="right") - 1
+    rank = np.empty(len(lengths), dtype=np.int64)
+    split = np.zeros(len(lengths), dtype=bool)
+    rank[order], split[order] = first, last != first
+    return rank, split
+
+
+def _group(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ring_degree: int) -> list[np.ndarray]:
+    """Per rank, its pieces (given sorted by start), adjacent ones merged: ``[n_r, 2]`` each."""
+    order = np.argsort(rank.astype(np.int16), kind="stable")  # a radix sort: keeps the start order per rank
     rank, start, end = rank[order], start[order], end[order]
     new = np.ones(len(rank), dtype=bool)
     new[1:] = (rank[1:] != rank[:-1]) | (start[1:] != end[:-1])
@@ -184,9 +197,24 @@ def balanced_placement(seq_len: int, ring_degree: int, cu: np.ndarray) -> list[n
     if lengths.size <= 1:
         return _zigzag_pieces(seq_len, ring_degree)
     light, heavy, cuts_light, cuts_heavy = balanced_cuts(lengths, ring_degree)
-    lp = _stream_pieces(starts[light], lengths[light], cuts_light)
-    hp = _stream_pieces(starts[heavy], lengths[heavy], cuts_heavy)
-    out = _merge(*(np.concatenate([x, y]) for x, y in zip(lp, hp)), ring_degree, seq_len)
+    # most documents sit whole on one rank: those are kept in position order without any sort; only the few
+    # a cut falls inside (at most two per rank boundary, plus long documents spread over ranks) are sliced
+    rank = np.empty(len(lengths), dtype=np.int64)
+    split = np.empty(len(lengths), dtype=bool)
+    for order, cuts in ((light, cuts_light), (heavy, cuts_heavy)):
+        r, sp = _doc_ranks(lengths, order, cuts)
+        rank[order], split[order] = r[order], sp[order]
+    whole = ~split
+    pieces = [(rank[whole], starts[whole], starts[whole] + lengths[whole])]
+    for order, cuts in ((light, cuts_light), (heavy, cuts_heavy)):
+        if split[order].any():
+            pieces.append(_stream_pieces(starts, lengths, order, cuts, split))
+    r, a, b = (np.concatenate(x) for x in zip(*pieces))
+    if len(pieces) > 1:
+        nonempty = b > a
+        r, a, b = r[nonempty], a[nonempty], b[nonempty]
+    by_start = np.argsort(a, kind="stable") if len(pieces) > 1 else slice(None)
+    out = _group(r[by_start], a[by_start], b[by_start], ring_degree)
     part = seq_len // ring_degree
     assert all(int((p[:, 1] - p[:, 0]).sum()) == part for p in out), "every ring rank holds S / R tokens"
     return out
