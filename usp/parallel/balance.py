@@ -94,6 +94,9 @@ def _stream_pieces(
     """
     prefix = np.concatenate([[0], np.cumsum(lengths[order])])
     cut_docs = np.flatnonzero(split[order])  # stream positions of the documents a cut falls inside
+    if cut_docs.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
     lo_doc, hi_doc = prefix[cut_docs], prefix[cut_docs + 1]
     inner = cuts[(cuts > lo_doc.min()) & (cuts < hi_doc.max())]
     bounds = np.union1d(np.concatenate([lo_doc, hi_doc]), inner)
@@ -164,8 +167,8 @@ def balanced_cuts(
 
     e_light, x_light = knots(light, 1.0)
     e_heavy, x_heavy = knots(heavy, -1.0)
-    # vertices of the path (L, H) along which the two excesses are equal, ordered by tokens L + H
-    # both knot lists are sorted by excess: merge them (no sort), the path rises in both L and H along it
+    # vertices of the path (L, H) along which the two excesses are equal: both knot lists are sorted by excess,
+    # so merging them (no sort) orders the vertices along the path, which rises in both L and H
     at_light = np.searchsorted(e_heavy, e_light, side="left") + np.arange(len(e_light))
     at_heavy = np.searchsorted(e_light, e_heavy, side="right") + np.arange(len(e_heavy))
     lv = np.empty(len(e_light) + len(e_heavy))
@@ -205,16 +208,15 @@ def balanced_placement(seq_len: int, ring_degree: int, cu: np.ndarray) -> list[n
         r, sp = _doc_ranks(lengths, order, cuts)
         rank[order], split[order] = r[order], sp[order]
     whole = ~split
-    pieces = [(rank[whole], starts[whole], starts[whole] + lengths[whole])]
-    for order, cuts in ((light, cuts_light), (heavy, cuts_heavy)):
-        if split[order].any():
-            pieces.append(_stream_pieces(starts, lengths, order, cuts, split))
-    r, a, b = (np.concatenate(x) for x in zip(*pieces))
-    if len(pieces) > 1:
-        nonempty = b > a
-        r, a, b = r[nonempty], a[nonempty], b[nonempty]
-    by_start = np.argsort(a, kind="stable") if len(pieces) > 1 else slice(None)
-    out = _group(r[by_start], a[by_start], b[by_start], ring_degree)
+    r, a, b = rank[whole], starts[whole], starts[whole] + lengths[whole]  # in position order
+    cut = [_stream_pieces(starts, lengths, o, c, split) for o, c in ((light, cuts_light), (heavy, cuts_heavy))]
+    cr, ca, cb = (np.concatenate(x) for x in zip(*cut))
+    nonempty = cb > ca
+    cr, ca, cb = cr[nonempty], ca[nonempty], cb[nonempty]
+    few = np.argsort(ca)  # the cut documents' pieces: a few per rank boundary
+    at = np.searchsorted(a, ca[few])  # merged into the whole documents' position order
+    r, a, b = np.insert(r, at, cr[few]), np.insert(a, at, ca[few]), np.insert(b, at, cb[few])
+    out = _group(r, a, b, ring_degree)
     part = seq_len // ring_degree
     assert all(int((p[:, 1] - p[:, 0]).sum()) == part for p in out), "every ring rank holds S / R tokens"
     return out
