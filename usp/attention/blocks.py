@@ -26,7 +26,9 @@ keys form one full rectangle (checked), and the rectangles of successive documen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+import numpy as np
 import torch
 
 from usp.parallel import local_token_indices
@@ -120,6 +122,13 @@ def _document_block(
     )
 
 
+@lru_cache(maxsize=4)
+def _balanced_parts(seq_len: int, ring_degree: int, cu_bytes: bytes) -> tuple[torch.Tensor, ...]:
+    """Every ring rank's part positions under ``balanced`` (planning one rank's blocks needs all of them)."""
+    cu = torch.from_numpy(np.frombuffer(cu_bytes, dtype=np.int64).copy())
+    return tuple(part_positions(seq_len, ring_degree, r, "balanced", cu) for r in range(ring_degree))
+
+
 def _placed_block(
     q_pos: torch.Tensor, k_pos: torch.Tensor, cu_seqlens: torch.Tensor, diagonal: bool, causal: bool
 ) -> BlockSpec | None:
@@ -168,7 +177,7 @@ def plan_ring_blocks(
     part_len = seq_len // ring_degree
     cu = cu_seqlens.detach().to("cpu", torch.int64) if cu_seqlens is not None else None
     if layout == "balanced" and cu is not None and ring_degree > 1:
-        parts = [part_positions(seq_len, ring_degree, r, layout, cu) for r in range(ring_degree)]
+        parts = _balanced_parts(seq_len, ring_degree, cu.numpy().tobytes())
         return [
             _placed_block(parts[ring_rank], parts[(ring_rank - t) % ring_degree], cu, t == 0, causal)
             for t in range(ring_degree)
