@@ -165,6 +165,7 @@ def _fake_flash_attn() -> tuple[types.ModuleType, types.ModuleType]:
             dq[qs], dk[ks], dv[ks] = g[0][0], g[1][0], g[2][0]
 
     fa = types.ModuleType("flash_attn")
+    fa.__version__ = "2.6.3"  # the packed varlen lse [H, total_q] below is the >= 2.6 layout
     iface = types.ModuleType("flash_attn.flash_attn_interface")
     fa.flash_attn_varlen_func = varlen_fwd
     iface._flash_attn_varlen_backward = varlen_bwd
