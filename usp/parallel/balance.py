@@ -11,8 +11,9 @@ rank holds ``P = S / R`` tokens and ``W / R`` of the total ``W = sum_i d_i (d_i 
    the row's mean ``W / S`` (short documents) and *heavy* otherwise (long ones).
 2. Each document is consumed from the outside in, as zigzag consumes a sequence: a slice of ``2m`` tokens is a
    head piece of ``m`` tokens and the matching tail piece of ``m``; its work is exactly ``2m * rho``. Light
-   documents form one stream, heavy ones another, each in position order (no sort: the balance holds for any
-   order, and neighbouring short documents then stay together on one rank).
+   documents form one stream (shortest first), heavy ones another (longest first). The balance holds for any
+   order; sorted streams give each rank documents of similar lengths, which measured faster kernels than
+   position order (log-normal row at ring 4: slowest rank 99 ms sorted vs 119 ms in position order, on CPU).
 3. Ring rank ``k`` takes the next slice of each stream, sized so its ``P`` tokens carry exactly ``W / R``
    work: cumulatively, ``L_k + H_k = k P`` tokens and ``F_light(L_k) + F_heavy(H_k) = k W / R``. The light
    stream is below the mean and the heavy one above, so the excess ``rho_mean L - F_light(L)`` and
@@ -156,8 +157,9 @@ def balanced_cuts(
     part = seq_len // ring_degree
     work = lengths * (lengths + 1) // 2
     total = int(work.sum())
-    is_light = (lengths + 1) * seq_len < 2 * total
-    light, heavy = np.flatnonzero(is_light), np.flatnonzero(~is_light)  # each stream in position order
+    by_length = np.argsort(lengths)
+    is_light = (lengths[by_length] + 1) * seq_len < 2 * total
+    light, heavy = by_length[is_light], by_length[~is_light][::-1]  # shortest first / longest first
     mean = total / seq_len
 
     def knots(order: np.ndarray, sign: float) -> tuple[np.ndarray, np.ndarray]:
