@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start usp.train on this machine: one torchrun, one process per GPU (or N CPU processes on gloo).
 #
-#   launch/torchrun.sh [--nproc-per-node N] [--cpu] [--] [hydra overrides...]
+#   launch/torchrun.sh [--nproc-per-node N] [--cpu] [--entry train|eval] [--] [hydra overrides...]
 #
 #   launch/torchrun.sh recipe=llama2_7b_rope_32k ...                 # one process per visible GPU
 #   launch/torchrun.sh --nproc-per-node 4 recipe=llama2_7b_rope_32k  # 4 GPUs (pick them with CUDA_VISIBLE_DEVICES)
@@ -21,6 +21,7 @@ die() {
 
 nproc=""
 cpu=0
+module="usp.train"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nproc-per-node | --gpus-per-node)
@@ -36,6 +37,12 @@ while [[ $# -gt 0 ]]; do
       cpu=1
       shift
       ;;
+    --entry)
+      [[ $# -ge 2 ]] || die "--entry needs a value: train or eval"
+      [[ "$2" == train || "$2" == eval ]] || die "--entry $2: use train (usp.train) or eval (usp.eval)"
+      module="usp.$2"
+      shift 2
+      ;;
     -h | --help)
       sed -n '2,14s/^# \{0,1\}//p' "$0"
       exit 0
@@ -44,7 +51,7 @@ while [[ $# -gt 0 ]]; do
       shift
       break
       ;;
-    -*) die "unknown option $1 (options: --nproc-per-node N, --cpu; then Hydra overrides key=value)" ;;
+    -*) die "unknown option $1 (options: --nproc-per-node N, --cpu, --entry train|eval; then Hydra overrides key=value)" ;;
     *) break ;;
   esac
 done
@@ -106,6 +113,6 @@ if ! command -v torchrun > /dev/null 2>&1; then
   export PATH="$repo/.venv/bin:$PATH"
 fi
 
-cmd=(torchrun --standalone --nproc-per-node "$nproc" -m usp.train ${defaults[@]+"${defaults[@]}"} "$@")
+cmd=(torchrun --standalone --nproc-per-node "$nproc" -m "$module" ${defaults[@]+"${defaults[@]}"} "$@")
 echo "+ ${cmd[*]}" >&2
 exec "${cmd[@]}"

@@ -3,6 +3,7 @@
 ::
 
     usp-launch local    [--cpu] [overrides...] [--dry-run]
+    (any mode) --entry eval: start usp.eval (usp-eval) instead of usp.train, with the same checks
     usp-launch torchrun [--nproc-per-node N] [--cpu] [overrides...] [--dry-run]
     usp-launch slurm    [--nodes N] [--gpus-per-node G] [--partition P] [--time T] [--account A]
                         [--job-name J] [--gres] [--submit] [overrides...] [--dry-run]
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="usp-launch",
         usage="usp-launch {local,torchrun,slurm} [options] [hydra overrides...] [--dry-run]",
-        description="Print, run or submit the command that starts usp.train with the given Hydra overrides.",
+        description="Print, run or submit the command that starts usp.train (or usp.eval: --entry eval) with the "
+        "given Hydra overrides.",
         epilog="Example: usp-launch torchrun --cpu --nproc-per-node 4 recipe=tiny --dry-run",
         allow_abbrev=False,
     )
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--script", default=None, help="slurm: the batch script (default launch/slurm.sbatch)")
     p.add_argument("--cpu", action="store_true", help="local/torchrun: CPU processes on gloo")
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the command; run nothing")
+    p.add_argument(
+        "--entry", choices=tuple(commands.ENTRY_MODULES), default="train",
+        help="train: usp.train (default); eval: usp.eval (usp-eval: eval=ppl|passkey, model.path=RUN/hf)",
+    )  # fmt: skip
     return p
 
 
@@ -120,8 +126,8 @@ def _one_line_hydra_error(exc: Exception) -> str:
     return " ".join(parts)
 
 
-def compose_run_config(overrides: Sequence[str]) -> TrainConfig:
-    """The trainer's run config for ``overrides``, composed as ``usp.train`` will compose it.
+def compose_run_config(overrides: Sequence[str], entry: str = "train") -> TrainConfig:
+    """The run config for ``overrides``, composed as ``usp.train`` (or ``usp.eval``, ``entry="eval"``) will.
 
     Raises:
         LaunchError: for an unknown recipe or group option (listing the valid ones), a key the config does
@@ -132,6 +138,8 @@ def compose_run_config(overrides: Sequence[str]) -> TrainConfig:
 
     from usp.train.__main__ import compose_config
 
+    if entry == "eval":
+        from usp.eval.__main__ import compose_eval_config as compose_config
     try:
         return compose_config(list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
@@ -190,7 +198,9 @@ def plan_command(
     if args.cpu:
         overrides = commands.with_defaults(overrides, commands.cpu_defaults())
     check_degree_values(overrides)
-    cfg = None if hydra_flags else compose_run_config(overrides)
+    entry = getattr(args, "entry", "train")
+    module = commands.ENTRY_MODULES[entry]
+    cfg = None if hydra_flags else compose_run_config(overrides, entry)
 
     if args.mode == "local":
         if args.nproc_per_node not in (None, 1):
@@ -199,7 +209,7 @@ def plan_command(
                 f"Use `usp-launch torchrun --nproc-per-node {args.nproc_per_node}` for several."
             )
         _check(overrides, cfg, nodes=1, nproc_per_node=1)
-        return commands.local_command(overrides, python=sys.executable)
+        return commands.local_command(overrides, python=sys.executable, module=module)
 
     if args.mode == "torchrun":
         nproc = args.nproc_per_node
@@ -213,7 +223,7 @@ def plan_command(
                     "--nproc-per-node N, or --cpu --nproc-per-node N for CPU processes on gloo."
                 )
         _check(overrides, cfg, nodes=1, nproc_per_node=nproc)
-        return commands.torchrun_command(overrides, nproc_per_node=nproc)
+        return commands.torchrun_command(overrides, nproc_per_node=nproc, module=module)
 
     job_id = env.get("SLURM_JOB_ID")
     if job_id and not args.submit:
@@ -255,8 +265,9 @@ def _srun_in_allocation(
     cpus = int(env["SLURM_CPUS_ON_NODE"]) if env.get("SLURM_CPUS_ON_NODE", "").isdigit() else None
     head = commands.first_hostname(env.get("SLURM_JOB_NODELIST", ""), shutil.which("scontrol"))
     return commands.srun_command(
-        overrides, nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head, cpus_per_task=cpus
-    )
+        overrides, nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head, cpus_per_task=cpus,
+        module=commands.ENTRY_MODULES[getattr(args, "entry", "train")],
+    )  # fmt: skip
 
 
 def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | None) -> list[str]:
@@ -284,6 +295,7 @@ def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | N
         account=args.account,
         job_name=args.job_name or "usp",
         gres=args.gres,
+        entry=getattr(args, "entry", "train"),
     )
 
 

@@ -19,7 +19,9 @@ from pathlib import Path
 from usp.launch.overrides import has_override
 
 TRAIN_MODULE = "usp.train"
-"""The entry point every launcher runs with ``-m``."""
+"""The entry point every launcher runs with ``-m`` (``--entry train``, the default)."""
+ENTRY_MODULES: dict[str, str] = {"train": TRAIN_MODULE, "eval": "usp.eval"}
+"""``usp-launch --entry NAME`` -> the module run with ``-m``: training, or evaluation (``usp-eval``)."""
 
 RDZV_PORT_BASE = 20000
 RDZV_PORT_SPAN = 10000
@@ -77,17 +79,17 @@ def first_hostname(nodelist: str, scontrol: str | None = None) -> str:
     return prefix + first + suffix
 
 
-def local_command(overrides: Sequence[str], *, python: str) -> list[str]:
+def local_command(overrides: Sequence[str], *, python: str, module: str = TRAIN_MODULE) -> list[str]:
     """One process, no launcher: ``python -m usp.train <overrides>``."""
-    return [python, "-m", TRAIN_MODULE, *overrides]
+    return [python, "-m", module, *overrides]
 
 
-def torchrun_command(overrides: Sequence[str], *, nproc_per_node: int) -> list[str]:
+def torchrun_command(overrides: Sequence[str], *, nproc_per_node: int, module: str = TRAIN_MODULE) -> list[str]:
     """One node: ``torchrun --standalone --nproc-per-node N -m usp.train <overrides>``.
 
     torchrun exports ``LOCAL_WORLD_SIZE=N`` to every rank, which the mesh reads as the node size.
     """
-    return ["torchrun", "--standalone", "--nproc-per-node", str(nproc_per_node), "-m", TRAIN_MODULE, *overrides]
+    return ["torchrun", "--standalone", "--nproc-per-node", str(nproc_per_node), "-m", module, *overrides]
 
 
 def srun_command(
@@ -98,6 +100,7 @@ def srun_command(
     job_id: str,
     head: str,
     cpus_per_task: int | None = None,
+    module: str = TRAIN_MODULE,
 ) -> list[str]:
     """Inside a SLURM allocation: one torchrun agent per node, c10d rendezvous on ``head``.
 
@@ -119,7 +122,7 @@ def srun_command(
         "--rdzv-id", job_id,
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"{head}:{rdzv_port(job_id)}",
-        "-m", TRAIN_MODULE,
+        "-m", module,
         *overrides,
     ]  # fmt: skip
 
@@ -135,6 +138,7 @@ def sbatch_command(
     account: str | None = None,
     job_name: str = "usp",
     gres: bool = False,
+    entry: str = "train",
 ) -> list[str]:
     """Submit ``script`` (``launch/slurm.sbatch``) for ``nodes`` nodes of ``gpus_per_node`` GPUs.
 
@@ -151,7 +155,8 @@ def sbatch_command(
     cmd.append(f"--job-name={job_name}")
     # the script takes its own options first; `--` ends them when Hydra flags (--cfg job) are passed through
     dashes = ["--"] if any(word.startswith("-") for word in overrides) else []
-    return [*cmd, script, "--nproc-per-node", str(gpus_per_node), *dashes, *overrides]
+    entry_flag = [] if entry == "train" else ["--entry", entry]  # the script runs usp.train unless told
+    return [*cmd, script, "--nproc-per-node", str(gpus_per_node), *entry_flag, *dashes, *overrides]
 
 
 def default_sbatch_script() -> Path:
