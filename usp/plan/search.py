@@ -19,7 +19,7 @@ from typing import Any
 
 from usp.parallel.mesh import ParallelDims, sequence_multiple
 from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
-from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, compute_time, model_flops_per_token
+from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, DocumentWork, compute_time, model_flops_per_token
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.memory import checkpointed_layers, training_memory
 from usp.plan.models import ModelSpec
@@ -134,6 +134,7 @@ def evaluate_layout(
     compute_bytes: int = 2,
     mlp_tiles: int = 1,
     headroom_gib: float | None = None,
+    documents: DocumentWork | None = None,
 ) -> LayoutEstimate:
     """Memory and time of one (already validated) layout. ``global_batch`` in sequences; default one per dp
     rank. ``compute_bytes``: 2 for bf16 compute (``model.dtype``), 4 for float32. ``offload``: the sharded
@@ -176,6 +177,7 @@ def evaluate_layout(
         ring_layout=ring_layout,
         recompute_layers=n_ckpt,
         mlp_recompute_layers=L if mlp_tiles > 1 else 0,
+        documents=documents,
     )
     placement = dict(
         seq_len=seq_len, ulysses_degree=U, ring_degree=R, world_size=world_size, node_size=node_size,
@@ -211,7 +213,7 @@ def evaluate_layout(
     micro += off["ckpt_offload_exposed_s"]
     step = micro * accum + off["host_adam_s"]
     tokens_per_gpu = batch * seq_len / step / world_size
-    mfu = model_flops_per_token(model, seq_len) * tokens_per_gpu / device.peak_flops
+    mfu = model_flops_per_token(model, seq_len, documents) * tokens_per_gpu / device.peak_flops
     times = {
         "dense_s": comp["dense_s"] * accum,
         "attention_s": comp["attention_s"] * accum,
@@ -289,6 +291,7 @@ def enumerate_layouts(
     mlp_tiles: int | None = None,
     states: tuple[str, ...] | None = None,
     headroom_gib: float | None = None,
+    documents: DocumentWork | None = None,
 ) -> tuple[list[LayoutEstimate], list[str]]:
     """Every valid candidate, fitting or not, and the reasons the others were rejected before costing.
 
@@ -341,7 +344,7 @@ def enumerate_layouts(
                             node_size=node_size, fsdp_mode=fsdp_mode, activation_checkpointing=ac, ac_every_k=k,
                             global_batch=global_batch, ring_layout=ring_layout, loss_chunk_size=loss_chunk_size,
                             overhead_frac=overhead_frac, offload=where == "cpu_offload", compute_bytes=compute_bytes,
-                            headroom_gib=headroom_gib,
+                            headroom_gib=headroom_gib, documents=documents,
                         )  # fmt: skip
                         est = evaluate_layout(model, device, mlp_tiles=mlp_tiles or 1, **kw)
                         out.append(est)
@@ -401,6 +404,7 @@ def plan_layouts(
     mlp_tiles: int | None = None,
     states: tuple[str, ...] | None = None,
     headroom_gib: float | None = None,
+    documents: DocumentWork | None = None,
 ) -> list[LayoutEstimate]:
     """Layouts that fit, fastest first (:func:`rank_layouts`: within 2% throughput, fewer tricks, less memory
     first). ``mlp_tiles`` None is ``auto``; ``states`` the placements to try (default on the device).
@@ -431,6 +435,8 @@ def plan_layouts(
     for name, value in (("mlp_tiles", mlp_tiles), ("states", states), ("headroom_gib", headroom_gib)):
         if value is not None:
             kw[name] = value
+    if documents is not None:  # packed documents (--doc-lengths): attention over them, not one sequence
+        kw["documents"] = documents
     candidates, rejected = enumerate_layouts(model, device, **kw)
     fitting = [c for c in candidates if c.fits]
     if fitting:
