@@ -95,6 +95,10 @@ class ParallelConfig:
     """Sequence tiles for each decoder layer's MLP and the RMSNorms (DeepSpeed ``TiledMLP``): 1 = off, an
     integer dividing ``trainer.seq_len / (ulysses x ring)``, or ``auto`` (tiles of about ``hidden_size``
     tokens). Exact; costs one more MLP forward per step."""
+    attn_head_chunks: int = 1
+    """Groups of heads the ring attention runs over one after another (after the Ulysses all-to-all): 1 = all
+    at once; else a divisor of both ``Hq / ulysses`` and ``max(Hkv, ulysses) / ulysses`` (whole GQA groups).
+    Exact; the ring's fp32 accumulators and K/V/dK/dV buffers shrink by this factor (docs/memory.md)."""
     reduce_dtype: str = "float32"
     """Gradient reduce-scatter dtype under FSDP2."""
     backend: str | None = None
@@ -316,6 +320,11 @@ def validate_choices(cfg: TrainConfig) -> None:
         raise ValueError(
             f"parallel.mlp_tiles={p.mlp_tiles!r} is invalid: use an integer >= 1 (1 = off) dividing the local "
             "tokens per rank, or auto."
+        )
+    if isinstance(p.attn_head_chunks, bool) or not isinstance(p.attn_head_chunks, int) or p.attn_head_chunks < 1:
+        raise ValueError(
+            f"parallel.attn_head_chunks={p.attn_head_chunks!r} is invalid: use an integer >= 1 (1 = off) dividing "
+            "the query and key/value heads per rank after the Ulysses all-to-all."
         )
     _check_choice("optim.name", cfg.optim.name, OPTIMIZERS)
     _check_choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)

@@ -8,13 +8,14 @@ communication), :mod:`.cost` (analytic bytes and work), :mod:`.reference` (singl
 
 from usp.attention.comm import CommStats, record_comm
 from usp.attention.kernels import BACKENDS, attention_backward, attention_forward, resolve_backend
-from usp.attention.usp import usp_attention
+from usp.attention.usp import check_attn_head_chunks, usp_attention
 
 __all__ = [
     "BACKENDS",
     "CommStats",
     "attention_backward",
     "attention_forward",
+    "check_attn_head_chunks",
     "record_comm",
     "resolve_backend",
     "usp_attention",

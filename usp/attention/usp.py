@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
 from usp.attention.kernels import default_scale, resolve_backend
-from usp.attention.ring import ring_attention
+from usp.attention.ring import check_head_chunks, ring_attention
 from usp.attention.ulysses import head_to_seq, kv_replication, kv_seq_to_head, seq_to_head
 from usp.parallel import SPMesh, check_sequence_length
 
@@ -47,6 +47,15 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMes
         raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}.")
+
+
+def check_attn_head_chunks(attn_head_chunks: int, num_heads: int, num_kv_heads: int, ulysses_degree: int) -> None:
+    """``ValueError`` naming ``parallel.attn_head_chunks`` and the values that work unless it splits the heads
+    each rank holds after the Ulysses all-to-all (``Hq / U`` query heads, ``max(Hkv, U) / U`` K/V heads) into
+    equal groups of whole GQA groups. The one rule, used by :func:`usp_attention` and the trainer's checks."""
+    kv_replication(num_heads, num_kv_heads, ulysses_degree)  # the heads fit the Ulysses degree at all
+    u = ulysses_degree
+    check_head_chunks(attn_head_chunks, num_heads // u, max(num_kv_heads, u) // u)
 
 
 _last_host_copy: tuple[weakref.ref, int, torch.Tensor] | None = None
@@ -142,6 +151,7 @@ def usp_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     cu_seqlens: torch.Tensor | None = None,
+    attn_head_chunks: int = 1,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence, sharded over ``mesh``'s ulysses x ring ranks.
 
@@ -159,6 +169,10 @@ def usp_attention(
             which is free for a CPU tensor and a device sync per call (per layer) for a CUDA one. Under the
             ``balanced`` layout it also says where each rank's tokens are. All sp ranks must pass the same
             boundaries (checked with one 16-byte all-gather per new tensor, i.e. once per step).
+        attn_head_chunks: run step 2 (the ring, which holds the big fp32 buffers) over this many groups of the
+            rank's heads one after another, forward and backward (:func:`check_attn_head_chunks`; 1 = all at
+            once). Exact; the ring's fp32 output/dq accumulators and rotating K/V and fp32 dK/dV buffers shrink
+            by this factor, the bytes sent stay the same (in more, smaller messages).
 
     Returns:
         ``out [B, S_local, Hq, D]`` like ``q``. Differentiable w.r.t. ``q, k, v`` (exact gradients).
@@ -166,7 +180,8 @@ def usp_attention(
     Raises:
         ValueError: before any communication, for shapes, heads that don't fit ``ulysses_degree`` (naming
             degrees that work), sequence lengths that don't fit the layout, bad ``cu_seqlens`` (not covering
-            ``0 .. S``, batch size above 1, different on different ranks of the group) or backend.
+            ``0 .. S``, batch size above 1, different on different ranks of the group), backend or
+            ``attn_head_chunks``.
     """
     _check_inputs(q, k, v, mesh)
     u, r = mesh.ulysses_degree, mesh.ring_degree
@@ -174,6 +189,7 @@ def usp_attention(
     seq_len = s_local * u * r
     check_sequence_length(seq_len, r, u, mesh.ring_layout)
     replication = kv_replication(hq, k.size(2), u)
+    check_attn_head_chunks(attn_head_chunks, hq, k.size(2), u)
     kernel = resolve_backend(backend, q.device, q.dtype, head_dim=d)
     scale = default_scale(d, softmax_scale)
     cu = _check_cu_seqlens(cu_seqlens, seq_len, b) if cu_seqlens is not None else None
@@ -186,5 +202,8 @@ def usp_attention(
     qh = seq_to_head(q, ulysses_group, "ulysses_q")  # [B, S/R, Hq/U, D]
     kh = kv_seq_to_head(k, ulysses_group, replication, "ulysses_k")  # [B, S/R, max(Hkv, U)/U, D]
     vh = kv_seq_to_head(v, ulysses_group, replication, "ulysses_v")
-    oh = ring_attention(qh, kh, vh, group=mesh.ring_group, plans=plans, softmax_scale=scale, backend=kernel)
+    oh = ring_attention(
+        qh, kh, vh, group=mesh.ring_group, plans=plans, softmax_scale=scale, backend=kernel,
+        head_chunks=attn_head_chunks,
+    )
     return head_to_seq(oh, ulysses_group, "ulysses_out")  # [B, S/(R U), Hq, D]

@@ -39,6 +39,8 @@ class USPAttentionState:
 
     mesh: SPMesh
     backend: str = "auto"
+    attn_head_chunks: int = 1
+    """``parallel.attn_head_chunks``: the ring runs over this many groups of heads one after another."""
 
 
 def check_heads(config: PretrainedConfig, ulysses_degree: int) -> None:
@@ -119,7 +121,8 @@ def usp_attention_forward(
     k = key.transpose(1, 2)  # [B, S_local, Hkv, D]
     v = value.transpose(1, 2)
     out = usp_attention(
-        q, k, v, mesh=state.mesh, causal=True, softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens
+        q, k, v, mesh=state.mesh, causal=True, softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens,
+        attn_head_chunks=state.attn_head_chunks,
     )
     if kv_cache is not None:  # prefill: keep this rank's K/V shard for the decode steps
         kv_cache.keep(module.layer_idx, k, v)
@@ -160,7 +163,9 @@ def _check_forward_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
         )
 
 
-def apply_usp(model: PreTrainedModel, mesh: SPMesh, *, backend: str = "auto") -> PreTrainedModel:
+def apply_usp(
+    model: PreTrainedModel, mesh: SPMesh, *, backend: str = "auto", attn_head_chunks: int = 1
+) -> PreTrainedModel:
     """Make ``model`` compute attention with USP over ``mesh`` (in place; returns ``model``).
 
     Afterwards ``model(input_ids=x, position_ids=p, **packed_sequence_kwargs(c))`` with
@@ -169,11 +174,16 @@ def apply_usp(model: PreTrainedModel, mesh: SPMesh, *, backend: str = "auto") ->
     unsharded model's logits at those positions. Every rank of the mesh must call the model together.
 
     Works for Llama (with or without GQA) and the same attention layout (Mistral without a sliding window,
-    Qwen2/3). Raises ``ValueError`` if the heads do not split over ``mesh.ulysses_degree`` or the model's
-    attention modules are not found.
+    Qwen2/3). ``attn_head_chunks``: see :func:`usp.attention.usp_attention`. Raises ``ValueError`` if the
+    heads do not split over ``mesh.ulysses_degree`` (or into ``attn_head_chunks``) or the model's attention
+    modules are not found.
     """
     config = model.config
     check_heads(config, mesh.ulysses_degree)
+    from usp.attention import check_attn_head_chunks
+
+    hq = config.num_attention_heads
+    check_attn_head_chunks(attn_head_chunks, hq, getattr(config, "num_key_value_heads", None) or hq, mesh.ulysses_degree)
     modules = _attention_modules(model)
     if len(modules) != config.num_hidden_layers:
         raise ValueError(
@@ -182,7 +192,7 @@ def apply_usp(model: PreTrainedModel, mesh: SPMesh, *, backend: str = "auto") ->
             f"layer, using transformers' AttentionInterface) are supported."
         )
     AttentionInterface.register(ATTN_IMPLEMENTATION, usp_attention_forward)
-    state = USPAttentionState(mesh=mesh, backend=backend)
+    state = USPAttentionState(mesh=mesh, backend=backend, attn_head_chunks=attn_head_chunks)
     for m in modules:
         setattr(m, _STATE_ATTR, state)
     decoder = model.get_decoder()

@@ -131,6 +131,7 @@ def parallelize(
     loss_chunk_size: int = 4096,
     cpu_offload: bool = False,
     mlp_tiles: int = 1,
+    attn_head_chunks: int = 1,
 ) -> ChunkedCausalLMLoss:
     """Apply the whole recipe to a loaded (fp32, CPU) model; returns the FSDP2-wrapped loss module.
 
@@ -139,10 +140,11 @@ def parallelize(
     ``activation_checkpointing=offload`` the returned module's ``offload_store`` is the
     :class:`~usp.train.offload.HostCheckpointStore` (``host_bytes``: what its host slots hold); else ``None``.
     ``mlp_tiles``: a resolved tile count (:func:`usp.train.tiling.resolve_mlp_tiles`), 1 = off.
+    ``attn_head_chunks``: ``parallel.attn_head_chunks`` (:func:`usp.attention.usp_attention`), 1 = off.
     """
     if fsdp_mode not in FSDP_MODES:
         raise ValueError(f"parallel.fsdp_mode={fsdp_mode!r} is invalid; choose one of {FSDP_MODES}.")
-    apply_usp(model, mesh, backend=attention_backend)
+    apply_usp(model, mesh, backend=attention_backend, attn_head_chunks=attn_head_chunks)
     layers = decoder_layers(model)
     apply_sequence_tiling(layers, getattr(model.get_decoder(), "norm", None), mlp_tiles)
     store = None

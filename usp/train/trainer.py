@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from usp.attention import resolve_backend
+from usp.attention import check_attn_head_chunks, resolve_backend
 from usp.config import TrainConfig, states_on_host
 from usp.model import (
     apply_rope_overrides,
@@ -108,6 +108,8 @@ class Layout:
     ac_every_k: int
     mlp_tiles: int = 1
     """Resolved ``parallel.mlp_tiles`` (a divisor of the local tokens; 1 = off)."""
+    attn_head_chunks: int = 1
+    """``parallel.attn_head_chunks`` (checked against the heads per rank; 1 = off)."""
     reason: str = "set in the config"
 
 
@@ -169,6 +171,7 @@ def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device:
             activation_checkpointing=plan.get("activation_checkpointing", p.activation_checkpointing),
             ac_every_k=int(plan.get("ac_every_k", p.ac_every_k)),
             mlp_tiles=plan.get("mlp_tiles", p.mlp_tiles),
+            attn_head_chunks=int(plan.get("attn_head_chunks", p.attn_head_chunks)),
             reason=f"planner: {plan.get('reason', '')}",
         )
     for name in ("ulysses_degree", "ring_degree"):
@@ -186,6 +189,7 @@ def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device:
         activation_checkpointing=p.activation_checkpointing,
         ac_every_k=p.ac_every_k,
         mlp_tiles=p.mlp_tiles,
+        attn_head_chunks=p.attn_head_chunks,
     )
 
 
@@ -202,6 +206,10 @@ def _check_memory_tricks(cfg: TrainConfig, model_config: Any, layout: Layout, wo
     local_tokens = cfg.trainer.seq_len // (layout.ulysses_degree * layout.ring_degree)
     layout.mlp_tiles = resolve_mlp_tiles(layout.mlp_tiles, local_tokens=local_tokens, hidden_size=model_config.hidden_size)
     check_tiling_available(layout.mlp_tiles)
+    hq = model_config.num_attention_heads
+    check_attn_head_chunks(
+        layout.attn_head_chunks, hq, getattr(model_config, "num_key_value_heads", None) or hq, layout.ulysses_degree
+    )
     if layout.activation_checkpointing == "offload":
         check_host_memory(
             num_layers=model_config.num_hidden_layers, local_tokens=local_tokens * cfg.trainer.micro_batch_size,
@@ -439,6 +447,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         reduce_dtype=parse_dtype(cfg.parallel.reduce_dtype, "parallel.reduce_dtype"),
         loss_chunk_size=cfg.trainer.loss_chunk_size, cpu_offload=fsdp_cpu_offload(cfg, device),
         mlp_tiles=layout.mlp_tiles,
+        attn_head_chunks=layout.attn_head_chunks,
     )  # fmt: skip
     param_device, _ = weight_devices(device, cpu_offload=fsdp_cpu_offload(cfg, device))  # offload: shards on the CPU
     load_sharded_weights(model, cfg.model.path, device=device, param_device=param_device)
