@@ -13,6 +13,7 @@ from usp.plan.cli import main
 from usp.plan.hardware import GB, GIB
 from usp.plan.maxlen import max_seq_len, max_seq_lens
 from usp.plan.offload import HOST_ADAM_BYTES_PER_PARAM, host_memory, offload_time
+from usp.plan.search import head_chunk_candidates
 
 LLAMA8 = load_model_spec("llama-3.1-8b")
 H100 = get_device("h100-80g")
@@ -34,7 +35,7 @@ def _layout_kw(a) -> dict:
     return dict(
         ulysses_degree=e.ulysses_degree, ring_degree=e.ring_degree, fsdp_mode=e.fsdp_mode,
         activation_checkpointing=e.activation_checkpointing, ac_every_k=e.ac_every_k, mlp_tiles=e.mlp_tiles,
-        offload=e.states == "cpu_offload",
+        offload=e.states == "cpu_offload", attn_head_chunks=e.attn_head_chunks,
     )  # fmt: skip
 
 
@@ -66,11 +67,16 @@ def test_the_answer_is_the_longest_for_its_layout():
     for a in max_seq_lens(LLAMA8, H100, world_size=8, node_size=8)[:4]:
         kw = _layout_kw(a) | dict(world_size=8, node_size=8)
         assert evaluate_layout(LLAMA8, H100, seq_len=a.max_seq_len, **kw).fits
-        longer = kw | {"mlp_tiles": 64}
+        most_chunks = head_chunk_candidates(LLAMA8, a.estimate.ulysses_degree)[-1] if a.estimate.ring_degree > 1 else 1
+        longer = kw | {"mlp_tiles": 64, "attn_head_chunks": most_chunks}
         assert not evaluate_layout(LLAMA8, H100, seq_len=a.max_seq_len + a.granularity, **longer).fits
         # auto tiles: the fewest that fit at that length
         if a.estimate.mlp_tiles > 1:
             fewer = kw | {"mlp_tiles": a.estimate.mlp_tiles // 2}
+            assert not evaluate_layout(LLAMA8, H100, seq_len=a.max_seq_len, **fewer).fits
+        # auto head chunks: likewise the fewest that fit
+        if a.estimate.attn_head_chunks > 1:
+            fewer = kw | {"attn_head_chunks": a.estimate.attn_head_chunks // 2}
             assert not evaluate_layout(LLAMA8, H100, seq_len=a.max_seq_len, **fewer).fits
 
 
@@ -92,10 +98,11 @@ def test_max_seq_len_is_monotone_in_gpus_memory_and_host_memory():
 def test_restricting_the_tricks_never_lengthens():
     full = max_seq_len(LLAMA8, H100, world_size=8, node_size=8)
     plain = max_seq_len(LLAMA8, H100, world_size=8, node_size=8, states=("device",), mlp_tiles=1,
-                        ac_modes=("none", "every_k", "full"))  # fmt: skip
+                        ac_modes=("none", "every_k", "full"), attn_head_chunks=1)  # fmt: skip
     assert plain.estimate.tricks == 0 and full.max_seq_len > plain.max_seq_len
     # without the tricks the answer is what --seq-len ranking allows: it fits there, not one step longer
-    kw = dict(world_size=8, node_size=8, states=("device",), mlp_tiles=1, ac_modes=("none", "every_k", "full"))
+    kw = dict(world_size=8, node_size=8, states=("device",), mlp_tiles=1, ac_modes=("none", "every_k", "full"),
+              attn_head_chunks=1)  # fmt: skip
     assert plan_layouts(LLAMA8, H100, seq_len=plain.max_seq_len, **kw)
     with pytest.raises(ValueError, match="no layout"):
         plan_layouts(LLAMA8, H100, seq_len=plain.max_seq_len + 2 * plain.granularity, **kw)

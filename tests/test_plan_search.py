@@ -131,7 +131,7 @@ def test_checkpointing_suggested_when_the_user_ruled_it_out():
     with pytest.raises(NoFeasibleLayoutError, match="activation_checkpointing=full"):
         plan_layouts(
             load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**20, world_size=32, node_size=8,
-            ac_modes=("none",),
+            ac_modes=("none",), attn_head_chunks=1,
         )  # fmt: skip
 
 

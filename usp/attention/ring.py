@@ -175,10 +175,16 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+def head_chunk_options(q_heads: int, kv_heads: int) -> list[int]:
+    """The head chunk counts that split a rank's ``q_heads`` and ``kv_heads`` into equal groups of whole GQA
+    groups: the common divisors (``kv_heads`` divides ``q_heads``, so the divisors of ``kv_heads``)."""
+    return [c for c in range(1, kv_heads + 1) if kv_heads % c == 0 and q_heads % c == 0]
+
+
 def check_head_chunks(head_chunks: int, q_heads: int, kv_heads: int, *, setting: str = "parallel.attn_head_chunks") -> None:
     """``ValueError`` unless ``head_chunks`` (an int >= 1) splits this rank's ``q_heads`` and ``kv_heads`` (after
     the Ulysses all-to-all: ``Hq / U`` and ``max(Hkv, U) / U``) evenly, so every chunk holds whole GQA groups."""
-    fits = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0 and q_heads % c == 0]
+    fits = head_chunk_options(q_heads, kv_heads)
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks not in fits:
         raise ValueError(
             f"{setting}={head_chunks!r} does not split the {q_heads} query and {kv_heads} key/value heads each "

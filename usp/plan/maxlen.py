@@ -6,7 +6,10 @@ then bisection: every memory term grows with the sequence, so "fits" is monotone
 of the layout's granularity: the sequence multiple the trainer requires (``2 x ring x ulysses`` for zigzag),
 ``ulysses x ring x`` the largest MLP tile count (so every tile count divides the local tokens) and
 ``--seq-multiple`` (1024 by default). With ``mlp_tiles`` on ``auto`` a length fits when it fits with the most
-tiles; the answer then reports the fewest tiles that fit. Smaller loss chunks (``trainer.loss_chunk_size``,
+tiles; the answer then reports the fewest tiles that fit. Ring attention's head chunks
+(``parallel.attn_head_chunks``, :func:`usp.plan.search.head_chunk_candidates`) are searched the same way: a
+length fits when it fits with the most chunks the layout's heads allow, and the answer reports the fewest
+that fit (after the tiles). Smaller loss chunks (``trainer.loss_chunk_size``,
 :data:`LOSS_CHUNK_CANDIDATES` unless one is given) shrink the ``[chunk, vocab]`` fp32 logits of the chunked
 loss; the largest chunk that reaches a candidate's longest length is kept. The answer is the longest length
 over all candidates; among candidates that reach it, the fastest (then fewer tricks).
@@ -18,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from usp.attention.ring import head_chunk_options
 from usp.parallel.mesh import sequence_multiple
 from usp.plan.hardware import DeviceSpec
 from usp.plan.models import ModelSpec
@@ -28,6 +32,7 @@ from usp.plan.search import (
     LayoutEstimate,
     _divisors,
     evaluate_layout,
+    head_chunk_candidates,
     split_layout,
 )
 
@@ -64,6 +69,7 @@ class MaxSeqLenEstimate:
             "fsdp_mode": e.fsdp_mode,
             "activation_checkpointing": e.activation_checkpointing,
             "mlp_tiles": e.mlp_tiles,
+            "attn_head_chunks": e.attn_head_chunks,
             "states": e.states,
             "mem_gib_per_gpu": round(e.mem_gib_per_gpu, 3),
             "host_mem_gib_per_node": round(e.host_mem_gib_per_node, 3),
@@ -109,6 +115,7 @@ def max_seq_lens(
     fsdp_modes: tuple[str, ...] | None = None,
     states: tuple[str, ...] = STATE_PLACEMENTS,
     mlp_tiles: int | None = None,
+    attn_head_chunks: int | None = None,
     loss_chunk_sizes: tuple[int, ...] = (TRAINER_LOSS_CHUNK,),
     overhead_frac: float = 0.08,
     compute_bytes: int = 2,
@@ -117,7 +124,8 @@ def max_seq_lens(
     limit: int = SEQ_LIMIT,
 ) -> list[MaxSeqLenEstimate]:
     """The longest fitting length of every candidate that fits at all, longest first (then fastest, then
-    fewer tricks). ``mlp_tiles`` None is ``auto``; ``loss_chunk_sizes`` the chunks to try, largest first.
+    fewer tricks). ``mlp_tiles`` and ``attn_head_chunks`` None are ``auto`` (a fixed head chunk count is
+    kept only for layouts whose heads it splits); ``loss_chunk_sizes`` the chunks to try, largest first.
     Raises ``ValueError`` when nothing fits at the smallest
     length, or on bad input."""
     if world_size < 1 or node_size < 1 or world_size % min(node_size, world_size):
@@ -151,6 +159,14 @@ def max_seq_lens(
             if dims is None:
                 rejected.append(f"ulysses={U} ring={R}: {why}")
                 continue
+            head_chunks = head_chunk_candidates(model, U) if R > 1 else [1]
+            if attn_head_chunks is not None:
+                if attn_head_chunks != 1 and attn_head_chunks not in head_chunk_options(
+                    model.num_heads // U, model.kv_heads_per_rank(U)
+                ):
+                    rejected.append(f"ulysses={U} ring={R}: attn_head_chunks={attn_head_chunks} does not split its heads")
+                    continue
+                head_chunks = [attn_head_chunks]
             g = math.lcm(sequence_multiple(R, U, ring_layout), U * R * most_tiles, seq_multiple)
             for fsdp_mode in fsdp_modes:
                 for ac, k in acs:
@@ -162,10 +178,14 @@ def max_seq_lens(
                             offload=where == "cpu_offload", compute_bytes=compute_bytes, headroom_gib=headroom_gib,
                         )  # fmt: skip
 
-                        def fits(seq: int, tiles: int = most_tiles, chunk: int = chunks[0], kw=kw) -> bool:
+                        def fits(
+                            seq: int, tiles: int = most_tiles, chunk: int = chunks[0], heads: int = head_chunks[-1],
+                            kw=kw,
+                        ) -> bool:
                             return evaluate_layout(
-                                model, device, seq_len=seq, mlp_tiles=tiles, loss_chunk_size=chunk, **kw
-                            ).fits
+                                model, device, seq_len=seq, mlp_tiles=tiles, loss_chunk_size=chunk,
+                                attn_head_chunks=heads, **kw,
+                            ).fits  # fmt: skip
 
                         by_chunk = [(_longest(lambda x, c=c: fits(x, chunk=c), g, limit), c) for c in chunks]
                         seq = max(x for x, _ in by_chunk)
@@ -175,7 +195,11 @@ def max_seq_lens(
                         tiles = most_tiles
                         if mlp_tiles is None:  # auto: the fewest tiles that fit at this length
                             tiles = next(t for t in (1, *MLP_TILE_CANDIDATES) if fits(seq, t, chunk))
-                        est = evaluate_layout(model, device, seq_len=seq, mlp_tiles=tiles, loss_chunk_size=chunk, **kw)
+                        heads = next(c for c in head_chunks if fits(seq, tiles, chunk, c))  # the fewest that fit
+                        est = evaluate_layout(
+                            model, device, seq_len=seq, mlp_tiles=tiles, loss_chunk_size=chunk, attn_head_chunks=heads,
+                            **kw,
+                        )  # fmt: skip
                         out.append(MaxSeqLenEstimate(seq, g, est, chunk))
     if rejected and len(rejected) == pairs:
         raise ValueError("every (ulysses, ring) pair was rejected: " + "; ".join(rejected[:8]))

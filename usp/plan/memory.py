@@ -184,10 +184,12 @@ def training_memory(
     offload: bool = False,
     compute_bytes: int = ACT_BYTES,
     mlp_tiles: int = 1,
+    attn_head_chunks: int = 1,
 ) -> MemoryBreakdown:
     """Peak bytes per rank on the device. ``offload`` moves the sharded states to host memory (FSDP2 CPU
     offload); ``activation_checkpointing=offload`` keeps the layer inputs there; ``mlp_tiles`` runs the MLPs
-    and norms in tiles (module docstring); ``compute_bytes`` is 2 for bf16 compute, 4 for an fp32 run. Host
+    and norms in tiles (module docstring); ``attn_head_chunks`` runs the ring over that many groups of heads
+    in turn, dividing its K/V, dK/dV and fp32 accumulator buffers by it; ``compute_bytes`` is 2 for bf16 compute, 4 for an fp32 run. Host
     bytes: :func:`usp.plan.offload.host_memory`."""
     B = compute_bytes
     U, R = ulysses_degree, ring_degree
@@ -223,8 +225,9 @@ def training_memory(
     if R > 1:
         block = kv_block_bytes(model, seq_len, U, R, B) * micro_batch_size
         block_fp32 = kv_block_bytes(model, seq_len, U, R, 4) * micro_batch_size
-        # K/V current + next (compute dtype), dK/dV current + next (fp32), fp32 output / dq accumulator.
-        workspace += 2 * block + 2 * block_fp32 + s * H * d * 4
+        # K/V current + next (compute dtype), dK/dV current + next (fp32), fp32 output / dq accumulator; with
+        # parallel.attn_head_chunks they exist for one group of heads at a time.
+        workspace += (2 * block + 2 * block_fp32 + s * H * d * 4) / attn_head_chunks
 
     chunk = min(loss_chunk_size, s)
     # One checkpointed chunk of the cross-entropy at its peak (log-softmax backward): the fp32 log-probabilities it

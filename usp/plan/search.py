@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from usp.attention.ring import head_chunk_options
 from usp.parallel.mesh import ParallelDims, sequence_multiple
 from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
 from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, DocumentWork, compute_time, model_flops_per_token
@@ -29,6 +30,9 @@ TIE_TOLERANCE = 0.02
 AC_CANDIDATES: tuple[tuple[str, int], ...] = (("none", 2), ("every_k", 2), ("full", 2), ("offload", 2))
 MLP_TILE_CANDIDATES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
 """``mlp_tiles=auto`` tries these in order and keeps the first that fits (more tiles only save memory)."""
+HEAD_CHUNK_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8)
+"""``parallel.attn_head_chunks`` the planner tries (those that fit the layout's heads), only when fewer do not
+fit: more chunks only save ring buffers (in more, smaller messages)."""
 STATE_PLACEMENTS: tuple[str, ...] = ("device", "cpu_offload")
 """Where the sharded states live: on the device, or on the host with the optimizer step there
 (``optim.name=deepspeed_cpu_adam``: FSDP2 CPU offload, :func:`usp.config.states_on_host`)."""
@@ -61,11 +65,17 @@ class LayoutEstimate:
     headroom_gib: float = 0.0
     """Free device memory the fit required on top of ``mem_gib_per_gpu``."""
     host_fits: bool = True
+    attn_head_chunks: int = 1
+    """``parallel.attn_head_chunks``: groups of heads the ring runs over in turn (1 = off)."""
 
     @property
     def tricks(self) -> int:
-        """How many memory-saving tricks the layout uses (checkpoint offload, MLP tiles, offloaded states)."""
-        used = (self.activation_checkpointing == "offload", self.mlp_tiles > 1, self.states != "device")
+        """How many memory-saving tricks the layout uses (checkpoint offload, MLP tiles, offloaded states, head
+        chunks)."""
+        used = (
+            self.activation_checkpointing == "offload", self.mlp_tiles > 1, self.states != "device",
+            self.attn_head_chunks > 1,
+        )  # fmt: skip
         return sum(used)
 
     def overrides(self) -> list[str]:
@@ -81,6 +91,8 @@ class LayoutEstimate:
             out.append(f"parallel.ac_every_k={self.ac_every_k}")
         if self.mlp_tiles > 1:
             out.append(f"parallel.mlp_tiles={self.mlp_tiles}")
+        if self.attn_head_chunks > 1:
+            out.append(f"parallel.attn_head_chunks={self.attn_head_chunks}")
         if self.states == "cpu_offload":
             out.append(f"optim.name={OFFLOAD_OPTIMIZER}")
         return out
@@ -104,6 +116,7 @@ class LayoutEstimate:
             "time_s": self.time_s,
             "overrides": self.overrides(),
             "mlp_tiles": self.mlp_tiles,
+            "attn_head_chunks": self.attn_head_chunks,
             "states": self.states,
             "host_mem_gib_per_node": round(self.host_mem_gib_per_node, 3),
             "headroom_gib": round(self.headroom_gib, 3),
@@ -135,11 +148,13 @@ def evaluate_layout(
     mlp_tiles: int = 1,
     headroom_gib: float | None = None,
     documents: DocumentWork | None = None,
+    attn_head_chunks: int = 1,
 ) -> LayoutEstimate:
     """Memory and time of one (already validated) layout. ``global_batch`` in sequences; default one per dp
     rank. ``compute_bytes``: 2 for bf16 compute (``model.dtype``), 4 for float32. ``offload``: the sharded
     states and the optimizer step on the host (FSDP2 CPU offload); ``headroom_gib``: free device
-    memory the fit requires (default :attr:`DeviceSpec.default_headroom_gib`)."""
+    memory the fit requires (default :attr:`DeviceSpec.default_headroom_gib`); ``attn_head_chunks``:
+    ``parallel.attn_head_chunks`` (:func:`head_chunk_candidates`)."""
     U, R = ulysses_degree, ring_degree
     D = ParallelDims(world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size).dp_degree
     why = model.ulysses_split_error(U)
@@ -165,6 +180,7 @@ def evaluate_layout(
         offload=offload,
         compute_bytes=compute_bytes,
         mlp_tiles=mlp_tiles,
+        attn_head_chunks=attn_head_chunks,
     )
     L = model.num_layers
     n_ckpt = checkpointed_layers(L, activation_checkpointing, ac_every_k)
@@ -249,7 +265,16 @@ def evaluate_layout(
         host_mem_gib_per_node=host["node"] / GIB,
         headroom_gib=headroom,
         host_fits=host_fits,
+        attn_head_chunks=attn_head_chunks,
     )
+
+
+def head_chunk_candidates(model: ModelSpec, ulysses_degree: int) -> list[int]:
+    """The ``parallel.attn_head_chunks`` the planner tries for this Ulysses degree, fewest first: those of
+    :data:`HEAD_CHUNK_CANDIDATES` that split the heads per rank into whole GQA groups (the trainer's rule,
+    :func:`usp.attention.ring.head_chunk_options`)."""
+    ok = head_chunk_options(model.num_heads // ulysses_degree, model.kv_heads_per_rank(ulysses_degree))
+    return [c for c in HEAD_CHUNK_CANDIDATES if c in ok]
 
 
 def _divisors(n: int) -> list[int]:
@@ -292,6 +317,7 @@ def enumerate_layouts(
     states: tuple[str, ...] | None = None,
     headroom_gib: float | None = None,
     documents: DocumentWork | None = None,
+    attn_head_chunks: int | None = None,
 ) -> tuple[list[LayoutEstimate], list[str]]:
     """Every valid candidate, fitting or not, and the reasons the others were rejected before costing.
 
@@ -299,7 +325,10 @@ def enumerate_layouts(
     ``hybrid_shard`` only across nodes); ``ac_every_k`` replaces the ``every_k`` candidate's k.
     ``mlp_tiles``: a fixed tile count, or None for ``auto`` (1, and when 1 does not fit the first of
     :data:`MLP_TILE_CANDIDATES` that fits, or the last one tried). ``states``: placements of
-    :data:`STATE_PLACEMENTS` to try (default: on the device; ``offload=True`` means ``("cpu_offload",)``)."""
+    :data:`STATE_PLACEMENTS` to try (default: on the device; ``offload=True`` means ``("cpu_offload",)``).
+    ``attn_head_chunks``: a fixed count (layouts whose heads it does not split are rejected), or None for
+    ``auto`` (1, and when the layout does not fit otherwise the fewest of :func:`head_chunk_candidates` that
+    fits, or the most tried)."""
     if states is None:
         states = ("cpu_offload",) if offload else ("device",)
     bad = [x for x in states if x not in STATE_PLACEMENTS]
@@ -336,6 +365,14 @@ def enumerate_layouts(
                 rejected.append(f"{tag}: parallel.mlp_tiles={mlp_tiles} does not divide {local} local tokens")
                 continue
             tiles = [t for t in MLP_TILE_CANDIDATES if local % t == 0] if mlp_tiles is None else []
+            head_chunks = head_chunk_candidates(model, U) if R > 1 else [1]
+            if attn_head_chunks is not None:
+                if attn_head_chunks != 1 and attn_head_chunks not in head_chunk_options(
+                    model.num_heads // U, model.kv_heads_per_rank(U)
+                ):
+                    rejected.append(f"{tag}: parallel.attn_head_chunks={attn_head_chunks} does not split its heads")
+                    continue
+                head_chunks = [attn_head_chunks]
             for fsdp_mode in fsdp_modes:
                 for ac, k in acs:
                     for where in states:
@@ -346,12 +383,18 @@ def enumerate_layouts(
                             overhead_frac=overhead_frac, offload=where == "cpu_offload", compute_bytes=compute_bytes,
                             headroom_gib=headroom_gib, documents=documents,
                         )  # fmt: skip
-                        est = evaluate_layout(model, device, mlp_tiles=mlp_tiles or 1, **kw)
+                        est = evaluate_layout(model, device, mlp_tiles=mlp_tiles or 1, attn_head_chunks=head_chunks[0], **kw)
                         out.append(est)
                         for t in [] if est.fits else tiles:  # auto: tiles only when needed
-                            tiled = evaluate_layout(model, device, mlp_tiles=t, **kw)
+                            tiled = evaluate_layout(model, device, mlp_tiles=t, attn_head_chunks=head_chunks[0], **kw)
                             if tiled.fits or t == tiles[-1]:
                                 out.append(tiled)
+                                est = tiled
+                                break
+                        for c in [] if est.fits else head_chunks[1:]:  # head chunks only when still needed
+                            chunked = evaluate_layout(model, device, mlp_tiles=est.mlp_tiles, attn_head_chunks=c, **kw)
+                            if chunked.fits or c == head_chunks[-1]:
+                                out.append(chunked)
                                 break
     return out, rejected
 
@@ -405,9 +448,11 @@ def plan_layouts(
     states: tuple[str, ...] | None = None,
     headroom_gib: float | None = None,
     documents: DocumentWork | None = None,
+    attn_head_chunks: int | None = None,
 ) -> list[LayoutEstimate]:
     """Layouts that fit, fastest first (:func:`rank_layouts`: within 2% throughput, fewer tricks, less memory
-    first). ``mlp_tiles`` None is ``auto``; ``states`` the placements to try (default on the device).
+    first). ``mlp_tiles`` and ``attn_head_chunks`` None are ``auto``; ``states`` the placements to try (default
+    on the device).
 
     Raises :class:`NoFeasibleLayoutError` (a ``ValueError``) saying why nothing fits and what would.
     """
@@ -432,7 +477,8 @@ def plan_layouts(
         kw["fsdp_modes"] = fsdp_modes
     if ac_every_k is not None:
         kw["ac_every_k"] = ac_every_k
-    for name, value in (("mlp_tiles", mlp_tiles), ("states", states), ("headroom_gib", headroom_gib)):
+    for name, value in (("mlp_tiles", mlp_tiles), ("states", states), ("headroom_gib", headroom_gib),
+                        ("attn_head_chunks", attn_head_chunks)):  # fmt: skip
         if value is not None:
             kw[name] = value
     if documents is not None:  # packed documents (--doc-lengths): attention over them, not one sequence
@@ -451,6 +497,7 @@ __all__ = [
     "NoFeasibleLayoutError",
     "enumerate_layouts",
     "evaluate_layout",
+    "head_chunk_candidates",
     "plan_layouts",
     "rank_layouts",
 ]
