@@ -28,6 +28,7 @@ def auto_degrees(
     ring_layout: str = "zigzag",
     loss_chunk_size: int = 4096,
     mlp_tiles: int | str = 1,
+    attn_head_chunks: int | str = 1,
     cpu_offload: bool = False,
     host_mem_gib: float | None = None,
     headroom_gib: float | None = None,
@@ -40,11 +41,12 @@ def auto_degrees(
     FSDP mode, the checkpointing mode (and its ``ac_every_k``); ``None`` lets the planner choose.
     ``compute_bytes`` (2 for bf16/fp16 ``model.dtype``, 4 for float32), ``ring_layout`` and ``loss_chunk_size``
     describe the run for the cost model. ``mlp_tiles`` (``parallel.mlp_tiles``: an integer, or ``"auto"`` to
-    let the planner tile when needed), ``cpu_offload`` (:func:`usp.config.states_on_host`: the states and
+    let the planner tile when needed), ``attn_head_chunks`` (``parallel.attn_head_chunks``: a fixed count,
+    which rules out the layouts whose heads it does not split, or ``"auto"``), ``cpu_offload`` (:func:`usp.config.states_on_host`: the states and
     the optimizer step on the host), ``host_mem_gib`` (``cluster.host_mem_gib``) and ``headroom_gib`` complete the
     run's description. Returns ``{"ulysses_degree", "ring_degree", "dp_degree", "fsdp_mode",
     "activation_checkpointing", "reason"}`` (plus ``ac_every_k`` when checkpointing is ``every_k``, and
-    ``mlp_tiles`` when it was ``"auto"``). Raises ``ValueError`` when nothing fits.
+    ``mlp_tiles`` / ``attn_head_chunks`` when they were ``"auto"``). Raises ``ValueError`` when nothing fits.
     """
     from usp.plan.hardware import get_device
     from usp.plan.models import load_model_spec
@@ -60,6 +62,7 @@ def auto_degrees(
         fsdp_modes=None if fsdp_mode is None else (fsdp_mode,), ac_every_k=ac_every_k,
         loss_chunk_size=loss_chunk_size, compute_bytes=compute_bytes,
         mlp_tiles=None if mlp_tiles == "auto" else int(mlp_tiles), states=(where,), headroom_gib=headroom_gib,
+        attn_head_chunks=None if attn_head_chunks == "auto" else int(attn_head_chunks),
     )  # fmt: skip
     best = layouts[0]
     fixed = {
@@ -85,6 +88,8 @@ def auto_degrees(
     }
     if mlp_tiles == "auto":  # the planner's choice; a fixed count stays the user's
         out["mlp_tiles"] = best.mlp_tiles
+    if attn_head_chunks == "auto":
+        out["attn_head_chunks"] = best.attn_head_chunks
     if best.activation_checkpointing == "every_k":
         out["ac_every_k"] = best.ac_every_k
     return out

@@ -136,6 +136,10 @@ def build_plan_parser() -> argparse.ArgumentParser:
         "--mlp-tiles", default="auto", help="parallel.mlp_tiles: an integer >= 1, or auto (tile when needed)"
     )
     p.add_argument(
+        "--attn-head-chunks", default="auto",
+        help="parallel.attn_head_chunks: an integer >= 1, or auto (chunk the ring's heads when needed)",
+    )  # fmt: skip
+    p.add_argument(
         "--states",
         default=None,
         choices=[*STATE_PLACEMENTS, "any"],
@@ -178,7 +182,7 @@ def format_table(
         f"({device.memory_gib:g} GiB, {device.peak_tflops:g} TFLOP/s peak); {len(layouts)} layouts fit"
     )
     cols = (
-        f"{'#':>3} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<10} {'tiles':>5} {'states':<17} "
+        f"{'#':>3} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<10} {'tiles':>5} {'heads':>5} {'states':<17} "
         f"{'mem GiB':>8} {'step s':>9} {'tok/s/GPU':>10} {'MFU':>6}"
     )
     rows = [head, cols]
@@ -188,7 +192,7 @@ def format_table(
         )
         rows.append(
             f"{i:>3} {e.ulysses_degree:>7} {e.ring_degree:>5} {e.dp_degree:>4} {e.fsdp_mode:<12} {ckpt:<10} "
-            f"{e.mlp_tiles:>5} {e.states:<17} {e.mem_gib_per_gpu:>8.1f} {e.step_time_s:>9.3g} {e.tokens_per_s_per_gpu:>10.4g} {e.mfu:>6.1%}"
+            f"{e.mlp_tiles:>5} {e.attn_head_chunks:>5} {e.states:<17} {e.mem_gib_per_gpu:>8.1f} {e.step_time_s:>9.3g} {e.tokens_per_s_per_gpu:>10.4g} {e.mfu:>6.1%}"
         )
     best = layouts[0]
     rows.append("")
@@ -223,7 +227,7 @@ def format_max_seq_len(
         f"({best.max_seq_len / 2**20:.3g}M)"
     )
     cols = (
-        f"{'#':>3} {'max seq':>10} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<8} {'tiles':>5} "
+        f"{'#':>3} {'max seq':>10} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<8} {'tiles':>5} {'heads':>5} "
         f"{'states':<17} {'chunk':>5} {'mem GiB':>8} {'host GiB/node':>13} {'step s':>9} {'MFU':>6}"
     )
     rows = [head, cols]
@@ -232,7 +236,7 @@ def format_max_seq_len(
         ckpt = e.activation_checkpointing + (f"/{e.ac_every_k}" if e.activation_checkpointing == "every_k" else "")
         rows.append(
             f"{i:>3} {a.max_seq_len:>10} {e.ulysses_degree:>7} {e.ring_degree:>5} {e.dp_degree:>4} "
-            f"{e.fsdp_mode:<12} {ckpt:<8} {e.mlp_tiles:>5} {e.states:<17} {a.loss_chunk_size:>5} {e.mem_gib_per_gpu:>8.1f} "
+            f"{e.fsdp_mode:<12} {ckpt:<8} {e.mlp_tiles:>5} {e.attn_head_chunks:>5} {e.states:<17} {a.loss_chunk_size:>5} {e.mem_gib_per_gpu:>8.1f} "
             f"{e.host_mem_gib_per_node:>13.0f} {e.step_time_s:>9.4g} {e.mfu:>6.1%}"
         )
     e = best.estimate
@@ -324,6 +328,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         tiles = None if args.mlp_tiles == "auto" else int(args.mlp_tiles) if args.mlp_tiles.isdigit() else -1
         if tiles is not None and tiles < 1:
             raise ValueError(f"--mlp-tiles={args.mlp_tiles!r} is invalid: use an integer >= 1 or auto.")
+        a = args.attn_head_chunks
+        head_chunks = None if a == "auto" else int(a) if a.isdigit() else -1
+        if head_chunks is not None and head_chunks < 1:
+            raise ValueError(f"--attn-head-chunks={a!r} is invalid: use an integer >= 1 or auto.")
         default_states = "any" if args.max_seq_len else "device"
         states = STATE_PLACEMENTS if (args.states or default_states) == "any" else (args.states or "device",)
         dtype_bytes = 4 if args.dtype == "float32" else 2
@@ -333,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, states=states, mlp_tiles=tiles,
                 loss_chunk_sizes=LOSS_CHUNK_CANDIDATES if args.loss_chunk_size is None else (args.loss_chunk_size,),
                 overhead_frac=args.overhead_frac, compute_bytes=dtype_bytes,
-                headroom_gib=args.headroom_gib, seq_multiple=args.seq_multiple,
+                headroom_gib=args.headroom_gib, seq_multiple=args.seq_multiple, attn_head_chunks=head_chunks,
             )  # fmt: skip
             print(
                 json.dumps([a.to_dict() for a in answers[: args.top]], indent=2)
@@ -374,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             mlp_tiles=tiles,
             states=states,
             headroom_gib=args.headroom_gib,
+            attn_head_chunks=head_chunks,
         )
         if args.json:
             print(json.dumps([e.to_dict() for e in layouts], indent=2))
