@@ -17,14 +17,21 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
 from usp.config import TrainConfig, validate_choices, validate_layout
 
+REQUEUE_EXIT_CODE = 75
+"""Exit status of a run stopped by SIGTERM/SIGUSR1 once its checkpoint is saved: ``EX_TEMPFAIL``, "try
+again"; ``launch/slurm.sbatch`` requeues the job, which resumes from that checkpoint."""
+REPORT_GRACE_S = 5.0
+"""How long ranks > 0 wait before reporting a bad setting that rank 0 reports too (see ``_fail``)."""
 CONF_DIR: Path = Path(__file__).resolve().parents[2] / "conf"
 """The config groups (a source checkout; ``conf/recipe`` links to the top-level ``recipes/``)."""
 CONFIG_NAME = "train"
@@ -127,21 +134,47 @@ def launched_world(env: Mapping[str, str] | None = None) -> tuple[int, int | Non
     return int(env.get("WORLD_SIZE", "1")), (int(local) if local else None)
 
 
+def _fail(err: ValueError) -> NoReturn:
+    """A user error (a bad setting, found alike on every rank): said once, exit status 2, no traceback.
+
+    Rank 0 records it in its torchrun error file (``TORCHELASTIC_ERROR_FILE``: torchrun's failure summary
+    shows it as the root cause), prints it and exits at once. The other ranks wait up to
+    :data:`REPORT_GRACE_S` first, so rank 0 is the first to fail and torchrun stops them before they say it
+    again; one that is not stopped by then records and exits in turn, so the reason is never lost.
+    """
+    from usp.train.elastic import record_error
+
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        time.sleep(REPORT_GRACE_S)
+    record_error(err, with_traceback=False)
+    if rank == 0:
+        print(f"usp-train: error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def _task(dcfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = to_train_config(dcfg, run_dir=HydraConfig.get().runtime.output_dir)
         world_size, local_world_size = launched_world()
         validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
     except ValueError as err:
-        if rank == 0:
-            print(f"usp-train: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _fail(err)
     from usp.train.trainer import run  # lazy: composing and validating need no torch/transformers
 
-    run(cfg)
+    try:
+        result = run(cfg)
+    except ValueError as err:  # raised on every rank by the trainer's checks, before any weights or data
+        _fail(err)
+    except Exception as err:  # Hydra prints it and exits 1; torchrun's summary shows it from the error file
+        from usp.train.elastic import record_error
+
+        record_error(err)
+        raise
+    if result.get("preempted"):
+        sys.exit(REQUEUE_EXIT_CODE)
 
 
 def _rank_overrides(rank: int) -> list[str]:
@@ -152,7 +185,18 @@ def _rank_overrides(rank: int) -> list[str]:
 
 
 def main() -> None:
-    """Console script ``usp-train``: parse Hydra overrides from ``sys.argv`` and train."""
+    """Console script ``usp-train``: parse Hydra overrides from ``sys.argv`` and train.
+
+    Exit status: 0 done; 2 a bad setting (the message on stderr and in torchrun's error file);
+    :data:`REQUEUE_EXIT_CODE` stopped by SIGTERM/SIGUSR1 after saving a checkpoint (requeue to continue);
+    1 anything else (its traceback, also in torchrun's error file: elastic's ``record``).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record  # lazy: composing needs no torch
+
+    record(_main)()
+
+
+def _main() -> None:
     import hydra
 
     check_conf_dir()

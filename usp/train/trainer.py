@@ -44,6 +44,7 @@ from usp.model import (
     weight_devices,
 )
 from usp.parallel import ParallelDims, SPMesh, check_sequence_length, init_sp_mesh
+from usp.train.elastic import launcher_store
 from usp.train.loss import IGNORE_INDEX
 from usp.train.optim import build_optimizer, check_optim_config
 from usp.train.parallelize import AC_MODES, FSDP_MODES, decoder_layers, parallelize
@@ -74,6 +75,8 @@ def init_distributed(
     start-up data preparation and a large checkpoint save, short enough that a dead peer ends the job.
     ``cpu_offload`` (``parallel.cpu_offload``) with nccl adds gloo for CPU tensors (``cpu:gloo,cuda:nccl``): the
     offloaded shards are CPU tensors in the weight broadcast and the gradient-norm all-reduce.
+    Under a launcher the group meets in :func:`usp.train.elastic.launcher_store` (the launcher's store, keys
+    private to each ``torchrun --max-restarts`` attempt), not ``env://``, whose keys a restart would reuse.
     """
     if dist.is_initialized():
         return False
@@ -83,8 +86,10 @@ def init_distributed(
     if cpu_offload and backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"
     timeout = timedelta(minutes=timeout_minutes)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a launcher; keys private to this restart
+        store = launcher_store(timeout)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:  # one process, no launcher
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return True
