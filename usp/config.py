@@ -145,6 +145,15 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"
     """``auto`` | ``cuda`` | ``cpu``."""
+    watchdog_factor: float = 20.0
+    """Step watchdog: a training step taking more than this many times the running median step time (and at
+    least ``watchdog_min_seconds``) dumps this rank's Python stacks and fails the job (a stuck or stopped
+    rank). 0 turns the rule off. See docs/launch.md."""
+    watchdog_min_seconds: float = 60.0
+    """The step rule of the watchdog never fires before a step has run this many seconds."""
+    watchdog_minutes: float = 30.0
+    """Step watchdog: no progress (no step, checkpoint or evaluation finished) for this many minutes fails the
+    job with stacks. 0 turns the rule off; keep it below ``parallel.timeout_minutes``."""
 
 
 @dataclass
@@ -257,6 +266,10 @@ def validate_choices(cfg: TrainConfig) -> None:
     for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "loss_chunk_size"):
         if getattr(t, name) < 1:
             raise ValueError(f"trainer.{name}={getattr(t, name)} is invalid: use an integer >= 1.")
+    for name in ("watchdog_factor", "watchdog_min_seconds", "watchdog_minutes"):
+        value = getattr(t, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"trainer.{name}={value!r} is invalid: use a number >= 0 (0 turns the rule off).")
     if t.checkpoint_every < 0 or t.keep_last < 1:
         raise ValueError(
             f"trainer.checkpoint_every={t.checkpoint_every} / trainer.keep_last={t.keep_last}: "

@@ -173,7 +173,16 @@ def _task(dcfg: DictConfig) -> None:
 
         record_error(err)
         raise
-    if result.get("preempted"):
+    if result.get("preempted"):  # the reason, in torchrun's summary too (it reports any non-zero exit)
+        from usp.train.elastic import record_error
+
+        record_error(
+            RuntimeError(
+                f"stopped by a signal after saving {result['checkpoint']} (step {result['final_step']}); exit "
+                f"status {REQUEUE_EXIT_CODE}: requeue, or relaunch with the same run dir, to continue from it"
+            ),
+            with_traceback=False,
+        )
         sys.exit(REQUEUE_EXIT_CODE)
 
 

@@ -72,6 +72,11 @@ def record_error(error: BaseException, *, with_traceback: bool = True) -> None:
     if not path:
         return
     message = f"{type(error).__name__}: {error}"
-    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    data = {
+        "message": {
+            "message": message,
+            "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
+        }
+    }
     with open(path, "w") as f:
         json.dump(data, f)

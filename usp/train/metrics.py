@@ -23,6 +23,7 @@ of steps after ``s`` (logged after the checkpoint, before the crash), so no step
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -195,6 +196,12 @@ def drop_records_after(path: str | os.PathLike, step: int) -> int:
     return dropped
 
 
+def wandb_run_id(run_dir: str | os.PathLike) -> str:
+    """The wandb run id of a run dir: a hash of its absolute path, so a requeued, resubmitted or relaunched
+    job that continues in the same run dir continues the same wandb run (``resume="allow"``)."""
+    return "usp-" + hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
 def _init_wandb(cfg: WandbConfig, run_dir: Path, config: dict, layout: dict) -> Any:
     try:
         import wandb
@@ -210,6 +217,8 @@ def _init_wandb(cfg: WandbConfig, run_dir: Path, config: dict, layout: dict) -> 
         tags=list(cfg.tags) or None,
         mode=cfg.mode,
         dir=str(run_dir),  # offline runs land in <run_dir>/wandb/offline-run-*
+        id=wandb_run_id(run_dir),  # one wandb run per run dir, across requeues and resumes
+        resume="allow",
         config={**config, "layout": layout},
     )
 

@@ -13,7 +13,9 @@ Order (every rank runs all of it; each stage is collective where it says so):
    rank's fp32 shards loaded from the checkpoint (rank 0 reads, broadcasts); AdamW + schedule, resume.
 4. the loop: ``grad_accum_steps`` micro-batches per optimizer step (:func:`usp.train.step.train_step`),
    metrics every step (rank 0 writes), validation every ``eval_every``, a checkpoint every
-   ``checkpoint_every`` steps and at the end, then the Hugging Face export.
+   ``checkpoint_every`` steps and at the end, then the Hugging Face export. SIGTERM/SIGUSR1 on any rank
+   stops every rank at the same step after a checkpoint (:mod:`usp.train.signals`; no export, result
+   ``preempted``); a step watchdog fails a rank that stops progressing (:mod:`usp.train.watchdog`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 import os
 import random
 from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,7 +51,9 @@ from usp.train.elastic import launcher_store
 from usp.train.loss import IGNORE_INDEX
 from usp.train.optim import build_optimizer, check_optim_config
 from usp.train.parallelize import AC_MODES, FSDP_MODES, decoder_layers, parallelize
+from usp.train.signals import StopRequest
 from usp.train.step import train_step
+from usp.train.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -349,6 +354,15 @@ def check_auto_resume(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
     return latest
 
 
+def build_watchdog(cfg: TrainConfig, rank: int) -> StepWatchdog:
+    """The step watchdog of ``trainer.watchdog_*`` (:mod:`usp.train.watchdog`)."""
+    t = cfg.trainer
+    return StepWatchdog(
+        factor=float(t.watchdog_factor), minutes=float(t.watchdog_minutes),
+        min_seconds=float(t.watchdog_min_seconds), rank=rank,
+    )  # fmt: skip
+
+
 # --- validation loss ----------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: torch.device) -> float:
@@ -370,7 +384,8 @@ def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: tor
 # --- the job ------------------------------------------------------------------------------------------
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; returns ``{"losses", "final_step", "run_dir", "layout", "checkpoint",
-    "export_dir", "val_losses", "metrics"}`` (the same on every rank; ``losses`` are this run's steps only).
+    "export_dir", "val_losses", "metrics", "preempted"}`` (the same on every rank; ``losses`` are this run's
+    steps only; ``preempted``: stopped by a signal after saving the checkpoint at ``final_step``).
 
     Raises ``ValueError`` on every rank, before loading weights or data, for bad settings.
     """
@@ -485,12 +500,18 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     last_ckpt: Path | None = Path(resume_from) if resume_from is not None else None
     batches = iter(train_loader)
     fingerprint = run_fingerprint(cfg)
+    guards = ExitStack()  # SIGTERM/SIGUSR1 handlers and the step watchdog, for the loop's lifetime
+    stop = guards.enter_context(StopRequest())
+    watchdog = guards.enter_context(build_watchdog(cfg, rank))
+    preempted = False
     try:
         for step in range(start_step, cfg.trainer.max_steps):
+            watchdog.begin_step(step)
             micro = [next(batches) for _ in range(cfg.trainer.grad_accum_steps)]
             res = train_step(
                 loss_model, optimizer, scheduler, micro, mesh=mesh, grad_clip=cfg.optim.grad_clip, device=device
             )
+            preempted = stop.agreed(device)  # every rank, every step: a signal to any rank stops all here
             flops = torch.tensor(
                 training_flops(
                     dense_params=dense_params, num_layers=layers, num_heads=hf_config.num_attention_heads,
@@ -501,6 +522,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             )
             if mesh.dp_degree > 1:  # each replica counted its own documents
                 dist.all_reduce(flops, group=mesh.dp_group)
+            watchdog.end_step()
             done = step + 1
             extra: dict[str, Any] = {"num_targets": res.num_targets}
             if cfg.trainer.eval_every and val_loader is not None and done % cfg.trainer.eval_every == 0:
@@ -514,15 +536,31 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
                 )
             losses.append(res.loss)
             periodic = cfg.trainer.checkpoint_every and done % cfg.trainer.checkpoint_every == 0
-            if periodic or done == cfg.trainer.max_steps:
+            if periodic or done == cfg.trainer.max_steps or preempted:
                 last_ckpt = save_checkpoint(
                     ckpt_root, done, model=model, optimizer=optimizer, scheduler=scheduler,
                     extra={"data": train_loader.state_dict(), "rng": rng_state(device), "fingerprint": fingerprint},
                     keep_last=cfg.trainer.keep_last,
                 )  # fmt: skip
+                watchdog.beat()
+            if preempted:
+                break
     finally:
+        guards.close()
         metrics.close()
 
+    if preempted:
+        if rank == 0:
+            logger.warning(
+                "stopped by %s after step %d: checkpoint %s; exiting with status 75, requeue (or relaunch with "
+                "the same run dir) to continue from it", stop.received.name if stop.received else "a signal",
+                done, last_ckpt,
+            )  # fmt: skip
+        return {
+            "losses": losses, "final_step": done, "start_step": start_step, "run_dir": str(run_dir),
+            "layout": layout_info, "checkpoint": str(last_ckpt), "export_dir": None, "val_losses": val_losses,
+            "metrics": records, "preempted": True,
+        }  # fmt: skip
     export_dir = None
     if cfg.trainer.export_hf:
         export_dir = export_hf(
@@ -546,4 +584,5 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         "export_dir": None if export_dir is None else str(export_dir),
         "val_losses": val_losses,
         "metrics": records,
+        "preempted": False,
     }
