@@ -203,6 +203,11 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     run_dir: str = "."
     """Filled in by the entry point from ``hydra.run.dir``; every rank agrees on it."""
+    run_name: str | None = None
+    """A stable name for the run: the default run dir becomes ``outputs/<run_name>`` (instead of an id drawn
+    per launch or per SLURM job), so a relaunched, requeued or resubmitted job continues there with
+    ``trainer.resume=auto``. ``launch/slurm.sbatch`` sets it to the job name when the job is named
+    (``--job-name``). An explicit ``hydra.run.dir`` (or a recipe's) wins."""
 
 
 def _check_choice(name: str, value: object, valid: tuple) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from usp.config import TrainConfig
-from usp.launch import commands
+from usp.launch import commands, preflight
 from usp.launch.overrides import check_degree_values, check_degrees, find_override, validate_override_syntax
 
 MODES = ("local", "torchrun", "slurm")
@@ -71,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--submit", action="store_true", help="slurm: submit with sbatch even inside an allocation")
     p.add_argument("--script", default=None, help="slurm: the batch script (default launch/slurm.sbatch)")
     p.add_argument("--cpu", action="store_true", help="local/torchrun: CPU processes on gloo")
+    p.add_argument(
+        "--max-restarts", dest="max_restarts", type=int, default=0, metavar="R",
+        help="torchrun/slurm: restart all ranks up to R times after one fails; they resume from the last "
+        "checkpoint (default 0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--skip-memory-check", dest="skip_memory_check", action="store_true",
+        help="submit even when the planner predicts the layout does not fit the device memory",
+    )  # fmt: skip
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the command; run nothing")
     return p
 
@@ -154,11 +163,27 @@ def config_degrees(cfg: TrainConfig) -> list[str]:
     return words
 
 
-def _check(overrides: Sequence[str], cfg: TrainConfig | None, *, nodes: int, nproc_per_node: int) -> None:
-    """The command line's degrees first (its own words in the message), then the composed config's."""
+def _check(
+    overrides: Sequence[str], cfg: TrainConfig | None, *, nodes: int, nproc_per_node: int, memory: bool = True
+) -> None:
+    """The command line's degrees first (its own words in the message), then the composed config's, then
+    the trainer's own layout and sequence-length checks and the planner's memory estimate
+    (:mod:`usp.launch.preflight`; the estimate's figure is printed on stderr, an excess is an error unless
+    ``memory`` is false, ``--skip-memory-check``)."""
     check_degrees(overrides, nodes=nodes, nproc_per_node=nproc_per_node)
-    if cfg is not None:
-        check_degrees(config_degrees(cfg), nodes=nodes, nproc_per_node=nproc_per_node)
+    if cfg is None:
+        return
+    check_degrees(config_degrees(cfg), nodes=nodes, nproc_per_node=nproc_per_node)
+    world = nodes * nproc_per_node
+    preflight.check_layout(cfg, world_size=world, local_world_size=nproc_per_node)
+    try:
+        note = preflight.check_memory(cfg, world_size=world, local_world_size=nproc_per_node)
+    except ValueError as exc:
+        if memory:
+            raise
+        note = f"warning: {exc}"
+    if note:
+        print(f"usp-launch: {note}", file=sys.stderr)
 
 
 def plan_command(
@@ -173,6 +198,10 @@ def plan_command(
     overrides = [*overrides, *hydra_flags]
     _positive(args.nproc_per_node, "--nproc-per-node")
     _positive(args.nodes, "--nodes")
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts={args.max_restarts} is invalid: use an integer >= 0.")
+    if args.mode == "local" and args.max_restarts:
+        raise LaunchError("--max-restarts: `local` runs one plain process, without torchrun; use `torchrun`.")
     if args.mode != "slurm":
         misplaced = [f"--{name.replace('_', '-')}" for name in SLURM_ONLY if getattr(args, name) not in (None, False)]
         if misplaced:
@@ -198,7 +227,7 @@ def plan_command(
                 f"--nproc-per-node={args.nproc_per_node}: `local` runs one process. "
                 f"Use `usp-launch torchrun --nproc-per-node {args.nproc_per_node}` for several."
             )
-        _check(overrides, cfg, nodes=1, nproc_per_node=1)
+        _check(overrides, cfg, nodes=1, nproc_per_node=1, memory=not args.skip_memory_check)
         return commands.local_command(overrides, python=sys.executable)
 
     if args.mode == "torchrun":
@@ -212,8 +241,8 @@ def plan_command(
                     "no GPUs found (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them): pass "
                     "--nproc-per-node N, or --cpu --nproc-per-node N for CPU processes on gloo."
                 )
-        _check(overrides, cfg, nodes=1, nproc_per_node=nproc)
-        return commands.torchrun_command(overrides, nproc_per_node=nproc)
+        _check(overrides, cfg, nodes=1, nproc_per_node=nproc, memory=not args.skip_memory_check)
+        return commands.torchrun_command(overrides, nproc_per_node=nproc, max_restarts=args.max_restarts)
 
     job_id = env.get("SLURM_JOB_ID")
     if job_id and not args.submit:
@@ -251,12 +280,13 @@ def _srun_in_allocation(
             f"SLURM job {job_id} shows no GPUs (SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE unset): "
             f"pass --gpus-per-node N, or allocate with --gpus-per-node=N."
         )
-    _check(overrides, cfg, nodes=nodes, nproc_per_node=nproc)
+    _check(overrides, cfg, nodes=nodes, nproc_per_node=nproc, memory=not args.skip_memory_check)
     cpus = int(env["SLURM_CPUS_ON_NODE"]) if env.get("SLURM_CPUS_ON_NODE", "").isdigit() else None
     head = commands.first_hostname(env.get("SLURM_JOB_NODELIST", ""), shutil.which("scontrol"))
     return commands.srun_command(
-        overrides, nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head, cpus_per_task=cpus
-    )
+        overrides, nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head, cpus_per_task=cpus,
+        max_restarts=args.max_restarts,
+    )  # fmt: skip
 
 
 def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | None) -> list[str]:
@@ -270,7 +300,7 @@ def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | N
         )
     nodes = nodes or cfg.cluster.num_nodes
     gpus = gpus or cfg.cluster.gpus_per_node
-    _check(overrides, cfg, nodes=nodes, nproc_per_node=gpus)
+    _check(overrides, cfg, nodes=nodes, nproc_per_node=gpus, memory=not args.skip_memory_check)
     script = Path(args.script) if args.script else commands.default_sbatch_script()
     if not script.is_file():
         raise LaunchError(f"--script {script}: no such file. Pass --script PATH to your copy of slurm.sbatch.")
@@ -284,6 +314,7 @@ def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | N
         account=args.account,
         job_name=args.job_name or "usp",
         gres=args.gres,
+        max_restarts=args.max_restarts,
     )
 
 

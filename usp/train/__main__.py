@@ -16,6 +16,7 @@ files and its log, and every rank gets the same absolute ``run_dir`` (``hydra.ru
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -45,8 +46,15 @@ _MISSING_HINTS: dict[str, str] = {
 }
 
 
-def _run_id() -> str:
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""What ``run_name`` may be: one path component (it names ``outputs/<run_name>``)."""
+
+
+def _run_id(run_name: str | None = None) -> str:
     """A run-dir name every rank computes identically.
+
+    ``run_name`` (the config's ``run_name``; ``launch/slurm.sbatch`` sets it to a named job's name) wins: a
+    stable name, so a relaunched, requeued or resubmitted job continues in the same run dir. Otherwise:
 
     torchrun's rendezvous id first: ``srun torchrun --rdzv-id $SLURM_JOB_ID`` (the multi-node launcher) gives
     ``slurm-<job id>``, so a requeued job resumes from its own checkpoints; ``torchrun --standalone`` makes a
@@ -54,6 +62,13 @@ def _run_id() -> str:
     ``trainer.resume=auto`` never picks up another run). Then the SLURM job id (a launcher-less
     ``python -m usp.train`` inside a job), else a timestamp (one process only).
     """
+    if run_name not in (None, ""):
+        if not RUN_NAME.fullmatch(str(run_name)) or str(run_name) in (".", ".."):
+            raise ValueError(
+                f"run_name={run_name!r} is invalid: use letters, digits, '.', '_' and '-' (it names the run dir "
+                f"outputs/<run_name>), or set hydra.run.dir=/path/of/the/run."
+            )
+        return str(run_name)
     job = os.environ.get("SLURM_JOB_ID", "")
     rdzv = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if rdzv and rdzv != "none":
