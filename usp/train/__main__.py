@@ -188,7 +188,7 @@ def _task(dcfg: DictConfig) -> None:
 
         record_error(err)
         raise
-    if result.get("preempted"):  # the reason, in torchrun's summary too (it reports any non-zero exit)
+    if isinstance(result, dict) and result.get("preempted"):  # the reason, in torchrun's summary too (it reports any non-zero exit)
         from usp.train.elastic import record_error
 
         record_error(
