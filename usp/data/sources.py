@@ -291,7 +291,13 @@ def _locate_row(files: Sequence[str], builder: str, index: int) -> str:
 
 
 def check_text_column(
-    ds: Dataset, spec: str, text_field: str, *, files: Sequence[str] = (), builder: str = "", skip: bool = False
+    ds: Dataset,
+    spec: str,
+    text_field: str,
+    *,
+    files: Sequence[str] = (),
+    builder: str = "",
+    skip: bool = False,
 ) -> tuple[Dataset, int]:
     """Refuse (or, with ``skip``, drop and count) rows whose ``text_field`` is not a string.
 
@@ -348,7 +354,9 @@ def _text_only(
         feature = ds.features[text_field]
         if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
             files, builder = _local_files(spec)
-            ds, dropped = check_text_column(ds, spec, text_field, files=files, builder=builder, skip=skip_non_text)
+            ds, dropped = check_text_column(
+                ds, spec, text_field, files=files, builder=builder, skip=skip_non_text
+            )
             if skipped is not None:
                 skipped[spec] = skipped.get(spec, 0) + dropped
             if dropped:
@@ -430,8 +438,12 @@ def load_text_sources(
     cache = None if cache_dir is None else str(cache_dir)
     parts = [
         _text_only(
-            _load_one(s, cache_dir=cache, streaming=streaming, log=log), s, text_field, _is_plain_text(s),
-            skip_non_text=skip_non_text, skipped=skipped,
+            _load_one(s, cache_dir=cache, streaming=streaming, log=log),
+            s,
+            text_field,
+            _is_plain_text(s),
+            skip_non_text=skip_non_text,
+            skipped=skipped,
         )  # fmt: skip
         for s in inputs
     ]
