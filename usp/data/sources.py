@@ -203,14 +203,19 @@ def _load_one(
         builder = kinds.pop()
         assert builder is not None
         extra = {"sample_by": "document"} if builder == "text" else {}
+        quiet = logging.getLogger("datasets.packaged_modules")  # logs a parse error before raising it
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
         try:
             return datasets.load_dataset(
                 builder, data_files=files, split="train", cache_dir=cache_dir, streaming=streaming, **extra
             )
         except Exception as e:  # noqa: BLE001 - a parse error deep in datasets/pyarrow: said as one line
-            if isinstance(e, (ValueError, FileNotFoundError)) and not _is_parse_error(e):
+            if not _is_parse_error(e):
                 raise
             raise ValueError(f"data.inputs: {describe_parse_error(files, builder, e)}") from e
+        finally:
+            quiet.setLevel(level)
     name, _, config = spec.partition(":")
     try:
         return datasets.load_dataset(
@@ -261,13 +266,13 @@ def describe_parse_error(files: Sequence[str], builder: str, error: BaseExceptio
             try:
                 for number, raw in _json_lines(path):
                     try:
-                        text = raw.decode("utf-8")
+                        text = raw.decode("utf-8").rstrip("\r\n")
                     except UnicodeDecodeError:
                         return f"{path}:{number}: not UTF-8 text (a binary file?); fix or remove it."
                     try:
                         json.loads(text)
                     except json.JSONDecodeError as e:
-                        return f"{path}:{number}: not valid JSON ({e.msg} at character {e.pos + 1}); fix or remove the line."
+                        return f"{path}:{number}: not valid JSON ({e.msg}, column {e.colno}); fix or remove the line."
             except OSError as e:
                 return f"{path}: cannot be read ({e})."
     causes = [x for x in (error.__cause__, error.__context__, error) if x is not None and str(x).strip()]
@@ -304,16 +309,16 @@ def check_text_column(
     A column of strings passes untouched (nulls are empty documents: tokenization skips and counts them).
     Anything else (a number, a list, an object: ``datasets`` then types the column as ``Json`` or a
     non-string value) raises ``ValueError`` naming the input, the first such row (``file:line`` for JSON
-    Lines) and its type; text is never re-encoded. Returns the dataset and the number of rows dropped.
+    Lines) and its type; text is never re-encoded. Returns the text column alone as a string ``Dataset``
+    (the strings as decoded, in memory: only columns that are not strings come here) and the number of rows
+    dropped.
     """
     feature = ds.features[text_field]
     if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
         return ds, 0
     values = ds[text_field]
     bad = [i for i, v in enumerate(values) if not (v is None or isinstance(v, str))]
-    if not bad:
-        return ds, 0
-    if not skip:
+    if bad and not skip:
         first = values[bad[0]]
         where = _locate_row(files, builder, bad[0])
         raise ValueError(
@@ -322,8 +327,11 @@ def check_text_column(
             f"data, point --text-field / data.text_field at the text column, or pass --skip-non-text to "
             f"usp-prepare-data to drop those rows (counted in its summary)."
         )
-    keep = sorted(set(range(len(values))) - set(bad))
-    return ds.select(keep), len(bad)
+    # the decoded strings themselves: casting a Json column to string would JSON-encode them
+    texts = [v for v in values if v is None or isinstance(v, str)]
+    return Dataset.from_dict(
+        {text_field: texts}, features=datasets.Features({text_field: datasets.Value("string")})
+    ), len(bad)
 
 
 def _local_files(spec: str) -> tuple[list[str], str]:
@@ -359,8 +367,6 @@ def _text_only(
             )
             if skipped is not None:
                 skipped[spec] = skipped.get(spec, 0) + dropped
-            if dropped:
-                ds = ds.cast_column(text_field, datasets.Value("string"))  # what is left is text
     columns = ds.column_names
     if columns is None and isinstance(ds, IterableDataset):  # unknown schema until read: peek one row
         columns = list(next(iter(ds.take(1)), {}).keys())
