@@ -3,9 +3,9 @@
 ::
 
     usp-launch local    [--cpu] [overrides...] [--dry-run]
-    usp-launch torchrun [--nproc-per-node N] [--cpu] [overrides...] [--dry-run]
+    usp-launch torchrun [--nproc-per-node N] [--cpu] [--max-restarts R] [overrides...] [--dry-run]
     usp-launch slurm    [--nodes N] [--gpus-per-node G] [--partition P] [--time T] [--account A]
-                        [--job-name J] [--gres] [--submit] [overrides...] [--dry-run]
+                        [--job-name J] [--gres] [--submit] [--max-restarts R] [overrides...] [--dry-run]
 
 ``local`` runs one plain process. ``torchrun`` runs one node; ``--nproc-per-node`` defaults to the GPUs that
 ``nvidia-smi`` lists (no more than ``CUDA_VISIBLE_DEVICES`` shows), and it is what torchrun exports as
@@ -17,7 +17,9 @@ Without ``--nodes`` / ``--gpus-per-node``, the run config's ``cluster.num_nodes`
 Before anything runs, the overrides are composed into the trainer's run config (the same composition
 ``usp.train`` does, so an unknown recipe, a misspelled key or a missing ``model.path`` is reported here), and
 the composed degrees (``parallel.*``, from the recipe or the command line) are checked against the processes
-about to start. Errors print a message naming the setting and the fix, and exit with status 2.
+about to start, with the trainer's own layout and ``trainer.seq_len`` checks and the planner's memory
+estimate (:mod:`usp.launch.preflight`; ``--skip-memory-check`` lets a layout above the device memory
+through). Errors print a message naming the setting and the fix, and exit with status 2.
 
 Words after a literal ``--`` that are not ``key=value`` overrides (Hydra's own flags: ``-- --cfg job``,
 ``-- --help``) are passed to ``usp.train`` unchanged; the run config is then not composed.
