@@ -209,6 +209,9 @@ def test_elastic_restart_resumes_and_reaches_the_uninterrupted_losses(tmp_path, 
 
 # --- 4. preemption and requeue ----------------------------------------------------------------------------
 def test_stop_request_records_and_agrees():
+    from usp.train import signals
+
+    assert signals.REQUEUE_EXIT_CODE == REQUEUE_EXIT_CODE == 75  # the entry point's copy (it imports no torch)
     with StopRequest() as stop:
         assert not stop.agreed(torch.device("cpu"))
         os.kill(os.getpid(), signal.SIGUSR1)

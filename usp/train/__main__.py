@@ -29,8 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 from usp.config import TrainConfig, validate_choices, validate_layout
 
 REQUEUE_EXIT_CODE = 75
-"""Exit status of a run stopped by SIGTERM/SIGUSR1 once its checkpoint is saved: ``EX_TEMPFAIL``, "try
-again"; ``launch/slurm.sbatch`` requeues the job, which resumes from that checkpoint."""
+"""Exit status of a run stopped by SIGTERM/SIGUSR1 once its checkpoint is saved (the same number as
+``usp.train.signals.REQUEUE_EXIT_CODE``, which this module does not import: composing needs no torch)."""
 REPORT_GRACE_S = 5.0
 """How long ranks > 0 wait before reporting a bad setting that rank 0 reports too (see ``_fail``)."""
 CONF_DIR: Path = Path(__file__).resolve().parents[2] / "conf"

@@ -6,7 +6,7 @@ A cluster preempts or ends a job with a signal (SLURM: SIGTERM at preemption or 
 ``--signals-to-handle``, to its workers). The handler only records the signal; the training loop asks
 :meth:`StopRequest.agreed` once per optimizer step, a one-element all-reduce (MAX) on the default group,
 so every rank sees a signal that reached any of them at the same step, saves the same checkpoint and
-stops. The entry point then exits with ``usp.train.__main__.REQUEUE_EXIT_CODE``.
+stops. The entry point then exits with :data:`REQUEUE_EXIT_CODE` (75).
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+REQUEUE_EXIT_CODE = 75
+"""Exit status of a run stopped by SIGTERM/SIGUSR1 once its checkpoint is saved: ``EX_TEMPFAIL``, "try
+again"; ``launch/slurm.sbatch`` requeues the job, which resumes from that checkpoint."""
 
 
 class StopRequest:

@@ -51,7 +51,7 @@ from usp.train.elastic import launcher_store
 from usp.train.loss import IGNORE_INDEX
 from usp.train.optim import build_optimizer, check_optim_config
 from usp.train.parallelize import AC_MODES, FSDP_MODES, decoder_layers, parallelize
-from usp.train.signals import StopRequest
+from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
 from usp.train.step import train_step
 from usp.train.watchdog import StepWatchdog
 
@@ -552,9 +552,9 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     if preempted:
         if rank == 0:
             logger.warning(
-                "stopped by %s after step %d: checkpoint %s; exiting with status 75, requeue (or relaunch with "
+                "stopped by %s after step %d: checkpoint %s; exiting with status %d, requeue (or relaunch with "
                 "the same run dir) to continue from it", stop.received.name if stop.received else "a signal",
-                done, last_ckpt,
+                done, last_ckpt, REQUEUE_EXIT_CODE,
             )  # fmt: skip
         return {
             "losses": losses, "final_step": done, "start_step": start_step, "run_dir": str(run_dir),
