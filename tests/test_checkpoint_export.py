@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from tests.mesh_cache import cached_sp_mesh
+from tests.tolerance import assert_close_scaled
 from usp.tiny import build_tiny_llama
 from usp.train.export import EXPORT_MARKER, export_hf
 
@@ -66,7 +67,7 @@ def _check_export(model_dir: str, out_dir, ref: dict) -> None:
         torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
     with torch.no_grad():
         logits = loaded(input_ids=_probe_ids(loaded.config.vocab_size)).logits
-    torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
+    assert_close_scaled(logits, ref["logits"], 1e-5)
     text = "the ring 12 13 14 ulysses"
     assert AutoTokenizer.from_pretrained(str(out_dir))(text)["input_ids"] == (
         AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
@@ -117,7 +118,7 @@ def test_export_tied_embeddings_stored_once(tmp_path):
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     ids = _probe_ids(64)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        assert_close_scaled(loaded(input_ids=ids).logits, model(input_ids=ids).logits, 1e-5)
 
 
 def test_export_casts_to_requested_dtype(tiny_dir, tmp_path):
@@ -153,13 +154,25 @@ def test_export_cast_frees_each_fp32_tensor_as_it_goes(tiny_dir, tmp_path, monke
         return sd
 
     alive_at_write: list[int] = []
-    write = export._write_weights
+    write = export.save_torch_state_dict
 
-    def spy(state_dict, tmp, max_shard_size):
+    def spy(state_dict, tmp, **kwargs):
         alive_at_write.append(sum(r() is not None for r in originals))
-        write(state_dict, tmp, max_shard_size)
+        write(state_dict, tmp, **kwargs)
 
     monkeypatch.setattr(export, "get_model_state_dict", gathered)
-    monkeypatch.setattr(export, "_write_weights", spy)
+    monkeypatch.setattr(export, "save_torch_state_dict", spy)
     export_hf(model, tokenizer=None, out_dir=tmp_path / "hf", dtype=torch.bfloat16)
     assert originals and alive_at_write == [0]
+
+
+def test_export_in_several_shards_loads_with_from_pretrained(tiny_dir, tmp_path):
+    """A small max_shard_size writes several safetensors files and the index; from_pretrained reads them."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    out = export_hf(model, tokenizer=None, out_dir=tmp_path / "hf", max_shard_size="20KB")
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    for (name, a), b in zip(loaded.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")

@@ -121,7 +121,7 @@ def test_recipe_degrees_checked_against_the_job(capsys):
     ("argv", "message"),
     [
         (["slurm", "recipe=x"], "Could not find 'recipe/x' - valid recipe options: llama2_7b_rope_128k, "),
-        (["slurm", "recipe=llama31_8b_128k", *USER, "parallel.ulysess_degree=8"], "Could not override 'parallel.ulysess_degree'"),
+        (["slurm", "recipe=llama31_8b_128k", *USER, "parallel.ulysess_degree=8"], "unknown config key 'parallel.ulysess_degree': did you mean parallel.ulysses_degree?"),
         (["torchrun", "--nproc-per-node", "8", "recipe=llama31_8b_128k", "trainer.seq_len=long", *USER], "trainer.seq_len=long"),
         (["slurm", "recipe=llama31_8b_1m"], "model.path=/ckpt/"),
     ],

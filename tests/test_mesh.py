@@ -144,6 +144,9 @@ def _group_timeouts(timeout_s: float | None) -> dict[str, float]:
     for axis in ("dp", "ring", "ulysses", "sp", "fsdp"):
         backend = mesh.group(axis)._get_backend(torch.device("cpu"))
         out[axis] = backend.options._timeout.total_seconds()
+    hsdp = mesh.hsdp_mesh(2)  # the HSDP mesh is built from the same mesh, with the same timeout
+    for axis in ("replicate", "shard"):
+        out[f"hsdp_{axis}"] = hsdp.get_group(axis)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     t = torch.ones(1)
     torch.distributed.all_reduce(t, group=mesh.ring_group)  # the groups still work
     return out
@@ -152,6 +155,7 @@ def _group_timeouts(timeout_s: float | None) -> dict[str, float]:
 def test_mesh_groups_take_the_requested_timeout(dist_pools):
     """``init_sp_mesh(timeout=...)`` reaches every axis' group (new_group would otherwise use the default)."""
     for got in dist_pools(4).run(_group_timeouts, 123.0):
-        assert got == {"dp": 123.0, "ring": 123.0, "ulysses": 123.0, "sp": 123.0, "fsdp": 123.0}
+        assert got == {"dp": 123.0, "ring": 123.0, "ulysses": 123.0, "sp": 123.0, "fsdp": 123.0,
+                       "hsdp_replicate": 123.0, "hsdp_shard": 123.0}  # fmt: skip
     for got in dist_pools(4).run(_group_timeouts, None):
         assert set(got.values()) != {123.0}

@@ -11,20 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from usp.modes import AC_MODES, ATTENTION_BACKENDS, FSDP_MODES, RING_LAYOUTS
+
 # Valid values of the string-enum fields (checked once, by ``validate_choices``).
 DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float16")
-ATTENTION_BACKENDS: tuple[str, ...] = (
-    "auto",
-    "flash_attn",
-    "sdpa_flash",
-    "sdpa_efficient",
-    "sdpa_cudnn",
-    "cpu_flash",
-    "math",
-)
-RING_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
-FSDP_MODES: tuple[str, ...] = ("full_shard", "hybrid_shard")
-AC_MODES: tuple[str, ...] = ("none", "full", "every_k")
 REDUCE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 BACKENDS: tuple[str | None, ...] = (None, "nccl", "gloo")
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
@@ -43,7 +33,7 @@ class ModelConfig:
     | ``cpu_flash`` | ``math``."""
     rope_theta: float | None = None
     """Override ``rope_theta`` for context extension (e.g. 500000 -> 8000000)."""
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: Any = None
     """Override ``rope_scaling`` (e.g. ``{rope_type: llama3, factor: 8.0, ...}``)."""
     max_position_embeddings: int | None = None
     """Override ``max_position_embeddings`` (set to at least ``trainer.seq_len``)."""
@@ -59,7 +49,8 @@ class DataConfig:
     """Local files (jsonl, parquet, text, arrow) or hub dataset names; or one ``usp-prepare-data`` output."""
     prepared_path: str | None = None
     """A dir written by ``usp-prepare-data`` (loads with ``datasets.load_from_disk``); preferred for big runs."""
-    text_field: str = "text"
+    text_field: Any = "text"
+    """Column holding the document text: one name for every input, or a list with one name per input."""
     weights: list[float] | None = None
     """Mixing weights for several ``inputs`` (same length), or None for concatenation."""
     streaming: bool = False
@@ -241,6 +232,10 @@ def validate_choices(cfg: TrainConfig) -> None:
             "no training data: set data.prepared_path=<a usp-prepare-data output dir>, or "
             "data.inputs=[a.jsonl,owner/dataset] (local files or hub dataset names)."
         )
+    if not isinstance(d.text_field, str):
+        from usp.data.sources import text_fields_per_input
+
+        text_fields_per_input(d.text_field, d.inputs)
     if d.weights is not None and len(d.weights) != len(d.inputs):
         raise ValueError(
             f"data.weights has {len(d.weights)} entries but data.inputs has {len(d.inputs)}: give one weight "

@@ -12,8 +12,8 @@ Masking is described, not materialized, by the caller:
   Rows outside every segment attend to nothing: their ``out`` is 0 and their ``lse`` is ``-inf``. This is how
   document masking reaches a kernel: varlen kernels (flash_attn) pack the segments; the dense ones (SDPA,
   CPU flash) run large blocks one unmasked call per segment (:mod:`usp.attention.segmented`, no ``[Sq, Sk]``
-  mask) and small ones with a mask; ``math`` always builds the mask (it is the reference). Segments are
-  read on the host, so keep them on the CPU (ring plans do): then no call here syncs with the device.
+  mask) and small ones with a mask; ``math`` always builds the mask (it is the reference; float64 inputs
+  run it in float64, lse included). Segments are read on the host, so keep them on the CPU (ring plans do): then no call here syncs with the device.
 
 ``attention_backward`` takes the merged (global) ``out`` and ``lse`` of the rows it is given, so a ring block's
 gradients are exact pieces of the full gradient without recomputing the merge.
@@ -24,11 +24,17 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-from typing import Literal
 
 import torch
 
-from usp.attention.cuda_kernels import flash_attn_backward, flash_attn_forward, sdpa_backward, sdpa_forward
+from usp.attention.cuda_kernels import (
+    FLASH_ATTN_MIN,
+    flash_attn_backward,
+    flash_attn_forward,
+    flash_attn_version,
+    sdpa_backward,
+    sdpa_forward,
+)
 from usp.attention.masks import dense_mask
 from usp.attention.segmented import (
     host_segments,
@@ -37,18 +43,10 @@ from usp.attention.segmented import (
     segmentwise_forward,
     uncovered_rows,
 )
+from usp.modes import ATTENTION_BACKENDS, CUDA_BACKENDS, AttentionBackend
 
-Backend = Literal["auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "cpu_flash", "math"]
-BACKENDS: tuple[str, ...] = (
-    "auto",
-    "flash_attn",
-    "sdpa_flash",
-    "sdpa_efficient",
-    "sdpa_cudnn",
-    "cpu_flash",
-    "math",
-)
-CUDA_BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+Backend = AttentionBackend
+BACKENDS: tuple[str, ...] = ATTENTION_BACKENDS
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,15 +54,25 @@ def flash_attn_import_error() -> str | None:
     """Why ``flash_attn`` cannot be used (None when it imports), tried once per process.
 
     ``find_spec`` alone is not enough: a wheel built for another torch/CUDA ABI is found but fails to import
-    (undefined symbols), and picking it would crash the first attention call.
+    (undefined symbols), and picking it would crash the first attention call. Releases older than
+    :data:`~usp.attention.cuda_kernels.FLASH_ATTN_MIN` (unchecked) are refused with their version named.
     """
     if importlib.util.find_spec("flash_attn") is None:
         return "flash_attn is not installed"
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn
         from flash_attn import flash_attn_interface  # noqa: F401
     except (ImportError, OSError, RuntimeError) as exc:  # undefined symbols, a missing .so, ABI checks
         return f"import flash_attn failed: {type(exc).__name__}: {exc}"
+    try:
+        version = flash_attn_version(flash_attn)
+    except ValueError as exc:
+        return str(exc)
+    if version < FLASH_ATTN_MIN:
+        return (
+            f"flash_attn {flash_attn.__version__} is older than the oldest release checked, "
+            f"{'.'.join(map(str, FLASH_ATTN_MIN))} (pip install 'flash-attn>=2.5.9')"
+        )
     return None
 
 
@@ -73,18 +81,27 @@ def flash_attn_available() -> bool:
     return flash_attn_import_error() is None
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """Map ``backend`` (``"auto"`` or a name in ``BACKENDS``) to a concrete kernel for ``device`` and ``dtype``.
+HALF_ONLY: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_cudnn")
+"""CUDA kernels with fp16/bf16 only and ``head_dim % 8 == 0`` (their backward checks it)."""
 
-    ``"auto"``: on CUDA, flash_attn when installed and the dtype is fp16/bf16, else torch's flash SDPA for
-    fp16/bf16 and mem-efficient SDPA for fp32 (flash kernels have no fp32); on CPU, torch's CPU flash.
+
+def resolve_backend(
+    backend: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> str:
+    """Map ``backend`` (``"auto"`` or a name in ``BACKENDS``) to a concrete kernel for ``device``, ``dtype``, ``head_dim``.
+
+    ``"auto"``: on CUDA, flash_attn when installed (>= 2.6, see :func:`flash_attn_import_error`) and the dtype is
+    fp16/bf16, else torch's flash SDPA for fp16/bf16 and mem-efficient SDPA for fp32 (flash kernels have no
+    fp32) or a head dim that is not a multiple of 8; on CPU, torch's CPU flash. An explicit CUDA backend that
+    cannot run the dtype or head dim raises ``ValueError`` naming the backends that can.
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend={backend!r} is unknown; choose one of {BACKENDS}.")
+    odd_head = head_dim is not None and head_dim % 8 != 0
     if backend == "auto":
         if device.type == "cuda":
             half = dtype in (torch.float16, torch.bfloat16) or dtype is None
-            if not half:
+            if not half or odd_head:
                 return "sdpa_efficient"
             return "flash_attn" if flash_attn_available() else "sdpa_flash"
         return "cpu_flash" if device.type == "cpu" else "math"
@@ -96,6 +113,16 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
     if backend == "cpu_flash" and device.type != "cpu":
         raise ValueError(
             f"attention backend='cpu_flash' needs CPU tensors, got {device.type}; use backend='auto'."
+        )
+    if backend in HALF_ONLY and odd_head:
+        raise ValueError(
+            f"attention backend={backend!r} needs head_dim % 8 == 0 (its backward checks it), got "
+            f"head_dim={head_dim}; use backend='sdpa_efficient' (or 'auto', which picks it) or 'math'."
+        )
+    if backend in HALF_ONLY and dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"attention backend={backend!r} runs float16/bfloat16 only, got {str(dtype).removeprefix('torch.')}; "
+            f"use backend='sdpa_efficient' (or 'auto', which picks it) or 'math', or a half-precision dtype."
         )
     if backend == "flash_attn" and not flash_attn_available():
         raise ValueError(
@@ -112,10 +139,16 @@ def default_scale(head_dim: int, softmax_scale: float | None) -> float:
 # --- math reference ----------------------------------------------------------------------------------------
 
 
+def _acc_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32 accumulation, or fp64 for fp64 inputs (the float64 reference of the kernel check)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _math_scores(q, k, scale, mask):
     group = q.size(2) // k.size(2)
-    qf = q.float().transpose(1, 2)  # [B, Hq, Sq, D]
-    kf = k.float().transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, Sk, D]
+    acc = _acc_dtype(q)
+    qf = q.to(acc).transpose(1, 2)  # [B, Hq, Sq, D]
+    kf = k.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, Sk, D]
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hq, Sq, Sk]
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
@@ -125,10 +158,11 @@ def _math_scores(q, k, scale, mask):
 def _math_forward(q, k, v, causal, scale, segments):
     mask = dense_mask(q.size(1), k.size(1), causal, segments, q.device)
     s = _math_scores(q, k, scale, mask)
+    acc = s.dtype
     lse = torch.logsumexp(s, dim=-1)  # [B, Hq, Sq], -inf on rows with no key
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     group = q.size(2) // k.size(2)
-    vf = v.float().transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, Sk, D]
+    vf = v.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, Sk, D]
     out = torch.matmul(p, vf).transpose(1, 2)  # [B, Sq, Hq, D]
     return out.to(q.dtype), lse
 
@@ -136,16 +170,17 @@ def _math_forward(q, k, v, causal, scale, segments):
 def _math_backward(dout, q, k, v, out, lse, causal, scale, segments):
     mask = dense_mask(q.size(1), k.size(1), causal, segments, q.device)
     s = _math_scores(q, k, scale, mask)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])  # [B, Hq, Sq, Sk]
+    acc = s.dtype
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse.to(acc))[..., None])  # [B, Hq, Sq, Sk]
     group = q.size(2) // k.size(2)
     b, sk, hkv, d = k.shape
-    do = dout.float().transpose(1, 2)  # [B, Hq, Sq, D]
-    vf = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
-    kf = k.float().transpose(1, 2).repeat_interleave(group, dim=1)
-    delta = (do * out.float().transpose(1, 2)).sum(-1, keepdim=True)  # [B, Hq, Sq, 1]
+    do = dout.to(acc).transpose(1, 2)  # [B, Hq, Sq, D]
+    vf = v.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)
+    kf = k.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)
+    delta = (do * out.to(acc).transpose(1, 2)).sum(-1, keepdim=True)  # [B, Hq, Sq, 1]
     ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
     dq = torch.matmul(ds, kf) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.float().transpose(1, 2)) * scale  # [B, Hq, Sk, D]
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).transpose(1, 2)) * scale  # [B, Hq, Sk, D]
     dv = torch.matmul(p.transpose(-1, -2), do)
     dk = dk.view(b, hkv, group, sk, d).sum(2)  # sum the GQA group back onto its KV head
     dv = dv.view(b, hkv, group, sk, d).sum(2)

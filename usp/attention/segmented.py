@@ -52,10 +52,13 @@ def uncovered_rows(segments: list[Segment], sq: int) -> list[tuple[int, int]]:
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a small host tensor to ``device``; to CUDA through pinned memory, so the host does not wait."""
+    """Copy a small host tensor to ``device``; to CUDA through pinned memory, so the host does not wait.
+
+    Pinning needs a CUDA runtime: without one (fake CUDA tensors in the CPU test tier) it is a plain copy.
+    """
     if t.device == device:
         return t
-    if device.type == "cuda" and t.device.type == "cpu":
+    if device.type == "cuda" and t.device.type == "cpu" and torch.cuda.is_available():
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 

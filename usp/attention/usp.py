@@ -139,7 +139,7 @@ def usp_attention(
     seq_len = s_local * u * r
     check_sequence_length(seq_len, r, u, mesh.ring_layout)
     replication = kv_replication(hq, k.size(2), u)
-    kernel = resolve_backend(backend, q.device, q.dtype)
+    kernel = resolve_backend(backend, q.device, q.dtype, head_dim=d)
     scale = default_scale(d, softmax_scale)
     cu = _check_cu_seqlens(cu_seqlens, seq_len, b) if cu_seqlens is not None else None
     cu_key = None if cu is None else tuple(cu.tolist())

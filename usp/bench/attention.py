@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _timed(fn, iters: int, warmup: int, device: torch.device) -> float:
+    """Mean ms per call of ``fn``, the slowest rank's. ``device`` carries the collectives (nccl: CUDA only)."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -95,9 +96,9 @@ def _timed(fn, iters: int, warmup: int, device: torch.device) -> float:
     for _ in range(iters):
         fn()
     _sync(device)
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters * 1e3], dtype=torch.float64)
+    elapsed = torch.tensor([(time.perf_counter() - start) / iters * 1e3], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
-    return float(elapsed)
+    return elapsed.item()
 
 
 def _sync(device: torch.device) -> None:
@@ -105,11 +106,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _gather_ints(value: int) -> list[int]:
-    t = torch.tensor([value], dtype=torch.int64)
+def _gather_ints(value: int, device: torch.device) -> list[int]:
+    """``value`` from every rank, gathered on ``device`` (nccl takes CUDA tensors only)."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
-    return [int(x) for x in out]
+    return torch.cat(out).tolist()
 
 
 def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict:
@@ -150,11 +152,11 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict
         batch=args.batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=args.head_dim,
         ulysses_degree=u, ring_degree=r, element_size=q.element_size(), ring_steps=work[0]["steps"],
     )  # fmt: skip
-    fwd_bytes = _gather_ints(fwd_stats.bytes_sent)
-    fb_bytes = _gather_ints(fb_stats.bytes_sent)
-    pairs = _gather_ints(fwd_stats.attention_pairs)
-    fwd_flops = _gather_ints(fwd_stats.attention_flops)
-    flops = _gather_ints(fb_stats.attention_flops)
+    fwd_bytes = _gather_ints(fwd_stats.bytes_sent, device)
+    fb_bytes = _gather_ints(fb_stats.bytes_sent, device)
+    pairs = _gather_ints(fwd_stats.attention_pairs, device)
+    fwd_flops = _gather_ints(fwd_stats.attention_flops, device)
+    flops = _gather_ints(fb_stats.attention_flops, device)
     n = r
     if not args.causal or n == 1:
         target = 1.0

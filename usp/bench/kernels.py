@@ -1,16 +1,18 @@
-"""Local kernel check and speed: every backend's forward/backward (with lse) vs the math reference, and the
+"""Local kernel check and speed: every backend's forward/backward (with lse) vs a float64 reference, and the
 ring-step kernel's TFLOP/s vs plain ``scaled_dot_product_attention`` on the same shape.
 
 This is the one script to run when a GPU is available (``python -m usp.bench.kernels --out kernels.json``);
 on the CPU it checks ``cpu_flash`` against ``math``. For each backend usable on the device and each dtype:
 
-- ``max_err_out``, ``max_err_lse``, ``max_err_dq/dk/dv``: max abs difference to the ``math`` backend (fp32
-  math on the same inputs), causal, GQA;
+- ``max_err_out``, ``max_err_lse``, ``max_err_dq/dk/dv``: max abs difference to the ``math`` backend run in
+  float64 on the same inputs, causal, GQA;
 - ``max_err_doc_*``: the same with packed documents (``--doc-len``; lengths cycle ``L, L/8, 1``) as causal
   segments: on a GPU-sized block this is the per-segment SDPA path (or flash_attn's varlen kernel);
 - ``kernel_tflops``: causal forward+backward FLOPs / time of :func:`usp.attention.kernels.attention_forward`
   + ``attention_backward`` (what one ring step runs), ``sdpa_tflops``: the same for
-  ``torch.nn.functional.scaled_dot_product_attention`` + autograd, and their ratio (goal >= 0.90).
+  ``torch.nn.functional.scaled_dot_product_attention`` + autograd pinned to a fused kernel
+  (``sdpa_backend``: flash for fp16/bf16, mem-efficient for fp32; :func:`sdpa_baseline`), and their ratio
+  (goal >= 0.90).
 """
 
 from __future__ import annotations
@@ -19,12 +21,18 @@ import argparse
 import datetime
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from usp.attention.kernels import CUDA_BACKENDS, attention_backward, attention_forward, flash_attn_available
+from usp.attention.kernels import (
+    CUDA_BACKENDS,
+    HALF_ONLY,
+    attention_backward,
+    attention_forward,
+    flash_attn_available,
+)
 
 
 def usable_backends(device: torch.device) -> list[str]:
@@ -58,14 +66,17 @@ def document_segments(seq_len: int, doc_len: int) -> torch.Tensor:
 def _max_errors(prefix, backend, q, k, v, dout, kw) -> dict:
     out, lse = attention_forward(q, k, v, backend=backend, **kw)
     grads = attention_backward(dout, q, k, v, out, lse, backend=backend, **kw)
-    ref_out, ref_lse = attention_forward(q, k, v, backend="math", **kw)
-    ref_grads = attention_backward(dout, q, k, v, ref_out, ref_lse, backend="math", **kw)
+    qd, kd, vd, dd = (t.double() for t in (q, k, v, dout))  # the float64 reference on the same inputs
+    ref_out, ref_lse = attention_forward(qd, kd, vd, backend="math", **kw)
+    ref_grads = attention_backward(dd, qd, kd, vd, ref_out, ref_lse, backend="math", **kw)
+    finite = torch.isfinite(ref_lse)  # rows with no key: -inf in both
     record = {
-        f"{prefix}out": float((out.float() - ref_out.float()).abs().max()),
-        f"{prefix}lse": float((lse - ref_lse).abs().max()),
+        f"{prefix}out": float((out.double() - ref_out).abs().max()),
+        f"{prefix}lse": float((lse.double() - ref_lse)[finite].abs().max()),
     }
+    assert torch.equal(torch.isinf(lse), ~finite), "rows without keys must have lse = -inf"
     for name, a, b in zip(("dq", "dk", "dv"), grads, ref_grads):
-        record[f"{prefix}{name}"] = float((a.float() - b.float()).abs().max())
+        record[f"{prefix}{name}"] = float((a.double() - b).abs().max())
     return record
 
 
@@ -96,25 +107,67 @@ def check_backend(
         o, lse_ = attention_forward(q, k, v, backend=backend, **kw)
         attention_backward(dout, q, k, v, o, lse_, backend=backend, **kw)
 
-    qs, ks, vs = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))  # [B, H, S, D]
-
-    def sdpa_step():
-        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).backward(
-            dout.transpose(1, 2)
-        )
+    sdpa_step, baseline = sdpa_baseline(q, k, v, dout, scale)
+    record.update(baseline)
 
     flops = (
         3.5 * 4 * batch * heads * head_dim * seq_len * seq_len / 2
     )  # causal fwd (4 S^2 D / 2) + bwd (2.5x)
-    t_kernel, t_sdpa = _time(kernel_step, iters, device), _time(sdpa_step, iters, device)
+    t_kernel = _time(kernel_step, iters, device)
+    t_sdpa = _time(sdpa_step, iters, device) if sdpa_step is not None else None
     record.update(
         kernel_ms=t_kernel * 1e3,
-        sdpa_ms=t_sdpa * 1e3,
+        sdpa_ms=t_sdpa * 1e3 if t_sdpa else None,
         kernel_tflops=flops / t_kernel / 1e12,
-        sdpa_tflops=flops / t_sdpa / 1e12,
-        kernel_over_sdpa=t_sdpa / t_kernel,
+        sdpa_tflops=flops / t_sdpa / 1e12 if t_sdpa else None,
+        kernel_over_sdpa=t_sdpa / t_kernel if t_sdpa else None,
     )
     return record
+
+
+def sdpa_baseline(q, k, v, dout, scale) -> tuple[Callable[[], None] | None, dict]:
+    """The plain-SDPA step to compare the ring-step kernel with: a *fused* kernel, pinned with ``sdpa_kernel``.
+
+    Unpinned, ``scaled_dot_product_attention`` picks what it can: in fp32 with grouped heads that is the math
+    kernel (flash has no fp32 and mem-efficient no grouped heads), the slowest one. Here the first fused
+    kernel that takes the shape: flash then mem-efficient for fp16/bf16 on CUDA, mem-efficient for fp32, CPU
+    flash on the CPU. If a kernel refuses grouped heads (``enable_gqa``), K/V are expanded to the query heads
+    once, outside the timed step. Returns the step (None when no fused kernel takes the shape, e.g. a head
+    dim that is not a multiple of 8 in bf16) and ``{"sdpa_backend", "sdpa_gqa"}`` for the record.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if q.device.type != "cuda":
+        candidates = [SDPBackend.FLASH_ATTENTION]  # torch's CPU flash kernel
+    elif q.dtype in (torch.float16, torch.bfloat16):
+        candidates = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    else:
+        candidates = [SDPBackend.EFFICIENT_ATTENTION]
+    qs, ks, vs = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))  # [B, H, S, D]
+    group = qs.size(1) // ks.size(1)
+    expanded = None
+    dot = dout.transpose(1, 2)
+
+    def step(fused, kt, vt, gqa):
+        with sdpa_kernel([fused]):
+            out = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+            out.backward(dot)
+
+    for fused in candidates:
+        for gqa in (True, False) if group > 1 else (False,):
+            if gqa:
+                kt, vt = ks, vs
+            else:
+                if expanded is None:
+                    expanded = tuple(t.detach().repeat_interleave(group, dim=1).requires_grad_() for t in (ks, vs))
+                kt, vt = expanded  # [B, Hq, S, D]
+            try:
+                step(fused, kt, vt, gqa)
+            except RuntimeError:  # "No available kernel": this kernel does not take the shape
+                continue
+            info = {"sdpa_backend": fused.name.lower(), "sdpa_gqa": gqa}
+            return (lambda fused=fused, kt=kt, vt=vt, gqa=gqa: step(fused, kt, vt, gqa)), info
+    return None, {"sdpa_backend": None, "sdpa_gqa": None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for name in dtypes.split(","):
         dtype = getattr(torch, name)
         for backend in usable_backends(device):
-            if backend in ("flash_attn", "sdpa_flash", "sdpa_cudnn") and dtype == torch.float32:
-                continue  # flash kernels are fp16/bf16 only
+            if backend in HALF_ONLY and (dtype == torch.float32 or args.head_dim % 8):
+                continue  # flash and cuDNN: fp16/bf16 and head_dim % 8 == 0 only (resolve_backend refuses them)
             records.append(
                 check_backend(
                     backend,

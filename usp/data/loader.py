@@ -30,6 +30,7 @@ from usp.data.prepare import preparation_key, prepare_dataset, read_stats, token
 from usp.data.sources import check_inputs, is_prepared_dataset
 from usp.data.tokenize import check_tokenizer
 from usp.parallel import SPMesh, check_sequence_length
+from usp.parallel.agree import on_rank0
 
 logger = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -162,21 +163,7 @@ def _run_once_on_rank0(fn: Callable[[], Path]) -> Path:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return fn()
-    box: list[Any] = [None]
-    failure: BaseException | None = None
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", str(fn()))
-        except BaseException as e:  # noqa: BLE001 - every rank must learn of the failure, not hang
-            failure = e
-            box[0] = ("value_error" if isinstance(e, ValueError) else "error", f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=0)
-    if failure is not None:
-        raise failure
-    kind, payload = box[0]
-    if kind != "ok":
-        cls = ValueError if kind == "value_error" else RuntimeError
-        raise cls(f"data preparation failed on rank 0: {payload}")
+    payload = on_rank0(lambda: str(fn()), "data preparation")
     path = Path(payload)
     if not is_prepared_dataset(path):
         raise ValueError(

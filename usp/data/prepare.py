@@ -34,7 +34,9 @@ from datasets import Dataset, IterableDataset
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
 from usp.data.sources import check_inputs, is_prepared_dataset, load_text_sources
 from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, load_tokenizer, tokenize_documents
+from usp.modes import RING_LAYOUTS
 from usp.parallel import check_sequence_length
+from usp.units import parse_seq_len
 
 STATS_FILE = "usp_prepare.json"
 FORMAT_VERSION = "usp-packed-v1"
@@ -82,7 +84,7 @@ def prepare_dataset(
     tokenizer: Any,
     seq_len: int,
     output: str | os.PathLike,
-    text_field: str = "text",
+    text_field: str | Sequence[str] = "text",
     weights: Sequence[float] | None = None,
     seed: int = 0,
     streaming: bool = False,
@@ -313,7 +315,7 @@ def preparation_key(
     *,
     tokenizer: Any,
     seq_len: int,
-    text_field: str,
+    text_field: str | Sequence[str],
     weights: Sequence[float] | None,
     seed: int,
     streaming: bool,
@@ -350,9 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="file, glob, saved dataset dir or hub name (owner/name[:config]); repeat for several sources",
     )
-    p.add_argument("--text-field", default="text", help="column holding the document text (default: text)")
+    p.add_argument(
+        "--text-field",
+        nargs="+",
+        default=["text"],
+        help="column holding the document text (default: text); several names: one per --input, in order",
+    )
     p.add_argument("--tokenizer", required=True, help="checkpoint or tokenizer directory")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row (e.g. 131072)")
+    p.add_argument(
+        "--seq-len", type=parse_seq_len, required=True, help="tokens per packed row (131072, 128K, 1M)"
+    )
     p.add_argument("--output", required=True, help="directory to write (datasets.save_to_disk layout)")
     p.add_argument("--num-proc", type=int, default=1, help="tokenizer processes (default 1)")
     p.add_argument("--weights", type=float, nargs="+", help="mixing weights, one per --input")
@@ -382,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument("--ulysses-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument(
-        "--ring-layout", default="zigzag", choices=["zigzag", "contiguous"], help="(for the check)"
+        "--ring-layout", default="zigzag", choices=list(RING_LAYOUTS), help="(for the check)"
     )
     return p
 
@@ -402,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer=tokenizer,
             seq_len=args.seq_len,
             output=args.output,
-            text_field=args.text_field,
+            text_field=args.text_field[0] if len(args.text_field) == 1 else args.text_field,
             weights=args.weights,
             seed=args.seed,
             streaming=args.streaming,

@@ -5,7 +5,8 @@ Accepted inputs (``--input`` / ``data.inputs``), each one of:
 - a local file or glob: ``.jsonl``/``.json`` (one object per line), ``.parquet``, ``.csv``, ``.arrow``, or
   ``.txt``/``.text``/``.md`` (one *file* is one document: long-context data wants whole documents, not lines);
   compressed ``.gz``/``.zst`` variants of these work as ``datasets`` handles them;
-- a directory written by ``Dataset.save_to_disk`` (loaded memory-mapped), or a directory of such files;
+- a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` (loaded memory-mapped with
+  ``datasets.load_from_disk``; of a ``DatasetDict`` only the ``train`` split), or a directory of data files;
 - a hub dataset name ``owner/name`` or ``owner/name:config`` (split ``train``). Downloads go to ``cache_dir``;
   with ``HF_DATASETS_OFFLINE=1`` (or ``HF_HUB_OFFLINE=1``) only the local cache is used.
 
@@ -14,8 +15,8 @@ are skipped, ``.md`` files are skipped when the directory also holds data files 
 ``data/*.parquet``), and when the files are named by split (``train-*``/``test-*``/``validation-*``, or under
 ``train/``/``test/`` folders) only the ``train`` split is read; each choice is logged.
 
-Every source becomes a dataset with exactly one column, ``text`` (taken from ``text_field``), so sources
-with different schemas can be mixed. Mixing with ``weights`` samples documents from the sources with those
+Every source becomes a dataset with exactly one column, ``text`` (taken from ``text_field``: one name for all
+inputs, or a list with one name per input), so sources with different schemas can be mixed. Mixing with ``weights`` samples documents from the sources with those
 probabilities, deterministically from ``seed``, **without repeating any document**: the mix is the largest
 one the sources can fill at those proportions (:func:`weighted_counts`), so the most constrained source is
 used whole and the others partly (their unused documents are logged). To repeat a source on purpose, list
@@ -75,6 +76,25 @@ def _looks_local(spec: str) -> bool:
 
 def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and (path / "state.json").exists() and (path / "dataset_info.json").exists()
+
+
+def _is_saved_dataset_dict(path: Path) -> bool:
+    return path.is_dir() and (path / "dataset_dict.json").exists()
+
+
+def text_fields_per_input(text_field: str | Sequence[str], inputs: Sequence[str]) -> list[str]:
+    """One text column name per input: a single name applies to all; a list needs one entry per input."""
+    if isinstance(text_field, str):
+        return [text_field] * len(inputs)
+    fields = list(text_field)
+    if len(fields) == 1:
+        return fields * len(inputs)
+    if len(fields) != len(inputs) or not all(isinstance(f, str) and f for f in fields):
+        raise ValueError(
+            f"--text-field / data.text_field={fields} has {len(fields)} entries for {len(inputs)} inputs: give one "
+            "column name for all inputs, or one per input in the same order."
+        )
+    return fields
 
 
 def is_prepared_dataset(path: str | os.PathLike) -> bool:
@@ -181,8 +201,16 @@ def _load_one(
 ) -> Dataset | IterableDataset:
     if _looks_local(spec):
         path = Path(os.path.expanduser(spec))
-        if _is_saved_dataset(path):
+        if _is_saved_dataset(path) or _is_saved_dataset_dict(path):
             ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if "train" not in ds:
+                    raise ValueError(
+                        f"data.inputs: {spec!r} is a saved DatasetDict without a 'train' split (splits: "
+                        f"{sorted(ds)}); pass the split's directory ({spec}/<split>) instead."
+                    )
+                (log or logger.info)(f"input {spec!r}: saved DatasetDict, using its train split of {sorted(ds)}")
+                ds = ds["train"]
             return ds.to_iterable_dataset() if streaming else ds
         if path.is_dir():
             files = directory_files(path, log=log)
@@ -416,7 +444,7 @@ def _mix(parts: list[Dataset], counts: list[int], seed: int) -> Dataset:
 def load_text_sources(
     inputs: Sequence[str],
     *,
-    text_field: str = "text",
+    text_field: str | Sequence[str] = "text",
     weights: Sequence[float] | None = None,
     seed: int = 0,
     streaming: bool = False,
@@ -440,18 +468,19 @@ def load_text_sources(
     up front when ``streaming``: the stream then stops when the first source runs out).
     """
     check_inputs(inputs, weights)
+    fields = text_fields_per_input(text_field, inputs)
     log = log or logger.info
     cache = None if cache_dir is None else str(cache_dir)
     parts = [
         _text_only(
             _load_one(s, cache_dir=cache, streaming=streaming, log=log),
             s,
-            text_field,
+            field,
             _is_plain_text(s),
             skip_non_text=skip_non_text,
             skipped=skipped,
-        )  # fmt: skip
-        for s in inputs
+        )
+        for s, field in zip(inputs, fields)
     ]
     features = datasets.Features({TEXT_COLUMN: datasets.Value("string")})
     parts = [p.cast(features) if p.features is not None and p.features != features else p for p in parts]

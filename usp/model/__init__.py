@@ -14,7 +14,13 @@ from usp.model.load import (
     rope_settings,
     weight_devices,
 )
-from usp.model.usp_attention_fn import ATTN_IMPLEMENTATION, apply_usp, check_heads, usp_attention_forward
+from usp.model.usp_attention_fn import (
+    ATTN_IMPLEMENTATION,
+    apply_usp,
+    check_heads,
+    packed_sequence_kwargs,
+    usp_attention_forward,
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -28,6 +34,7 @@ __all__ = [
     "load_causal_lm",
     "load_sharded_weights",
     "materialize_empty",
+    "packed_sequence_kwargs",
     "parse_dtype",
     "read_full_state_dict",
     "rope_settings",

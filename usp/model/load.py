@@ -233,6 +233,36 @@ def materialize_empty(model: nn.Module, *, device: torch.device, param_device: t
     reset_rotary_buffers(model, device)
 
 
+def _weights_mismatch(model: nn.Module, stored: set[str]) -> tuple[dict[str, str], str | None]:
+    """``(model key -> stored key, error)``: which stored tensor fills each model tensor, or what does not fit.
+
+    A tied ``lm_head.weight`` missing from the files is filled from ``model.embed_tokens.weight``; RoPE
+    ``inv_freq`` buffers that old exports saved are ignored.
+    """
+    stored = {k for k in stored if not k.endswith("rotary_emb.inv_freq")}
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    sources = {k: k for k in model.state_dict()}
+    if getattr(model.config, "tie_word_embeddings", False) and head not in stored and embed in stored:
+        sources[head] = embed
+    missing = sorted(k for k, src in sources.items() if src not in stored)
+    unexpected = sorted(stored - set(sources.values()))
+    if not missing and not unexpected:
+        return sources, None
+    return sources, (
+        f"the weights do not match the model its config.json describes (missing {missing[:5]}"
+        f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+        f"{' ...' if len(unexpected) > 5 else ''}). Point model.path at a complete checkpoint whose "
+        f"weights and config.json belong together."
+    )
+
+
+def _unreadable(e: Exception, who: str) -> str:
+    return (
+        f"{who} could not read the weights ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+        f"A weight file is damaged or incomplete (an interrupted copy?): copy the checkpoint again, then rerun."
+    )
+
+
 @torch.no_grad()
 def load_sharded_weights(
     model: PreTrainedModel,
@@ -246,44 +276,66 @@ def load_sharded_weights(
     ``device`` is the compute device (RoPE buffers live there); ``param_device`` (default ``device``) holds the
     parameter shards: the CPU under FSDP2 CPU offload (:func:`weight_devices`).
 
-    Collective: call on every rank. Rank 0 reads the checkpoint (host memory: one copy in its stored dtype);
-    each tensor is broadcast and every rank keeps its own shard (``set_model_state_dict`` with
-    ``broadcast_from_rank0``), upcast to the fp32 parameters. Missing or unexpected keys raise. A checkpoint
-    rank 0 cannot read (a truncated or corrupt file) raises ``ValueError`` naming ``model.path`` on *every*
-    rank: the outcome of the read is shared (one ``all_gather_object``) before any rank enters the broadcast.
+    Collective: call on every rank. ``*.safetensors`` checkpoints are read shard by shard: every rank reads
+    only the slices of its own parameter shards (``torch.distributed.checkpoint`` with its Hugging Face
+    storage reader), so no host holds the whole model (a 70B checkpoint is ~140 GB). ``pytorch_model*.bin``
+    checkpoints cannot be sliced: rank 0 reads them and broadcasts each tensor. Either way the values are
+    upcast to the fp32 parameters, missing or unexpected keys raise, and a checkpoint some rank cannot read
+    (a truncated or corrupt file) raises ``ValueError`` naming ``model.path`` on *every* rank.
     """
+    materialize_empty(model, device=device, param_device=param_device)
+    if any(Path(path).glob("*.safetensors")):
+        _load_safetensors_shards(model, path)
+    else:
+        _load_broadcast_from_rank0(model, path)
+
+
+def _load_safetensors_shards(model: PreTrainedModel, path: str | os.PathLike) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    error: str | None = None
+    sources: dict[str, str] = {}
+    try:  # headers only: every rank computes the same answer, no collective needed
+        stored: set[str] = set()
+        for f in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as handle:
+                stored.update(handle.keys())
+        sources, error = _weights_mismatch(model, stored)
+    except Exception as e:  # noqa: BLE001 - a header that does not parse is a damaged file
+        error = _unreadable(e, "this rank")
+    if error is not None:
+        raise ValueError(f"model.path={str(path)!r}: {error}")
+    state = model.state_dict()  # DTensor shards: DCP reads only the slices this rank owns, in place
+    request = {src: state[key] for key, src in sources.items() if key == src}
+    try:
+        dcp.load(request, storage_reader=HuggingFaceStorageReader(str(path)), process_group=dist.group.WORLD)
+    except CheckpointException as e:  # raised on every rank when any rank failed to read
+        failures = getattr(e, "failures", {}) or {}
+        first = next(iter(failures.values()), e)
+        raise ValueError(f"model.path={str(path)!r}: {_unreadable(first, f'rank(s) {sorted(failures)}')}") from e
+
+
+def _load_broadcast_from_rank0(model: PreTrainedModel, path: str | os.PathLike) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    materialize_empty(model, device=device, param_device=param_device)
+    from usp.parallel.agree import raise_if_any_failed
+
     state: dict[str, torch.Tensor] = {}
     error: str | None = None
     if dist.get_rank() == 0:
         try:
             state = read_full_state_dict(path)
         except Exception as e:  # noqa: BLE001 - shared with every rank below, then raised there
-            error = (
-                f"rank 0 could not read the weights ({type(e).__name__}: {e}). A weight file is damaged or "
-                f"incomplete (an interrupted copy?): copy the checkpoint again, then rerun."
-            )
-        head, embed = "lm_head.weight", "model.embed_tokens.weight"
-        if getattr(model.config, "tie_word_embeddings", False) and head not in state and embed in state:
-            state[head] = state[embed]
-        for key in [k for k in state if k.endswith("rotary_emb.inv_freq")]:  # old exports saved the buffer
-            del state[key]
-        expected = set(model.state_dict())
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if error is None and (missing or unexpected):
-            error = (
-                f"the weights do not match the model its config.json describes (missing {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                f"{' ...' if len(unexpected) > 5 else ''}). Point model.path at a complete checkpoint whose "
-                f"weights and config.json belong together."
-            )
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    if errors[0] is not None:
-        raise ValueError(f"model.path={str(path)!r}: {errors[0]}")
+            error = _unreadable(e, "rank 0")
+        sources, mismatch = _weights_mismatch(model, set(state))
+        error = error or mismatch
+        state = {key: state[src] for key, src in sources.items() if src in state}
+    raise_if_any_failed(None if error is None else ValueError(f"model.path={str(path)!r}: {error}"), "loading weights")
     set_model_state_dict(
         model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
     )

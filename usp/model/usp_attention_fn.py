@@ -71,17 +71,28 @@ def usp_attention_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """The function registered as ``"usp"`` (transformers' attention-function signature).
 
     ``query`` ``[B, Hq, S_local, D]``, ``key``/``value`` ``[B, Hkv, S_local, D]`` (this rank's tokens, RoPE
-    applied with global positions). ``cu_seqlens``: int32 ``[num_docs + 1]`` global document boundaries, or
-    ``None``. Returns ``([B, S_local, Hq, D], None)`` as transformers expects.
+    applied with global positions). Document boundaries arrive under transformers' packed-sequence names
+    (:func:`packed_sequence_kwargs`): ``cu_seq_lens_q`` = ``cu_seq_lens_k``, int32 ``[num_docs + 1]`` *global*
+    offsets (on the host), or ``None`` for one causal sequence; ``cu_seqlens`` is accepted as an alias.
+    ``max_length_q/k`` are not needed here (the ring plans blocks from the offsets). Returns
+    ``([B, S_local, Hq, D], None)`` as transformers expects.
     """
     state: USPAttentionState | None = getattr(module, _STATE_ATTR, None)
     assert state is not None, "the 'usp' attention function runs only on modules prepared by usp.model.apply_usp"
+    if cu_seq_lens_k is not None and (cu_seq_lens_q is None or not torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
+        raise ValueError(
+            "usp attention is self-attention over packed documents: cu_seq_lens_k must equal cu_seq_lens_q "
+            "(the global document boundaries)."
+        )
+    cu_seqlens = cu_seq_lens_q if cu_seq_lens_q is not None else cu_seqlens
     if attention_mask is not None:
         raise ValueError(
             "apply_usp'd models take no attention_mask (padding masks are not supported under sequence "
@@ -106,6 +117,21 @@ def usp_attention_forward(
     return out, None  # out: [B, S_local, Hq, D]
 
 
+def packed_sequence_kwargs(cu_seqlens: torch.Tensor | None) -> dict[str, object]:
+    """The model-call keywords that carry packed-document boundaries, under transformers' own names.
+
+    ``cu_seqlens``: int32 ``[num_docs + 1]`` global offsets of the packed row (``None``: one causal sequence,
+    no keywords). Returns ``{cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k}``, the names
+    transformers' flash-attention path reads for packed sequences, so the same call works with the ``usp``
+    attention (sequence-parallel) and with stock ``flash_attention_2`` on one GPU.
+    """
+    if cu_seqlens is None:
+        return {}
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": longest,
+            "max_length_k": longest}  # fmt: skip
+
+
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
@@ -128,9 +154,9 @@ def _check_forward_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
 def apply_usp(model: PreTrainedModel, mesh: SPMesh, *, backend: str = "auto") -> PreTrainedModel:
     """Make ``model`` compute attention with USP over ``mesh`` (in place; returns ``model``).
 
-    Afterwards ``model(input_ids=x, position_ids=p, cu_seqlens=c)`` with ``x = shard_sequence(ids, mesh)``,
-    ``p = shard_sequence(global_position_ids, mesh)`` (``[B, S_local]``) and ``c`` the global int32 document
-    boundaries (or ``None``) returns this rank's slice of the logits ``[B, S_local, V]``, equal to the
+    Afterwards ``model(input_ids=x, position_ids=p, **packed_sequence_kwargs(c))`` with
+    ``x = shard_sequence(ids, mesh)``, ``p = shard_sequence(global_position_ids, mesh)`` (``[B, S_local]``) and
+    ``c`` the global int32 document boundaries (or ``None``; ``cu_seqlens=c`` works too) returns this rank's slice of the logits ``[B, S_local, V]``, equal to the
     unsharded model's logits at those positions. Every rank of the mesh must call the model together.
 
     Works for Llama (with or without GQA) and the same attention layout (Mistral without a sliding window,

@@ -18,16 +18,17 @@ Flattened axes built on the same mesh:
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-RingLayout = Literal["zigzag", "contiguous"]
-RING_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
+from usp.modes import RING_LAYOUTS, RingLayout
+
 MESH_AXES: tuple[str, str, str] = ("dp", "ring", "ulysses")
 
 
@@ -228,6 +229,23 @@ class SPMesh:
     def fsdp_mesh(self) -> DeviceMesh:
         return self.submesh("fsdp")
 
+    def hsdp_mesh(self, node_size: int) -> DeviceMesh:
+        """A 2-D ``(replicate, shard)`` DeviceMesh over the same ranks for HSDP: shard inside a node of
+        ``node_size`` ranks, replicate across nodes. Its groups get the job's collective timeout, like every
+        other group of this mesh. Collective: every rank must call it.
+        """
+        world = self.dims.world_size
+        if node_size < 1 or world % node_size != 0:
+            raise ValueError(
+                f"parallel.fsdp_mode=hybrid_shard needs the node size ({node_size}) to divide the world size "
+                f"{world}; set parallel.node_size or use parallel.fsdp_mode=full_shard."
+            )
+        grid = torch.arange(world).reshape(world // node_size, node_size)  # [nodes, ranks per node]
+        override = None if self.group_options is None else ((None, self.group_options),) * 2
+        return DeviceMesh(
+            self.device_mesh.device_type, grid, mesh_dim_names=("replicate", "shard"), backend_override=override
+        )
+
     def sequence_multiple(self) -> int:
         """Global sequence lengths must be a multiple of this (2*ring*ulysses for zigzag, ring*ulysses else)."""
         return sequence_multiple(self.ring_degree, self.ulysses_degree, self.ring_layout)
@@ -247,6 +265,17 @@ def sequence_multiple(ring_degree: int, ulysses_degree: int, ring_layout: str) -
     if ring_layout not in RING_LAYOUTS:
         raise ValueError(f"ring_layout={ring_layout!r} is invalid; choose one of {RING_LAYOUTS}.")
     return (2 if ring_layout == "zigzag" else 1) * ring_degree * ulysses_degree
+
+
+def launched_world(env: Mapping[str, str] | None = None) -> tuple[int, int | None]:
+    """``(WORLD_SIZE, LOCAL_WORLD_SIZE)`` as the launcher set them; ``(1, None)`` without a launcher.
+
+    The one place the node size is read from the environment: torchrun's ``--nproc-per-node`` becomes
+    ``LOCAL_WORLD_SIZE``, which the mesh takes as the node size (Ulysses groups stay inside it).
+    """
+    env = os.environ if env is None else env
+    local = env.get("LOCAL_WORLD_SIZE")
+    return int(env.get("WORLD_SIZE", "1")), (int(local) if local else None)
 
 
 def group_options_with_timeout(timeout: timedelta | None) -> Any:
@@ -292,8 +321,8 @@ def init_sp_mesh(
             "init_sp_mesh needs torch.distributed to be initialized first "
             "(torch.distributed.init_process_group(backend='nccl' or 'gloo'))."
         )
-    if node_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
-        node_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    if node_size is None:
+        node_size = launched_world()[1]
     dims = ParallelDims(
         world_size=dist.get_world_size(),
         ulysses_degree=ulysses_degree,

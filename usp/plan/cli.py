@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 
+from usp.modes import RING_LAYOUTS
 from usp.plan.calibrate import Calibration, calibrate, format_report, read_bench_json, read_training_run
 from usp.plan.hardware import GPUS, DeviceSpec, get_device
 from usp.plan.inference import InferenceEstimate, plan_inference
@@ -90,7 +91,7 @@ def build_plan_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ulysses-degree", type=int, default=None, help="fix the Ulysses degree")
     p.add_argument("--ring-degree", type=int, default=None, help="fix the ring degree")
-    p.add_argument("--ring-layout", default="zigzag", choices=["zigzag", "contiguous"])
+    p.add_argument("--ring-layout", default="zigzag", choices=list(RING_LAYOUTS))
     p.add_argument("--loss-chunk-size", type=int, default=4096)
     p.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="model.dtype"

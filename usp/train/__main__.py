@@ -19,7 +19,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import NoReturn
@@ -27,6 +27,7 @@ from typing import NoReturn
 from omegaconf import DictConfig, OmegaConf
 
 from usp.config import TrainConfig, validate_choices, validate_layout
+from usp.config_keys import check_composed_keys, check_override_keys
 
 REQUEUE_EXIT_CODE = 75
 """Exit status of a run stopped by SIGTERM/SIGUSR1 once its checkpoint is saved (the same number as
@@ -100,15 +101,22 @@ def check_conf_dir() -> None:
         )
 
 
+def config_groups() -> list[str]:
+    """The config-group names under ``conf/`` (``recipe``, ``model``, ...): ``group=option`` overrides."""
+    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
+
+
 def to_train_config(cfg: DictConfig, *, run_dir: str | None = None) -> TrainConfig:
     """The composed DictConfig -> a validated :class:`TrainConfig` (the one conversion of a run).
 
     ``run_dir`` (absolute) is set first, so ``${run_dir}`` interpolations in the groups resolve to it.
-    Raises ``ValueError`` naming the setting and the valid values for a bad enum field or a missing path.
+    Raises ``ValueError`` naming the setting and the valid values for a bad enum field or a missing path, and
+    for a key the schema does not have (``+trainer.gradient_accumulation_steps=4``), naming the real key.
     """
     cfg = cfg.copy()
     if run_dir is not None:
         cfg.run_dir = str(Path(run_dir).resolve())
+    check_composed_keys(cfg, TrainConfig)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ValueError(
@@ -135,18 +143,12 @@ def compose_config(overrides: Sequence[str] = (), *, run_dir: str | None = None)
 
     check_conf_dir()
     register_configs()
+    check_override_keys(overrides, TrainConfig, config_groups())
     if GlobalHydra.instance().is_initialized():  # e.g. called from inside a running Hydra app
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=VERSION_BASE, job_name="usp"):
         cfg = compose(config_name=CONFIG_NAME, overrides=list(overrides))
     return to_train_config(cfg, run_dir=run_dir)
-
-
-def launched_world(env: Mapping[str, str] | None = None) -> tuple[int, int | None]:
-    """``(WORLD_SIZE, LOCAL_WORLD_SIZE)`` as the launcher set them; ``(1, None)`` without a launcher."""
-    env = os.environ if env is None else env
-    local = env.get("LOCAL_WORLD_SIZE")
-    return int(env.get("WORLD_SIZE", "1")), (int(local) if local else None)
 
 
 def _fail(err: ValueError) -> NoReturn:
@@ -173,6 +175,8 @@ def _task(dcfg: DictConfig) -> None:
 
     try:
         cfg = to_train_config(dcfg, run_dir=HydraConfig.get().runtime.output_dir)
+        from usp.parallel.mesh import launched_world  # lazy: torch is not needed to compose a config
+
         world_size, local_world_size = launched_world()
         validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
     except ValueError as err:
@@ -188,7 +192,7 @@ def _task(dcfg: DictConfig) -> None:
 
         record_error(err)
         raise
-    if isinstance(result, dict) and result.get("preempted"):  # the reason, in torchrun's summary too (it reports any non-zero exit)
+    if isinstance(result, dict) and result.get("preempted"):  # the reason, in torchrun's summary too
         from usp.train.elastic import record_error
 
         record_error(
@@ -225,6 +229,10 @@ def _main() -> None:
 
     check_conf_dir()
     register_configs()
+    try:
+        check_override_keys(sys.argv[1:], TrainConfig, config_groups())
+    except ValueError as err:
+        _fail(err)
     sys.argv.extend(_rank_overrides(int(os.environ.get("RANK", "0"))))
     app = hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=CONFIG_NAME)(_task)
     app()

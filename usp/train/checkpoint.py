@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -53,6 +52,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from usp.parallel.agree import dist_rank, dist_world_size, raise_if_any_failed
+from usp.parallel.agree import distributed as _distributed
+
 FORMAT_VERSION = 1
 COMPLETE_MARKER = "COMPLETE"
 DCP_DIR = "dcp"
@@ -60,19 +62,6 @@ META_FILE = "meta.pt"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-step_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-# --- process-group helpers (all work without an initialized process group) -----------------------------
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def dist_rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def dist_world_size() -> int:
-    return dist.get_world_size() if _distributed() else 1
 
 
 @contextlib.contextmanager
@@ -87,23 +76,6 @@ def _first_failure(error: CheckpointException) -> str:
     for rank, (exc, _) in sorted(error.failures.items()):
         return f"rank {rank}: {type(exc).__name__}: {exc}"
     return str(error)
-
-
-def raise_if_any_failed(error: BaseException | None, what: str) -> None:
-    """Collective: every rank raises ``RuntimeError`` if ``error`` is set on any rank; no rank is left waiting.
-
-    Call on every rank with the local error (or ``None``). Costs one ``all_gather_object`` of short strings.
-    """
-    if not _distributed():
-        if error is not None:
-            raise RuntimeError(f"{what} failed: {error!r}") from error
-        return
-    messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else repr(error))
-    failed = {r: m for r, m in enumerate(messages) if m is not None}
-    if failed:
-        detail = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)}: {detail}") from error
 
 
 # --- filesystem helpers --------------------------------------------------------------------------------

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import save_torch_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from usp.train.checkpoint import dist_rank, publish_dir, raise_if_any_failed
+from usp.parallel.agree import dist_rank, raise_if_any_failed
+from usp.train.checkpoint import publish_dir
 
 EXPORT_MARKER = "usp_export.json"
 SAFE_ATTENTION = "sdpa"
@@ -81,18 +84,6 @@ def _scrub_attention(config_json: Path) -> None:
     config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _write_weights(state_dict: dict[str, torch.Tensor], tmp: Path, max_shard_size: int | str) -> None:
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    split = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size)
-    for filename, keys in split.filename_to_tensors.items():
-        save_file({k: state_dict[k].contiguous() for k in keys}, str(tmp / filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
 def export_hf(
     model: torch.nn.Module,
     *,
@@ -132,7 +123,12 @@ def export_hf(
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-            _write_weights(tensors, tmp, max_shard_size)
+            # safetensors shards + model.safetensors.index.json when sharded, named like save_pretrained's
+            logging.disable(logging.INFO)  # its "weights successfully saved to <tmp dir>" line would mislead
+            try:
+                save_torch_state_dict(tensors, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
+            finally:
+                logging.disable(logging.NOTSET)
             _plain_config(model, saved_dtype).save_pretrained(str(tmp))
             _scrub_attention(tmp / "config.json")
             generation_config = getattr(model, "generation_config", None)

@@ -29,6 +29,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from usp.model.usp_attention_fn import packed_sequence_kwargs
+
 IGNORE_INDEX = -100
 
 
@@ -110,7 +112,7 @@ class ChunkedCausalLMLoss(nn.Module):
         ``input_ids``, ``labels``, ``position_ids``: this rank's slice ``[B, S_local]``; ``cu_seqlens``: global
         document boundaries or ``None``; ``num_targets``: the global target count of the whole step.
         """
-        extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        extra = packed_sequence_kwargs(cu_seqlens)  # transformers' names: cu_seq_lens_q/k, max_length_q/k
         out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         hidden = out.last_hidden_state  # [B, S_local, H], after the final norm
         head = self.model.get_output_embeddings()

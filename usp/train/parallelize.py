@@ -31,11 +31,9 @@ from torch.distributed.fsdp import (
 from transformers import PreTrainedModel
 
 from usp.model import apply_usp
+from usp.modes import AC_MODES, FSDP_MODES
 from usp.parallel import SPMesh
 from usp.train.loss import ChunkedCausalLMLoss
-
-FSDP_MODES: tuple[str, ...] = ("full_shard", "hybrid_shard")
-AC_MODES: tuple[str, ...] = ("none", "full", "every_k")
 
 
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
@@ -68,16 +66,10 @@ def apply_activation_checkpointing(layers: Iterable[nn.Module], mode: str, every
 def build_hsdp_mesh(mesh: SPMesh, node_size: int) -> DeviceMesh:
     """A 2-D ``(replicate, shard)`` DeviceMesh over the same ranks: shard inside a node of ``node_size``.
 
-    Collective: every rank must call it. ``node_size`` must divide the world size.
+    Collective: every rank must call it. ``node_size`` must divide the world size. See
+    :meth:`usp.parallel.SPMesh.hsdp_mesh` (its groups carry the job's collective timeout).
     """
-    world = mesh.dims.world_size
-    if node_size < 1 or world % node_size != 0:
-        raise ValueError(
-            f"parallel.fsdp_mode=hybrid_shard needs the node size ({node_size}) to divide the world size {world}; "
-            f"set parallel.node_size or use parallel.fsdp_mode=full_shard."
-        )
-    grid = torch.arange(world).reshape(world // node_size, node_size)  # [nodes, ranks per node]
-    return DeviceMesh(mesh.device_mesh.device_type, grid, mesh_dim_names=("replicate", "shard"))
+    return mesh.hsdp_mesh(node_size)
 
 
 def apply_fsdp(

@@ -31,12 +31,14 @@ import torch.distributed as dist
 from usp.config import ClusterConfig, OptimConfig
 from usp.model import apply_rope_overrides, build_empty_causal_lm, parse_dtype
 from usp.model.load import materialize_empty
+from usp.modes import AC_MODES
 from usp.parallel import init_sp_mesh, shard_sequence
 from usp.train.metrics import count_dense_params, peak_flops_per_device, training_flops
 from usp.train.optim import build_optimizer
 from usp.train.parallelize import parallelize
 from usp.train.step import train_step
 from usp.train.trainer import init_distributed, resolve_device
+from usp.units import parse_seq_len
 
 
 def hf_config(model: str, *, rope_theta: float | None = None, max_position_embeddings: int | None = None) -> Any:
@@ -116,10 +118,10 @@ def measure(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m usp.train.throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b", help="preset name or config.json / checkpoint dir")
-    p.add_argument("--seq-len", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--seq-len", type=parse_seq_len, nargs="+", default=[32768, 131072])
     p.add_argument("--ulysses", type=int, default=1)
     p.add_argument("--ring", type=int, default=1)
-    p.add_argument("--ac", choices=("none", "full", "every_k"), default="full")
+    p.add_argument("--ac", choices=AC_MODES, default="full")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--loss-chunk-size", type=int, default=4096)
     p.add_argument("--backend", default="auto", help="attention kernel (model.attention_backend)")
@@ -131,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-theta", type=float, default=None)
     p.add_argument("--find-max", action="store_true", help="grow the sequence until out of memory (one rank)")
     p.add_argument("--granularity", type=int, default=16384)
-    p.add_argument("--max-seq-len", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--max-seq-len", type=parse_seq_len, default=4 * 1024 * 1024)
     return p
 
 

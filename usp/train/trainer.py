@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import os
 import random
-from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +46,8 @@ from usp.model import (
     weight_devices,
 )
 from usp.parallel import ParallelDims, SPMesh, check_sequence_length, init_sp_mesh
+from usp.parallel.agree import on_every_rank
+from usp.parallel.mesh import launched_world
 from usp.train.elastic import launcher_store
 from usp.train.loss import IGNORE_INDEX
 from usp.train.optim import build_optimizer, check_optim_config
@@ -100,31 +101,6 @@ def init_distributed(
     return True
 
 
-def on_every_rank(fn: Callable[[], T], what: str) -> T:
-    """Run ``fn`` on every rank; if it raises on any rank, raise on every rank (no rank left hanging).
-
-    Collective (one ``all_gather_object``). The failing rank re-raises its own exception; the others raise
-    ``ValueError`` (for a user error) or ``RuntimeError`` quoting the first failing rank's message.
-    """
-    result: Any = None
-    error: BaseException | None = None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
-        error = e
-    messages: list[Any] = [None] * dist.get_world_size()
-    report = None if error is None else (isinstance(error, ValueError), f"{type(error).__name__}: {error}")
-    dist.all_gather_object(messages, report)
-    if error is not None:
-        raise error
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
-        rank, (is_value_error, message) = failed[0]
-        cls = ValueError if is_value_error else RuntimeError
-        raise cls(f"{what} failed on rank {rank}: {message}")
-    return result
-
-
 # --- validation ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Layout:
@@ -143,8 +119,7 @@ class Layout:
 def _node_size(cfg: TrainConfig, world_size: int) -> int:
     if cfg.parallel.node_size is not None:
         return int(cfg.parallel.node_size)
-    env = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(env) if env else world_size
+    return launched_world()[1] or world_size
 
 
 def _planner_constraints(cfg: TrainConfig) -> dict[str, Any]:
@@ -254,7 +229,10 @@ def validate(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[A
     )  # fmt: skip
     compute_dtype = parse_dtype(cfg.model.dtype, "model.dtype")
     try:
-        resolve_backend(cfg.model.attention_backend, device, compute_dtype)
+        head_dim = getattr(model_config, "head_dim", None) or (
+            model_config.hidden_size // model_config.num_attention_heads
+        )
+        resolve_backend(cfg.model.attention_backend, device, compute_dtype, head_dim=head_dim)
     except ValueError as e:
         raise ValueError(f"model.attention_backend={cfg.model.attention_backend!r}: {e}") from e
     parse_dtype(cfg.parallel.reduce_dtype, "parallel.reduce_dtype")
