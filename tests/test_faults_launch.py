@@ -493,6 +493,13 @@ def test_non_string_text_is_an_error_or_skipped_and_counted(tmp_path, tok_dir, c
     ids = [i for row in datasets.load_from_disk(str(tmp_path / "out-mixed"))["input_ids"] for i in row]
     expected = [t for d in docs[:3] for t in [tokenizer.bos_token_id, *tokenizer(d, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]]  # fmt: skip
     assert ids == expected[: len(ids)]
+    # streamed: the same rule, applied as the rows are read
+    assert _prepare(tmp_path, tok_dir, src, "--streaming", "--overwrite") == 2
+    assert "the 'text' value of row 1 is of type int ('42'), not a string" in capsys.readouterr().err
+    assert _prepare(tmp_path, tok_dir, src, "--streaming", "--skip-non-text", "--overwrite") == 0
+    streamed = datasets.load_from_disk(str(tmp_path / "out-mixed"))["input_ids"]
+    assert [i for row in streamed for i in row] == ids
+    assert json.loads((tmp_path / "out-mixed" / "usp_prepare.json").read_text())["extra"]["rows_not_text_skipped"] == 2
 
 
 @pytest.mark.parametrize(

@@ -147,7 +147,6 @@ def prepare_dataset(
             raw, tokenizer, num_proc=num_proc, add_bos=add_bos, cache_file_name=str(work / "tokenized.arrow")
         )
         stats = PackStats(seq_len=seq_len)
-        stats.extra["rows_not_text_skipped"] = sum(skipped.values())
         if isinstance(raw, Dataset):
             stats.extra["documents_empty"] = len(raw) - len(tokenized)
         packed_file = work / "packed.arrow"
@@ -180,6 +179,7 @@ def prepare_dataset(
         packed_file.unlink()
         stats.seconds = time.perf_counter() - t0
         stats.extra.update(
+            rows_not_text_skipped=sum(skipped.values()),  # a stream counts them as it is read: after packing
             tokens_per_s=stats.document_tokens / max(stats.seconds, 1e-9),
             inputs=list(inputs),
             text_field=text_field,

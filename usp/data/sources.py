@@ -209,7 +209,9 @@ def _load_one(
                         f"data.inputs: {spec!r} is a saved DatasetDict without a 'train' split (splits: "
                         f"{sorted(ds)}); pass the split's directory ({spec}/<split>) instead."
                     )
-                (log or logger.info)(f"input {spec!r}: saved DatasetDict, using its train split of {sorted(ds)}")
+                (log or logger.info)(
+                    f"input {spec!r}: saved DatasetDict, using its train split of {sorted(ds)}"
+                )
                 ds = ds["train"]
             return ds.to_iterable_dataset() if streaming else ds
         if path.is_dir():
@@ -362,6 +364,38 @@ def check_text_column(
     ), len(bad)
 
 
+def _is_string(features: datasets.Features | None, field: str) -> bool:
+    feature = None if features is None else features.get(field)
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+
+
+def _checked_stream(
+    ds: IterableDataset, spec: str, field: str, skip: bool, skipped: dict[str, int] | None
+) -> IterableDataset:
+    """:func:`check_text_column` for a stream, applied as rows are read: the decoded strings pass, anything
+    else raises ``ValueError`` (the row number within ``spec``) or, with ``skip``, is dropped and counted."""
+
+    def check(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        texts = []
+        for index, value in zip(indices, batch[field]):
+            if value is None or isinstance(value, str):
+                texts.append(value)
+            elif skip:
+                if skipped is not None:
+                    skipped[spec] = skipped.get(spec, 0) + 1
+            else:
+                raise ValueError(
+                    f"data.inputs: {spec!r}: the {field!r} value of row {index} is of type {type(value).__name__} "
+                    f"({str(value)[:60]!r}), not a string. Fix the data, point --text-field / data.text_field at "
+                    f"the text column, or pass --skip-non-text to usp-prepare-data to drop such rows."
+                )
+        return {field: texts}
+
+    return ds.map(
+        check, batched=True, with_indices=True, features=datasets.Features({field: datasets.Value("string")})
+    )
+
+
 def _local_files(spec: str) -> tuple[list[str], str]:
     """The files of a local input and their builder (for locating a row); ``([], "")`` otherwise."""
     if not _looks_local(spec):
@@ -406,6 +440,8 @@ def _text_only(
             f"Set --text-field / data.text_field to the column that holds the document text."
         )
     ds = ds.select_columns([text_field])
+    if isinstance(ds, IterableDataset) and not _is_string(ds.features, text_field):
+        ds = _checked_stream(ds, spec, text_field, skip_non_text, skipped)
     if text_field != TEXT_COLUMN:
         ds = ds.rename_column(text_field, TEXT_COLUMN)
     return ds
@@ -459,7 +495,7 @@ def load_text_sources(
     Bad data is never rewritten: a file that does not parse raises ``ValueError`` with the file and line
     (:func:`describe_parse_error`); a text value that is not a string raises ``ValueError`` naming the
     input, row and type, or, with ``skip_non_text``, the row is dropped and counted in ``skipped`` (input ->
-    rows) (:func:`check_text_column`; not checked when ``streaming``).
+    rows) (:func:`check_text_column`; for a stream, as its rows are read).
 
     Returns a memory-mapped ``Dataset`` (or an ``IterableDataset`` when ``streaming``). Raises ``ValueError``
     for missing inputs, a missing text field, mismatched weights or an empty result. With ``weights`` no
