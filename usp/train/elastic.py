@@ -54,6 +54,7 @@ def launcher_store(timeout: timedelta, env: Mapping[str, str] | None = None) -> 
         world,
         is_master=not agent_hosts and rank == 0,
         timeout=timeout,
+        multi_tenant=True,  # as env:// does: another group of this process may share the port
     )
     return dist.PrefixStore(f"{STORE_PREFIX}{restart_count(env)}", store)
 
