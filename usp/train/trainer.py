@@ -54,7 +54,7 @@ from usp.train.optim import build_optimizer, check_optim_config
 from usp.train.parallelize import AC_MODES, FSDP_MODES, decoder_layers, parallelize
 from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
 from usp.train.step import train_step
-from usp.train.watchdog import StepWatchdog
+from usp.train.watchdog import build_watchdog
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -332,15 +332,6 @@ def check_auto_resume(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
     return latest
 
 
-def build_watchdog(cfg: TrainConfig, rank: int) -> StepWatchdog:
-    """The step watchdog of ``trainer.watchdog_*`` (:mod:`usp.train.watchdog`)."""
-    t = cfg.trainer
-    return StepWatchdog(
-        factor=float(t.watchdog_factor), minutes=float(t.watchdog_minutes),
-        min_seconds=float(t.watchdog_min_seconds), rank=rank,
-    )  # fmt: skip
-
-
 # --- validation loss ----------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: torch.device) -> float:
@@ -480,7 +471,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     fingerprint = run_fingerprint(cfg)
     guards = ExitStack()  # SIGTERM/SIGUSR1 handlers and the step watchdog, for the loop's lifetime
     stop = guards.enter_context(StopRequest())
-    watchdog = guards.enter_context(build_watchdog(cfg, rank))
+    watchdog = guards.enter_context(build_watchdog(cfg.trainer, rank))
     preempted = False
     try:
         for step in range(start_step, cfg.trainer.max_steps):

@@ -24,6 +24,10 @@ import sys
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from usp.config import TrainerConfig
 
 WATCHDOG_EXIT_CODE = 3
 """Exit status of a rank the watchdog failed."""
@@ -128,3 +132,13 @@ class StepWatchdog:
             record_error(RuntimeError(message), with_traceback=False)
         finally:
             os._exit(WATCHDOG_EXIT_CODE)
+
+
+def build_watchdog(trainer: TrainerConfig, rank: int) -> StepWatchdog:
+    """The step watchdog ``trainer.watchdog_factor`` / ``watchdog_min_seconds`` / ``watchdog_minutes`` ask for."""
+    return StepWatchdog(
+        factor=float(trainer.watchdog_factor),
+        minutes=float(trainer.watchdog_minutes),
+        min_seconds=float(trainer.watchdog_min_seconds),
+        rank=rank,
+    )
