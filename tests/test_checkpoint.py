@@ -16,6 +16,7 @@ import torch
 
 import usp.train.checkpoint as ckpt_mod
 from usp.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from usp.train.trainer import rng_state
 
 
 def assert_tree_equal(a, b, path: str = "") -> None:
@@ -68,10 +69,7 @@ def test_round_trip_restores_everything(tmp_path):
         _step(model, opt, sched, s)
     random.seed(7)
     np.random.seed(7)
-    extra = {
-        "loader": {"samples": 24, "epoch": 0},
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-    }
+    extra = {"loader": {"samples": 24, "epoch": 0}, "rng": rng_state(torch.device("cpu"))}
     path = _save(tmp_path / "ckpt", 3, model, opt, sched, extra=extra)
     assert path == tmp_path / "ckpt" / "step_3" and latest_checkpoint(tmp_path / "ckpt") == path
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -114,10 +115,40 @@ def test_only_rank0_writes(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_progress_bar_runs_on_rank0(tmp_path, capsys):
-    with _logger(tmp_path, progress_bar=True) as log:
+def test_progress_bar_runs_on_rank0_on_a_terminal(tmp_path, capsys, caplog, monkeypatch):
+    import usp.train.metrics as metrics
+
+    monkeypatch.setattr(metrics, "stderr_is_terminal", lambda: True)
+    with caplog.at_level(logging.INFO, logger="usp.train.metrics"), _logger(tmp_path, progress_bar=True) as log:
         log.log_step(1, loss=3.25, grad_norm=1.0, lr=1.0, tokens=10, flops=1.0, step_time_s=1.0)
     assert "3.2500" in capsys.readouterr().err
+    assert "step 1/2" not in caplog.text  # the bar, not log lines
+
+
+def test_batch_job_logs_lines_instead_of_a_bar(tmp_path, capsys, caplog):
+    """No TTY (a SLURM .out file; pytest's capture here): progress_bar=true draws no bar (no \\r-joined line)
+    and rank 0 logs one line per logged step with step, loss, tokens/s, MFU and memory."""
+    with caplog.at_level(logging.INFO, logger="usp.train.metrics"), _logger(tmp_path, progress_bar=True) as log:
+        for step in (1, 2):
+            log.log_step(step, loss=3.25, grad_norm=1.0, lr=1.0, tokens=10, flops=5e11, step_time_s=1.0)
+    assert "\r" not in capsys.readouterr().err
+    lines = [r.getMessage() for r in caplog.records if r.name == "usp.train.metrics"]
+    assert len(lines) == 2 and lines[0].startswith("step 1/2 loss 3.2500")
+    for part in ("10 tok/s", "MFU 12.5%", "peak "):  # 5e11 FLOP / 1 s / 4 GPUs / 1e12 peak
+        assert part in lines[1], lines[1]
+
+
+def test_non_finite_values_are_written_as_null(tmp_path):
+    with _logger(tmp_path) as log:
+        rec = log.log_step(1, loss=float("nan"), grad_norm=float("inf"), lr=1.0, tokens=10, flops=1.0,
+                           step_time_s=1.0, extra={"val_loss": float("nan")})  # fmt: skip
+    assert math.isnan(rec["loss"])  # the caller still sees the float
+
+    def reject(name):
+        raise AssertionError(f"bare {name} in metrics.jsonl")
+
+    written = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=reject)
+    assert (written["loss"], written["grad_norm"], written["val_loss"]) == (None, None, None)
 
 
 def test_wandb_offline_writes_a_run_dir(tmp_path, monkeypatch):

@@ -124,6 +124,11 @@ class TrainerConfig:
     grad_accum_steps: int = 1
     loss_chunk_size: int = 4096
     """Tokens per chunk of the chunked cross-entropy (full logits never materialized)."""
+    max_bad_steps: int = 3
+    """Consecutive steps with a non-finite loss or gradient norm (each one skipped: no optimizer step) after
+    which the run stops with an error; non-finite weights are never checkpointed or exported."""
+    loss_spike_factor: float = 3.0
+    """Log a warning when a step's loss exceeds this many times the median of the last 100 losses; 0 = off."""
     checkpoint_every: int = 500
     keep_last: int = 2
     checkpoint_dir: str | None = None
@@ -160,7 +165,10 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     log_every: int = 1
+    """Steps between metrics records (metrics.jsonl, wandb, and the log line when there is no bar)."""
     progress_bar: bool = True
+    """A tqdm bar on rank 0, drawn only when stderr is a terminal; otherwise (batch jobs) one log line per
+    logged step (step, loss, tokens/s, MFU, memory)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -270,6 +278,16 @@ def validate_choices(cfg: TrainConfig) -> None:
         value = getattr(t, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"trainer.{name}={value!r} is invalid: use a number >= 0 (0 turns the rule off).")
+    if isinstance(t.max_bad_steps, bool) or not isinstance(t.max_bad_steps, int) or t.max_bad_steps < 1:
+        raise ValueError(
+            f"trainer.max_bad_steps={t.max_bad_steps!r} is invalid: use an integer >= 1 (consecutive non-finite "
+            "steps before the run stops; default 3)."
+        )
+    if not (t.loss_spike_factor == 0 or t.loss_spike_factor > 1):
+        raise ValueError(
+            f"trainer.loss_spike_factor={t.loss_spike_factor} is invalid: use a factor > 1 (e.g. 3.0), or 0 to "
+            "turn the loss-spike warning off."
+        )
     if t.checkpoint_every < 0 or t.keep_last < 1:
         raise ValueError(
             f"trainer.checkpoint_every={t.checkpoint_every} / trainer.keep_last={t.keep_last}: "

@@ -31,6 +31,12 @@ SAFE_ATTENTION = "sdpa"
 _ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
 
 
+def check_export_dir(out_dir: str | os.PathLike) -> None:
+    """``ValueError`` if :func:`export_hf` would refuse ``out_dir``: the trainer calls it at start-up, so a bad
+    export target fails before training rather than after it."""
+    _check_out_dir(Path(out_dir))
+
+
 def _check_out_dir(out_dir: Path) -> None:
     """Refuse to replace a directory that is not empty and not an earlier export (e.g. the input checkpoint)."""
     if not out_dir.exists():

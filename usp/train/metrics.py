@@ -19,6 +19,10 @@ names, see :data:`METRIC_FIELDS`), the wandb run and the progress bar. Every ran
 (``tokens`` and ``flops`` passed in are global totals; ``peak_mem_gib`` is all-reduced to the max over ranks),
 so any rank may use the returned dict. A run resumed at step ``s`` (``start_step=s``) first drops the records
 of steps after ``s`` (logged after the checkpoint, before the crash), so no step appears twice.
+
+``metrics.jsonl`` is strict JSON: a NaN or infinite value (a step the trainer skipped) is written as ``null``.
+The progress bar is drawn only when stderr is a terminal; in batch jobs (SLURM ``.out`` files, the Hydra log)
+rank 0 logs one line per logged step instead (step, loss, grad norm, lr, tokens/s, TFLOP/s, MFU, memory).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -171,6 +176,19 @@ def max_over_ranks(value: float, device: Any = "cpu") -> float:
     return float(t.item())
 
 
+def json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with NaN / inf floats replaced by ``None``, so ``json.dumps(..., allow_nan=False)`` holds."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+def stderr_is_terminal() -> bool:
+    """Whether a progress bar can be drawn: stderr is a TTY (not a SLURM output file or a pipe)."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def drop_records_after(path: str | os.PathLike, step: int) -> int:
     """Rewrite ``metrics.jsonl`` at ``path`` without records of steps after ``step`` (and without a torn last
     line), atomically (temp file + rename). Returns the number of lines dropped; a missing file is fine."""
@@ -234,7 +252,8 @@ class MetricsLogger:
         config: the run config as a plain dict (logged once to wandb).
         layout: the parallel layout (``SPMesh.describe()``), logged once to wandb and to ``layout.json``.
         total_steps: the progress bar's length (``trainer.max_steps``).
-        progress_bar: show a tqdm bar on rank 0.
+        progress_bar: show a tqdm bar on rank 0 when stderr is a terminal; otherwise (or with ``False``) log one
+            line per logged step.
         start_step: the step this run starts from (the resumed checkpoint's); when given, records of later
             steps already in ``metrics.jsonl`` are dropped first. ``None`` (default) appends as is.
         device: where the per-step max-over-ranks of ``peak_mem_gib`` is reduced (this rank's CUDA device
@@ -282,7 +301,7 @@ class MetricsLogger:
         if wandb_cfg.mode != "disabled":
             self._wandb = _init_wandb(wandb_cfg, self.run_dir, config, layout)
         self._file = open(self.path, "a")  # closed in close()
-        if progress_bar:
+        if progress_bar and stderr_is_terminal():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
@@ -328,7 +347,7 @@ class MetricsLogger:
             assert not clash, f"extra metrics may not replace standard fields: {sorted(clash)}"
             record.update(extra)
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
             self._file.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=int(step))

@@ -67,13 +67,29 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def reapply_schedule(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, lr: float) -> None:
+    """After loading a checkpoint: make the next step's learning rate the one this run's schedule gives.
+
+    A loaded optimizer carries the saved run's current lr and a loaded scheduler its base lr, so a resume with
+    a larger ``trainer.max_steps`` (or another ``optim.lr``) would take its first step on the old schedule.
+    The schedule functions are this run's (``LambdaLR`` does not save them); this sets ``base_lr = lr`` and
+    every group's lr to ``lr * factor(last_epoch)``.
+    """
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 @torch.no_grad()
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
     """Clip gradients to ``max_norm`` by their global L2 norm; return the norm before clipping.
 
     With FSDP2 the gradients are sharded DTensors: the norm of each is a DTensor whose ``full_tensor()``
     reduces the partial sums of squares over the shard axis (and not over replicas under HSDP), so every rank
-    gets the norm of the whole, unsharded gradient. ``max_norm == 0`` only measures.
+    gets the norm of the whole, unsharded gradient. ``max_norm == 0`` only measures; a non-finite norm is
+    returned without clipping (the step will be skipped, see :func:`usp.train.step.train_step`).
     """
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params]
@@ -82,6 +98,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()
-    if max_norm > 0:
+    norm = float(total.item())
+    if max_norm > 0 and math.isfinite(norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return float(total.item())
+    return norm

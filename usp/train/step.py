@@ -6,6 +6,7 @@ single-process transformers model.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from usp.parallel import SPMesh
+from usp.train.guard import all_finite
 from usp.train.loss import count_targets, global_target_count
 from usp.train.optim import clip_grad_norm
 
@@ -39,6 +41,8 @@ class StepResult:
     step_time_s: float
     document_lengths: list[list[int]] = field(default_factory=list)
     """This data-parallel replica's document-piece lengths (one list per sample), for FLOP counting."""
+    skipped: bool = False
+    """The loss or the gradient norm was not finite on some rank: no optimizer step was taken (every rank)."""
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -61,6 +65,10 @@ def train_step(
     device: torch.device | str = "cpu",
 ) -> StepResult:
     """Forward/backward every micro-batch, then clip, step and advance the schedule.
+
+    A non-finite loss or gradient norm (on any rank: every rank agrees, one MIN all-reduce of a flag) skips the
+    optimizer step: the gradients are dropped and the weights and optimizer state stay as they were; the
+    schedule still advances. ``StepResult.skipped`` says so.
 
     ``micro_batches``: this rank's slices (``input_ids``, ``labels``, ``position_ids`` ``[B, S_local]``;
     optional global ``cu_seqlens``; optional ``document_lengths``). The global target count of the whole
@@ -89,8 +97,11 @@ def train_step(
         loss_sum += loss.detach()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(loss_sum, group=group)  # shares of the global mean -> the global mean
-    grad_norm = clip_grad_norm(loss_model.parameters(), grad_clip)
-    optimizer.step()
+    grad_norm = clip_grad_norm(loss_model.parameters(), grad_clip)  # no clipping when it is not finite
+    loss_value = float(loss_sum.item())
+    finite = all_finite(math.isfinite(loss_value) and math.isfinite(grad_norm), group, device)
+    if finite:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if scheduler is not None:
         scheduler.step()
@@ -102,11 +113,12 @@ def train_step(
         doc_lengths.extend(b.get("document_lengths") or [[b["input_ids"].size(1) * mesh.sp_degree]] * b["input_ids"].size(0))
     tokens = sum(b["input_ids"].numel() for b in micro_batches) * mesh.sp_degree * mesh.dp_degree
     return StepResult(
-        loss=float(loss_sum.item()),
+        loss=loss_value,
         grad_norm=grad_norm,
         lr=lr,
         num_targets=num_targets,
         tokens=tokens,
         step_time_s=time.perf_counter() - start,
         document_lengths=doc_lengths,
+        skipped=not finite,
     )

@@ -52,6 +52,7 @@ from usp.train.elastic import launcher_store
 from usp.train.loss import IGNORE_INDEX
 from usp.train.optim import build_optimizer, check_optim_config
 from usp.train.parallelize import AC_MODES, FSDP_MODES, decoder_layers, parallelize
+from usp.train.resume import check_auto_resume, choose_resume, run_fingerprint  # noqa: F401 - public here too
 from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
 from usp.train.step import train_step
 from usp.train.watchdog import build_watchdog
@@ -190,7 +191,8 @@ def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device:
 
 def _check_trainer(cfg: TrainConfig) -> None:
     t = cfg.trainer
-    for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "loss_chunk_size", "keep_last"):
+    for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "loss_chunk_size", "keep_last",
+                 "max_bad_steps"):  # fmt: skip
         value = getattr(t, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"trainer.{name}={value!r} must be an integer >= 1.")
@@ -275,7 +277,15 @@ def validate(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[A
 
 # --- state for checkpoints ----------------------------------------------------------------------------
 def rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """This rank's RNG states as plain data (tensors, ints, tuples), so a checkpoint loads with
+    ``weights_only=True``: numpy's ``(name, uint32 keys, pos, has_gauss, cached_gaussian)`` keeps its keys as
+    an int64 tensor."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -284,7 +294,8 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
@@ -293,43 +304,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)
-
-
-# --- resume ---------------------------------------------------------------------------------------------
-def run_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
-    """What identifies a run's checkpoints, stored in each checkpoint's ``extra["fingerprint"]``: the resolved
-    ``model.path`` and ``trainer.seq_len``."""
-    return {"model_path": str(Path(cfg.model.path).resolve()), "seq_len": int(cfg.trainer.seq_len)}
-
-
-def check_auto_resume(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
-    """``trainer.resume=auto``: the latest complete checkpoint under ``ckpt_root`` (or ``None``), refused with
-    ``ValueError`` when it was saved by a run with another ``model.path`` or ``trainer.seq_len``.
-
-    Guards against two experiments sharing a run dir; an explicit ``trainer.resume=PATH`` is not checked (a
-    new stage at a longer ``seq_len`` is legitimate). Checkpoints without a fingerprint (older) pass.
-    """
-    from usp.train.checkpoint import latest_checkpoint, read_saved_extra
-
-    latest = latest_checkpoint(ckpt_root) if ckpt_root.exists() else None
-    if latest is None:
-        return None
-    saved = read_saved_extra(latest).get("fingerprint")
-    if saved is None:
-        return latest
-    now = run_fingerprint(cfg)
-    diffs = [
-        f"{setting} {saved[key]!r} there, {now[key]!r} now"
-        for key, setting in (("model_path", "model.path"), ("seq_len", "trainer.seq_len"))
-        if key in saved and saved[key] != now[key]
-    ]
-    if diffs:
-        raise ValueError(
-            f"trainer.resume=auto found {latest}, saved by another run ({'; '.join(diffs)}). Give this run its "
-            f"own directory (hydra.run.dir=... or trainer.checkpoint_dir=...), set trainer.resume=null to start "
-            f"fresh, or trainer.resume={latest} to continue from it on purpose (e.g. a longer-context stage)."
-        )
-    return latest
 
 
 # --- validation loss ----------------------------------------------------------------------------------
@@ -381,24 +355,33 @@ def _build_tiny_if_asked(cfg: TrainConfig, rank: int) -> None:
 
 
 def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+    """The run dir first (checked, locked for the job's life, on rank 0; its error raised on every rank), then
+    the job. See :mod:`usp.train.rundir`."""
+    from usp.train.rundir import claim_run_dir
+
+    rank = dist.get_rank()
+    with on_every_rank(lambda: claim_run_dir(cfg, rank), "checking the run dir (hydra.run.dir)"):
+        return _train(cfg, device)
+
+
+def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from usp.data import build_dataloaders
     from usp.train.checkpoint import load_checkpoint, save_checkpoint
     from usp.train.export import export_hf
+    from usp.train.guard import StepGuard, check_finite_weights
     from usp.train.metrics import MetricsLogger, count_dense_params, peak_flops_per_device, training_flops
+    from usp.train.optim import reapply_schedule
+    from usp.train.rundir import checkpoint_root
 
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(cfg.run_dir)
     on_every_rank(lambda: _build_tiny_if_asked(cfg, rank), "building the tiny model (model.build_tiny)")
     model_config, layout = on_every_rank(lambda: validate(cfg, world, device), "config validation")
     peak_flops = on_every_rank(lambda: peak_flops_per_device(cfg.cluster, device.type), "cluster settings")
-    ckpt_root = Path(cfg.trainer.checkpoint_dir or run_dir / "checkpoints")
-    resume_from: Path | None = None
-    if cfg.trainer.resume == "auto":
-        resume_from = on_every_rank(lambda: check_auto_resume(cfg, ckpt_root), "trainer.resume=auto")
-    elif cfg.trainer.resume:
-        resume_from = Path(cfg.trainer.resume)
+    ckpt_root = checkpoint_root(cfg)
+    resume_from = choose_resume(cfg, ckpt_root)  # verified; never another run's checkpoints
     seed_everything(cfg.trainer.seed)
 
     mesh = init_sp_mesh(
@@ -435,7 +418,8 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
 
     start_step = 0
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        state = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, verify=False)
+        reapply_schedule(optimizer, scheduler, cfg.optim.lr)  # this run's schedule from its first step
         start_step = state["step"]
         extra = state["extra"]
         train_loader.load_state_dict(extra["data"])
@@ -469,6 +453,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     last_ckpt: Path | None = Path(resume_from) if resume_from is not None else None
     batches = iter(train_loader)
     fingerprint = run_fingerprint(cfg)
+    guard = StepGuard(cfg.trainer.max_bad_steps, cfg.trainer.loss_spike_factor)
     guards = ExitStack()  # SIGTERM/SIGUSR1 handlers and the step watchdog, for the loop's lifetime
     stop = guards.enter_context(StopRequest())
     watchdog = guards.enter_context(build_watchdog(cfg.trainer, rank))
@@ -493,7 +478,8 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
                 dist.all_reduce(flops, group=mesh.dp_group)
             watchdog.end_step()
             done = step + 1
-            extra: dict[str, Any] = {"num_targets": res.num_targets}
+            guard.update(done, loss=res.loss, grad_norm=res.grad_norm, skipped=res.skipped)
+            extra: dict[str, Any] = {"num_targets": res.num_targets, "skipped_steps": guard.total}
             if cfg.trainer.eval_every and val_loader is not None and done % cfg.trainer.eval_every == 0:
                 val_losses[done] = extra["val_loss"] = evaluate(loss_model, val_loader, mesh, device)
             if done % cfg.logging.log_every == 0 or done == cfg.trainer.max_steps:
@@ -504,8 +490,10 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
                     )  # fmt: skip
                 )
             losses.append(res.loss)
+            guard.stop_if_exhausted(last_ckpt)
             periodic = cfg.trainer.checkpoint_every and done % cfg.trainer.checkpoint_every == 0
             if periodic or done == cfg.trainer.max_steps or preempted:
+                check_finite_weights(model, step=done, what=f"checkpoint step_{done}", last_checkpoint=last_ckpt)
                 last_ckpt = save_checkpoint(
                     ckpt_root, done, model=model, optimizer=optimizer, scheduler=scheduler,
                     extra={"data": train_loader.state_dict(), "rng": rng_state(device), "fingerprint": fingerprint},
@@ -532,6 +520,8 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         }  # fmt: skip
     export_dir = None
     if cfg.trainer.export_hf:
+        check_finite_weights(model, step=max(start_step, cfg.trainer.max_steps), what="the Hugging Face export",
+                             last_checkpoint=last_ckpt)  # fmt: skip
         export_dir = export_hf(
             model, tokenizer=tokenizer, out_dir=run_dir / "hf", dtype=parse_dtype(cfg.model.dtype)
         )
