@@ -1,4 +1,5 @@
 # Two commands for a fresh machine: `make demo` and `make test`. Both install into ./.venv first.
+# `make eval` then evaluates the demo's export (outputs/demo/hf): passkey retrieval, or EVAL_ARGS=eval=ppl.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,8 +7,9 @@ PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+EVAL_ARGS ?= eval=passkey
 
-.PHONY: install demo test lint clean
+.PHONY: install demo eval test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +21,9 @@ install: $(VENV)/.installed
 
 demo: install
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m usp.train recipe=tiny hydra.run.dir=outputs/demo $(DEMO_ARGS)
+
+eval: install
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m usp.eval recipe=tiny model.path=outputs/demo/hf hydra.run.dir=outputs/demo $(EVAL_ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start usp.train on this machine: one torchrun, one process per GPU (or N CPU processes on gloo).
 #
-#   launch/torchrun.sh [--nproc-per-node N] [--cpu] [--max-restarts R] [--] [hydra overrides...]
+#   launch/torchrun.sh [--nproc-per-node N] [--cpu] [--max-restarts R] [--entry train|eval] [--] [hydra overrides...]
 #
 #   launch/torchrun.sh recipe=llama2_7b_rope_32k ...                 # one process per visible GPU
 #   launch/torchrun.sh --nproc-per-node 4 recipe=llama2_7b_rope_32k  # 4 GPUs (pick them with CUDA_VISIBLE_DEVICES)
@@ -25,6 +25,7 @@ die() {
 nproc=""
 cpu=0
 restarts=""
+module="usp.train"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nproc-per-node | --gpus-per-node)
@@ -49,6 +50,12 @@ while [[ $# -gt 0 ]]; do
       restarts="${1#*=}"
       shift
       ;;
+    --entry)
+      [[ $# -ge 2 ]] || die "--entry needs a value: train or eval"
+      [[ "$2" == train || "$2" == eval ]] || die "--entry $2: use train (usp.train) or eval (usp.eval)"
+      module="usp.$2"
+      shift 2
+      ;;
     -h | --help)
       sed -n '2,17s/^# \{0,1\}//p' "$0"
       exit 0
@@ -57,7 +64,7 @@ while [[ $# -gt 0 ]]; do
       shift
       break
       ;;
-    -*) die "unknown option $1 (options: --nproc-per-node N, --cpu, --max-restarts R; then Hydra overrides key=value)" ;;
+    -*) die "unknown option $1 (options: --nproc-per-node N, --cpu, --max-restarts R, --entry train|eval; then Hydra overrides key=value)" ;;
     *) break ;;
   esac
 done
@@ -126,6 +133,6 @@ restart_args=()
 if [[ -n "$restarts" && "$restarts" != 0 ]]; then
   restart_args=(--max-restarts "$restarts")
 fi
-cmd=(torchrun --standalone --nproc-per-node "$nproc" ${restart_args[@]+"${restart_args[@]}"} -m usp.train ${defaults[@]+"${defaults[@]}"} "$@")
+cmd=(torchrun --standalone --nproc-per-node "$nproc" ${restart_args[@]+"${restart_args[@]}"} -m "$module" ${defaults[@]+"${defaults[@]}"} "$@")
 echo "+ ${cmd[*]}" >&2
 exec "${cmd[@]}"

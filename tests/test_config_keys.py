@@ -24,6 +24,8 @@ from usp.train.__main__ import compose_config
         ("trainer.max_step=3", "did you mean trainer.max_steps?"),
         ("+optim.grad_accum_steps=2", "did you mean trainer.grad_accum_steps?"),
         ("+foo=1", "unknown config key 'foo'"),
+        ("+trainer.micro_batch=2", "did you mean trainer.micro_batch_size?"),
+        ("+eval.batch_size=2", "did you mean eval.micro_batch_size?"),  # the same group before foreign names
     ],
 )
 def test_unknown_override_is_an_error_naming_the_real_key(override, expected):

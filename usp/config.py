@@ -138,6 +138,11 @@ class TrainerConfig:
     export_hf: bool = True
     """Write a Hugging Face checkpoint (safetensors + config + tokenizer) at the end, in ``<run dir>/hf``."""
     eval_every: int = 0
+    """Validate every N steps (0: never): ``val_loss`` and, with ``eval_ppl_by_position``, perplexity by
+    position on the validation split (needs ``data.validation_fraction > 0``)."""
+    eval_ppl_by_position: bool = True
+    """With ``eval_every``: also log ``val_ppl_by_position`` (mean loss / perplexity per bucket of
+    ``eval.bucket_size`` positions in the document) to metrics.jsonl and wandb."""
     seed: int = 0
     device: str = "auto"
     """``auto`` | ``cuda`` | ``cpu``."""
@@ -191,6 +196,49 @@ class ClusterConfig:
     the recipe tests use it; the launched world size is what counts at run time)."""
 
 
+EVAL_TASKS: tuple[str, ...] = ("ppl", "passkey")
+
+
+@dataclass
+class PasskeyConfig:
+    """``eval=passkey``: a random number hidden in filler text, then asked for (greedy decoding)."""
+
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """Where the passkey sits, as a fraction of the filler before it (0 = start, 1 = just before the question)."""
+    trials: int = 5
+    """Prompts per (length, depth) cell, each with its own passkey and seed."""
+    seed: int = 0
+    """Trial ``t`` of cell (length ``L``, depth ``d``) draws its passkey from ``(seed, L, d, t)``."""
+    digits: int = 5
+    """Digits of the passkey."""
+    max_new_tokens: int = 12
+    """Greedy tokens decoded for the answer (the first run of digits in them is compared)."""
+
+
+@dataclass
+class EvalConfig:
+    """``usp-eval`` (``python -m usp.eval``) and the in-training perplexity by position."""
+
+    task: str = "ppl"
+    """``ppl`` (perplexity by position on long held-out documents) | ``passkey`` (retrieval accuracy)."""
+    lengths: list[int] | None = None
+    """Evaluated sequence lengths in tokens; each must suit the layout (a multiple of 2 x ring x ulysses for
+    zigzag). None: ``[trainer.seq_len]`` for ppl, ``[seq_len/4, seq_len/2, seq_len, 2 seq_len]`` for passkey."""
+    micro_batch_size: int = 1
+    """Sequences per forward (documents for ppl, trials for passkey)."""
+    bucket_size: int = 1024
+    """Width of a position bucket for perplexity by position, in tokens."""
+    inputs: list[str] = field(default_factory=list)
+    """ppl: held-out text sources (as ``data.inputs``: files, dirs, hub names); empty: ``data.inputs`` (or the
+    tiny corpus when ``data.build_tiny_corpus``). Documents shorter than a length are skipped for it."""
+    num_documents: int = 8
+    """ppl: documents evaluated per length (the first ones at least that long)."""
+    original_context_length: int | None = None
+    """Marked on the perplexity plot; None: the config's ``rope_scaling.original_max_position_embeddings``,
+    else its ``max_position_embeddings``."""
+    passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -200,6 +248,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run_dir: str = "."
     """Filled in by the entry point from ``hydra.run.dir``; every rank agrees on it."""
     run_name: str | None = None

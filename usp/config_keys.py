@@ -96,11 +96,15 @@ def schema_keys(schema: type) -> tuple[set[str], set[str]]:
 
 def unknown_key_error(key: str, fields: Iterable[str]) -> str:
     """The message for an override ``key`` that is not in the schema: the usp name or the closest real key."""
-    last = key.rsplit(".", 1)[-1]
-    if last in FOREIGN_KEYS:
+    group, _, last = key.rpartition(".")
+    fields = sorted(fields)
+    siblings = {f.rsplit(".", 1)[-1]: f for f in fields if f.rpartition(".")[0] == group}
+    near = difflib.get_close_matches(last, list(siblings), n=1, cutoff=0.75)
+    if near:  # a real key of the same group first (eval.batch_size -> eval.micro_batch_size)
+        hint = f"did you mean {siblings[near[0]]}?"
+    elif last in FOREIGN_KEYS:
         hint = f"usp calls it {FOREIGN_KEYS[last]}"
     else:
-        fields = sorted(fields)
         close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
         if not close:  # the right name under another group (optim.grad_accum_steps -> trainer.grad_accum_steps)
             by_last = {f.rsplit(".", 1)[-1]: f for f in fields}

@@ -3,6 +3,7 @@
 ::
 
     usp-launch local    [--cpu] [overrides...] [--dry-run]
+    (any mode) --entry eval: start usp.eval (usp-eval) instead of usp.train, with the same checks
     usp-launch torchrun [--nproc-per-node N] [--cpu] [--max-restarts R] [overrides...] [--dry-run]
     usp-launch slurm    [--nodes N] [--gpus-per-node G] [--partition P] [--time T] [--account A]
                         [--job-name J] [--gres] [--submit] [--max-restarts R] [overrides...] [--dry-run]
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="usp-launch",
         usage="usp-launch {local,torchrun,slurm} [options] [hydra overrides...] [--dry-run]",
-        description="Print, run or submit the command that starts usp.train with the given Hydra overrides.",
+        description="Print, run or submit the command that starts usp.train (or usp.eval: --entry eval) with the "
+        "given Hydra overrides.",
         epilog="Example: usp-launch torchrun --cpu --nproc-per-node 4 recipe=tiny --dry-run",
         allow_abbrev=False,
     )
@@ -83,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="submit even when the planner predicts the layout does not fit the device memory",
     )  # fmt: skip
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the command; run nothing")
+    p.add_argument(
+        "--entry", choices=tuple(commands.ENTRY_MODULES), default="train",
+        help="train: usp.train (default); eval: usp.eval (usp-eval: eval=ppl|passkey, model.path=RUN/hf)",
+    )  # fmt: skip
     return p
 
 
@@ -131,8 +137,8 @@ def _one_line_hydra_error(exc: Exception) -> str:
     return " ".join(parts)
 
 
-def compose_run_config(overrides: Sequence[str]) -> TrainConfig:
-    """The trainer's run config for ``overrides``, composed as ``usp.train`` will compose it.
+def compose_run_config(overrides: Sequence[str], entry: str = "train") -> TrainConfig:
+    """The run config for ``overrides``, composed as ``usp.train`` (or ``usp.eval``, ``entry="eval"``) will.
 
     Raises:
         LaunchError: for an unknown recipe or group option (listing the valid ones), a key the config does
@@ -143,6 +149,8 @@ def compose_run_config(overrides: Sequence[str]) -> TrainConfig:
 
     from usp.train.__main__ import compose_config
 
+    if entry == "eval":
+        from usp.eval.__main__ import compose_eval_config as compose_config
     try:
         return compose_config(list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
@@ -165,19 +173,31 @@ def config_degrees(cfg: TrainConfig) -> list[str]:
     return words
 
 
+def _is_train(args: argparse.Namespace) -> bool:
+    return getattr(args, "entry", "train") == "train"
+
+
 def _check(
-    overrides: Sequence[str], cfg: TrainConfig | None, *, nodes: int, nproc_per_node: int, memory: bool = True
+    overrides: Sequence[str],
+    cfg: TrainConfig | None,
+    *,
+    nodes: int,
+    nproc_per_node: int,
+    memory: bool = True,
+    train: bool = True,
 ) -> None:
     """The command line's degrees first (its own words in the message), then the composed config's, then
-    the trainer's own layout and sequence-length checks and the planner's memory estimate
-    (:mod:`usp.launch.preflight`; the estimate's figure is printed on stderr, an excess is an error unless
-    ``memory`` is false, ``--skip-memory-check``)."""
+    the trainer's own layout and sequence-length checks and, for training (``train``), the planner's memory
+    estimate (:mod:`usp.launch.preflight`; the estimate's figure is printed on stderr, an excess is an error
+    unless ``memory`` is false, ``--skip-memory-check``)."""
     check_degrees(overrides, nodes=nodes, nproc_per_node=nproc_per_node)
     if cfg is None:
         return
     check_degrees(config_degrees(cfg), nodes=nodes, nproc_per_node=nproc_per_node)
     world = nodes * nproc_per_node
     preflight.check_layout(cfg, world_size=world, local_world_size=nproc_per_node)
+    if not train:  # the estimate is of training memory
+        return
     try:
         note = preflight.check_memory(cfg, world_size=world, local_world_size=nproc_per_node)
     except ValueError as exc:
@@ -221,7 +241,9 @@ def plan_command(
     if args.cpu:
         overrides = commands.with_defaults(overrides, commands.cpu_defaults())
     check_degree_values(overrides)
-    cfg = None if hydra_flags else compose_run_config(overrides)
+    entry = getattr(args, "entry", "train")
+    module = commands.ENTRY_MODULES[entry]
+    cfg = None if hydra_flags else compose_run_config(overrides, entry)
 
     if args.mode == "local":
         if args.nproc_per_node not in (None, 1):
@@ -229,8 +251,8 @@ def plan_command(
                 f"--nproc-per-node={args.nproc_per_node}: `local` runs one process. "
                 f"Use `usp-launch torchrun --nproc-per-node {args.nproc_per_node}` for several."
             )
-        _check(overrides, cfg, nodes=1, nproc_per_node=1, memory=not args.skip_memory_check)
-        return commands.local_command(overrides, python=sys.executable)
+        _check(overrides, cfg, nodes=1, nproc_per_node=1, memory=not args.skip_memory_check, train=_is_train(args))
+        return commands.local_command(overrides, python=sys.executable, module=module)
 
     if args.mode == "torchrun":
         nproc = args.nproc_per_node
@@ -243,8 +265,10 @@ def plan_command(
                     "no GPUs found (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them): pass "
                     "--nproc-per-node N, or --cpu --nproc-per-node N for CPU processes on gloo."
                 )
-        _check(overrides, cfg, nodes=1, nproc_per_node=nproc, memory=not args.skip_memory_check)
-        return commands.torchrun_command(overrides, nproc_per_node=nproc, max_restarts=args.max_restarts)
+        _check(overrides, cfg, nodes=1, nproc_per_node=nproc, memory=not args.skip_memory_check, train=_is_train(args))
+        return commands.torchrun_command(
+            overrides, nproc_per_node=nproc, max_restarts=args.max_restarts, module=module
+        )
 
     job_id = env.get("SLURM_JOB_ID")
     if job_id and not args.submit:
@@ -282,12 +306,13 @@ def _srun_in_allocation(
             f"SLURM job {job_id} shows no GPUs (SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE unset): "
             f"pass --gpus-per-node N, or allocate with --gpus-per-node=N."
         )
-    _check(overrides, cfg, nodes=nodes, nproc_per_node=nproc, memory=not args.skip_memory_check)
+    _check(overrides, cfg, nodes=nodes, nproc_per_node=nproc, memory=not args.skip_memory_check, train=_is_train(args))
     cpus = int(env["SLURM_CPUS_ON_NODE"]) if env.get("SLURM_CPUS_ON_NODE", "").isdigit() else None
     head = commands.first_hostname(env.get("SLURM_JOB_NODELIST", ""), shutil.which("scontrol"))
     return commands.srun_command(
         overrides, nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head, cpus_per_task=cpus,
         max_restarts=args.max_restarts,
+        module=commands.ENTRY_MODULES[getattr(args, "entry", "train")],
     )  # fmt: skip
 
 
@@ -302,7 +327,7 @@ def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | N
         )
     nodes = nodes or cfg.cluster.num_nodes
     gpus = gpus or cfg.cluster.gpus_per_node
-    _check(overrides, cfg, nodes=nodes, nproc_per_node=gpus, memory=not args.skip_memory_check)
+    _check(overrides, cfg, nodes=nodes, nproc_per_node=gpus, memory=not args.skip_memory_check, train=_is_train(args))
     script = Path(args.script) if args.script else commands.default_sbatch_script()
     if not script.is_file():
         raise LaunchError(f"--script {script}: no such file. Pass --script PATH to your copy of slurm.sbatch.")
@@ -317,6 +342,7 @@ def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | N
         job_name=args.job_name or "usp",
         gres=args.gres,
         max_restarts=args.max_restarts,
+        entry=getattr(args, "entry", "train"),
     )
 
 

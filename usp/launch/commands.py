@@ -19,7 +19,9 @@ from pathlib import Path
 from usp.launch.overrides import has_override
 
 TRAIN_MODULE = "usp.train"
-"""The entry point every launcher runs with ``-m``."""
+"""The entry point every launcher runs with ``-m`` (``--entry train``, the default)."""
+ENTRY_MODULES: dict[str, str] = {"train": TRAIN_MODULE, "eval": "usp.eval"}
+"""``usp-launch --entry NAME`` -> the module run with ``-m``: training, or evaluation (``usp-eval``)."""
 
 RDZV_PORT_BASE = 20000
 RDZV_PORT_SPAN = 10000
@@ -84,16 +86,18 @@ def first_hostname(nodelist: str, scontrol: str | None = None) -> str:
     return prefix + first + suffix
 
 
-def local_command(overrides: Sequence[str], *, python: str) -> list[str]:
+def local_command(overrides: Sequence[str], *, python: str, module: str = TRAIN_MODULE) -> list[str]:
     """One process, no launcher: ``python -m usp.train <overrides>``."""
-    return [python, "-m", TRAIN_MODULE, *overrides]
+    return [python, "-m", module, *overrides]
 
 
 def _restarts(max_restarts: int) -> list[str]:
     return ["--max-restarts", str(max_restarts)] if max_restarts else []
 
 
-def torchrun_command(overrides: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0) -> list[str]:
+def torchrun_command(
+    overrides: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0, module: str = TRAIN_MODULE
+) -> list[str]:
     """One node: ``torchrun --standalone --nproc-per-node N [--max-restarts R] -m usp.train <overrides>``.
 
     torchrun exports ``LOCAL_WORLD_SIZE=N`` to every rank, which the mesh reads as the node size. With
@@ -102,7 +106,7 @@ def torchrun_command(overrides: Sequence[str], *, nproc_per_node: int, max_resta
     """
     return [
         "torchrun", "--standalone", "--nproc-per-node", str(nproc_per_node), *_restarts(max_restarts),
-        "-m", TRAIN_MODULE, *overrides,
+        "-m", module, *overrides,
     ]  # fmt: skip
 
 
@@ -115,6 +119,7 @@ def srun_command(
     head: str,
     cpus_per_task: int | None = None,
     max_restarts: int = 0,
+    module: str = TRAIN_MODULE,
 ) -> list[str]:
     """Inside a SLURM allocation: one torchrun agent per node, c10d rendezvous on ``head``.
 
@@ -143,7 +148,7 @@ def srun_command(
         "--max-restarts", str(max_restarts),
         "--signals-to-handle", SIGNALS_TO_HANDLE,
         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-        "-m", TRAIN_MODULE,
+        "-m", module,
         *overrides,
     ]  # fmt: skip
 
@@ -160,6 +165,7 @@ def sbatch_command(
     job_name: str = "usp",
     gres: bool = False,
     max_restarts: int = 0,
+    entry: str = "train",
 ) -> list[str]:
     """Submit ``script`` (``launch/slurm.sbatch``) for ``nodes`` nodes of ``gpus_per_node`` GPUs.
 
@@ -177,7 +183,11 @@ def sbatch_command(
     cmd.append(f"--job-name={job_name}")
     # the script takes its own options first; `--` ends them when Hydra flags (--cfg job) are passed through
     dashes = ["--"] if any(word.startswith("-") for word in overrides) else []
-    return [*cmd, script, "--nproc-per-node", str(gpus_per_node), *_restarts(max_restarts), *dashes, *overrides]
+    entry_flag = [] if entry == "train" else ["--entry", entry]  # the script runs usp.train unless told
+    return [
+        *cmd, script, "--nproc-per-node", str(gpus_per_node), *_restarts(max_restarts), *entry_flag, *dashes,
+        *overrides,
+    ]  # fmt: skip
 
 
 def default_sbatch_script() -> Path:

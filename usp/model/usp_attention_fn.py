@@ -84,6 +84,10 @@ def usp_attention_forward(
     offsets (on the host), or ``None`` for one causal sequence; ``cu_seqlens`` is accepted as an alias.
     ``max_length_q/k`` are not needed here (the ring plans blocks from the offsets). Returns
     ``([B, S_local, Hq, D], None)`` as transformers expects.
+
+    The forward kwarg ``usp_kv_cache`` (a :class:`usp.eval.decode.ShardedKVCache`, distributed decoding) keeps
+    this rank's ``k, v`` after the prefill's USP attention, and once it is ``decoding`` answers single-token
+    steps itself (attention over every rank's K/V shard, merged exactly).
     """
     state: USPAttentionState | None = getattr(module, _STATE_ATTR, None)
     assert state is not None, "the 'usp' attention function runs only on modules prepared by usp.model.apply_usp"
@@ -100,6 +104,9 @@ def usp_attention_forward(
         )
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported by usp attention; set attention_dropout=0.")
+    kv_cache = kwargs.get("usp_kv_cache")  # distributed decoding (usp.eval.decode): a forward kwarg, no global
+    if kv_cache is not None and kv_cache.decoding:
+        return kv_cache.decode_attention(module.layer_idx, query, key, value, scaling), None
     window = kwargs.get("sliding_window")
     if window is not None and window < query.size(2) * state.mesh.sp_degree:
         raise ValueError(
@@ -114,6 +121,8 @@ def usp_attention_forward(
     out = usp_attention(
         q, k, v, mesh=state.mesh, causal=True, softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens
     )
+    if kv_cache is not None:  # prefill: keep this rank's K/V shard for the decode steps
+        kv_cache.keep(module.layer_idx, k, v)
     return out, None  # out: [B, S_local, Hq, D]
 
 

@@ -33,7 +33,7 @@ REQUEUE_EXIT_CODE = 75
 """Exit status of a run stopped by SIGTERM/SIGUSR1 once its checkpoint is saved (the same number as
 ``usp.train.signals.REQUEUE_EXIT_CODE``, which this module does not import: composing needs no torch)."""
 REPORT_GRACE_S = 5.0
-"""How long ranks > 0 wait before reporting a bad setting that rank 0 reports too (see ``_fail``)."""
+"""How long ranks > 0 wait before reporting a bad setting that rank 0 reports too (see ``fail_once``)."""
 CONF_DIR: Path = Path(__file__).resolve().parents[2] / "conf"
 """The config groups (a source checkout; ``conf/recipe`` links to the top-level ``recipes/``)."""
 CONFIG_NAME = "train"
@@ -151,8 +151,9 @@ def compose_config(overrides: Sequence[str] = (), *, run_dir: str | None = None)
     return to_train_config(cfg, run_dir=run_dir)
 
 
-def _fail(err: ValueError) -> NoReturn:
-    """A user error (a bad setting, found alike on every rank): said once, exit status 2, no traceback.
+def fail_once(err: ValueError, prog: str = "usp-train") -> NoReturn:
+    """A user error (a bad setting, found alike on every rank): said once, exit status 2, no traceback
+    (``usp.train`` and ``usp.eval`` under torchrun).
 
     Rank 0 records it in its torchrun error file (``TORCHELASTIC_ERROR_FILE``: torchrun's failure summary
     shows it as the root cause), prints it and exits at once. The other ranks wait up to
@@ -166,7 +167,7 @@ def _fail(err: ValueError) -> NoReturn:
         time.sleep(REPORT_GRACE_S)
     record_error(err, with_traceback=False)
     if rank == 0:
-        print(f"usp-train: error: {err}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -180,13 +181,13 @@ def _task(dcfg: DictConfig) -> None:
         world_size, local_world_size = launched_world()
         validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
     except ValueError as err:
-        _fail(err)
+        fail_once(err)
     from usp.train.trainer import run  # lazy: composing and validating need no torch/transformers
 
     try:
         result = run(cfg)
     except ValueError as err:  # raised on every rank by the trainer's checks, before any weights or data
-        _fail(err)
+        fail_once(err)
     except Exception as err:  # Hydra prints it and exits 1; torchrun's summary shows it from the error file
         from usp.train.elastic import record_error
 
@@ -232,7 +233,7 @@ def _main() -> None:
     try:
         check_override_keys(sys.argv[1:], TrainConfig, config_groups())
     except ValueError as err:
-        _fail(err)
+        fail_once(err)
     sys.argv.extend(_rank_overrides(int(os.environ.get("RANK", "0"))))
     app = hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=CONFIG_NAME)(_task)
     app()

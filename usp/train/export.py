@@ -6,7 +6,9 @@ memory on rank 0 is one copy of the model in host RAM (in the training dtype) pl
 export dtype replaces the entries one by one. Rank 0 writes the files into
 ``.<name>.tmp-export`` beside ``out_dir`` and renames the directory into place, so a crash never leaves a
 half-written export at ``out_dir``. The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` in
-plain transformers: the saved config uses the standard ``sdpa`` attention, never the trainer's own ``usp``.
+plain transformers: the saved config uses the standard ``sdpa`` attention, never the trainer's own ``usp``, and
+``use_cache: true`` in config.json and generation_config.json (the trainer runs without a KV cache; generation
+needs it).
 """
 
 from __future__ import annotations
@@ -72,7 +74,18 @@ def _plain_config(model: torch.nn.Module, dtype: torch.dtype | None) -> Any:
             pass
     if dtype is not None:
         config.dtype = dtype
+    config.use_cache = True  # training turns the KV cache off; a checkpoint for generation wants it on
     return config
+
+
+def _generation_config(model: torch.nn.Module) -> Any:
+    """The model's generation config with the KV cache on (``generate()`` would recompute every step)."""
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is None:
+        return None
+    generation_config = copy.deepcopy(generation_config)
+    generation_config.use_cache = True
+    return generation_config
 
 
 def _scrub_attention(config_json: Path) -> None:
@@ -137,7 +150,7 @@ def export_hf(
                 logging.disable(logging.NOTSET)
             _plain_config(model, saved_dtype).save_pretrained(str(tmp))
             _scrub_attention(tmp / "config.json")
-            generation_config = getattr(model, "generation_config", None)
+            generation_config = _generation_config(model)
             if generation_config is not None:
                 generation_config.save_pretrained(str(tmp))
             if tokenizer is not None:

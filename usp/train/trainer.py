@@ -482,6 +482,13 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             extra: dict[str, Any] = {"num_targets": res.num_targets, "skipped_steps": guard.total}
             if cfg.trainer.eval_every and val_loader is not None and done % cfg.trainer.eval_every == 0:
                 val_losses[done] = extra["val_loss"] = evaluate(loss_model, val_loader, mesh, device)
+                if cfg.trainer.eval_ppl_by_position:  # usp.eval: mean loss per bucket of document positions
+                    from usp.eval.losses import val_ppl_by_position
+
+                    extra["val_ppl_by_position"] = val_ppl_by_position(
+                        loss_model, val_loader, mesh, device, bucket_size=cfg.eval.bucket_size,
+                        chunk_size=cfg.trainer.loss_chunk_size,
+                    )  # fmt: skip
             if done % cfg.logging.log_every == 0 or done == cfg.trainer.max_steps:
                 records.append(
                     metrics.log_step(
