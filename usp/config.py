@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from usp.modes import AC_MODES, ATTENTION_BACKENDS, FSDP_MODES, RING_LAYOUTS
+from usp.modes import AC_MODES, ATTENTION_BACKENDS, FSDP_MODES, OPTIMIZERS, RING_LAYOUTS
 
 # Valid values of the string-enum fields (checked once, by ``validate_choices``).
 DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float16")
@@ -78,16 +78,23 @@ class ParallelConfig:
     """Ring degree across nodes, or ``auto`` (ask the planner)."""
     dp_degree: int = -1
     """Data-parallel degree; -1 = the remaining ranks."""
-    ring_layout: str = "zigzag"
-    """``zigzag`` (balanced causal work) or ``contiguous``."""
+    ring_layout: str = "balanced"
+    """``balanced`` (default: placed from each packed row's document boundaries so every ring rank does the
+    same attention work; exactly ``zigzag`` without document masking), ``zigzag`` (balanced causal work over
+    one sequence) or ``contiguous``. See docs/attention.md, "Balanced layout"."""
     node_size: int | None = None
     """Ranks per node; default: the launcher's LOCAL_WORLD_SIZE."""
     allow_cross_node_ulysses: bool = False
     fsdp_mode: str = "full_shard"
     """``full_shard`` (shard over dp x ring x ulysses) | ``hybrid_shard`` (shard in a node, replicate across)."""
     activation_checkpointing: str = "none"
-    """``none`` | ``full`` (every decoder layer) | ``every_k`` (every ``ac_every_k``-th layer)."""
+    """``none`` | ``full`` (every decoder layer) | ``every_k`` (every ``ac_every_k``-th layer) | ``offload``
+    (every layer, the saved layer inputs in host memory: pinned, copied asynchronously; docs/memory.md)."""
     ac_every_k: int = 2
+    mlp_tiles: Any = 1
+    """Sequence tiles for each decoder layer's MLP and the RMSNorms (DeepSpeed ``TiledMLP``): 1 = off, an
+    integer dividing ``trainer.seq_len / (ulysses x ring)``, or ``auto`` (tiles of about ``hidden_size``
+    tokens). Exact; costs one more MLP forward per step."""
     reduce_dtype: str = "float32"
     """Gradient reduce-scatter dtype under FSDP2."""
     backend: str | None = None
@@ -101,6 +108,11 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"
+    """``adamw`` (torch AdamW where the parameters live) | ``adamw_cpu_offload`` (optimizer states, fp32
+    parameters and gradients in host memory, torch AdamW step on the host: FSDP2 CPU offload) |
+    ``deepspeed_cpu_adam`` (the same placement, DeepSpeed's vectorized ``DeepSpeedCPUAdam`` step).
+    ``parallel.cpu_offload=true`` with ``adamw`` means ``adamw_cpu_offload`` (docs/memory.md)."""
     lr: float = 2e-5
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -191,6 +203,10 @@ class ClusterConfig:
     """Network bandwidth per GPU, GB/s (planner)."""
     memory_gib: float | None = None
     """Usable device memory, GiB (planner); default: the device table."""
+    host_mem_gib: float | None = None
+    """Host RAM per node, GiB (planner: pinned checkpoints of ``activation_checkpointing=offload`` and
+    offloaded optimizer states must fit in it); default: the device table's server (2048 for an 8-GPU
+    H100/H200/B200 node, 1024 for A100)."""
     num_nodes: int = 1
     """Nodes the run expects; with ``gpus_per_node`` this is the world size a recipe declares (launchers and
     the recipe tests use it; the launched world size is what counts at run time)."""
@@ -310,6 +326,12 @@ def validate_choices(cfg: TrainConfig) -> None:
     _check_choice("parallel.activation_checkpointing", p.activation_checkpointing, AC_MODES)
     if p.activation_checkpointing == "every_k" and p.ac_every_k < 1:
         raise ValueError(f"parallel.ac_every_k={p.ac_every_k} is invalid: use an integer >= 1.")
+    if p.mlp_tiles != "auto" and (isinstance(p.mlp_tiles, bool) or not isinstance(p.mlp_tiles, int) or p.mlp_tiles < 1):
+        raise ValueError(
+            f"parallel.mlp_tiles={p.mlp_tiles!r} is invalid: use an integer >= 1 (1 = off) dividing the local "
+            "tokens per rank, or auto."
+        )
+    _check_choice("optim.name", cfg.optim.name, OPTIMIZERS)
     _check_choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
     _check_choice("parallel.backend", p.backend, BACKENDS)
     if isinstance(p.timeout_minutes, bool) or not isinstance(p.timeout_minutes, int) or p.timeout_minutes < 1:
@@ -354,6 +376,13 @@ def validate_choices(cfg: TrainConfig) -> None:
         )
     if cfg.logging.log_every < 1:
         raise ValueError(f"logging.log_every={cfg.logging.log_every} is invalid: use an integer >= 1.")
+
+
+def states_on_host(optim_name: str, cpu_offload: bool) -> bool:
+    """The one rule relating ``optim.name`` and ``parallel.cpu_offload``: the optimizer states (and the fp32
+    sharded parameters and gradients with them) live in host memory when either asks for it. On CUDA that is
+    FSDP2's ``CPUOffloadPolicy``; on a CPU device everything is in host memory already."""
+    return cpu_offload or optim_name != "adamw"
 
 
 def validate_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int | None = None) -> None:

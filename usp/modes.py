@@ -9,17 +9,25 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-RingLayout = Literal["zigzag", "contiguous"]
-"""Which sequence chunks each ring rank holds (``parallel.ring_layout``)."""
+RingLayout = Literal["zigzag", "contiguous", "balanced"]
+"""Which sequence chunks each ring rank holds (``parallel.ring_layout``): ``zigzag`` chunks ``r`` and ``2R-1-r``
+(balanced causal work over one sequence), ``contiguous`` chunk ``r``, ``balanced`` placed from the packed row's
+document boundaries so every ring rank does the same attention work (zigzag without them)."""
 RING_LAYOUTS: tuple[str, ...] = get_args(RingLayout)
 
 FsdpMode = Literal["full_shard", "hybrid_shard"]
 """``parallel.fsdp_mode``: shard over every rank, or shard inside a node and replicate across nodes."""
 FSDP_MODES: tuple[str, ...] = get_args(FsdpMode)
 
-AcMode = Literal["none", "full", "every_k"]
-"""``parallel.activation_checkpointing``: which decoder layers are recomputed in backward."""
+AcMode = Literal["none", "full", "every_k", "offload"]
+"""``parallel.activation_checkpointing``: which decoder layers are recomputed in backward (``offload``: every
+layer, with the saved layer inputs in host memory; ``usp.train.offload``)."""
 AC_MODES: tuple[str, ...] = get_args(AcMode)
+
+OptimName = Literal["adamw", "adamw_cpu_offload", "deepspeed_cpu_adam"]
+"""``optim.name``: the AdamW implementation; all but ``adamw`` keep the optimizer states on the host
+(``usp.config.states_on_host``)."""
+OPTIMIZERS: tuple[str, ...] = get_args(OptimName)
 
 AttentionBackend = Literal["auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "cpu_flash", "math"]
 """``model.attention_backend``: the local attention kernel (``auto`` picks one for the device and dtype)."""

@@ -63,6 +63,10 @@ METRIC_FIELDS: tuple[str, ...] = (
 )
 """Fields of every ``metrics.jsonl`` record (stable names); ``extra`` keys passed to ``log_step`` follow."""
 
+CUDA_METRIC_FIELDS: tuple[str, ...] = ("peak_mem_reserved_gib",)
+"""Fields only CUDA runs record (absent on CPU): ``peak_mem_reserved_gib``, the max over ranks of the caching
+allocator's peak reserved memory since the previous logged step (:func:`peak_memory_reserved_gib`)."""
+
 
 def _gpu_from_device_name(name: str) -> str | None:
     """Map a CUDA device name (``NVIDIA H100 80GB HBM3``) to a :data:`PEAK_TFLOPS` key, if recognisable."""
@@ -133,6 +137,28 @@ def training_flops(
     return 6.0 * dense_params * tokens + attention
 
 
+def attention_work_imbalance(document_lengths: list[list[int]], ring_degree: int, ring_layout: str) -> float:
+    """``attn_work_imbalance`` of a step: max / mean over ring ranks of the causal in-document (query, key) pairs
+    each computes, summed over the step's samples (per sample, its packed document lengths).
+
+    Exact pair counts from the layout (:func:`usp.parallel.ring_rank_pairs`); 1.0 = every ring rank does the
+    same attention work. The slowest rank sets the step time, so ``1 / imbalance`` is the attention time a
+    perfectly balanced layout would need.
+    """
+    import numpy as np
+
+    from usp.parallel import ring_rank_pairs
+
+    if ring_degree == 1:
+        return 1.0
+    work = np.zeros(ring_degree)
+    for lengths in document_lengths:
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        work += np.asarray(ring_rank_pairs(int(cu[-1]), ring_degree, ring_layout, cu), dtype=np.float64)
+    mean = work.mean()
+    return float(work.max() / mean) if mean > 0 else 1.0
+
+
 def count_dense_params(model: Any) -> int:
     """Parameters that do matmuls: all (global numel, also under FSDP2) minus the input embedding table,
     which is kept when it is tied to the output head."""
@@ -154,6 +180,15 @@ def peak_memory_gib() -> float:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / GIB if sys.platform == "darwin" else rss * 1024 / GIB  # bytes on macOS, KiB on Linux
+
+
+def peak_memory_reserved_gib() -> float | None:
+    """CUDA: peak bytes reserved by the caching allocator since the last :func:`reset_peak_memory`, in GiB
+    (allocated plus cached free blocks: what an out-of-memory error depends on). ``None`` without CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_reserved() / GIB
+    return None
 
 
 def reset_peak_memory() -> None:
@@ -322,11 +357,15 @@ class MetricsLogger:
 
         Collective under a multi-rank process group (call on every rank): ``peak_mem_gib`` is the max over
         ranks of :func:`peak_memory_gib` (CUDA: since the previous logged step, the window is reset here; CPU:
-        the process peak RSS). Returns the record (the same on every rank): :data:`METRIC_FIELDS` then ``extra``.
+        the process peak RSS); on CUDA ``peak_mem_reserved_gib`` likewise (:data:`CUDA_METRIC_FIELDS`).
+        Returns the record (the same on every rank): :data:`METRIC_FIELDS` (then the CUDA fields), then ``extra``.
         """
         if step_time_s <= 0:
             raise ValueError(f"step_time_s={step_time_s} must be > 0")
         peak_mem = max_over_ranks(peak_memory_gib(), self.device)
+        reserved = peak_memory_reserved_gib()  # None on every rank of a CPU job, a number on every CUDA rank
+        if reserved is not None:
+            reserved = max_over_ranks(reserved, self.device)
         reset_peak_memory()
         flops_per_gpu_s = flops / step_time_s / self.world_size
         record: dict[str, Any] = {
@@ -342,6 +381,8 @@ class MetricsLogger:
             "peak_mem_gib": peak_mem,
             "step_time_s": float(step_time_s),
         }
+        if reserved is not None:
+            record["peak_mem_reserved_gib"] = reserved
         if extra:
             clash = set(extra) & set(record)
             assert not clash, f"extra metrics may not replace standard fields: {sorted(clash)}"

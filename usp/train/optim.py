@@ -1,9 +1,18 @@
-"""AdamW, linear warmup + cosine decay, and gradient clipping by the global norm across FSDP shards."""
+"""AdamW, linear warmup + cosine decay, and gradient clipping by the global norm across FSDP shards.
+
+``optim.name`` picks the AdamW implementation (:data:`usp.modes.OPTIMIZERS`): ``adamw`` and
+``adamw_cpu_offload`` use ``torch.optim.AdamW`` (the second with the states on the host, see
+:func:`usp.config.states_on_host`, and torch's fused kernel, which on the host CPU steps about 5x faster than
+the default for-each one); ``deepspeed_cpu_adam`` uses DeepSpeed's vectorized C++ CPU Adam
+(:class:`ShardedCPUAdam`), for states that live on the host. DeepSpeed compiles that op on first use (about
+2 minutes on 2 cores; cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,10 +20,70 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from usp.config import OptimConfig
+from usp.modes import OPTIMIZERS
+from usp.train.deepspeed_parts import import_deepspeed_part
+
+
+def _import_cpu_adam() -> type:
+    return import_deepspeed_part(
+        "deepspeed.ops.adam", "DeepSpeedCPUAdam", setting="optim.name=deepspeed_cpu_adam",
+        alternative="optim.name=adamw_cpu_offload (torch's fused AdamW on the host)",
+    )  # fmt: skip
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sharded_cpu_adam(groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+    """DeepSpeed's ``DeepSpeedCPUAdam`` (AdamW mode) over FSDP2's sharded DTensor parameters on the host.
+
+    DeepSpeed's ``step`` hands ``p.data`` to its C++ op, which needs plain tensors; this subclass passes each
+    rank's local shard instead (the parameter, its gradient and the two moments, which are DTensors shaped
+    like the parameter so that distributed checkpoints reshard them like torch AdamW's). Same update as
+    ``torch.optim.AdamW`` (fp32; equal to rounding).
+    """
+    base = _import_cpu_adam()
+
+    class ShardedCPUAdam(base):  # type: ignore[misc, valid-type]
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for group in self.param_groups:
+                beta1, beta2 = group["betas"]
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if _local(p).device.type != "cpu":
+                        raise ValueError(
+                            "optim.name=deepspeed_cpu_adam steps on the host: the sharded parameters must be in "
+                            "host memory (on CUDA set parallel.cpu_offload=true, which this optimizer implies)."
+                        )
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = 0
+                        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["step"] += 1
+                    self.ds_opt_adam.adam_update(
+                        self.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                        group["bias_correction"], _local(p), _local(p.grad), _local(state["exp_avg"]),
+                        _local(state["exp_avg_sq"]),
+                    )  # fmt: skip
+            return loss
+
+    return ShardedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
 
 
 def check_optim_config(cfg: OptimConfig, max_steps: int) -> None:
     """``ValueError`` naming the setting for out-of-range optimizer settings (pure; no tensors)."""
+    if cfg.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name={cfg.name!r} is invalid; choose one of {', '.join(OPTIMIZERS)}.")
+    if cfg.name == "deepspeed_cpu_adam":
+        _import_cpu_adam()
     if not cfg.lr > 0:
         raise ValueError(f"optim.lr={cfg.lr} must be > 0.")
     if cfg.weight_decay < 0:
@@ -45,9 +114,14 @@ def lr_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: flo
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, *, max_steps: int
-) -> tuple[torch.optim.AdamW, LambdaLR]:
-    """AdamW (no weight decay on biases, norms and other 1-D parameters) and its warmup-cosine scheduler."""
+    model: nn.Module, cfg: OptimConfig, *, max_steps: int, host_states: bool = False
+) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW (no weight decay on biases, norms and other 1-D parameters) and its warmup-cosine scheduler.
+
+    ``cfg.name``: ``adamw`` / ``adamw_cpu_offload`` -> ``torch.optim.AdamW`` (it steps where the parameters
+    are: the host under FSDP2 CPU offload; fused when the states are on the host: ``adamw_cpu_offload``, or
+    ``host_states`` from :func:`usp.config.states_on_host`); ``deepspeed_cpu_adam`` -> :func:`sharded_cpu_adam`.
+    """
     check_optim_config(cfg, max_steps)
     decay, no_decay = [], []
     for p in model.parameters():
@@ -57,7 +131,11 @@ def build_optimizer(
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if cfg.name == "deepspeed_cpu_adam":
+        optimizer = sharded_cpu_adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    else:
+        fused = True if (host_states or cfg.name == "adamw_cpu_offload") else None
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
     scheduler = LambdaLR(
         optimizer,
         lambda step: lr_factor(

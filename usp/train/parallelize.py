@@ -4,9 +4,12 @@
 arguments:
 
 1. :func:`usp.model.apply_usp` - attention over the sequence-parallel mesh;
-2. :func:`apply_activation_checkpointing` - recompute decoder layers in backward (none / full / every k-th);
-3. wrap in :class:`usp.train.loss.ChunkedCausalLMLoss` (decoder + chunked loss in one forward);
-4. :func:`apply_fsdp` - FSDP2 ``fully_shard`` per decoder layer, then the root, over every rank
+2. :func:`usp.train.tiling.apply_sequence_tiling` - MLPs and RMSNorms over the sequence in tiles
+   (``mlp_tiles`` > 1);
+3. :func:`apply_activation_checkpointing` - recompute decoder layers in backward (none / full / every k-th /
+   offload: full with the saved layer inputs in host memory, :mod:`usp.train.offload`);
+4. wrap in :class:`usp.train.loss.ChunkedCausalLMLoss` (decoder + chunked loss in one forward);
+5. :func:`apply_fsdp` - FSDP2 ``fully_shard`` per decoder layer, then the root, over every rank
    (``full_shard``: the flattened dp x ring x ulysses axis; ``hybrid_shard``: shard inside a node, replicate
    across nodes). Parameters stay fp32 (the optimizer's master copy); compute runs in ``param_dtype``;
    gradients are reduced in ``reduce_dtype`` and *summed*, not averaged (see :mod:`usp.train.loss`).
@@ -34,6 +37,8 @@ from usp.model import apply_usp
 from usp.modes import AC_MODES, FSDP_MODES
 from usp.parallel import SPMesh
 from usp.train.loss import ChunkedCausalLMLoss
+from usp.train.offload import HostCheckpointStore, apply_offload_checkpointing
+from usp.train.tiling import apply_sequence_tiling
 
 
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
@@ -43,10 +48,14 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
-def apply_activation_checkpointing(layers: Iterable[nn.Module], mode: str, every_k: int = 2) -> int:
+def apply_activation_checkpointing(
+    layers: Iterable[nn.Module], mode: str, every_k: int = 2, *, offload_store: HostCheckpointStore | None = None
+) -> int:
     """Recompute the chosen decoder layers in backward; returns how many layers were marked.
 
-    ``mode``: ``none``; ``full`` (every layer); ``every_k`` (layers 0, k, 2k, ...). Uses the composable
+    ``mode``: ``none``; ``full`` (every layer); ``every_k`` (layers 0, k, 2k, ...); ``offload`` (every layer,
+    its saved input in ``offload_store``'s host slots: :func:`usp.train.offload.apply_offload_checkpointing`).
+    ``full`` and ``every_k`` use the composable
     (non-reentrant) checkpoint, which keeps parameter names unchanged (checkpoints and exports see the same
     state-dict keys with or without it). Collectives inside attention run again during the recompute, in the
     same order on every rank.
@@ -55,6 +64,9 @@ def apply_activation_checkpointing(layers: Iterable[nn.Module], mode: str, every
         raise ValueError(f"parallel.activation_checkpointing={mode!r} is invalid; choose one of {AC_MODES}.")
     if mode == "every_k" and every_k < 1:
         raise ValueError(f"parallel.ac_every_k={every_k} must be >= 1.")
+    if mode == "offload":
+        assert offload_store is not None, "activation_checkpointing=offload needs a HostCheckpointStore"
+        return apply_offload_checkpointing(layers, offload_store)
     n = 0
     for i, layer in enumerate(layers):
         if mode == "full" or (mode == "every_k" and i % every_k == 0):
@@ -118,18 +130,29 @@ def parallelize(
     reduce_dtype: torch.dtype = torch.float32,
     loss_chunk_size: int = 4096,
     cpu_offload: bool = False,
+    mlp_tiles: int = 1,
 ) -> ChunkedCausalLMLoss:
     """Apply the whole recipe to a loaded (fp32, CPU) model; returns the FSDP2-wrapped loss module.
 
     The returned module's ``.model`` is ``model`` itself (its parameters now DTensors on the mesh's device);
-    pass ``model`` to checkpointing and export, and the returned module to the training step.
+    pass ``model`` to checkpointing and export, and the returned module to the training step. Under
+    ``activation_checkpointing=offload`` the returned module's ``offload_store`` is the
+    :class:`~usp.train.offload.HostCheckpointStore` (``host_bytes``: what its host slots hold); else ``None``.
+    ``mlp_tiles``: a resolved tile count (:func:`usp.train.tiling.resolve_mlp_tiles`), 1 = off.
     """
     if fsdp_mode not in FSDP_MODES:
         raise ValueError(f"parallel.fsdp_mode={fsdp_mode!r} is invalid; choose one of {FSDP_MODES}.")
     apply_usp(model, mesh, backend=attention_backend)
     layers = decoder_layers(model)
-    apply_activation_checkpointing(layers, activation_checkpointing, ac_every_k)
+    apply_sequence_tiling(layers, getattr(model.get_decoder(), "norm", None), mlp_tiles)
+    store = None
+    if activation_checkpointing == "offload":
+        device_type = mesh.device_mesh.device_type
+        index = torch.cuda.current_device() if device_type == "cuda" else None
+        store = HostCheckpointStore(torch.device(device_type, index))
+    apply_activation_checkpointing(layers, activation_checkpointing, ac_every_k, offload_store=store)
     loss_model = ChunkedCausalLMLoss(model, chunk_size=loss_chunk_size)
+    loss_model.offload_store = store
     if fsdp_mode == "hybrid_shard":
         device_mesh = build_hsdp_mesh(mesh, node_size or dist.get_world_size())
     else:

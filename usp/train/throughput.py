@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from usp.config import ClusterConfig, OptimConfig
+from usp.config import ClusterConfig, OptimConfig, states_on_host
 from usp.model import apply_rope_overrides, build_empty_causal_lm, parse_dtype
 from usp.model.load import materialize_empty
-from usp.modes import AC_MODES
+from usp.modes import AC_MODES, OPTIMIZERS
 from usp.parallel import init_sp_mesh, shard_sequence
 from usp.train.metrics import count_dense_params, peak_flops_per_device, training_flops
 from usp.train.optim import build_optimizer
@@ -102,6 +102,7 @@ def measure(
     tokens = seq_len * mesh.dp_degree
     flops = training_flops(**flops_per_token_args, document_lengths=[[seq_len]] * mesh.dp_degree)
     peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
     return {
         "seq_len": seq_len,
         "layout": mesh.describe(),
@@ -110,6 +111,7 @@ def measure(
         "tflops_per_gpu": flops / step_time / world / 1e12,
         "mfu": flops / step_time / world / peak_flops,
         "peak_mem_gib": peak_mem,
+        "peak_mem_reserved_gib": reserved,
         "step_time_s": step_time,
         "loss": loss,
     }
@@ -121,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=parse_seq_len, nargs="+", default=[32768, 131072])
     p.add_argument("--ulysses", type=int, default=1)
     p.add_argument("--ring", type=int, default=1)
-    p.add_argument("--ac", choices=AC_MODES, default="full")
+    p.add_argument("--ac", choices=AC_MODES, default="full", help="parallel.activation_checkpointing")
+    p.add_argument("--mlp-tiles", type=int, default=1, help="sequence tiles of the MLPs and norms (1 = off)")
+    p.add_argument("--optim", choices=OPTIMIZERS, default="adamw", help="optim.name (host-side states: offload)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--loss-chunk-size", type=int, default=4096)
     p.add_argument("--backend", default="auto", help="attention kernel (model.attention_backend)")
@@ -140,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = build_parser().parse_args(argv)
     device = resolve_device(args.device)
+    args.cpu_offload = device.type == "cuda" and states_on_host(args.optim, args.cpu_offload)
     created = init_distributed(device, cpu_offload=args.cpu_offload)
     try:
         return _main(args, device)
@@ -161,10 +166,10 @@ def _main(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
     loss_model = parallelize(
         model, mesh, attention_backend=args.backend, activation_checkpointing=args.ac,
         param_dtype=parse_dtype(args.dtype, "--dtype"), loss_chunk_size=args.loss_chunk_size,
-        cpu_offload=args.cpu_offload,
+        cpu_offload=args.cpu_offload, mlp_tiles=args.mlp_tiles,
     )  # fmt: skip
     random_init_(model, device, param_device=torch.device("cpu") if args.cpu_offload else None)
-    optimizer, _ = build_optimizer(loss_model, OptimConfig(lr=1e-5, warmup_steps=0), max_steps=1_000_000)
+    optimizer, _ = build_optimizer(loss_model, OptimConfig(name=args.optim, lr=1e-5, warmup_steps=0), max_steps=1_000_000)
     peak = peak_flops_per_device(ClusterConfig(gpu=args.gpu), device.type)
     kw = dict(steps=args.steps, warmup=args.warmup, vocab=config.vocab_size, flops_per_token_args=flop_args,
               peak_flops=peak, device=device)  # fmt: skip

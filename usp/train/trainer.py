@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from usp.attention import resolve_backend
-from usp.config import TrainConfig
+from usp.config import TrainConfig, states_on_host
 from usp.model import (
     apply_rope_overrides,
     build_empty_causal_lm,
@@ -50,11 +50,13 @@ from usp.parallel.agree import on_every_rank
 from usp.parallel.mesh import launched_world
 from usp.train.elastic import launcher_store
 from usp.train.loss import IGNORE_INDEX
+from usp.train.offload import check_host_memory
 from usp.train.optim import build_optimizer, check_optim_config
 from usp.train.parallelize import AC_MODES, FSDP_MODES, decoder_layers, parallelize
 from usp.train.resume import check_auto_resume, choose_resume, run_fingerprint  # noqa: F401 - public here too
 from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
 from usp.train.step import train_step
+from usp.train.tiling import check_tiling_available, resolve_mlp_tiles
 from usp.train.watchdog import build_watchdog
 
 logger = logging.getLogger(__name__)
@@ -114,6 +116,8 @@ class Layout:
     fsdp_mode: str
     activation_checkpointing: str
     ac_every_k: int
+    mlp_tiles: int = 1
+    """Resolved ``parallel.mlp_tiles`` (a divisor of the local tokens; 1 = off)."""
     reason: str = "set in the config"
 
 
@@ -126,12 +130,16 @@ def _node_size(cfg: TrainConfig, world_size: int) -> int:
 def _planner_constraints(cfg: TrainConfig) -> dict[str, Any]:
     """What the user fixed for :func:`usp.plan.auto_degrees`: a degree that is not ``auto``; ``fsdp_mode`` and
     ``activation_checkpointing`` when they differ from their defaults (``full_shard``, ``none``: at the default
-    the planner chooses); the compute dtype, ring layout and loss chunk of the run."""
+    the planner chooses); the compute dtype, ring layout, loss chunk, MLP tiles (``auto``: the planner's
+    choice), where the states live and the host memory of the run."""
     p, defaults = cfg.parallel, type(cfg.parallel)()
     out: dict[str, Any] = {
         "compute_bytes": 4 if cfg.model.dtype == "float32" else 2,
         "ring_layout": p.ring_layout,
         "loss_chunk_size": cfg.trainer.loss_chunk_size,
+        "mlp_tiles": p.mlp_tiles,
+        "cpu_offload": states_on_host(cfg.optim.name, p.cpu_offload),
+        "host_mem_gib": cfg.cluster.host_mem_gib,
     }
     for name in ("ulysses_degree", "ring_degree"):
         value = getattr(p, name)
@@ -170,6 +178,7 @@ def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device:
             fsdp_mode=plan.get("fsdp_mode", p.fsdp_mode),
             activation_checkpointing=plan.get("activation_checkpointing", p.activation_checkpointing),
             ac_every_k=int(plan.get("ac_every_k", p.ac_every_k)),
+            mlp_tiles=plan.get("mlp_tiles", p.mlp_tiles),
             reason=f"planner: {plan.get('reason', '')}",
         )
     for name in ("ulysses_degree", "ring_degree"):
@@ -186,7 +195,29 @@ def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device:
         fsdp_mode=p.fsdp_mode,
         activation_checkpointing=p.activation_checkpointing,
         ac_every_k=p.ac_every_k,
+        mlp_tiles=p.mlp_tiles,
     )
+
+
+def fsdp_cpu_offload(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether FSDP2 keeps the sharded parameters, gradients and optimizer states in host memory: on CUDA when
+    :func:`usp.config.states_on_host` says so (``parallel.cpu_offload`` or an ``optim.name`` that steps on the
+    host); never on a CPU device, where they are in host memory already."""
+    return device.type == "cuda" and states_on_host(cfg.optim.name, cfg.parallel.cpu_offload)
+
+
+def _check_memory_tricks(cfg: TrainConfig, model_config: Any, layout: Layout, world_size: int) -> None:
+    """Resolve ``parallel.mlp_tiles`` into ``layout.mlp_tiles`` and check it; check the host memory that
+    ``activation_checkpointing=offload`` takes on a node (``ValueError`` naming the setting)."""
+    local_tokens = cfg.trainer.seq_len // (layout.ulysses_degree * layout.ring_degree)
+    layout.mlp_tiles = resolve_mlp_tiles(layout.mlp_tiles, local_tokens=local_tokens, hidden_size=model_config.hidden_size)
+    check_tiling_available(layout.mlp_tiles)
+    if layout.activation_checkpointing == "offload":
+        check_host_memory(
+            num_layers=model_config.num_hidden_layers, local_tokens=local_tokens * cfg.trainer.micro_batch_size,
+            hidden_size=model_config.hidden_size, compute_bytes=parse_dtype(cfg.model.dtype).itemsize,
+            ranks_per_node=min(layout.node_size, world_size),
+        )  # fmt: skip
 
 
 def _check_trainer(cfg: TrainConfig) -> None:
@@ -272,6 +303,7 @@ def validate(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[A
             f"parallel.fsdp_mode=hybrid_shard needs the node size ({layout.node_size}) to divide the world size "
             f"{world_size}; set parallel.node_size or use parallel.fsdp_mode=full_shard."
         )
+    _check_memory_tricks(cfg, model_config, layout, world_size)
     return model_config, layout
 
 
@@ -335,7 +367,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     device = resolve_device(cfg.trainer.device)
     created = init_distributed(
         device, cfg.parallel.backend, timeout_minutes=cfg.parallel.timeout_minutes,
-        cpu_offload=cfg.parallel.cpu_offload,
+        cpu_offload=fsdp_cpu_offload(cfg, device),
     )  # fmt: skip
     try:
         return _run(cfg, device)
@@ -371,7 +403,13 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     from usp.train.checkpoint import load_checkpoint, save_checkpoint
     from usp.train.export import export_hf
     from usp.train.guard import StepGuard, check_finite_weights
-    from usp.train.metrics import MetricsLogger, count_dense_params, peak_flops_per_device, training_flops
+    from usp.train.metrics import (
+        MetricsLogger,
+        attention_work_imbalance,
+        count_dense_params,
+        peak_flops_per_device,
+        training_flops,
+    )
     from usp.train.optim import reapply_schedule
     from usp.train.rundir import checkpoint_root
 
@@ -410,11 +448,14 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         node_size=layout.node_size, activation_checkpointing=layout.activation_checkpointing,
         ac_every_k=layout.ac_every_k, param_dtype=parse_dtype(cfg.model.dtype),
         reduce_dtype=parse_dtype(cfg.parallel.reduce_dtype, "parallel.reduce_dtype"),
-        loss_chunk_size=cfg.trainer.loss_chunk_size, cpu_offload=cfg.parallel.cpu_offload,
+        loss_chunk_size=cfg.trainer.loss_chunk_size, cpu_offload=fsdp_cpu_offload(cfg, device),
+        mlp_tiles=layout.mlp_tiles,
     )  # fmt: skip
-    param_device, _ = weight_devices(device, cpu_offload=cfg.parallel.cpu_offload)  # offload: shards on the CPU
+    param_device, _ = weight_devices(device, cpu_offload=fsdp_cpu_offload(cfg, device))  # offload: shards on the CPU
     load_sharded_weights(model, cfg.model.path, device=device, param_device=param_device)
-    optimizer, scheduler = build_optimizer(loss_model, cfg.optim, max_steps=cfg.trainer.max_steps)
+    optimizer, scheduler = build_optimizer(
+        loss_model, cfg.optim, max_steps=cfg.trainer.max_steps, host_states=fsdp_cpu_offload(cfg, device)
+    )
 
     start_step = 0
     if resume_from is not None:
@@ -440,10 +481,10 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     if rank == 0:
         logger.info(
             "training %s (%.1fM params, %d layers) on %d ranks: dp %d x ring %d (%s) x ulysses %d, node size %s, "
-            "fsdp %s, activation checkpointing %s; seq_len %d, %d sequence(s)/step; steps %d -> %d; run dir %s",
+            "fsdp %s, activation checkpointing %s, mlp tiles %d, optimizer %s; seq_len %d, %d sequence(s)/step; steps %d -> %d; run dir %s",
             cfg.model.path, sum(p.numel() for p in model.parameters()) / 1e6, layers, world, mesh.dp_degree,
             mesh.ring_degree, mesh.ring_layout, mesh.ulysses_degree, layout.node_size, layout.fsdp_mode,
-            layout.activation_checkpointing, cfg.trainer.seq_len,
+            layout.activation_checkpointing, layout.mlp_tiles, cfg.optim.name, cfg.trainer.seq_len,
             mesh.dp_degree * cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps, start_step,
             cfg.trainer.max_steps, run_dir,
         )  # fmt: skip
@@ -479,7 +520,15 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             watchdog.end_step()
             done = step + 1
             guard.update(done, loss=res.loss, grad_norm=res.grad_norm, skipped=res.skipped)
-            extra: dict[str, Any] = {"num_targets": res.num_targets, "skipped_steps": guard.total}
+            imbalance = torch.tensor(  # the slowest replica's attention work max/mean over its ring ranks
+                attention_work_imbalance(res.document_lengths, mesh.ring_degree, mesh.ring_layout),
+                dtype=torch.float64, device=device,
+            )  # fmt: skip
+            if mesh.dp_degree > 1:
+                dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=mesh.dp_group)
+            extra: dict[str, Any] = {
+                "num_targets": res.num_targets, "skipped_steps": guard.total, "attn_work_imbalance": float(imbalance)
+            }  # fmt: skip
             if cfg.trainer.eval_every and val_loader is not None and done % cfg.trainer.eval_every == 0:
                 val_losses[done] = extra["val_loss"] = evaluate(loss_model, val_loader, mesh, device)
                 if cfg.trainer.eval_ppl_by_position:  # usp.eval: mean loss per bucket of document positions

@@ -1,0 +1,221 @@
+"""The memory settings through the trainer: bad values fail before any step; resume and export unaffected.
+
+- ``parallel.mlp_tiles`` < 1, not dividing the local tokens, or asked for without DeepSpeed; ``offload`` with
+  too little host memory; ``optim.name`` unknown or DeepSpeed missing: ``ValueError`` naming the setting;
+- a run with ``activation_checkpointing=offload`` and ``mlp_tiles=2`` under u2 (world 2), stopped after 2
+  steps and resumed, has the losses of a plain run (rtol 1e-5), and its Hugging Face export has the same
+  tensor names and values (bitwise equal to the same run without the interruption; close to the plain run's).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from usp.config import TrainConfig, validate_choices
+from usp.tiny import build_tiny_llama
+from usp.train import offload, trainer
+from usp.train.offload import check_host_memory
+from usp.train.tiling import resolve_mlp_tiles
+
+
+def make_config(model_dir: str, run_dir: str, **parallel) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.model.path = model_dir
+    cfg.model.dtype = "float32"
+    cfg.data.build_tiny_corpus = True
+    cfg.data.cache_dir = f"{run_dir}/../data_cache"
+    cfg.trainer.seq_len = 64
+    cfg.trainer.max_steps = 4
+    cfg.trainer.loss_chunk_size = 24
+    cfg.trainer.checkpoint_every = 2
+    cfg.trainer.device = "cpu"
+    cfg.optim.lr = 3e-3
+    cfg.optim.warmup_steps = 2
+    cfg.logging.progress_bar = False
+    cfg.cluster.gpu = "cpu"
+    cfg.run_dir = run_dir
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("mem_run") / "model"))
+
+
+# --- bad input (pure validation: no process group, no weights) ------------------------------------------
+def test_mlp_tiles_resolution_and_errors():
+    assert resolve_mlp_tiles(1, local_tokens=96, hidden_size=64) == 1
+    assert resolve_mlp_tiles("4", local_tokens=96, hidden_size=64) == 4
+    assert resolve_mlp_tiles("auto", local_tokens=64, hidden_size=64) == 1  # short: off
+    assert resolve_mlp_tiles("auto", local_tokens=96, hidden_size=64) == 2  # ceil(96 / 64) = 2 divides 96
+    assert resolve_mlp_tiles("auto", local_tokens=131072, hidden_size=4096) == 32  # 8B at 128K per rank
+    assert resolve_mlp_tiles("auto", local_tokens=455, hidden_size=64) == 13  # 455 = 5 x 7 x 13: first >= 8
+    with pytest.raises(ValueError, match=r"parallel.mlp_tiles=0 is invalid: use an integer >= 1"):
+        resolve_mlp_tiles(0, local_tokens=96, hidden_size=64)
+    with pytest.raises(ValueError, match=r"parallel.mlp_tiles=5 does not divide the 96 local tokens .*1, 2, 3, 4, 6"):
+        resolve_mlp_tiles(5, local_tokens=96, hidden_size=64)
+
+
+def test_config_rejects_bad_memory_settings():
+    for section, name, value, match in [
+        ("parallel", "mlp_tiles", 0, "parallel.mlp_tiles=0 is invalid"),
+        ("parallel", "mlp_tiles", "many", "parallel.mlp_tiles='many' is invalid"),
+        ("parallel", "activation_checkpointing", "host", "parallel.activation_checkpointing='host' is invalid"),
+        ("optim", "name", "sgd", "optim.name='sgd' is invalid"),
+    ]:
+        cfg = make_config("/m", "/r")
+        setattr(getattr(cfg, section), name, value)
+        with pytest.raises(ValueError, match=match):
+            validate_choices(cfg)
+
+
+def test_offload_host_memory_check_says_how_much():
+    need = check_host_memory(num_layers=32, local_tokens=131072, hidden_size=4096, compute_bytes=2,
+                             ranks_per_node=8, available_bytes=1 << 50)  # fmt: skip
+    assert need == 32 * 131072 * 4096 * 2 * 8  # 256 GiB for 8B at 1M tokens on 8 GPUs of a node
+    with pytest.raises(ValueError, match=r"offload needs 256.00 GiB of host memory per node .* 32.00 GiB per rank"):
+        check_host_memory(num_layers=32, local_tokens=131072, hidden_size=4096, compute_bytes=2, ranks_per_node=8,
+                          available_bytes=100 << 30)  # fmt: skip
+
+
+def test_trainer_validation_catches_them_before_any_weights(model_dir, tmp_path, monkeypatch):
+    cpu = torch.device("cpu")
+    # local tokens: 64 / (u2 x r1) = 32; 5 does not divide it
+    cfg = make_config(model_dir, str(tmp_path), ulysses_degree=2, ring_degree=1, mlp_tiles=5)
+    with pytest.raises(ValueError, match=r"parallel.mlp_tiles=5 does not divide the 32 local tokens"):
+        trainer.validate(cfg, 2, cpu)
+    cfg.parallel.mlp_tiles = "auto"
+    assert trainer.validate(cfg, 2, cpu)[1].mlp_tiles == 1  # 32 local tokens <= hidden 64: off
+    cfg.parallel.mlp_tiles, cfg.parallel.activation_checkpointing = 4, "offload"
+    assert trainer.validate(cfg, 2, cpu)[1].mlp_tiles == 4
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: 1000)
+    with pytest.raises(ValueError, match=r"activation_checkpointing=offload needs 0.00 GiB .* only 0.00 GiB"):
+        trainer.validate(cfg, 2, cpu)
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed: import raises ImportError
+    monkeypatch.setitem(sys.modules, "deepspeed.runtime.sequence_parallel.ulysses_sp", None)
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.adam", None)
+    with pytest.raises(ValueError, match=r"parallel.mlp_tiles > 1 uses DeepSpeed's TiledMLP.*parallel.mlp_tiles=1"):
+        trainer.validate(cfg, 2, cpu)
+    cfg.parallel.mlp_tiles, cfg.optim.name = 1, "deepspeed_cpu_adam"
+    with pytest.raises(ValueError, match=r"optim.name=deepspeed_cpu_adam uses DeepSpeed's DeepSpeedCPUAdam.*adamw_cpu_offload"):
+        trainer.validate(cfg, 2, cpu)
+    monkeypatch.undo()
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.16.4")  # too old: the interfaces used were not checked there
+    cfg.parallel.mlp_tiles, cfg.optim.name = 4, "adamw"
+    with pytest.raises(ValueError, match=r"checked against deepspeed>=0.19.8, but 0.16.4 is installed"):
+        trainer.validate(cfg, 2, cpu)
+
+
+def test_host_states_rule():
+    from usp.config import states_on_host
+
+    cfg = make_config("/m", "/r")
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert not trainer.fsdp_cpu_offload(cfg, cuda)
+    for name in ("adamw_cpu_offload", "deepspeed_cpu_adam"):
+        cfg.optim.name = name
+        assert states_on_host(name, False) and trainer.fsdp_cpu_offload(cfg, cuda)
+        assert not trainer.fsdp_cpu_offload(cfg, cpu)  # host memory already
+    cfg.optim.name, cfg.parallel.cpu_offload = "adamw", True
+    assert trainer.fsdp_cpu_offload(cfg, cuda)
+
+
+# --- resume and export (world 2, u2) ------------------------------------------------------------------
+def run_worker(cfg: TrainConfig) -> dict:
+    out = trainer.run(cfg)
+    return {k: out[k] for k in ("losses", "start_step", "export_dir", "layout")}
+
+
+def exported_tensors(export_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(export_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.slow
+def test_offload_and_tiles_resume_and_export_like_the_plain_run(dist_pools, model_dir, tmp_path):
+    plain = dist_pools(2).run(run_worker, make_config(model_dir, str(tmp_path / "plain"), ulysses_degree=2))[0]
+    tricks_dir = tmp_path / "tricks"
+    cfg = make_config(model_dir, str(tricks_dir), ulysses_degree=2, activation_checkpointing="offload", mlp_tiles=2)
+    first = dist_pools(2).run(run_worker, cfg)[0]
+    assert first["layout"]["mlp_tiles"] == 2 and first["layout"]["activation_checkpointing"] == "offload"
+    shutil.rmtree(tricks_dir / "checkpoints" / "step_4")  # as if the job had died after step 2
+    shutil.move(tricks_dir / "hf", tricks_dir / "hf_straight")
+    second = dist_pools(2).run(run_worker, cfg)[0]
+    assert second["start_step"] == 2
+    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(second["losses"]), torch.tensor(plain["losses"][2:]), rtol=1e-5, atol=0)
+    ref, got = exported_tensors(plain["export_dir"]), exported_tensors(second["export_dir"])
+    assert sorted(got) == sorted(ref)  # the same Hugging Face names: no wrapper in the parameter paths
+    straight = exported_tensors(str(tricks_dir / "hf_straight"))
+    for name, t in ref.items():
+        torch.testing.assert_close(got[name], straight[name], rtol=0, atol=0, msg=name)  # resume: bitwise
+        # vs the plain run: Adam divides each element's update by its own gradient scale, so an element with a
+        # near-zero gradient moves by up to lr per step and carries fp32 summation-order noise (~1e-5 here on
+        # a handful of elements) while the losses agree to 1e-5
+        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=5e-4 * t.abs().max().item(), msg=name)
+
+
+@pytest.mark.slow
+def test_deepspeed_cpu_adam_trains_and_resumes_like_adamw(dist_pools, model_dir, tmp_path):
+    """``optim.name=deepspeed_cpu_adam`` on FSDP2 shards (world 2): the losses of torch AdamW (rtol 1e-5), and
+    a resume through a distributed checkpoint continues them. The first use compiles DeepSpeed's C++ op (about
+    2 minutes on 2 cores; cached under TORCH_EXTENSIONS_DIR)."""
+    plain = dist_pools(2).run(run_worker, make_config(model_dir, str(tmp_path / "adamw"), ring_degree=2))[0]
+    cfg = make_config(model_dir, str(tmp_path / "ds"), ring_degree=2)
+    cfg.optim.name = "deepspeed_cpu_adam"
+    cfg.trainer.export_hf = False
+    first = dist_pools(2).run(run_worker, cfg)[0]
+    shutil.rmtree(tmp_path / "ds" / "checkpoints" / "step_4")
+    second = dist_pools(2).run(run_worker, cfg)[0]
+    assert second["start_step"] == 2
+    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(second["losses"]), torch.tensor(first["losses"][2:]), rtol=0, atol=0)
+
+
+def fused_vs_foreach(model_dir: str) -> dict:
+    """Worker (world 1): 3 AdamW steps on FSDP2 shards with ``optim.name`` adamw vs adamw_cpu_offload."""
+    from tests.mesh_cache import cached_sp_mesh
+    from usp.config import OptimConfig
+    from usp.model import load_causal_lm
+    from usp.train.optim import build_optimizer
+    from usp.train.parallelize import parallelize
+
+    mesh = cached_sp_mesh(1, 1, "zigzag", 1)
+    out = {}
+    for name in ("adamw", "adamw_cpu_offload"):
+        model = load_causal_lm(model_dir, dtype=torch.float32)
+        loss_model = parallelize(model, mesh, param_dtype=torch.float32)
+        opt, _ = build_optimizer(loss_model, OptimConfig(name=name, lr=1e-2, warmup_steps=0), max_steps=10)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            ids = torch.randint(3, model.config.vocab_size, (1, 64), generator=g)
+            loss_model(ids, torch.roll(ids, -1, 1), num_targets=64).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = {"fused": bool(opt.defaults.get("fused")),
+                     "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()}}  # fmt: skip
+    return out
+
+
+def test_adamw_cpu_offload_uses_the_fused_host_kernel_with_the_same_result(dist_pools, model_dir):
+    out = dist_pools(1).run(fused_vs_foreach, model_dir)[0]
+    assert out["adamw_cpu_offload"]["fused"] and not out["adamw"]["fused"]
+    for name, ref in out["adamw"]["params"].items():
+        # Adam normalizes each element's update by its own gradient scale: kernel rounding differences (~1e-7)
+        # in near-zero gradients move such elements by ~1e-6 after 3 steps of lr 1e-2
+        torch.testing.assert_close(out["adamw_cpu_offload"]["params"][name], ref, rtol=1e-5,
+                                   atol=1e-4 * ref.abs().max().item(), msg=name)  # fmt: skip

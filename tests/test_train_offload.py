@@ -1,0 +1,83 @@
+"""``usp.train.offload.HostCheckpointStore`` on plain modules (one process, CPU): exact gradients, the prefetch
+order of backward, O(1) layer inputs back on the device, two forwards before one backward."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from usp.train.offload import HostCheckpointStore, apply_offload_checkpointing
+
+LAYERS, TOKENS, HIDDEN = 4, 64, 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x)) * scale  # scale: a shared keyword tensor, like RoPE's cos/sin
+
+
+def make_stacks() -> tuple[nn.ModuleList, nn.ModuleList, HostCheckpointStore]:
+    torch.manual_seed(0)
+    plain = nn.ModuleList(Block() for _ in range(LAYERS))
+    offloaded = copy.deepcopy(plain)
+    store = HostCheckpointStore("cpu")
+    assert apply_offload_checkpointing(offloaded, store) == LAYERS
+    return plain, offloaded, store
+
+
+def run(layers: nn.ModuleList, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, scale=scale)
+    return x
+
+
+def grads(layers: nn.ModuleList) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in layers.parameters()]
+
+
+def test_gradients_exact_and_prefetch_walks_backward_one_layer_ahead():
+    plain, offloaded, store = make_stacks()
+    scale = torch.full((TOKENS, 1), 0.5)
+    x0 = torch.randn(TOKENS, HIDDEN)
+    xa, xb = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    run(plain, xa, scale).square().sum().backward()
+
+    fetched, on_device = [], []
+    original = store._fetch
+
+    def spy(packed):
+        original(packed)
+        fetched.append(packed.layer)
+        live = [ref() for ref in store._live.values()]
+        on_device.append(sum(p is not None and p.device_copy is not None for p in live))
+
+    store._fetch = spy
+    out = run(offloaded, xb, scale)
+    assert store.host_bytes == LAYERS * TOKENS * HIDDEN * 4  # one fp32 slot per layer
+    out.square().sum().backward()
+    assert fetched == [3, 2, 2, 1, 1, 0, 0]  # each layer fetched when needed or one layer ahead, in reverse
+    assert max(on_device) <= 2  # the layer in use and the prefetched one
+    for a, b in zip(grads(plain), grads(offloaded)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=0, atol=0)
+
+
+def test_two_forwards_before_backward_use_fresh_host_buffers():
+    """Gradient accumulation without a backward in between: the second forward must not overwrite the slots."""
+    plain, offloaded, store = make_stacks()
+    scale = torch.full((TOKENS, 1), 0.5)
+    x1, x2 = torch.randn(TOKENS, HIDDEN), torch.randn(TOKENS, HIDDEN)
+    (run(plain, x1.requires_grad_(), scale).sum() + run(plain, x2.requires_grad_(), scale).square().sum()).backward()
+    y1, y2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
+    loss = run(offloaded, y1, scale).sum() + run(offloaded, y2, scale).square().sum()
+    assert store.host_bytes == LAYERS * TOKENS * HIDDEN * 4  # the slots; the second forward used one-off buffers
+    loss.backward()
+    for a, b in zip(grads(plain), grads(offloaded)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert not store._busy  # every slot released once its graph is gone
