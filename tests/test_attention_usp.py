@@ -45,22 +45,17 @@ def run_usp_cases(cases: list[dict]) -> list[list[torch.Tensor] | None]:
             case["hkv"],
             getattr(torch, case["dtype"]),
         )
-        ql, kl, vl = (shard_sequence(t, mesh) for t in (q, k, v))
+        cu = case.get("cu_seqlens")
+        cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)  # places the balanced layout
+        ql, kl, vl = (shard_sequence(t, mesh, cu_seqlens=cu) for t in (q, k, v))
         if case.get("strided"):  # as the trainer passes them: [B, H, S, D] storage viewed as [B, S, H, D]
             ql, kl, vl = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (ql, kl, vl))
         ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
-        cu = case.get("cu_seqlens")
         out = usp_attention(
-            ql,
-            kl,
-            vl,
-            mesh=mesh,
-            causal=case["causal"],
-            backend=case.get("backend", "auto"),
-            cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32),
+            ql, kl, vl, mesh=mesh, causal=case["causal"], backend=case.get("backend", "auto"), cu_seqlens=cu
         )
-        out.backward(shard_sequence(dout, mesh))
-        gathered = [gather_sequence(t, mesh) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
+        out.backward(shard_sequence(dout, mesh, cu_seqlens=cu))
+        gathered = [gather_sequence(t, mesh, cu_seqlens=cu) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
         results.append(gathered if mesh.sp_rank == 0 else None)  # one report per data-parallel replica
     return results
 

@@ -78,8 +78,10 @@ class ParallelConfig:
     """Ring degree across nodes, or ``auto`` (ask the planner)."""
     dp_degree: int = -1
     """Data-parallel degree; -1 = the remaining ranks."""
-    ring_layout: str = "zigzag"
-    """``zigzag`` (balanced causal work) or ``contiguous``."""
+    ring_layout: str = "balanced"
+    """``balanced`` (default: placed from each packed row's document boundaries so every ring rank does the
+    same attention work; exactly ``zigzag`` without document masking), ``zigzag`` (balanced causal work over
+    one sequence) or ``contiguous``. See docs/attention.md, "Balanced layout"."""
     node_size: int | None = None
     """Ranks per node; default: the launcher's LOCAL_WORLD_SIZE."""
     allow_cross_node_ulysses: bool = False

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-RingLayout = Literal["zigzag", "contiguous"]
-"""Which sequence chunks each ring rank holds (``parallel.ring_layout``)."""
+RingLayout = Literal["zigzag", "contiguous", "balanced"]
+"""Which sequence chunks each ring rank holds (``parallel.ring_layout``): ``zigzag`` chunks ``r`` and ``2R-1-r``
+(balanced causal work over one sequence), ``contiguous`` chunk ``r``, ``balanced`` placed from the packed row's
+document boundaries so every ring rank does the same attention work (zigzag without them)."""
 RING_LAYOUTS: tuple[str, ...] = get_args(RingLayout)
 
 FsdpMode = Literal["full_shard", "hybrid_shard"]

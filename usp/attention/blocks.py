@@ -15,12 +15,20 @@ keys of ``src``) is reduced to the rectangle that can attend at all:
 With document boundaries ``cu_seqlens`` the rectangle is further cut into per-document *segments*
 (``(q0, q1, k0, k1)`` rows, see :mod:`usp.attention.kernels`): a block sharing no document is skipped, and a
 block that is one document throughout needs no mask at all.
+
+``balanced`` (placed from ``cu_seqlens``, :mod:`usp.parallel.balance`) has no fixed rule: each block is planned
+from the positions themselves. Step 0 is the causal diagonal cut into documents, as above. Off the diagonal,
+for each document both ranks hold, the rows that attend are the queries after the first key and the keys
+attended are those before the last query; the layout nests the pieces of a shared document, so those rows and
+keys form one full rectangle (checked), and the rectangles of successive documents rise in rows and keys.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+import numpy as np
 import torch
 
 from usp.parallel import local_token_indices
@@ -56,9 +64,11 @@ class BlockSpec:
         return int(per.sum())
 
 
-def part_positions(seq_len: int, ring_degree: int, ring_rank: int, layout: str) -> torch.Tensor:
+def part_positions(
+    seq_len: int, ring_degree: int, ring_rank: int, layout: str, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
     """Global positions (int64 ``[S / R]``) of the part ring rank ``ring_rank`` holds after the all-to-all."""
-    return local_token_indices(seq_len, ring_degree, 1, ring_rank, 0, layout)
+    return local_token_indices(seq_len, ring_degree, 1, ring_rank, 0, layout, cu_seqlens)
 
 
 def _layout_block(rank: int, src: int, part_len: int, layout: str, causal: bool) -> BlockSpec | None:
@@ -112,6 +122,42 @@ def _document_block(
     )
 
 
+@lru_cache(maxsize=4)
+def _balanced_parts(seq_len: int, ring_degree: int, cu_bytes: bytes) -> tuple[torch.Tensor, ...]:
+    """Every ring rank's part positions under ``balanced`` (planning one rank's blocks needs all of them)."""
+    cu = torch.from_numpy(np.frombuffer(cu_bytes, dtype=np.int64).copy())
+    return tuple(part_positions(seq_len, ring_degree, r, "balanced", cu) for r in range(ring_degree))
+
+
+def _placed_block(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, cu_seqlens: torch.Tensor, diagonal: bool, causal: bool
+) -> BlockSpec | None:
+    """The block of a position-placed layout (``balanced``): per shared document one rectangle (see above)."""
+    n_q, n_k = q_pos.numel(), k_pos.numel()
+    if diagonal or not causal:
+        return _document_block(BlockSpec(0, n_q, 0, n_k, causal and diagonal), q_pos, k_pos, cu_seqlens)
+    q_doc = torch.searchsorted(cu_seqlens, q_pos, right=True) - 1
+    k_doc = torch.searchsorted(cu_seqlens, k_pos, right=True) - 1
+    docs = torch.unique_consecutive(q_doc)
+    docs = docs[torch.isin(docs, k_doc)]
+    if docs.numel() == 0:
+        return None
+    q_end = torch.searchsorted(q_doc, docs, right=True)
+    k0 = torch.searchsorted(k_doc, docs)
+    k_end = torch.searchsorted(k_doc, docs, right=True)
+    q0 = torch.maximum(torch.searchsorted(q_doc, docs), torch.searchsorted(q_pos, k_pos[k0], right=True))
+    k1 = torch.minimum(k_end, torch.searchsorted(k_pos, q_pos[q_end - 1]))  # keys before the last query
+    keep = (q0 < q_end) & (k0 < k1)
+    if not bool(keep.any()):
+        return None
+    seg = torch.stack([q0, q_end, k0, k1], dim=1)[keep]  # [n, 4] (q0, q1, k0, k1)
+    assert bool((k_pos[seg[:, 3] - 1] < q_pos[seg[:, 0]]).all()), "pieces of a shared document must nest"
+    q_off, k_off = int(seg[0, 0]), int(seg[0, 2])
+    q_last, k_last = int(seg[-1, 1]), int(seg[-1, 3])
+    seg = seg - torch.tensor([q_off, q_off, k_off, k_off])
+    return BlockSpec(q_off, q_last, k_off, k_last, False, None if seg.size(0) == 1 else seg)
+
+
 def plan_ring_blocks(
     seq_len: int,
     ring_degree: int,
@@ -123,13 +169,22 @@ def plan_ring_blocks(
 ) -> list[BlockSpec | None]:
     """The block to compute at each ring step (``None`` = skipped), for ring rank ``ring_rank``.
 
-    ``cu_seqlens``: int ``[num_docs + 1]`` boundaries of the global sequence (validated by the caller).
+    ``cu_seqlens``: int ``[num_docs + 1]`` boundaries of the global sequence (validated by the caller); the
+    ``balanced`` layout is placed from them (zigzag without).
     Segments stay on the CPU whatever ``device`` is (the argument is kept for callers and unused): kernels
     read them as Python ints, which costs no device sync, and copy what they need without blocking.
     """
     part_len = seq_len // ring_degree
-    q_pos = part_positions(seq_len, ring_degree, ring_rank, layout) if cu_seqlens is not None else None
     cu = cu_seqlens.detach().to("cpu", torch.int64) if cu_seqlens is not None else None
+    if layout == "balanced" and cu is not None and ring_degree > 1:
+        parts = _balanced_parts(seq_len, ring_degree, cu.numpy().tobytes())
+        return [
+            _placed_block(parts[ring_rank], parts[(ring_rank - t) % ring_degree], cu, t == 0, causal)
+            for t in range(ring_degree)
+        ]
+    if layout == "balanced":
+        layout = "zigzag"  # without boundaries balanced is zigzag
+    q_pos = part_positions(seq_len, ring_degree, ring_rank, layout) if cu is not None else None
     plans: list[BlockSpec | None] = []
     for step in range(ring_degree):
         src = (ring_rank - step) % ring_degree

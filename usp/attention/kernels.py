@@ -272,7 +272,7 @@ def attention_forward(
     ``lse = -inf`` whatever the kernel does with them.
     """
     segs = None if segments is None else host_segments(segments)
-    if segs is not None and backend in _PER_SEGMENT and per_segment_calls(q.size(1), k.size(1)):
+    if segs is not None and backend in _PER_SEGMENT and per_segment_calls(q.size(1), k.size(1), segs):
         return segmentwise_forward(_dense_forward(backend), q, k, v, causal, softmax_scale, segs)
     if backend == "math":
         out, lse = _math_forward(q, k, v, causal, softmax_scale, segments)
@@ -307,7 +307,7 @@ def attention_backward(
     must be finite-or-``-inf``-free where a row attends to anything; with them the block's contribution is
     exact: ``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dout * out))``.
     """
-    if segments is not None and backend in _PER_SEGMENT and per_segment_calls(q.size(1), k.size(1)):
+    if segments is not None and backend in _PER_SEGMENT and per_segment_calls(q.size(1), k.size(1), segments):
         segs = host_segments(segments)
         return segmentwise_backward(
             _dense_backward(backend), dout, q, k, v, out, lse, causal, softmax_scale, segs

@@ -34,9 +34,30 @@ def host_segments(segments: torch.Tensor) -> list[Segment]:
     return [tuple(row) for row in segments.tolist()]
 
 
-def per_segment_calls(sq: int, sk: int) -> bool:
-    """Whether a dense backend runs a segmented ``[sq, sk]`` block per segment (no dense mask)."""
-    return sq * sk > DENSE_MASK_MAX_ELEMENTS
+SPARSE_FILL = 0.5
+"""A masked call over a rectangle whose segments cover less than this fraction of it wastes the rest: such
+blocks (and groups) are split, so the time of a block follows the pairs it attends, whatever the layout."""
+
+SMALL_CALL_ELEMENTS = 1 << 16
+"""Rectangles up to this size run as one masked call whatever their fill (a call costs more than the waste)."""
+
+
+def _covered(segments) -> int:
+    """Work of the segments' own calls: a rectangle, or half of a square on the diagonal (a causal piece)."""
+    rows = segments.tolist() if isinstance(segments, torch.Tensor) else segments
+    return sum(
+        (q1 - q0) * (q1 - q0 + 1) // 2 if (q0, q1) == (k0, k1) else (q1 - q0) * (k1 - k0) for q0, q1, k0, k1 in rows
+    )
+
+
+def per_segment_calls(sq: int, sk: int, segments=None) -> bool:
+    """Whether a dense backend runs a segmented ``[sq, sk]`` block per segment (group) instead of one masked
+    call: blocks above :data:`DENSE_MASK_MAX_ELEMENTS`, and (given its ``segments``) sparse blocks whose
+    segments fill less than :data:`SPARSE_FILL` of it."""
+    area = sq * sk
+    if area > DENSE_MASK_MAX_ELEMENTS:
+        return True
+    return segments is not None and area > SMALL_CALL_ELEMENTS and _covered(segments) < SPARSE_FILL * area
 
 
 def uncovered_rows(segments: list[Segment], sq: int) -> list[tuple[int, int]]:
@@ -69,19 +90,26 @@ def group_segments(segments: list[Segment], max_elements: int) -> list[tuple[Seg
     Returns ``(rect, inner)`` pairs: ``rect = (q0, q1, k0, k1)`` in block coordinates and ``inner`` the
     group's segments relative to ``rect`` (int64 CPU ``[n, 4]``), or None when the group is one segment (an
     unmasked call). A single segment larger than ``max_elements`` is a group of its own. Grouping keeps many
-    short documents to a few kernel calls while no mask exceeds ``max_elements`` elements. Segments are
+    short documents to a few kernel calls while no mask exceeds ``max_elements`` elements, and a group above
+    :data:`SMALL_CALL_ELEMENTS` stays at least :data:`SPARSE_FILL` full (segments far apart are not joined). Segments are
     sorted and increase in both rows and keys (documents are ordered in both parts).
     """
     groups: list[list[Segment]] = []
     for prev, seg in zip(segments, segments[1:]):
         assert prev[1] <= seg[0] and prev[3] <= seg[2], f"segments out of order: {prev}, {seg}"
+    covered = 0
     for seg in segments:
+        own = _covered([seg])
         if groups:
             first = groups[-1][0]
-            if (seg[1] - first[0]) * (seg[3] - first[2]) <= max_elements:
+            area = (seg[1] - first[0]) * (seg[3] - first[2])
+            dense = area <= SMALL_CALL_ELEMENTS or covered + own >= SPARSE_FILL * area
+            if area <= max_elements and dense:
                 groups[-1].append(seg)
+                covered += own
                 continue
         groups.append([seg])
+        covered = own
     out = []
     for group in groups:
         (q0, _, k0, _), (_, q1, _, k1) = group[0], group[-1]

@@ -4,7 +4,8 @@ Per rank, for ``U = ulysses_degree``, ``R = ring_degree``, ``S`` global tokens, 
 
 1. ``q [B, L, Hq, D]`` -> ``[B, S/R, Hq/U, D]`` by the Ulysses all-to-all (K/V likewise, with
    ``max(Hkv, U) / U`` heads after GQA replication); the rank now holds its ring rank's whole part.
-2. Ring attention over the ring group on that part (zigzag or contiguous, as ``mesh.ring_layout``).
+2. Ring attention over the ring group on that part (zigzag, contiguous or balanced, as ``mesh.ring_layout``;
+   ``balanced`` is placed from ``cu_seqlens``, see :mod:`usp.parallel.balance`).
 3. ``out [B, S/R, Hq/U, D]`` -> ``[B, L, Hq, D]`` by the inverse all-to-all.
 
 Bytes sent per rank per call (element size ``e``, ``Hk' = max(Hkv, U)``; see :func:`usp.attention.cost.analytic_bytes_sent`):
@@ -13,10 +14,12 @@ forward ``(U-1)/U * B*L*D*e * (2*Hq + 2*Hk')`` + ``(R-1) * 2 * B*(S/R)*(Hk'/U)*D
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from functools import lru_cache
 
 import torch
+import torch.distributed as dist
 
 from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
 from usp.attention.kernels import default_scale, resolve_backend
@@ -88,6 +91,34 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, batch: int) -> tor
     return cu
 
 
+_last_agreed: tuple[weakref.ref, int] | None = None
+
+
+def _check_same_boundaries(cu_seqlens: torch.Tensor, cu: torch.Tensor, mesh: SPMesh) -> None:
+    """``ValueError`` on every sp rank unless all of them pass the same boundaries (else the ring would hang
+    or mix documents). One all-gather of a 16-byte fingerprint per new ``cu_seqlens`` tensor object: every
+    layer of a step passes the same object, so it costs one tiny collective per step, before any K/V moves.
+    """
+    global _last_agreed
+    if mesh.sp_degree == 1:
+        return
+    if _last_agreed is not None and _last_agreed[0]() is cu_seqlens and _last_agreed[1] == cu_seqlens._version:
+        return
+    digest = hashlib.blake2b(cu.numpy().tobytes(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True), cu.numel()], dtype=torch.int64)
+    device = "cuda" if mesh.device_mesh.device_type == "cuda" else "cpu"
+    parts = [torch.empty_like(mine, device=device) for _ in range(mesh.sp_degree)]
+    dist.all_gather(parts, mine.to(device), group=mesh.sp_group)
+    if any(not torch.equal(p.cpu(), mine) for p in parts):
+        raise ValueError(
+            "cu_seqlens differs between the ranks of one sequence-parallel group: every rank of the group must "
+            "pass the boundaries of the SAME packed row (global, 0 .. S), and shard that row with "
+            "usp.parallel.shard_sequence(..., cu_seqlens=...). Check that the data loader gives every sp rank "
+            "the same sample."
+        )
+    _last_agreed = (weakref.ref(cu_seqlens), cu_seqlens._version)
+
+
 @lru_cache(maxsize=16)
 def _cached_plans(
     seq_len: int, ring: int, ring_rank: int, layout: str, causal: bool, cu_key: tuple[int, ...] | None
@@ -115,7 +146,8 @@ def usp_attention(
     """Exact attention over the whole sequence, sharded over ``mesh``'s ulysses x ring ranks.
 
     Args:
-        q: ``[B, S_local, Hq, D]``, this rank's slice in ``mesh.ring_layout`` (as ``shard_sequence`` cuts it).
+        q: ``[B, S_local, Hq, D]``, this rank's slice in ``mesh.ring_layout`` (as ``shard_sequence`` cuts it;
+            under ``balanced``, with the same ``cu_seqlens``).
         k, v: ``[B, S_local, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA).
         mesh: the job's :class:`~usp.parallel.SPMesh`; its ulysses and ring groups are used.
         causal: causal mask over *global* positions.
@@ -124,14 +156,17 @@ def usp_attention(
         cu_seqlens: optional int32 ``[num_docs + 1]`` boundaries of the global packed sequence (``0 .. S``, the
             same on every rank; batch size 1): no attention crosses a document boundary, forward or backward.
             Pass it **on the CPU**: it is read on the host every call (validation, block plans, segments),
-            which is free for a CPU tensor and a device sync per call (per layer) for a CUDA one.
+            which is free for a CPU tensor and a device sync per call (per layer) for a CUDA one. Under the
+            ``balanced`` layout it also says where each rank's tokens are. All sp ranks must pass the same
+            boundaries (checked with one 16-byte all-gather per new tensor, i.e. once per step).
 
     Returns:
         ``out [B, S_local, Hq, D]`` like ``q``. Differentiable w.r.t. ``q, k, v`` (exact gradients).
 
     Raises:
         ValueError: before any communication, for shapes, heads that don't fit ``ulysses_degree`` (naming
-            degrees that work), sequence lengths that don't fit the layout, bad ``cu_seqlens`` or backend.
+            degrees that work), sequence lengths that don't fit the layout, bad ``cu_seqlens`` (not covering
+            ``0 .. S``, batch size above 1, different on different ranks of the group) or backend.
     """
     _check_inputs(q, k, v, mesh)
     u, r = mesh.ulysses_degree, mesh.ring_degree
@@ -142,6 +177,8 @@ def usp_attention(
     kernel = resolve_backend(backend, q.device, q.dtype, head_dim=d)
     scale = default_scale(d, softmax_scale)
     cu = _check_cu_seqlens(cu_seqlens, seq_len, b) if cu_seqlens is not None else None
+    if cu is not None:
+        _check_same_boundaries(cu_seqlens, cu, mesh)
     cu_key = None if cu is None else tuple(cu.tolist())
     plans = _cached_plans(seq_len, r, mesh.ring_rank, mesh.ring_layout, causal, cu_key)
 

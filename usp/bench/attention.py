@@ -6,9 +6,17 @@ minimum (:func:`usp.attention.cost.analytic_bytes_sent`; the ratio must be 1.00)
 max/mean: exact (q, k) pairs computed (measured), and computed block area (the seed's block count; contiguous
 causal shows ``N / ((N + 1) / 2)``, zigzag ``1.00 <= (2N + 1) / (2N)``).
 
+With ``--doc-lengths SPEC`` (repeatable; :mod:`usp.data.doc_lengths`: ``lognormal:mean=8192``,
+``lengths:2048,65536,2048x31``, ``fixed:2048``, ``file:PATH``) each point packs a row of that mixture
+(``cu_seqlens``) and also reports each rank's own attention kernel time without communication
+(:mod:`usp.bench.balance`): ``slowest_rank_attn_ms`` and its ``max / mean`` over ranks, per layout
+(``--layouts zigzag,contiguous,balanced``).
+
 Run::
 
     python -m usp.bench.attention --world 4 --ulysses 1,2,4 --ring 1,2,4 --seq 1024,4096 --out bench.json
+    python -m usp.bench.attention --world 8 --ulysses 1 --ring 8 --seq 16384 --layouts zigzag,balanced \
+        --doc-lengths lognormal:mean=2048 --doc-lengths lengths:256,8192,256x31
     torchrun --nproc-per-node 8 -m usp.bench.attention --ulysses 8 --ring 1 --seq 131072   # GPUs (nccl)
 
 Without a launcher it spawns ``--world`` gloo ranks on the CPU. Grid points whose ``ulysses x ring`` does not
@@ -33,6 +41,8 @@ import torch.distributed as dist
 from usp.attention import record_comm, usp_attention
 from usp.attention.cost import analytic_bytes_sent, imbalance, ring_work
 from usp.attention.kernels import resolve_backend
+from usp.bench.balance import rank_attention_ms
+from usp.data.doc_lengths import boundaries, parse_doc_lengths
 from usp.parallel import init_sp_mesh, sequence_multiple
 
 COLUMNS = [
@@ -43,6 +53,7 @@ COLUMNS = [
     ("num_heads", "Hq", "{}"),
     ("num_kv_heads", "Hkv", "{}"),
     ("doc_len", "doc", "{}"),
+    ("num_docs", "docs", "{}"),
     ("ring_steps", "steps", "{}"),
     ("fwd_ms", "fwd ms", "{:.2f}"),
     ("fwd_bwd_ms", "fwd+bwd ms", "{:.2f}"),
@@ -53,6 +64,8 @@ COLUMNS = [
     ("pairs_max_over_mean", "pairs max/mean", "{:.3f}"),
     ("area_max_over_mean", "area max/mean", "{:.3f}"),
     ("target_max_over_mean", "target", "{:.3f}"),
+    ("slowest_rank_attn_ms", "slowest rank attn ms", "{:.1f}"),
+    ("rank_attn_max_over_mean", "rank ms max/mean", "{:.3f}"),
 ]
 
 
@@ -78,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="pack documents of this many tokens (cu_seqlens; needs --batch 1)",
+    )
+    p.add_argument(
+        "--doc-lengths",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="pack documents drawn from SPEC (lognormal:mean=8192[,sigma=1.0][,seed=0], fixed:2048, "
+        "lengths:2048,65536,2048x31, file:PATH); repeat for several mixtures; needs --batch 1",
     )
     p.add_argument("--backend", default="auto")
     p.add_argument("--iters", type=int, default=3)
@@ -114,7 +135,15 @@ def _gather_ints(value: int, device: torch.device) -> list[int]:
     return torch.cat(out).tolist()
 
 
-def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict:
+def _gather_floats(value: float, device: torch.device) -> list[float]:
+    """``value`` from every rank, gathered on ``device`` (nccl takes CUDA tensors only)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.cat(out).tolist()
+
+
+def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device, doc_spec=None) -> dict:
     """Time and measure one grid point on every rank of ``mesh``; returns the record (same on all ranks)."""
     u, r = mesh.ulysses_degree, mesh.ring_degree
     dtype = getattr(torch, args.dtype)
@@ -129,7 +158,9 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict
     v = torch.randn(*shape_kv, generator=g).to(device, dtype).requires_grad_()
     dout = torch.randn(*shape_q, generator=g).to(device, dtype)
     cu = None
-    if args.doc_len:
+    if doc_spec is not None:
+        cu = torch.from_numpy(boundaries(doc_spec.row(seq_len))).to(torch.int32)
+    elif args.doc_len:
         cu = torch.tensor([*range(0, seq_len, args.doc_len), seq_len], dtype=torch.int32)
     kw = dict(mesh=mesh, causal=args.causal, backend=args.backend, cu_seqlens=cu)
 
@@ -157,10 +188,17 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict
     pairs = _gather_ints(fwd_stats.attention_pairs, device)
     fwd_flops = _gather_ints(fwd_stats.attention_flops, device)
     flops = _gather_ints(fb_stats.attention_flops, device)
+    rank_ms = rank_attention_ms(
+        seq_len=seq_len, ring_degree=r, ulysses_degree=u, ring_rank=mesh.ring_rank, layout=mesh.ring_layout,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=args.head_dim, dtype=dtype, causal=args.causal,
+        cu_seqlens=cu, backend=kw["backend"] if kw["backend"] != "auto" else resolve_backend("auto", device, dtype),
+        device=device, iters=args.iters, warmup=args.warmup,
+    )  # fmt: skip
+    rank_ms_all = _gather_floats(rank_ms, device)
     n = r
     if not args.causal or n == 1:
         target = 1.0
-    elif mesh.ring_layout == "zigzag":
+    elif mesh.ring_layout in ("zigzag", "balanced"):
         target = (2 * n + 1) / (2 * n)
     else:
         target = n / ((n + 1) / 2)
@@ -177,6 +215,8 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict
         "batch": args.batch,
         "dtype": args.dtype,
         "doc_len": args.doc_len,
+        "doc_lengths": "" if doc_spec is None else doc_spec.text,
+        "num_docs": 1 if cu is None else len(cu) - 1,
         "ring_steps": work[0]["steps"],
         "fwd_ms": fwd_ms,
         "fwd_bwd_ms": fwd_bwd_ms,
@@ -194,6 +234,9 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device) -> dict
         "pairs_max_over_mean": imbalance(pairs),
         "area_max_over_mean": imbalance([w["area"] for w in work]),
         "target_max_over_mean": target,
+        "rank_attn_ms": rank_ms_all,
+        "slowest_rank_attn_ms": max(rank_ms_all),
+        "rank_attn_max_over_mean": imbalance(rank_ms_all),
     }
 
 
@@ -207,10 +250,11 @@ def run_grid(args: argparse.Namespace) -> dict:
     )
     kernel = resolve_backend(args.backend, device, getattr(torch, args.dtype))
     records, skipped, meshes = [], [], {}
+    specs = [parse_doc_lengths(s) for s in args.doc_lengths] or [None]
     grid = itertools.product(
-        args.ulysses, args.ring, args.layouts.split(","), args.seq, args.heads, args.kv_heads
+        args.ulysses, args.ring, args.layouts.split(","), args.seq, args.heads, args.kv_heads, specs
     )
-    for u, r, layout, seq_len, hq, hkv in grid:
+    for u, r, layout, seq_len, hq, hkv, spec in grid:
         point = dict(ulysses=u, ring=r, layout=layout, seq_len=seq_len, num_heads=hq, num_kv_heads=hkv)
         if r == 1 and layout != args.layouts.split(",")[0]:
             continue  # the layout only matters with a ring
@@ -228,7 +272,9 @@ def run_grid(args: argparse.Namespace) -> dict:
             meshes[u, r, layout] = init_sp_mesh(u, r, ring_layout=layout, device_type=device.type)
         mesh = meshes[u, r, layout]
         records.append(
-            bench_point(mesh, seq_len=seq_len, num_heads=hq, num_kv_heads=hkv, args=args, device=device)
+            bench_point(
+                mesh, seq_len=seq_len, num_heads=hq, num_kv_heads=hkv, args=args, device=device, doc_spec=spec
+            )
         )
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -286,10 +332,13 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None
 def main(argv: Sequence[str] | None = None) -> dict | None:
     """CLI entry. Uses the existing process group if there is one, torchrun's if launched by it, else spawns."""
     args = build_parser().parse_args(argv)
-    if args.doc_len and args.batch != 1:
+    if (args.doc_len or args.doc_lengths) and args.batch != 1:
         raise ValueError(
-            f"--doc-len needs --batch 1 (documents are packed into one sequence), got --batch {args.batch}."
+            f"--doc-len / --doc-lengths need --batch 1 (documents are packed into one sequence), got --batch "
+            f"{args.batch}."
         )
+    for spec in args.doc_lengths:
+        parse_doc_lengths(spec)  # a bad spec fails here, before any rank starts
     if dist.is_initialized():
         return _main_on_rank(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -1,8 +1,9 @@
 """From packed rows to one rank's training batch: labels, position ids, boundaries, then the sp slice.
 
 Everything is computed on the GLOBAL packed sequence first and only then sharded with
-:func:`usp.parallel.shard_sequence`, so a label whose target token lives on another sp rank is still right,
-and every rank of an sp group derives identical ``cu_seqlens``.
+:func:`usp.parallel.shard_sequence` (given the row's ``cu_seqlens``, which place the ``balanced`` layout), so
+a label whose target token lives on another sp rank is still right, and every rank of an sp group derives
+identical ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def collate_rows(
         ]
     )
     cu_seqlens = cu_seqlens_of(doc_lengths[0]) if len(rows) == 1 and document_masking else None
-    if mesh is not None and mesh.sp_degree > 1:
-        ids, labels, positions = (shard_sequence(t, mesh, dim=1) for t in (ids, labels, positions))
+    if mesh is not None and mesh.sp_degree > 1:  # balanced: placed from the row's boundaries
+        ids, labels, positions = (shard_sequence(t, mesh, dim=1, cu_seqlens=cu_seqlens) for t in (ids, labels, positions))
     return {
         "input_ids": ids,
         "labels": labels,

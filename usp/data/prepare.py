@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument("--ulysses-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument(
-        "--ring-layout", default="zigzag", choices=list(RING_LAYOUTS), help="(for the check)"
+        "--ring-layout", default="balanced", choices=list(RING_LAYOUTS), help="(for the check)"
     )
     return p
 

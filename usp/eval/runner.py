@@ -123,7 +123,7 @@ def check_eval_settings(cfg: TrainConfig, world_size: int) -> tuple[list[int], P
         fix = ", ".join(f"{x} -> {max(m, round(x / m) * m)}" for x in bad)
         raise ValueError(
             f"eval.lengths={lengths}: {bad} do not suit the layout (a multiple of {m} = "
-            f"{'2 x ' if p.ring_layout == 'zigzag' else ''}ring_degree {dims.ring_degree} x ulysses_degree "
+            f"{'' if p.ring_layout == 'contiguous' else '2 x '}ring_degree {dims.ring_degree} x ulysses_degree "
             f"{dims.ulysses_degree}, {p.ring_layout}); use e.g. {fix}."
         )
     return lengths, dims

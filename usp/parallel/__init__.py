@@ -1,5 +1,6 @@
 """The parallel layout (one DeviceMesh: dp x ring x ulysses) and the sequence layout helpers."""
 
+from usp.parallel.balance import ring_pieces, ring_rank_pairs
 from usp.parallel.mesh import MESH_AXES, RING_LAYOUTS, ParallelDims, SPMesh, init_sp_mesh, sequence_multiple
 from usp.parallel.sequence import (
     check_sequence_length,
@@ -18,6 +19,8 @@ __all__ = [
     "gather_sequence",
     "init_sp_mesh",
     "local_token_indices",
+    "ring_pieces",
+    "ring_rank_pairs",
     "sequence_multiple",
     "shard_sequence",
     "sp_permutation",

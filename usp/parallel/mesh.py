@@ -247,7 +247,8 @@ class SPMesh:
         )
 
     def sequence_multiple(self) -> int:
-        """Global sequence lengths must be a multiple of this (2*ring*ulysses for zigzag, ring*ulysses else)."""
+        """Global sequence lengths must be a multiple of this (2*ring*ulysses for zigzag and balanced,
+        ring*ulysses for contiguous)."""
         return sequence_multiple(self.ring_degree, self.ulysses_degree, self.ring_layout)
 
     def describe(self) -> dict[str, object]:
@@ -264,7 +265,7 @@ class SPMesh:
 def sequence_multiple(ring_degree: int, ulysses_degree: int, ring_layout: str) -> int:
     if ring_layout not in RING_LAYOUTS:
         raise ValueError(f"ring_layout={ring_layout!r} is invalid; choose one of {RING_LAYOUTS}.")
-    return (2 if ring_layout == "zigzag" else 1) * ring_degree * ulysses_degree
+    return (1 if ring_layout == "contiguous" else 2) * ring_degree * ulysses_degree
 
 
 def launched_world(env: Mapping[str, str] | None = None) -> tuple[int, int | None]:

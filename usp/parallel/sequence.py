@@ -4,19 +4,25 @@ Layout of one global sequence of length ``S`` over ``R = ring_degree`` x ``U = u
 
 1. Ring split. ``zigzag`` (causal balance): cut ``S`` into ``2R`` chunks of ``c = S / 2R``; ring rank ``r``
    holds chunks ``r`` and ``2R-1-r`` (early and late tokens, so causal work is even). ``contiguous``: ring
-   rank ``r`` holds chunk ``r`` of ``R``.
+   rank ``r`` holds chunk ``r`` of ``R``. ``balanced``: placed from the packed row's document boundaries
+   ``cu_seqlens`` so every ring rank has ``S / R`` tokens and the same causal in-document work
+   (:mod:`usp.parallel.balance`); zigzag when no boundaries are given. Each ring rank's part is kept in
+   increasing global position.
 2. Ulysses split. The ring rank's part (``S / R`` tokens, in the order above) is cut into ``U`` contiguous
    pieces; Ulysses rank ``u`` holds piece ``u``. The Ulysses all-to-all concatenates the pieces back in
    rank order, so after it every Ulysses rank sees its ring rank's whole part, as the ring kernel expects.
 
-The same function shards tokens, labels, position ids and anything else along the sequence dim.
+The same function shards tokens, labels, position ids and anything else along the sequence dim; under
+``balanced`` every call for one row must pass that row's ``cu_seqlens``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from usp.parallel.balance import check_boundaries, pieces_to_positions, ring_pieces
 from usp.parallel.mesh import RING_LAYOUTS, SPMesh, sequence_multiple
 
 
@@ -27,7 +33,7 @@ def check_sequence_length(seq_len: int, ring_degree: int, ulysses_degree: int, r
         lower = (seq_len // m) * m
         upper = lower + m
         nearest = [x for x in (lower, upper) if x > 0]
-        why = "2 x ring_degree x ulysses_degree" if ring_layout == "zigzag" else "ring_degree x ulysses_degree"
+        why = "ring_degree x ulysses_degree" if ring_layout == "contiguous" else "2 x ring_degree x ulysses_degree"
         raise ValueError(
             f"sequence length {seq_len} is not divisible by {m} (= {why} for the {ring_layout} layout with "
             f"ring_degree={ring_degree}, ulysses_degree={ulysses_degree}). Use trainer.seq_len = "
@@ -36,67 +42,93 @@ def check_sequence_length(seq_len: int, ring_degree: int, ulysses_degree: int, r
 
 
 def local_token_indices(
-    seq_len: int, ring_degree: int, ulysses_degree: int, ring_rank: int, ulysses_rank: int, ring_layout: str
+    seq_len: int,
+    ring_degree: int,
+    ulysses_degree: int,
+    ring_rank: int,
+    ulysses_rank: int,
+    ring_layout: str,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Global positions (int64 ``[seq_len / (R * U)]``) of the tokens one rank holds, in local order."""
+    """Global positions (int64 ``[seq_len / (R * U)]``) of the tokens one rank holds, in local order.
+
+    ``cu_seqlens`` (the row's document boundaries, ``0 .. seq_len``) places the ``balanced`` layout; the
+    other layouts ignore it.
+    """
     check_sequence_length(seq_len, ring_degree, ulysses_degree, ring_layout)
     assert 0 <= ring_rank < ring_degree and 0 <= ulysses_rank < ulysses_degree
-    if ring_layout == "zigzag":
-        c = seq_len // (2 * ring_degree)
-        part = torch.cat(
-            [
-                torch.arange(ring_rank * c, (ring_rank + 1) * c),
-                torch.arange((2 * ring_degree - 1 - ring_rank) * c, (2 * ring_degree - ring_rank) * c),
-            ]
-        )
-    elif ring_layout == "contiguous":
-        c = seq_len // ring_degree
-        part = torch.arange(ring_rank * c, (ring_rank + 1) * c)
-    else:
+    if ring_layout not in RING_LAYOUTS:
         raise ValueError(f"ring_layout={ring_layout!r} is invalid; choose one of {RING_LAYOUTS}.")
-    n = part.numel() // ulysses_degree
-    return part[ulysses_rank * n : (ulysses_rank + 1) * n]
+    pieces = ring_pieces(seq_len, ring_degree, ring_layout, cu_seqlens)[ring_rank]
+    part = pieces_to_positions(pieces)
+    n = part.size // ulysses_degree
+    return torch.from_numpy(part[ulysses_rank * n : (ulysses_rank + 1) * n].copy())
 
 
-def sp_permutation(seq_len: int, ring_degree: int, ulysses_degree: int, ring_layout: str) -> torch.Tensor:
+def sp_permutation(
+    seq_len: int, ring_degree: int, ulysses_degree: int, ring_layout: str, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
     """Global positions of all sp ranks' slices concatenated in sp-rank order (``ring_rank * U + u``)."""
-    return torch.cat(
-        [
-            local_token_indices(seq_len, ring_degree, ulysses_degree, r, u, ring_layout)
-            for r in range(ring_degree)
-            for u in range(ulysses_degree)
-        ]
-    )
+    check_sequence_length(seq_len, ring_degree, ulysses_degree, ring_layout)
+    pieces = ring_pieces(seq_len, ring_degree, ring_layout, cu_seqlens)
+    return torch.from_numpy(np.concatenate([pieces_to_positions(p) for p in pieces]))
 
 
-def shard_sequence(x: torch.Tensor, mesh: SPMesh, dim: int = 1) -> torch.Tensor:
+def _layout_boundaries(x: torch.Tensor, dim: int, mesh: SPMesh, cu_seqlens: torch.Tensor | None, seq_len: int):
+    """``cu_seqlens`` validated for the mesh's layout (``None`` when the layout does not use it)."""
+    if cu_seqlens is None or mesh.ring_layout != "balanced" or mesh.ring_degree == 1:
+        return None
+    rows = int(np.prod(x.shape[:dim])) if dim > 0 else 1
+    if rows != 1:
+        raise ValueError(
+            f"cu_seqlens describes one packed row, but the tensor has {rows} rows before the sequence dim "
+            f"{dim} (shape {tuple(x.shape)}): use batch size 1 (trainer.micro_batch_size=1) with documents, "
+            "or drop cu_seqlens."
+        )
+    check_boundaries(cu_seqlens, seq_len)
+    return cu_seqlens
+
+
+def shard_sequence(
+    x: torch.Tensor, mesh: SPMesh, dim: int = 1, *, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
     """Global tensor (the whole sequence along ``dim``) -> this rank's slice, in the mesh's layout.
 
     Works for tokens ``[B, S]``, labels, position ids, hidden states ``[B, S, ...]`` alike. No communication.
-    Raises ``ValueError`` if ``S`` does not suit the layout (naming the nearest valid lengths).
+    ``cu_seqlens``: the row's document boundaries (global, CPU, ``0 .. S``); the ``balanced`` layout places
+    tokens from them (and then needs batch size 1), the others ignore them.
+    Raises ``ValueError`` if ``S`` does not suit the layout (naming the nearest valid lengths), or for
+    boundaries that do not cover the row.
     """
     dim = dim % x.dim()
+    seq_len = x.size(dim)
+    check_sequence_length(seq_len, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_layout)
+    cu = _layout_boundaries(x, dim, mesh, cu_seqlens, seq_len)
     idx = local_token_indices(
-        x.size(dim), mesh.ring_degree, mesh.ulysses_degree, mesh.ring_rank, mesh.ulysses_rank, mesh.ring_layout
+        seq_len, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_rank, mesh.ulysses_rank, mesh.ring_layout, cu
     )
     return x.index_select(dim, idx.to(x.device)).contiguous()
 
 
-def gather_sequence(x: torch.Tensor, mesh: SPMesh, dim: int = 1) -> torch.Tensor:
+def gather_sequence(
+    x: torch.Tensor, mesh: SPMesh, dim: int = 1, *, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
     """This rank's slice -> the global tensor, by an all-gather over the ``sp`` group (inverse of shard).
 
     Communicates ``(sp_degree - 1) * x.numel()`` elements per rank. Not differentiable; meant for evaluation
-    and tests.
+    and tests. Pass the same ``cu_seqlens`` the slice was sharded with (``balanced`` layout).
     """
     dim = dim % x.dim()
     sp = mesh.sp_degree
     if sp == 1:
         return x
+    seq_len = x.size(dim) * sp
+    check_sequence_length(seq_len, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_layout)
+    cu = _layout_boundaries(x, dim, mesh, cu_seqlens, seq_len)  # before communicating: errors on every rank
     parts = [torch.empty_like(x) for _ in range(sp)]
     dist.all_gather(parts, x.contiguous(), group=mesh.sp_group)
     stacked = torch.cat(parts, dim=dim)  # slices in sp-rank order
-    seq_len = stacked.size(dim)
-    perm = sp_permutation(seq_len, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_layout)
+    perm = sp_permutation(seq_len, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_layout, cu)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(seq_len)
     return stacked.index_select(dim, inverse.to(x.device))

@@ -20,6 +20,7 @@ from dataclasses import asdict, replace
 
 from usp.modes import RING_LAYOUTS
 from usp.plan.calibrate import Calibration, calibrate, format_report, read_bench_json, read_training_run
+from usp.plan.compute import DocumentWork
 from usp.plan.hardware import GPUS, DeviceSpec, get_device
 from usp.plan.inference import InferenceEstimate, plan_inference
 from usp.plan.models import PRESETS, ModelSpec, load_model_spec
@@ -91,7 +92,15 @@ def build_plan_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ulysses-degree", type=int, default=None, help="fix the Ulysses degree")
     p.add_argument("--ring-degree", type=int, default=None, help="fix the ring degree")
-    p.add_argument("--ring-layout", default="zigzag", choices=list(RING_LAYOUTS))
+    p.add_argument("--ring-layout", default="balanced", choices=list(RING_LAYOUTS))
+    p.add_argument(
+        "--doc-lengths",
+        default=None,
+        metavar="SPEC",
+        help="packed documents of this length distribution (as usp-bench: lognormal:mean=8192, fixed:2048, "
+        "lengths:2048,65536,2048x31, file:PATH): attention is costed over them and the layout's busiest ring "
+        "rank, not one causal sequence",
+    )
     p.add_argument("--loss-chunk-size", type=int, default=4096)
     p.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="model.dtype"
@@ -185,6 +194,22 @@ def format_inference(
     return "\n".join(rows)
 
 
+def format_documents(documents: DocumentWork, best: LayoutEstimate, ring_layout: str) -> str:
+    """The packed-document attention terms: pairs vs one sequence, and per ring layout the busiest ring rank's
+    share and the attention seconds per step it predicts for the best layout (which layout to choose)."""
+    r = best.ring_degree
+    attention = best.time_s["attention_s"] / documents.imbalance(r, ring_layout)  # per unit of share
+    per_layout = ", ".join(
+        f"{lay} {documents.imbalance(r, lay):.2f} ({attention * documents.imbalance(r, lay):.3g} s)"
+        for lay in RING_LAYOUTS
+    )
+    return (
+        f"documents {documents.spec}: attention pairs {documents.pair_fraction:.3f} x one causal sequence "
+        f"(mean of {len(documents.rows)} rows); busiest ring rank's work / mean at ring {r} (attention s/step "
+        f"of the best layout): {per_layout}"
+    )
+
+
 def _main_calibrate(argv: Sequence[str]) -> int:
     args = build_calibrate_parser().parse_args(argv)
     device = _device(args)
@@ -230,9 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else format_inference(model, device, args.seq_len, plans)
             )
             return 0
+        documents = None if args.doc_lengths is None else DocumentWork.from_spec(args.doc_lengths, args.seq_len)
         layouts = plan_layouts(
             model,
             device,
+            documents=documents,
             seq_len=args.seq_len,
             world_size=world,
             node_size=args.gpus_per_node,
@@ -248,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps([e.to_dict() for e in layouts], indent=2))
         else:
             print(format_table(model, device, args.seq_len, world, layouts, args.top))
+            if documents is not None:
+                print(format_documents(documents, layouts[0], args.ring_layout))
         return 0
     except ValueError as e:
         print(f"usp-plan: error: {e}", file=sys.stderr)

@@ -13,7 +13,7 @@ from typing import Any
 
 from usp.parallel.mesh import ParallelDims, sequence_multiple
 from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
-from usp.plan.compute import compute_time, model_flops_per_token
+from usp.plan.compute import DocumentWork, compute_time, model_flops_per_token
 from usp.plan.hardware import DeviceSpec
 from usp.plan.memory import checkpointed_layers, training_memory
 from usp.plan.models import ModelSpec
@@ -98,6 +98,7 @@ def evaluate_layout(
     overhead_frac: float = 0.08,
     offload: bool = False,
     compute_bytes: int = 2,
+    documents: DocumentWork | None = None,
 ) -> LayoutEstimate:
     """Memory and time of one (already validated) layout. ``global_batch`` in sequences; default one per dp
     rank. ``compute_bytes``: 2 for bf16 compute (``model.dtype``), 4 for float32."""
@@ -135,6 +136,7 @@ def evaluate_layout(
         ring_degree=R,
         ring_layout=ring_layout,
         recompute_layers=n_ckpt,
+        documents=documents,
     )
     B = compute_bytes
     uly = ulysses_comm(model, device, seq_len=seq_len, ulysses_degree=U, ring_degree=R, compute_bytes=B)
@@ -156,7 +158,7 @@ def evaluate_layout(
     micro = busy + comp["overhead_s"] + uly["ulysses_s"] + ring["ring_exposed_s"] + fsdp_exposed
     step = micro * accum
     tokens_per_gpu = batch * seq_len / step / world_size
-    mfu = model_flops_per_token(model, seq_len) * tokens_per_gpu / device.peak_flops
+    mfu = model_flops_per_token(model, seq_len, documents) * tokens_per_gpu / device.peak_flops
     times = {
         "dense_s": comp["dense_s"] * accum,
         "attention_s": comp["attention_s"] * accum,
@@ -222,6 +224,7 @@ def enumerate_layouts(
     compute_bytes: int = 2,
     fsdp_modes: tuple[str, ...] | None = None,
     ac_every_k: int | None = None,
+    documents: DocumentWork | None = None,
 ) -> tuple[list[LayoutEstimate], list[str]]:
     """Every valid candidate, fitting or not, and the reasons the others were rejected before costing.
 
@@ -273,6 +276,7 @@ def enumerate_layouts(
                             overhead_frac=overhead_frac,
                             offload=offload,
                             compute_bytes=compute_bytes,
+                            documents=documents,
                         )
                     )
     return out, rejected
@@ -322,6 +326,7 @@ def plan_layouts(
     compute_bytes: int = 2,
     fsdp_modes: tuple[str, ...] | None = None,
     ac_every_k: int | None = None,
+    documents: DocumentWork | None = None,
 ) -> list[LayoutEstimate]:
     """Layouts that fit, fastest first (:func:`rank_layouts`: within 2% throughput, less memory first).
 
@@ -348,6 +353,8 @@ def plan_layouts(
         kw["fsdp_modes"] = fsdp_modes
     if ac_every_k is not None:
         kw["ac_every_k"] = ac_every_k
+    if documents is not None:  # packed documents (--doc-lengths): attention over them, not one sequence
+        kw["documents"] = documents
     candidates, rejected = enumerate_layouts(model, device, **kw)
     fitting = [c for c in candidates if c.fits]
     if fitting:

@@ -136,6 +136,28 @@ def training_flops(
     return 6.0 * dense_params * tokens + attention
 
 
+def attention_work_imbalance(document_lengths: list[list[int]], ring_degree: int, ring_layout: str) -> float:
+    """``attn_work_imbalance`` of a step: max / mean over ring ranks of the causal in-document (query, key) pairs
+    each computes, summed over the step's samples (per sample, its packed document lengths).
+
+    Exact pair counts from the layout (:func:`usp.parallel.ring_rank_pairs`); 1.0 = every ring rank does the
+    same attention work. The slowest rank sets the step time, so ``1 / imbalance`` is the attention time a
+    perfectly balanced layout would need.
+    """
+    import numpy as np
+
+    from usp.parallel import ring_rank_pairs
+
+    if ring_degree == 1:
+        return 1.0
+    work = np.zeros(ring_degree)
+    for lengths in document_lengths:
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        work += np.asarray(ring_rank_pairs(int(cu[-1]), ring_degree, ring_layout, cu), dtype=np.float64)
+    mean = work.mean()
+    return float(work.max() / mean) if mean > 0 else 1.0
+
+
 def count_dense_params(model: Any) -> int:
     """Parameters that do matmuls: all (global numel, also under FSDP2) minus the input embedding table,
     which is kept when it is tied to the output head."""

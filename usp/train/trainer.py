@@ -388,7 +388,13 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     from usp.train.checkpoint import load_checkpoint, save_checkpoint
     from usp.train.export import export_hf
     from usp.train.guard import StepGuard, check_finite_weights
-    from usp.train.metrics import MetricsLogger, count_dense_params, peak_flops_per_device, training_flops
+    from usp.train.metrics import (
+        MetricsLogger,
+        attention_work_imbalance,
+        count_dense_params,
+        peak_flops_per_device,
+        training_flops,
+    )
     from usp.train.optim import reapply_schedule
     from usp.train.rundir import checkpoint_root
 
@@ -492,7 +498,15 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
                 dist.all_reduce(flops, group=mesh.dp_group)
             done = step + 1
             guard.update(done, loss=res.loss, grad_norm=res.grad_norm, skipped=res.skipped)
-            extra: dict[str, Any] = {"num_targets": res.num_targets, "skipped_steps": guard.total}
+            imbalance = torch.tensor(  # the slowest replica's attention work max/mean over its ring ranks
+                attention_work_imbalance(res.document_lengths, mesh.ring_degree, mesh.ring_layout),
+                dtype=torch.float64, device=device,
+            )  # fmt: skip
+            if mesh.dp_degree > 1:
+                dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=mesh.dp_group)
+            extra: dict[str, Any] = {
+                "num_targets": res.num_targets, "skipped_steps": guard.total, "attn_work_imbalance": float(imbalance)
+            }  # fmt: skip
             if cfg.trainer.eval_every and val_loader is not None and done % cfg.trainer.eval_every == 0:
                 val_losses[done] = extra["val_loss"] = evaluate(loss_model, val_loader, mesh, device)
                 if cfg.trainer.eval_ppl_by_position:  # usp.eval: mean loss per bucket of document positions
