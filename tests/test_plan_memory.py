@@ -39,19 +39,21 @@ def test_llama31_8b_1m_tokens_32_gpus_ulysses8_ring4_full_checkpointing():
     per_token_layer = 65_536 + 12_288 + 16_384 + 136 + 114_688
     assert per_token_layer == 209_032
     one_layer = per_token_layer * s
-    # full checkpointing: 32 layer inputs (4096 x 2 B per token) + one layer recomputed at a time
-    assert mem.activations == 32 * 4096 * s * 2 + one_layer == 15_439_495_168
+    # full checkpointing: 32 layer inputs (4096 x 2 B per token) + one layer recomputed at a time, + the rotary
+    # cos and sin every layer shares (2 x 128 x 2 B per token)
+    assert mem.activations == 32 * 4096 * s * 2 + one_layer + 2 * 128 * 2 * s == 15_456_272_384
     # dq,dk,dv + all-to-all buffers: 2 x 32768 x 48 heads x 128 x 2 B; ring: K,V block of 262,144 tokens x 1 KV
     # head per rank x 128 x 2 (K,V) x 2 B = 128 MiB, 2 in bf16 + 2 fp32 dK/dV (= 6 blocks), fp32 out accumulator
     block = 262_144 * 1 * 128 * 2 * 2
     assert mem.attention_workspace == 2 * s * 48 * 128 * 2 + 6 * block + s * 32 * 128 * 4 == 2 * GIB
     # chunked loss at its peak, the log-softmax backward of one 4096-token chunk: saved fp32 log-probabilities,
-    # their gradient, the input gradient (3 x 4 B x 128,256 vocab); final norm in/out in bf16
-    assert mem.loss_buffer == 4096 * 128256 * 12 + 2 * s * 4096 * 2 == 6_840_909_824
+    # their gradient, the input gradient (3 x 4 B x 128,256 vocab); what the final RMSNorm keeps, as a layer's:
+    # fp32 input copy, normalized input, output (4 + 2 + 2 B x 4096)
+    assert mem.loss_buffer == 4096 * 128256 * 12 + s * 4096 * 8 == 7_377_780_736
     assert mem.overhead == 1 * GIB  # CUDA context; no margin asked
-    # 4,015,130,624 + 4,202,692,608 + 15,439,495,168 + 2,147,483,648 + 6,840,909,824 + 1,073,741,824
-    assert mem.total == 33_719_453_696
-    assert mem.total_gib == pytest.approx(31.40, abs=0.005)
+    # 4,015,130,624 + 4,202,692,608 + 15,456,272,384 + 2,147,483,648 + 7,377,780,736 + 1,073,741,824
+    assert mem.total == 34_273_101_824
+    assert mem.total_gib == pytest.approx(31.92, abs=0.005)
 
 
 def test_no_checkpointing_keeps_every_layer():
@@ -61,9 +63,10 @@ def test_no_checkpointing_keeps_every_layer():
     every2 = training_memory(LLAMA8, H100, activation_checkpointing="every_k", ac_every_k=2, **kw)
     s = S // 8
     one_layer = 209_032 * s  # as above: Ulysses 8 keeps the o_proj input apart from the kernel's output
-    assert none.activations == 32 * one_layer
+    rotary = 2 * 128 * 2 * s
+    assert none.activations == 32 * one_layer + rotary
     # 16 layers keep everything, 16 keep their input, plus one recomputed layer
-    assert every2.activations == 16 * one_layer + 16 * 4096 * s * 2 + one_layer
+    assert every2.activations == 16 * one_layer + 16 * 4096 * s * 2 + one_layer + rotary
 
 
 def test_float32_run_activations_by_hand():
@@ -73,8 +76,8 @@ def test_float32_run_activations_by_hand():
     s = 2**16 // 8
     # fp32: norms 2 x 4096 x (4 + 4 + 4), q,k,v (32 + 16) x 128 x 4, out + o_proj input 2 x 4096 x 4, 136, MLP
     # 4 x 14336 x 4 -- the norms' fp32 input copy does not grow, everything else doubles
-    assert fp32.activations == 32 * s * (98_304 + 24_576 + 32_768 + 136 + 229_376)
-    assert bf16.activations == 32 * s * 209_032
+    assert fp32.activations == 32 * s * (98_304 + 24_576 + 32_768 + 136 + 229_376) + 2 * 128 * 4 * s
+    assert bf16.activations == 32 * s * 209_032 + 2 * 128 * 2 * s
     assert fp32.sharded_states == bf16.sharded_states
     # gathered: 2 copies x 4 B + fp32 grad 4 B = 12 B per parameter of the largest unit, against 8 B in bf16
     assert fp32.gathered_params * 8 == bf16.gathered_params * 12
@@ -129,6 +132,7 @@ def test_more_gpus_never_predict_more_memory_per_gpu():
                 e.dp_degree,
                 e.fsdp_mode,
                 e.activation_checkpointing,
+                e.mlp_tiles,
             ): e.mem_gib_per_gpu
             for e in by_world[2 * w]
         }
@@ -145,9 +149,72 @@ def test_checkpointing_never_predicts_more_memory():
     layouts, _ = enumerate_layouts(LLAMA8, H100, seq_len=2**18, world_size=16, node_size=8)
     by_layout: dict[tuple, dict[str, float]] = {}
     for e in layouts:
+        if e.mlp_tiles > 1:
+            continue
         key = (e.ulysses_degree, e.ring_degree, e.fsdp_mode)
         by_layout.setdefault(key, {})[e.activation_checkpointing] = e.mem_gib_per_gpu
     assert len(by_layout) > 5
     for key, m in by_layout.items():
         assert m["full"] <= m["every_k"] <= m["none"], key
         assert m["full"] < m["none"], key
+
+
+# --- the planner's terms against the memory a training step measurably takes (CPU, usp.train.memory) ---------
+MEASURED_SHAPE = dict(
+    hidden_size=128, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+    num_hidden_layers=3, vocab_size=128,
+)  # fmt: skip
+MEASURED_TOKENS = 4096  # thousands of tokens on one rank: activations dominate the tiny model's 3 MB of gradients
+
+
+def _measure_step(activation_checkpointing: str, mlp_tiles: int) -> tuple[int, int]:
+    """Held bytes of a forward (first step) and peak bytes of forward + backward (second step) of the trainer's
+    pieces (:mod:`usp.train.tiling`, :mod:`usp.train.offload`, checkpointing, the chunked loss), fp32 on CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from usp.train.loss import ChunkedCausalLMLoss
+    from usp.train.memory import track_memory
+    from usp.train.offload import HostCheckpointStore
+    from usp.train.parallelize import apply_activation_checkpointing, decoder_layers
+    from usp.train.tiling import apply_sequence_tiling
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**MEASURED_SHAPE)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg)
+    layers = decoder_layers(model)
+    apply_sequence_tiling(layers, model.model.norm, mlp_tiles)
+    store = HostCheckpointStore("cpu") if activation_checkpointing == "offload" else None
+    apply_activation_checkpointing(layers, activation_checkpointing, offload_store=store)
+    loss_model = ChunkedCausalLMLoss(model, chunk_size=1024)
+    S, V = MEASURED_TOKENS, MEASURED_SHAPE["vocab_size"]
+    ids, labels, pos = torch.randint(0, V, (1, S)), torch.randint(0, V, (1, S)), torch.arange(S)[None]
+    with track_memory("cpu") as first:
+        loss = loss_model(ids, labels, position_ids=pos)
+    loss.backward()  # first step: the offload store allocates its host slots (reused from then on)
+    model.zero_grad(set_to_none=True)
+    with track_memory("cpu") as second:
+        loss_model(ids, labels, position_ids=pos).backward()
+    return first.held_bytes, second.peak_bytes
+
+
+@pytest.mark.parametrize("activation_checkpointing", ["none", "full", "offload"])
+@pytest.mark.parametrize("mlp_tiles", [1, 4])
+def test_planner_terms_match_the_measured_step(activation_checkpointing, mlp_tiles):
+    """Held bytes (what autograd keeps after the forward) against :func:`held_activation_bytes`, and the peak
+    of a step against the planner's activations + attention workspace + loss buffer + the fp32 gradients,
+    within 15% for every checkpointing mode, with and without tiles."""
+    from dataclasses import replace
+
+    from usp.plan.memory import held_activation_bytes
+
+    held, peak = _measure_step(activation_checkpointing, mlp_tiles)
+    spec = load_model_spec(MEASURED_SHAPE)
+    kw = dict(seq_len=MEASURED_TOKENS, ulysses_degree=1, ring_degree=1, activation_checkpointing=activation_checkpointing,
+              mlp_tiles=mlp_tiles, compute_bytes=4)  # fmt: skip
+    predicted_held = held_activation_bytes(spec, **kw)["total"]
+    assert held == pytest.approx(predicted_held, rel=0.15)
+    mem = training_memory(spec, replace(GPUS["cpu"], reserved_gib=0.0), world_size=1, node_size=1,
+                          loss_chunk_size=1024, overhead_frac=0.0, **kw)  # fmt: skip
+    predicted_peak = mem.activations + mem.attention_workspace + mem.loss_buffer + 4 * spec.num_params
+    assert peak == pytest.approx(predicted_peak, rel=0.15)

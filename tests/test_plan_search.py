@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from usp.config import ParallelConfig
+from usp.config import OptimConfig, ParallelConfig
 from usp.parallel import ParallelDims, sequence_multiple
 from usp.plan import (
     NoFeasibleLayoutError,
@@ -57,12 +57,19 @@ def test_overrides_name_real_config_fields():
     layouts = plan_layouts(
         load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**17, world_size=8, node_size=8
     )
-    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-    for e in layouts:
+    fields = {
+        "parallel": {f.name for f in dataclasses.fields(ParallelConfig)},
+        "optim": {f.name for f in dataclasses.fields(OptimConfig)},
+    }
+    tiled = [e for e in layouts if e.mlp_tiles > 1]
+    assert tiled and any(e.activation_checkpointing == "offload" for e in layouts)
+    optim = plan_layouts(load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**17, world_size=8,
+                         node_size=8, states=("cpu_offload",))  # fmt: skip
+    for e in layouts + optim:
         for item in e.overrides():
             key, value = item.split("=")
             section, name = key.split(".")
-            assert section == "parallel" and name in fields
+            assert name in fields[section], item
             assert value != ""
 
 
@@ -86,13 +93,20 @@ def test_auto_degrees_tiny_cpu_model():
 
 def test_auto_degrees_memory_limit_forces_checkpointing():
     # Llama-3.1-8B on 8 GPUs: 32K tokens leave room to keep every activation (none is fastest); at 256K with
-    # 48 GiB only full checkpointing fits (41 GiB; every other layer would need ~100 GiB)
+    # 50 GiB (3.75 GiB of headroom) only full checkpointing fits (44.6 GiB; every other layer would need ~100
+    # GiB); with 48 GiB it needs MLP tiles or checkpoint offload, and offload costs no compute, tiles do
     cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
            "intermediate_size": 14336, "vocab_size": 128256}  # fmt: skip
     roomy = auto_degrees(cfg, seq_len=2**15, world_size=8, node_size=8, gpu="h100-80g")
-    tight = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=48)
-    assert roomy["activation_checkpointing"] == "none"
+    tight = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=50)
+    tighter = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=48)
+    assert roomy["activation_checkpointing"] == "none" and "mlp_tiles" not in roomy  # a fixed count stays
     assert tight["activation_checkpointing"] == "full"
+    assert tighter["activation_checkpointing"] == "offload"
+    # with mlp_tiles=auto the planner may tile: here full checkpointing fits with 2 tiles
+    tiled = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=48,
+                         activation_checkpointing="full", mlp_tiles="auto")  # fmt: skip
+    assert (tiled["activation_checkpointing"], tiled["mlp_tiles"]) == ("full", 2)
     with pytest.raises(ValueError, match="offload"):
         auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=30)
 
@@ -260,9 +274,9 @@ def test_cli_float32_costs_more_memory(capsys):
         "1",
     ]
     assert main(base) == 0
-    bf16 = {(x["fsdp_mode"], x["activation_checkpointing"]): x for x in json.loads(capsys.readouterr().out)}
+    bf16 = {(x["fsdp_mode"], x["activation_checkpointing"], x["mlp_tiles"]): x for x in json.loads(capsys.readouterr().out)}
     assert main(base + ["--dtype", "float32"]) == 0
-    fp32 = {(x["fsdp_mode"], x["activation_checkpointing"]): x for x in json.loads(capsys.readouterr().out)}
+    fp32 = {(x["fsdp_mode"], x["activation_checkpointing"], x["mlp_tiles"]): x for x in json.loads(capsys.readouterr().out)}
     assert len(fp32.keys() & bf16.keys()) >= 2
     for key in fp32.keys() & bf16.keys():
         # everything doubles but the norms' fp32 input copies
@@ -335,3 +349,21 @@ def test_auto_degrees_keeps_what_the_user_fixed():
     f32 = auto_degrees(TINY, seq_len=256, world_size=4, node_size=2, gpu="cpu", compute_bytes=4,
                        ring_layout="contiguous", ulysses_degree=1)  # fmt: skip
     assert f32["ulysses_degree"] == 1 and f32["ring_degree"] * f32["dp_degree"] == 4
+
+
+def test_auto_degrees_with_states_on_the_host_and_little_host_memory():
+    cfg = load_model_spec("llama-3.1-8b")
+    hf = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "intermediate_size": 14336, "vocab_size": 128256}  # fmt: skip
+    assert cfg.num_params == load_model_spec(hf).num_params
+    # one H100, 256K tokens: 128 GB of fp32 states do not fit on the device; on the host (optim.name=
+    # deepspeed_cpu_adam) they do, with the layer inputs offloaded and the MLPs/norms tiled when asked
+    with pytest.raises(ValueError, match="no layout"):
+        auto_degrees(hf, seq_len=2**18, world_size=1, node_size=1, gpu="h100-80g", mlp_tiles="auto")
+    out = auto_degrees(hf, seq_len=2**18, world_size=1, node_size=1, gpu="h100-80g", mlp_tiles="auto",
+                       cpu_offload=True)  # fmt: skip
+    assert out["activation_checkpointing"] == "offload" and out["mlp_tiles"] > 1
+    # with 32 GiB of host RAM the 128 GB of states do not fit on the host either
+    with pytest.raises(ValueError, match="no layout"):
+        auto_degrees(hf, seq_len=2**18, world_size=1, node_size=1, gpu="h100-80g", mlp_tiles="auto",
+                     cpu_offload=True, host_mem_gib=32)  # fmt: skip

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from usp.config import validate_layout
+from usp.config import states_on_host, validate_layout
 from usp.train.__main__ import compose_config
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -23,6 +23,8 @@ def test_the_promised_recipes_exist():
         "tiny",
         "llama31_8b_128k",
         "llama31_8b_1m",
+        "llama31_8b_1m_8gpu",
+        "llama31_8b_4m",
         "llama3_70b_128k",
         "llama2_7b_rope_32k",
         "llama2_7b_rope_64k",
@@ -73,9 +75,11 @@ def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     p = cfg.parallel
     dp = world // (p.ulysses_degree * p.ring_degree)
+    tiles = cfg.parallel.mlp_tiles
+    assert isinstance(tiles, int), f"{name}: a recipe fixes parallel.mlp_tiles (the figures quoted are for it)"
     est = plan.evaluate_layout(
         plan.load_model_spec(model),
-        plan.get_device(cfg.cluster.gpu, memory_gib=cfg.cluster.memory_gib),
+        plan.get_device(cfg.cluster.gpu, memory_gib=cfg.cluster.memory_gib, host_mem_gib=cfg.cluster.host_mem_gib),
         seq_len=cfg.trainer.seq_len,
         ulysses_degree=p.ulysses_degree,
         ring_degree=p.ring_degree,
@@ -87,6 +91,8 @@ def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
         global_batch=dp * cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps,
         ring_layout=p.ring_layout,
         loss_chunk_size=cfg.trainer.loss_chunk_size,
+        mlp_tiles=tiles,
+        offload=states_on_host(cfg.optim.name, cfg.parallel.cpu_offload),
     )
     assert est.fits, f"{name}: the planner predicts {est.mem_gib_per_gpu:.1f} GiB per GPU"
     # the quoted usp-plan command is the recipe's own layout, so rerunning it refreshes the right figures

@@ -81,6 +81,7 @@ def memory_rows(model: str, *, seq_len: int, nodes: int, gpus_per_node: int,
     for e in estimates[:top]:
         ac = e.activation_checkpointing + (f"/{e.ac_every_k}" if e.activation_checkpointing == "every_k" else "")
         label = f"u{e.ulysses_degree} r{e.ring_degree} dp{e.dp_degree} {e.fsdp_mode.split('_')[0]} {ac}"
+        label += (f" t{e.mlp_tiles}" if e.mlp_tiles > 1 else "") + (" host" if e.states != "device" else "")
         rows.append((label, {k: v for k, v in e.memory_gib.items() if k != "total" and v > 0}))
     return rows, device.memory_gib
 

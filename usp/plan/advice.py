@@ -6,6 +6,7 @@ from typing import Any
 
 from usp.plan.hardware import DeviceSpec
 from usp.plan.models import ModelSpec
+from usp.plan.offload import OFFLOAD_OPTIMIZER
 from usp.plan.search import LayoutEstimate, enumerate_layouts
 
 
@@ -26,7 +27,7 @@ def explain_no_fit(
     kw: dict[str, Any],
 ) -> str:
     """Why nothing fits (the smallest need and its breakdown, or every rejection) and what would: more GPUs,
-    a shorter sequence, full checkpointing (when it was ruled out), FSDP CPU offload (or offload with a
+    a shorter sequence, full checkpointing (when it was ruled out), the states on the host (or that with a
     shorter sequence). ``kw`` are the :func:`usp.plan.search.enumerate_layouts` arguments of the search."""
     W, node, S = kw["world_size"], kw["node_size"], kw["seq_len"]
     lines = [
@@ -80,12 +81,24 @@ def explain_no_fit(
                 f"  - activation checkpointing: parallel.activation_checkpointing=full "
                 f"({hit.mem_gib_per_gpu:.1f} GiB)"
             )
-    offload = "FSDP CPU offload of parameters, gradients and optimizer states"
-    hit = _fits(model, device, **(kw | {"offload": True}))
+    offload = (
+        f"optim.name={OFFLOAD_OPTIMIZER} (parameters, gradients and optimizer states on the host, the step there)"
+    )
+    host = {"states": ("cpu_offload",)}
+    if kw.get("states") == host["states"]:
+        host = {}  # already tried
+    hit = _fits(model, device, **(kw | host)) if host else None
     if hit:
         lines.append(f"  - offload: {offload} ({hit.mem_gib_per_gpu:.1f} GiB/GPU on device)")
-    elif not shorter:
-        both = longest_fitting(offload=True)
+    elif kw["loss_chunk_size"] > 1024:  # smaller [chunk, vocab] logits of the chunked loss, with the states offloaded
+        small = _fits(model, device, **(kw | host | {"loss_chunk_size": 1024}))
+        if small:
+            lines.append(
+                f"  - offload and smaller loss chunks: {offload} and trainer.loss_chunk_size=1024 "
+                f"({small.mem_gib_per_gpu:.1f} GiB/GPU on device)"
+            )
+    if not hit and not shorter and host:
+        both = longest_fitting(**host)
         if both:
             lines.append(
                 f"  - offload and a shorter sequence: {offload} with trainer.seq_len={both[0]} "
@@ -95,4 +108,5 @@ def explain_no_fit(
         lines.append("  - nothing within 64x the GPUs or down to 1K tokens; use a device with more memory.")
     if kw["ac_modes"] is None:
         lines.append("(Full activation checkpointing was already tried in every layout above.)")
+    lines.append("usp-plan --max-seq-len (instead of --seq-len) finds the longest sequence that fits.")
     return "\n".join(lines)

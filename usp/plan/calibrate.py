@@ -62,6 +62,8 @@ def predict_run(run: TrainingRun, device: DeviceSpec) -> LayoutEstimate:
         global_batch=run.global_batch,
         loss_chunk_size=run.loss_chunk_size,
         compute_bytes=run.compute_bytes,
+        mlp_tiles=run.mlp_tiles,
+        offload=run.states_on_host,
     )
 
 

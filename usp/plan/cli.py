@@ -4,6 +4,7 @@
     usp-plan --model llama-3-70b --seq-len 1M --nodes 4 --gpu a100-80g --inference --json
     usp-plan calibrate --gpu cpu --run runs/tiny-a --run runs/tiny-b --bench bench.json --out calib.json
     usp-plan --model ckpt/config.json --seq-len 128K --nodes 1 --gpu cpu --calibration calib.json
+    usp-plan --model llama-3.1-8b --max-seq-len --nodes 1 --gpus-per-node 8 --gpu h100-80g --json
 
 Sequence lengths take binary suffixes: ``128K`` = 131072, ``1M`` = 1048576.
 """
@@ -23,8 +24,15 @@ from usp.plan.calibrate import Calibration, calibrate, format_report, read_bench
 from usp.plan.compute import DocumentWork
 from usp.plan.hardware import GPUS, DeviceSpec, get_device
 from usp.plan.inference import InferenceEstimate, plan_inference
+from usp.plan.maxlen import (
+    LOSS_CHUNK_CANDIDATES,
+    SEQ_MULTIPLE,
+    TRAINER_LOSS_CHUNK,
+    MaxSeqLenEstimate,
+    max_seq_lens,
+)
 from usp.plan.models import PRESETS, ModelSpec, load_model_spec
-from usp.plan.search import LayoutEstimate, plan_layouts
+from usp.plan.search import STATE_PLACEMENTS, LayoutEstimate, plan_layouts
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 
@@ -59,6 +67,8 @@ def _device(args: argparse.Namespace) -> DeviceSpec:
         peak_tflops=args.peak_tflops,
         intra_node_gbps=args.intra_node_gbps,
         inter_node_gbps=args.inter_node_gbps,
+        host_mem_gib=getattr(args, "host_mem_gib", None),
+        host_link_gbps=getattr(args, "host_link_gbps", None),
     )
     calibration = getattr(args, "calibration", None)
     if calibration:
@@ -81,8 +91,11 @@ def build_plan_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", required=True, help=f"HF config.json / checkpoint dir, or a preset: {', '.join(PRESETS)}"
     )
+    p.add_argument("--seq-len", type=parse_seq_len, default=None, help="tokens per sequence (131072, 128K, 1M)")
     p.add_argument(
-        "--seq-len", required=True, type=parse_seq_len, help="tokens per sequence (131072, 128K, 1M)"
+        "--max-seq-len",
+        action="store_true",
+        help="instead of --seq-len: find the longest sequence that fits, with its layout and settings",
     )
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -101,7 +114,12 @@ def build_plan_parser() -> argparse.ArgumentParser:
         "lengths:2048,65536,2048x31, file:PATH): attention is costed over them and the layout's busiest ring "
         "rank, not one causal sequence",
     )
-    p.add_argument("--loss-chunk-size", type=int, default=4096)
+    p.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        default=None,
+        help="trainer.loss_chunk_size (default 4096; --max-seq-len tries 4096, 2048, 1024 unless given)",
+    )
     p.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="model.dtype"
     )
@@ -109,6 +127,24 @@ def build_plan_parser() -> argparse.ArgumentParser:
         "--overhead-frac", type=float, default=0.08, help="allocator margin on top of the estimate"
     )
     p.add_argument("--calibration", default=None, help="JSON written by 'usp-plan calibrate --out'")
+    p.add_argument("--host-mem-gib", type=float, default=None, help="host RAM per node, GiB (cluster.host_mem_gib)")
+    p.add_argument("--host-link-gbps", type=float, default=None, help="PCIe GB/s per GPU and direction")
+    p.add_argument(
+        "--headroom-gib", type=float, default=None, help="device memory a layout must leave free (default 7.5%%)"
+    )
+    p.add_argument(
+        "--mlp-tiles", default="auto", help="parallel.mlp_tiles: an integer >= 1, or auto (tile when needed)"
+    )
+    p.add_argument(
+        "--states",
+        default=None,
+        choices=[*STATE_PLACEMENTS, "any"],
+        help="where the sharded states live: device, or cpu_offload (optim.name=deepspeed_cpu_adam: states and "
+        "step on the host), or any (default: device with --seq-len, any with --max-seq-len)",
+    )
+    p.add_argument(
+        "--seq-multiple", type=int, default=SEQ_MULTIPLE, help="--max-seq-len answers multiples of this"
+    )
     p.add_argument("--inference", action="store_true", help="KV cache, batch capacity, prefill and decode")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", action="store_true", help="print the ranked layouts as a JSON list")
@@ -142,8 +178,8 @@ def format_table(
         f"({device.memory_gib:g} GiB, {device.peak_tflops:g} TFLOP/s peak); {len(layouts)} layouts fit"
     )
     cols = (
-        f"{'#':>3} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<10} {'mem GiB':>8} {'step s':>9} "
-        f"{'tok/s/GPU':>10} {'MFU':>6}"
+        f"{'#':>3} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<10} {'tiles':>5} {'states':<17} "
+        f"{'mem GiB':>8} {'step s':>9} {'tok/s/GPU':>10} {'MFU':>6}"
     )
     rows = [head, cols]
     for i, e in enumerate(layouts[:top], 1):
@@ -152,12 +188,13 @@ def format_table(
         )
         rows.append(
             f"{i:>3} {e.ulysses_degree:>7} {e.ring_degree:>5} {e.dp_degree:>4} {e.fsdp_mode:<12} {ckpt:<10} "
-            f"{e.mem_gib_per_gpu:>8.1f} {e.step_time_s:>9.3g} {e.tokens_per_s_per_gpu:>10.4g} {e.mfu:>6.1%}"
+            f"{e.mlp_tiles:>5} {e.states:<17} {e.mem_gib_per_gpu:>8.1f} {e.step_time_s:>9.3g} {e.tokens_per_s_per_gpu:>10.4g} {e.mfu:>6.1%}"
         )
     best = layouts[0]
     rows.append("")
     rows.append(
-        "best layout, memory GiB/GPU: " + ", ".join(f"{k} {v:.2f}" for k, v in best.memory_gib.items())
+        f"best layout, memory GiB/GPU (+ {best.headroom_gib:.1f} GiB headroom; host {best.host_mem_gib_per_node:.0f} "
+        "GiB/node): " + ", ".join(f"{k} {v:.2f}" for k, v in best.memory_gib.items())
     )
     t = best.time_s
     rows.append(
@@ -173,6 +210,43 @@ def format_table(
     if best.grad_accum_steps > 1:
         extra.append(f"trainer.grad_accum_steps={best.grad_accum_steps}")
     rows.append("  " + " ".join(best.overrides() + extra))
+    return "\n".join(rows)
+
+
+def format_max_seq_len(
+    model: ModelSpec, device: DeviceSpec, world: int, answers: list[MaxSeqLenEstimate], top: int
+) -> str:
+    best = answers[0]
+    head = (
+        f"{model.name}: {model.num_params / 1e9:.2f}B params on {world} x {device.name} ({device.memory_gib:g} "
+        f"GiB, host {device.host_mem_gib:g} GiB/node): longest sequence {best.max_seq_len} tokens "
+        f"({best.max_seq_len / 2**20:.3g}M)"
+    )
+    cols = (
+        f"{'#':>3} {'max seq':>10} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<8} {'tiles':>5} "
+        f"{'states':<17} {'chunk':>5} {'mem GiB':>8} {'host GiB/node':>13} {'step s':>9} {'MFU':>6}"
+    )
+    rows = [head, cols]
+    for i, a in enumerate(answers[:top], 1):
+        e = a.estimate
+        ckpt = e.activation_checkpointing + (f"/{e.ac_every_k}" if e.activation_checkpointing == "every_k" else "")
+        rows.append(
+            f"{i:>3} {a.max_seq_len:>10} {e.ulysses_degree:>7} {e.ring_degree:>5} {e.dp_degree:>4} "
+            f"{e.fsdp_mode:<12} {ckpt:<8} {e.mlp_tiles:>5} {e.states:<17} {a.loss_chunk_size:>5} {e.mem_gib_per_gpu:>8.1f} "
+            f"{e.host_mem_gib_per_node:>13.0f} {e.step_time_s:>9.4g} {e.mfu:>6.1%}"
+        )
+    e = best.estimate
+    rows.append("")
+    rows.append(
+        f"longest layout, memory GiB/GPU (+ {e.headroom_gib:.1f} GiB headroom): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in e.memory_gib.items())
+    )
+    rows.append(
+        "longest layout, seconds/step: "
+        + ", ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in e.time_s.items() if k.endswith("_s"))
+    )
+    rows.append("Overrides for the longest layout:")
+    rows.append("  " + " ".join(best.overrides()))
     return "\n".join(rows)
 
 
@@ -240,6 +314,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = load_model_spec(args.model)
         device = _device(args)
         world = args.nodes * args.gpus_per_node
+        if (args.seq_len is None) == (not args.max_seq_len) or (args.inference and args.seq_len is None):
+            raise ValueError(
+                "give --seq-len N (rank the layouts at that length; --inference needs it) or --max-seq-len "
+                "(find the longest length that fits), not both."
+            )
+        if args.headroom_gib is not None and args.headroom_gib < 0:
+            raise ValueError(f"--headroom-gib={args.headroom_gib} must be >= 0 (GiB of device memory left free).")
+        tiles = None if args.mlp_tiles == "auto" else int(args.mlp_tiles) if args.mlp_tiles.isdigit() else -1
+        if tiles is not None and tiles < 1:
+            raise ValueError(f"--mlp-tiles={args.mlp_tiles!r} is invalid: use an integer >= 1 or auto.")
+        default_states = "any" if args.max_seq_len else "device"
+        states = STATE_PLACEMENTS if (args.states or default_states) == "any" else (args.states or "device",)
+        dtype_bytes = 4 if args.dtype == "float32" else 2
+        if args.max_seq_len:
+            answers = max_seq_lens(
+                model, device, world_size=world, node_size=args.gpus_per_node, ring_layout=args.ring_layout,
+                ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, states=states, mlp_tiles=tiles,
+                loss_chunk_sizes=LOSS_CHUNK_CANDIDATES if args.loss_chunk_size is None else (args.loss_chunk_size,),
+                overhead_frac=args.overhead_frac, compute_bytes=dtype_bytes,
+                headroom_gib=args.headroom_gib, seq_multiple=args.seq_multiple,
+            )  # fmt: skip
+            print(
+                json.dumps([a.to_dict() for a in answers[: args.top]], indent=2)
+                if args.json
+                else format_max_seq_len(model, device, world, answers, args.top)
+            )
+            return 0
         if args.inference:
             plans = plan_inference(
                 model,
@@ -267,9 +368,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ring_layout=args.ring_layout,
             ulysses_degree=args.ulysses_degree,
             ring_degree=args.ring_degree,
-            loss_chunk_size=args.loss_chunk_size,
+            loss_chunk_size=args.loss_chunk_size or TRAINER_LOSS_CHUNK,
             overhead_frac=args.overhead_frac,
-            compute_bytes=4 if args.dtype == "float32" else 2,
+            compute_bytes=dtype_bytes,
+            mlp_tiles=tiles,
+            states=states,
+            headroom_gib=args.headroom_gib,
         )
         if args.json:
             print(json.dumps([e.to_dict() for e in layouts], indent=2))

@@ -123,11 +123,13 @@ def compute_time(
     ring_degree: int,
     ring_layout: str = "zigzag",
     recompute_layers: float = 0.0,
+    mlp_recompute_layers: float = 0.0,
     documents: DocumentWork | None = None,
 ) -> dict[str, float]:
     """Seconds one rank computes per micro step (one sequence sharded over ``ulysses x ring`` ranks).
 
-    ``recompute_layers``: how many decoder layers run their forward twice (activation checkpointing).
+    ``recompute_layers``: how many decoder layers run their forward twice (activation checkpointing);
+    ``mlp_recompute_layers``: how many run their MLP forward once more (a tiled MLP recomputes its tiles).
     ``documents``: packed rows of that length distribution (attention over documents, the busiest ring rank's
     share in ``ring_layout``); ``None``: one causal sequence, an upper bound.
     Returns ``dense_s``, ``attention_s``, ``overhead_s``, ``ring_step_flops`` (one rank's attention FLOPs per
@@ -139,6 +141,7 @@ def compute_time(
     layer_frac = model.num_layers * model.layer_params / model.matmul_params
     dense_flops = 6.0 * model.matmul_params * local_tokens
     dense_flops += 2.0 * model.matmul_params * local_tokens * layer_frac * recompute_layers / L
+    dense_flops += 2.0 * 3 * model.hidden_size * model.intermediate_size * local_tokens * mlp_recompute_layers
     # Attention forward of one layer on one rank: the causal share of S^2, times the layout's imbalance.
     if documents is None:
         share = causal_imbalance(ring_degree, ring_layout)

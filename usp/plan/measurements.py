@@ -19,6 +19,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from usp.config import states_on_host
 from usp.plan.compute import ATTN_BWD_OVER_FWD_HW
 from usp.plan.models import ModelSpec, load_model_spec
 
@@ -170,6 +171,10 @@ class TrainingRun:
     """2 for bf16 / fp16 runs, 4 for float32 (``model.dtype``)."""
     measured_step_s: float
     measured_mem_gib: float | None
+    mlp_tiles: int = 1
+    """``parallel.mlp_tiles`` as the trainer resolved it (``auto``: :func:`usp.train.tiling.resolve_mlp_tiles`)."""
+    states_on_host: bool = False
+    """Parameters, gradients and optimizer states in host memory (``optim.name`` / ``parallel.cpu_offload``)."""
 
 
 def _load_config(run_dir: Path) -> dict[str, Any]:
@@ -277,6 +282,12 @@ def read_training_run(
         batch = int(tokens // seq_len)  # sequences per optimizer step, as measured
     mems = [r["peak_mem_gib"] for r in steady if isinstance(r.get("peak_mem_gib"), (int, float))]
     dtype = str(cfg.get("model", {}).get("dtype", "bfloat16"))
+    tiles = par.get("mlp_tiles", 1)
+    if tiles == "auto":
+        from usp.train.tiling import resolve_mlp_tiles  # the trainer's rule for auto
+
+        tiles = resolve_mlp_tiles("auto", local_tokens=seq_len // (U * R), hidden_size=model.hidden_size)
+    on_host = states_on_host(str(cfg.get("optim", {}).get("name", "adamw")), bool(par.get("cpu_offload", False)))
     return TrainingRun(
         name=str(run_dir),
         model=model,
@@ -293,4 +304,6 @@ def read_training_run(
         compute_bytes=4 if dtype in ("float32", "fp32") else 2,
         measured_step_s=median(r["step_time_s"] for r in steady),
         measured_mem_gib=max(mems) if mems else None,
+        mlp_tiles=int(tiles),
+        states_on_host=on_host,
     )

@@ -15,19 +15,34 @@ replication), as autograd keeps them for the Hugging Face layer (measured in ``t
     4 H + 8          log-sum-exp and the two norms' rsqrt, fp32
     4 I B            gate, up, silu(gate), silu(gate) * up
 
+Outside the layers a forward keeps the rotary tables (cos and sin, ``2 d B`` per token, shared by every layer)
+and the final RMSNorm's ``h (4 + 2B)`` (as a layer's norm; its output is what the chunked loss keeps).
+
 With ``full`` checkpointing a layer keeps only its input (``h``) and one layer is recomputed at a time.
+With ``offload`` those inputs live in host memory: the device holds :data:`OFFLOAD_DEVICE_CHECKPOINTS` of them
+(the one being copied out or prefetched back, and the one in use) instead of ``L``.
+
+With ``mlp_tiles = T > 1`` the MLP and the RMSNorms run over the sequence in ``T`` tiles and recompute each
+tile in backward (:mod:`usp.train.tiling`): a layer no longer keeps the ``4 I B`` per token of the MLP (only
+its input, the norm's output), each norm keeps its input and output (``2 B h``) instead of ``h (4 + 2B)`` and
+an rsqrt, and one MLP tile's ``4 I B s / T`` exists at a time.
+
+Sharded states: 16 B per parameter on the device; with them offloaded (``offload``: FSDP2 CPU offload, what
+``parallel.cpu_offload=true`` and an ``optim.name`` that steps on the host both select) nothing stays on the
+device between uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
+from usp.modes import AC_MODES
 from usp.plan.comm import ACT_BYTES, kv_block_bytes
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.models import ModelSpec
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master param + fp32 grad + Adam m and v
-AC_MODES = ("none", "every_k", "full")
+OFFLOAD_DEVICE_CHECKPOINTS = 2  # checkpoint offload: the layer input in flight + the one in use
 
 
 @dataclass(frozen=True)
@@ -41,40 +56,97 @@ class MemoryBreakdown:
     loss_buffer: float
     overhead: float
 
+    def items(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # (asdict deep-copies: slow in a search)
+
     @property
     def total(self) -> float:
-        return sum(asdict(self).values())
+        return sum(self.items().values())
 
     @property
     def total_gib(self) -> float:
         return self.total / GIB
 
     def as_gib(self) -> dict[str, float]:
-        return {k: v / GIB for k, v in asdict(self).items()} | {"total": self.total_gib}
+        return {k: v / GIB for k, v in self.items().items()} | {"total": self.total_gib}
 
 
 def activation_bytes_per_token_layer(
-    model: ModelSpec, ulysses_degree: int, compute_bytes: int = ACT_BYTES
+    model: ModelSpec, ulysses_degree: int, compute_bytes: int = ACT_BYTES, tiled: bool = False
 ) -> int:
-    """Saved activations of one decoder layer per local token, in bytes (module docstring)."""
-    h, d, H, mlp, B = (
-        model.hidden_size,
-        model.head_dim,
-        model.num_heads,
-        model.intermediate_size,
-        compute_bytes,
-    )
+    """Saved activations of one decoder layer per local token, in bytes (module docstring).
+
+    ``tiled`` (``mlp_tiles > 1``, :mod:`usp.train.tiling`): the MLP keeps only its input (the norm's output)
+    and each RMSNorm, checkpointed per tile, keeps only its input (``B h``) and its output (kept by the next
+    matmul, ``B h``) instead of ``h (4 + 2B)`` and an rsqrt."""
+    h, d, H, B = model.hidden_size, model.head_dim, model.num_heads, compute_bytes
     kv = max(model.num_kv_heads, ulysses_degree)
-    norms = 2 * h * (4 + 2 * B)
     attention = (H + 2 * kv) * d * B + H * d * B * (2 if ulysses_degree > 1 else 1)
-    return norms + attention + 4 * H + 8 + 4 * mlp * B
+    if tiled:
+        return 2 * 2 * h * B + attention + 4 * H
+    norms = 2 * h * (4 + 2 * B)
+    return norms + attention + 4 * H + 8 + mlp_bytes_per_token(model, compute_bytes)
+
+
+def mlp_bytes_per_token(model: ModelSpec, compute_bytes: int = ACT_BYTES) -> int:
+    """What the MLP keeps per token for backward: gate, up, silu(gate), silu(gate) * up (``4 I B``)."""
+    return 4 * model.intermediate_size * compute_bytes
+
+
+def check_mlp_tiles(mlp_tiles: int, local_tokens: float) -> None:
+    """``parallel.mlp_tiles`` must be an integer >= 1 that splits the local tokens evenly."""
+    if isinstance(mlp_tiles, bool) or not isinstance(mlp_tiles, int) or mlp_tiles < 1:
+        raise ValueError(f"parallel.mlp_tiles={mlp_tiles!r} is invalid: use an integer >= 1 (1 = off) or auto.")
+    if mlp_tiles > 1 and local_tokens % mlp_tiles:
+        raise ValueError(
+            f"parallel.mlp_tiles={mlp_tiles} does not divide the {local_tokens:g} local tokens per rank; use a "
+            "divisor of seq_len / (ulysses_degree x ring_degree)."
+        )
+
+
+def device_states_bytes(model: ModelSpec, shard: int, *, offload: bool = False) -> float:
+    """Sharded parameters, gradients and optimizer states left on one device (module docstring)."""
+    if offload:
+        return 0.0
+    return model.num_params * STATE_BYTES_PER_PARAM / shard
+
+
+def held_activation_bytes(
+    model: ModelSpec,
+    *,
+    seq_len: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    activation_checkpointing: str = "none",
+    ac_every_k: int = 2,
+    mlp_tiles: int = 1,
+    micro_batch_size: int = 1,
+    compute_bytes: int = ACT_BYTES,
+) -> dict[str, float]:
+    """Bytes autograd keeps on the device at the end of a training forward, per rank (what
+    :func:`usp.train.memory.track_memory` measures as held bytes): ``layers`` (every saved activation of the
+    layers that are not checkpointed, the input of those that are, nothing of the inputs ``offload`` moved to
+    the host), ``rotary`` (cos and sin) and ``final_norm``; ``total`` their sum."""
+    B, h = compute_bytes, model.hidden_size
+    s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
+    check_mlp_tiles(mlp_tiles, s)
+    tiled = mlp_tiles > 1
+    per_layer = activation_bytes_per_token_layer(model, ulysses_degree, B, tiled)
+    n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
+    inputs = 0 if activation_checkpointing == "offload" else n_ckpt
+    out = {
+        "layers": ((model.num_layers - n_ckpt) * per_layer + inputs * h * B) * s,
+        "rotary": 2 * model.head_dim * B * s,
+        "final_norm": (2 * h * B if tiled else h * (4 + 2 * B)) * s,
+    }
+    return out | {"total": sum(out.values())}
 
 
 def checkpointed_layers(num_layers: int, activation_checkpointing: str, ac_every_k: int = 2) -> int:
     """How many decoder layers keep only their input (and recompute their forward in backward)."""
     if activation_checkpointing == "none":
         return 0
-    if activation_checkpointing == "full":
+    if activation_checkpointing in ("full", "offload"):
         return num_layers
     if activation_checkpointing == "every_k":
         if ac_every_k < 1:
@@ -111,29 +183,38 @@ def training_memory(
     overhead_frac: float = 0.08,
     offload: bool = False,
     compute_bytes: int = ACT_BYTES,
+    mlp_tiles: int = 1,
 ) -> MemoryBreakdown:
-    """Peak bytes per rank. ``offload`` moves the sharded states to host memory (FSDP2 CPU offload);
-    ``compute_bytes`` is 2 for bf16 compute, 4 for an fp32 run."""
+    """Peak bytes per rank on the device. ``offload`` moves the sharded states to host memory (FSDP2 CPU
+    offload); ``activation_checkpointing=offload`` keeps the layer inputs there; ``mlp_tiles`` runs the MLPs
+    and norms in tiles (module docstring); ``compute_bytes`` is 2 for bf16 compute, 4 for an fp32 run. Host
+    bytes: :func:`usp.plan.offload.host_memory`."""
     B = compute_bytes
     U, R = ulysses_degree, ring_degree
     s = seq_len / (U * R) * micro_batch_size  # local tokens
     h, d, H = model.hidden_size, model.head_dim, model.num_heads
     kv = max(model.num_kv_heads, U)
+    check_mlp_tiles(mlp_tiles, s)
 
-    states = (
-        0.0
-        if offload
-        else model.num_params * STATE_BYTES_PER_PARAM / shard_degree(world_size, node_size, fsdp_mode)
-    )
-    # Current layer and the prefetched one in bf16, plus one fp32 unsharded gradient waiting for reduction.
+    shard = shard_degree(world_size, node_size, fsdp_mode)
+    states = device_states_bytes(model, shard, offload=offload)
+    # Current layer and the prefetched one in bf16, plus one fp32 unsharded gradient waiting for reduction
+    # (on one rank without offload the parameters are used where they live: nothing is gathered).
     unit = max(model.layer_params, model.embedding_params, model.head_params)
-    gathered = 0.0 if world_size == 1 else unit * (2 * B + 4)
+    gathered = 0.0 if world_size == 1 and not offload else unit * (2 * B + 4)
 
-    per_layer = activation_bytes_per_token_layer(model, U, B) * s
+    mlp = mlp_bytes_per_token(model, B) * s
+    per_layer = activation_bytes_per_token_layer(model, U, B, tiled=mlp_tiles > 1) * s
     n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
-    kept = (model.num_layers - n_ckpt) * per_layer + n_ckpt * h * s * B
+    held = held_activation_bytes(
+        model, seq_len=seq_len, ulysses_degree=U, ring_degree=R, activation_checkpointing=activation_checkpointing,
+        ac_every_k=ac_every_k, mlp_tiles=mlp_tiles, micro_batch_size=micro_batch_size, compute_bytes=B,
+    )  # fmt: skip
+    # checkpoint offload: the input being copied out (forward) or prefetched (backward) and the one in use
+    in_flight = min(n_ckpt, OFFLOAD_DEVICE_CHECKPOINTS) * h * s * B if activation_checkpointing == "offload" else 0
     recompute = per_layer if n_ckpt else 0.0
-    activations = kept + recompute
+    tile = mlp / mlp_tiles if mlp_tiles > 1 else 0.0  # one MLP tile in flight (forward, or its recompute)
+    activations = held["layers"] + held["rotary"] + in_flight + recompute + tile
 
     qkv = s * (H + 2 * kv) * d * B
     workspace = qkv  # dq, dk, dv of the layer in backward
@@ -147,8 +228,8 @@ def training_memory(
 
     chunk = min(loss_chunk_size, s)
     # One checkpointed chunk of the cross-entropy at its peak (log-softmax backward): the fp32 log-probabilities it
-    # saved, their gradient and the gradient it returns, 3 x 4 B per logit; plus the final norm's input/output.
-    loss = chunk * model.vocab_size * 12 + 2 * s * h * B
+    # saved, their gradient and the gradient it returns, 3 x 4 B per logit; plus what the final norm keeps.
+    loss = chunk * model.vocab_size * 12 + held["final_norm"]
 
     subtotal = states + gathered + activations + workspace + loss
     overhead = overhead_frac * subtotal + device.reserved_gib * GIB

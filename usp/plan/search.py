@@ -1,6 +1,12 @@
 """Enumerate the layouts a cluster allows, predict memory and step time for each, rank the ones that fit.
 
-A candidate is (ulysses_degree, ring_degree, dp_degree, fsdp_mode, activation_checkpointing). The layout rules
+A candidate is (ulysses_degree, ring_degree, dp_degree, fsdp_mode, activation_checkpointing, mlp_tiles) and
+where the states live (device, optimizer offloaded, FSDP CPU offload: the last two only when asked). The
+memory-saving tricks (checkpoint offload, MLP tiles, offloaded states) cost time or nothing, never save it, so a
+layout using fewer of them goes first within the 2% throughput band: ``auto`` picks them only when needed (or
+when they are faster by more than the band). A layout fits when its device estimate plus a headroom
+(:data:`usp.plan.hardware.HEADROOM_FRAC` of the device by default) is within the device, and its host bytes
+within the node's usable host memory. The layout rules
 (Ulysses inside a node, degrees dividing the world, zigzag's sequence multiple ``2 x ring x ulysses``) come
 from :class:`usp.parallel.ParallelDims` and :func:`usp.parallel.sequence_multiple`; the head split rule from
 :meth:`ModelSpec.ulysses_split_error`.
@@ -13,13 +19,19 @@ from typing import Any
 
 from usp.parallel.mesh import ParallelDims, sequence_multiple
 from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
-from usp.plan.compute import DocumentWork, compute_time, model_flops_per_token
-from usp.plan.hardware import DeviceSpec
+from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, DocumentWork, compute_time, model_flops_per_token
+from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.memory import checkpointed_layers, training_memory
 from usp.plan.models import ModelSpec
+from usp.plan.offload import OFFLOAD_OPTIMIZER, host_memory, offload_time, usable_host_bytes
 
 TIE_TOLERANCE = 0.02
-AC_CANDIDATES: tuple[tuple[str, int], ...] = (("none", 2), ("every_k", 2), ("full", 2))
+AC_CANDIDATES: tuple[tuple[str, int], ...] = (("none", 2), ("every_k", 2), ("full", 2), ("offload", 2))
+MLP_TILE_CANDIDATES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
+"""``mlp_tiles=auto`` tries these in order and keeps the first that fits (more tiles only save memory)."""
+STATE_PLACEMENTS: tuple[str, ...] = ("device", "cpu_offload")
+"""Where the sharded states live: on the device, or on the host with the optimizer step there
+(``optim.name=deepspeed_cpu_adam``: FSDP2 CPU offload, :func:`usp.config.states_on_host`)."""
 
 
 @dataclass
@@ -41,6 +53,20 @@ class LayoutEstimate:
     mfu: float
     memory_gib: dict[str, float] = field(default_factory=dict)
     time_s: dict[str, float] = field(default_factory=dict)
+    mlp_tiles: int = 1
+    states: str = "device"
+    """One of :data:`STATE_PLACEMENTS`."""
+    host_mem_gib_per_node: float = 0.0
+    """Pinned checkpoints and offloaded states of all ranks of one node."""
+    headroom_gib: float = 0.0
+    """Free device memory the fit required on top of ``mem_gib_per_gpu``."""
+    host_fits: bool = True
+
+    @property
+    def tricks(self) -> int:
+        """How many memory-saving tricks the layout uses (checkpoint offload, MLP tiles, offloaded states)."""
+        used = (self.activation_checkpointing == "offload", self.mlp_tiles > 1, self.states != "device")
+        return sum(used)
 
     def overrides(self) -> list[str]:
         """Hydra overrides that select this layout in ``usp-train``."""
@@ -53,6 +79,10 @@ class LayoutEstimate:
         ]
         if self.activation_checkpointing == "every_k":
             out.append(f"parallel.ac_every_k={self.ac_every_k}")
+        if self.mlp_tiles > 1:
+            out.append(f"parallel.mlp_tiles={self.mlp_tiles}")
+        if self.states == "cpu_offload":
+            out.append(f"optim.name={OFFLOAD_OPTIMIZER}")
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,6 +103,10 @@ class LayoutEstimate:
             "memory_gib": {k: round(v, 3) for k, v in self.memory_gib.items()},
             "time_s": self.time_s,
             "overrides": self.overrides(),
+            "mlp_tiles": self.mlp_tiles,
+            "states": self.states,
+            "host_mem_gib_per_node": round(self.host_mem_gib_per_node, 3),
+            "headroom_gib": round(self.headroom_gib, 3),
         }
 
 
@@ -98,10 +132,14 @@ def evaluate_layout(
     overhead_frac: float = 0.08,
     offload: bool = False,
     compute_bytes: int = 2,
+    mlp_tiles: int = 1,
+    headroom_gib: float | None = None,
     documents: DocumentWork | None = None,
 ) -> LayoutEstimate:
     """Memory and time of one (already validated) layout. ``global_batch`` in sequences; default one per dp
-    rank. ``compute_bytes``: 2 for bf16 compute (``model.dtype``), 4 for float32."""
+    rank. ``compute_bytes``: 2 for bf16 compute (``model.dtype``), 4 for float32. ``offload``: the sharded
+    states and the optimizer step on the host (FSDP2 CPU offload); ``headroom_gib``: free device
+    memory the fit requires (default :attr:`DeviceSpec.default_headroom_gib`)."""
     U, R = ulysses_degree, ring_degree
     D = ParallelDims(world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size).dp_degree
     why = model.ulysses_split_error(U)
@@ -126,8 +164,10 @@ def evaluate_layout(
         overhead_frac=overhead_frac,
         offload=offload,
         compute_bytes=compute_bytes,
+        mlp_tiles=mlp_tiles,
     )
-    n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
+    L = model.num_layers
+    n_ckpt = checkpointed_layers(L, activation_checkpointing, ac_every_k)
     comp = compute_time(
         model,
         device,
@@ -136,8 +176,21 @@ def evaluate_layout(
         ring_degree=R,
         ring_layout=ring_layout,
         recompute_layers=n_ckpt,
+        mlp_recompute_layers=L if mlp_tiles > 1 else 0,
         documents=documents,
     )
+    placement = dict(
+        seq_len=seq_len, ulysses_degree=U, ring_degree=R, world_size=world_size, node_size=node_size,
+        fsdp_mode=fsdp_mode, activation_checkpointing=activation_checkpointing, offload=offload,
+        compute_bytes=compute_bytes,
+    )  # fmt: skip
+    host = host_memory(model, **placement)
+    # One layer's forward (what a checkpoint's copy out hides behind) and its recompute + backward (the copy in)
+    attn_fwd_layer = comp["attention_s"] / ((1 + ATTN_BWD_OVER_FWD_HW) * L + n_ckpt)
+    layer_fwd = 2.0 * model.layer_params * seq_len / (U * R) / (device.peak_flops * device.dense_efficiency)
+    layer_fwd += attn_fwd_layer
+    layer_bwd = max(0.0, (comp["dense_s"] + comp["attention_s"]) / L - layer_fwd)
+    off = offload_time(model, device, layer_fwd_s=layer_fwd, layer_bwd_s=layer_bwd, **placement)
     B = compute_bytes
     uly = ulysses_comm(model, device, seq_len=seq_len, ulysses_degree=U, ring_degree=R, compute_bytes=B)
     ring = ring_comm(
@@ -154,9 +207,11 @@ def evaluate_layout(
         model, device, world_size=world_size, node_size=node_size, fsdp_mode=fsdp_mode, compute_bytes=B
     )
     busy = comp["dense_s"] + comp["attention_s"]
-    fsdp_exposed = max(0.0, fsdp["fsdp_s"] - busy)  # all-gathers prefetch behind the previous layer's compute
+    # all-gathers (and with CPU offload the parameter copies in) prefetch behind the previous layer's compute
+    fsdp_exposed = max(0.0, fsdp["fsdp_s"] + off["fsdp_offload_s"] - busy)
     micro = busy + comp["overhead_s"] + uly["ulysses_s"] + ring["ring_exposed_s"] + fsdp_exposed
-    step = micro * accum
+    micro += off["ckpt_offload_exposed_s"]
+    step = micro * accum + off["host_adam_s"]
     tokens_per_gpu = batch * seq_len / step / world_size
     mfu = model_flops_per_token(model, seq_len, documents) * tokens_per_gpu / device.peak_flops
     times = {
@@ -168,7 +223,11 @@ def evaluate_layout(
         "fsdp_exposed_s": fsdp_exposed * accum,
         "ring_step_comm_s": ring["ring_step_comm_s"],
         "ring_block_gb": kv_block_bytes(model, seq_len, U, R, B) / 1e9 if R > 1 else 0.0,
+        "ckpt_offload_exposed_s": off["ckpt_offload_exposed_s"] * accum,
+        "host_adam_s": off["host_adam_s"],
     }
+    headroom = device.default_headroom_gib if headroom_gib is None else headroom_gib
+    host_fits = host["node"] <= usable_host_bytes(device)
     return LayoutEstimate(
         ulysses_degree=U,
         ring_degree=R,
@@ -179,12 +238,17 @@ def evaluate_layout(
         global_batch=batch,
         grad_accum_steps=accum,
         mem_gib_per_gpu=mem.total_gib,
-        fits=mem.total <= device.memory_bytes,
+        fits=mem.total_gib + headroom <= device.memory_gib and host_fits,
         step_time_s=step,
         tokens_per_s_per_gpu=tokens_per_gpu,
         mfu=mfu,
         memory_gib=mem.as_gib(),
         time_s=times,
+        mlp_tiles=mlp_tiles,
+        states="cpu_offload" if offload else "device",
+        host_mem_gib_per_node=host["node"] / GIB,
+        headroom_gib=headroom,
+        host_fits=host_fits,
     )
 
 
@@ -224,12 +288,23 @@ def enumerate_layouts(
     compute_bytes: int = 2,
     fsdp_modes: tuple[str, ...] | None = None,
     ac_every_k: int | None = None,
+    mlp_tiles: int | None = None,
+    states: tuple[str, ...] | None = None,
+    headroom_gib: float | None = None,
     documents: DocumentWork | None = None,
 ) -> tuple[list[LayoutEstimate], list[str]]:
     """Every valid candidate, fitting or not, and the reasons the others were rejected before costing.
 
     ``fsdp_modes`` / ``ac_modes`` restrict the FSDP and checkpointing modes tried (default: all;
-    ``hybrid_shard`` only across nodes); ``ac_every_k`` replaces the ``every_k`` candidate's k."""
+    ``hybrid_shard`` only across nodes); ``ac_every_k`` replaces the ``every_k`` candidate's k.
+    ``mlp_tiles``: a fixed tile count, or None for ``auto`` (1, and when 1 does not fit the first of
+    :data:`MLP_TILE_CANDIDATES` that fits, or the last one tried). ``states``: placements of
+    :data:`STATE_PLACEMENTS` to try (default: on the device; ``offload=True`` means ``("cpu_offload",)``)."""
+    if states is None:
+        states = ("cpu_offload",) if offload else ("device",)
+    bad = [x for x in states if x not in STATE_PLACEMENTS]
+    if bad:
+        raise ValueError(f"states={bad} are invalid; choose from {STATE_PLACEMENTS}.")
     rejected: list[str] = []
     out: list[LayoutEstimate] = []
     nodes = world_size // node_size
@@ -256,29 +331,28 @@ def enumerate_layouts(
                     f"{tag}: global batch {global_batch} does not split over dp_degree={dims.dp_degree}"
                 )
                 continue
+            local = seq_len // (U * R)
+            if mlp_tiles is not None and local % mlp_tiles:
+                rejected.append(f"{tag}: parallel.mlp_tiles={mlp_tiles} does not divide {local} local tokens")
+                continue
+            tiles = [t for t in MLP_TILE_CANDIDATES if local % t == 0] if mlp_tiles is None else []
             for fsdp_mode in fsdp_modes:
                 for ac, k in acs:
-                    out.append(
-                        evaluate_layout(
-                            model,
-                            device,
-                            seq_len=seq_len,
-                            ulysses_degree=U,
-                            ring_degree=R,
-                            world_size=world_size,
-                            node_size=node_size,
-                            fsdp_mode=fsdp_mode,
-                            activation_checkpointing=ac,
-                            ac_every_k=k,
-                            global_batch=global_batch,
-                            ring_layout=ring_layout,
-                            loss_chunk_size=loss_chunk_size,
-                            overhead_frac=overhead_frac,
-                            offload=offload,
-                            compute_bytes=compute_bytes,
-                            documents=documents,
-                        )
-                    )
+                    for where in states:
+                        kw = dict(
+                            seq_len=seq_len, ulysses_degree=U, ring_degree=R, world_size=world_size,
+                            node_size=node_size, fsdp_mode=fsdp_mode, activation_checkpointing=ac, ac_every_k=k,
+                            global_batch=global_batch, ring_layout=ring_layout, loss_chunk_size=loss_chunk_size,
+                            overhead_frac=overhead_frac, offload=where == "cpu_offload", compute_bytes=compute_bytes,
+                            headroom_gib=headroom_gib, documents=documents,
+                        )  # fmt: skip
+                        est = evaluate_layout(model, device, mlp_tiles=mlp_tiles or 1, **kw)
+                        out.append(est)
+                        for t in [] if est.fits else tiles:  # auto: tiles only when needed
+                            tiled = evaluate_layout(model, device, mlp_tiles=t, **kw)
+                            if tiled.fits or t == tiles[-1]:
+                                out.append(tiled)
+                                break
     return out, rejected
 
 
@@ -296,15 +370,16 @@ def _check_cluster(seq_len: int, world_size: int, node_size: int, global_batch: 
 
 
 def rank_layouts(layouts: list[LayoutEstimate], tie_tolerance: float = TIE_TOLERANCE) -> list[LayoutEstimate]:
-    """Fastest first, in bands of ``tie_tolerance`` x the best throughput; inside a band, less memory first
-    (headroom against the model's own error)."""
+    """Fastest first, in bands of ``tie_tolerance`` x the best throughput; inside a band, fewer memory-saving
+    tricks first (:attr:`LayoutEstimate.tricks`: each costs time, host memory or PCIe traffic), then less
+    memory (headroom against the model's own error)."""
     if not layouts:
         return []
     best = max(c.tokens_per_s_per_gpu for c in layouts)
 
-    def key(c: LayoutEstimate) -> tuple[int, float, float]:
+    def key(c: LayoutEstimate) -> tuple[int, int, float, float]:
         band = int((best - c.tokens_per_s_per_gpu) / (tie_tolerance * best))
-        return (band, c.mem_gib_per_gpu, -c.tokens_per_s_per_gpu)
+        return (band, c.tricks, c.mem_gib_per_gpu, -c.tokens_per_s_per_gpu)
 
     return sorted(layouts, key=key)
 
@@ -326,9 +401,13 @@ def plan_layouts(
     compute_bytes: int = 2,
     fsdp_modes: tuple[str, ...] | None = None,
     ac_every_k: int | None = None,
+    mlp_tiles: int | None = None,
+    states: tuple[str, ...] | None = None,
+    headroom_gib: float | None = None,
     documents: DocumentWork | None = None,
 ) -> list[LayoutEstimate]:
-    """Layouts that fit, fastest first (:func:`rank_layouts`: within 2% throughput, less memory first).
+    """Layouts that fit, fastest first (:func:`rank_layouts`: within 2% throughput, fewer tricks, less memory
+    first). ``mlp_tiles`` None is ``auto``; ``states`` the placements to try (default on the device).
 
     Raises :class:`NoFeasibleLayoutError` (a ``ValueError``) saying why nothing fits and what would.
     """
@@ -353,6 +432,9 @@ def plan_layouts(
         kw["fsdp_modes"] = fsdp_modes
     if ac_every_k is not None:
         kw["ac_every_k"] = ac_every_k
+    for name, value in (("mlp_tiles", mlp_tiles), ("states", states), ("headroom_gib", headroom_gib)):
+        if value is not None:
+            kw[name] = value
     if documents is not None:  # packed documents (--doc-lengths): attention over them, not one sequence
         kw["documents"] = documents
     candidates, rejected = enumerate_layouts(model, device, **kw)
@@ -364,78 +446,9 @@ def plan_layouts(
     raise NoFeasibleLayoutError(explain_no_fit(model, device, candidates, rejected, kw))
 
 
-def auto_degrees(
-    model_config: dict[str, Any],
-    *,
-    seq_len: int,
-    world_size: int,
-    node_size: int,
-    gpu: str | None = None,
-    memory_gib: float | None = None,
-    ulysses_degree: int | None = None,
-    ring_degree: int | None = None,
-    fsdp_mode: str | None = None,
-    activation_checkpointing: str | None = None,
-    ac_every_k: int | None = None,
-    compute_bytes: int = 2,
-    ring_layout: str = "zigzag",
-    loss_chunk_size: int = 4096,
-) -> dict[str, Any]:
-    """The planner's choice for ``parallel.ulysses_degree=auto`` and/or ``parallel.ring_degree=auto``.
-
-    ``model_config`` is an HF config dict; ``gpu`` a name from :data:`usp.plan.hardware.GPUS` (default
-    ``h100-80g``; ``cpu`` for CPU runs); ``memory_gib`` overrides the device memory. The optional keywords are
-    constraints the user fixed: a degree (``ulysses_degree=4`` with ``ring_degree`` left to the planner), the
-    FSDP mode, the checkpointing mode (and its ``ac_every_k``); ``None`` lets the planner choose.
-    ``compute_bytes`` (2 for bf16/fp16 ``model.dtype``, 4 for float32), ``ring_layout`` and ``loss_chunk_size``
-    describe the run for the cost model. Returns ``{"ulysses_degree", "ring_degree", "dp_degree", "fsdp_mode",
-    "activation_checkpointing", "reason"}`` (plus ``ac_every_k`` when checkpointing is ``every_k``). Raises
-    ``ValueError`` when nothing fits.
-    """
-    from usp.plan.hardware import get_device
-    from usp.plan.models import load_model_spec
-
-    model = load_model_spec(model_config)
-    device = get_device(gpu or "h100-80g", memory_gib=memory_gib)
-    node = min(node_size, world_size)
-    layouts = plan_layouts(
-        model, device, seq_len=seq_len, world_size=world_size, node_size=node, ring_layout=ring_layout,
-        ulysses_degree=ulysses_degree, ring_degree=ring_degree,
-        ac_modes=None if activation_checkpointing is None else (activation_checkpointing,),
-        fsdp_modes=None if fsdp_mode is None else (fsdp_mode,), ac_every_k=ac_every_k,
-        loss_chunk_size=loss_chunk_size, compute_bytes=compute_bytes,
-    )  # fmt: skip
-    best = layouts[0]
-    fixed = {
-        k: v
-        for k, v in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree), ("fsdp_mode", fsdp_mode),
-                     ("activation_checkpointing", activation_checkpointing))
-        if v is not None
-    }  # fmt: skip
-    reason = (
-        f"fastest of {len(layouts)} layouts that fit {device.name} ({device.memory_gib:g} GiB) at seq_len={seq_len} "
-        f"on {world_size} ranks ({node} per node)"
-        + (f" with {', '.join(f'{k}={v}' for k, v in fixed.items())} fixed" if fixed else "")
-        + f": predicted {best.mem_gib_per_gpu:.2f} GiB/rank, "
-        f"{best.step_time_s:.3g} s/step, {best.tokens_per_s_per_gpu:.4g} tokens/s/rank"
-    )
-    out: dict[str, Any] = {
-        "ulysses_degree": best.ulysses_degree,
-        "ring_degree": best.ring_degree,
-        "dp_degree": best.dp_degree,
-        "fsdp_mode": best.fsdp_mode,
-        "activation_checkpointing": best.activation_checkpointing,
-        "reason": reason,
-    }
-    if best.activation_checkpointing == "every_k":
-        out["ac_every_k"] = best.ac_every_k
-    return out
-
-
 __all__ = [
     "LayoutEstimate",
     "NoFeasibleLayoutError",
-    "auto_degrees",
     "enumerate_layouts",
     "evaluate_layout",
     "plan_layouts",

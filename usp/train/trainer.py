@@ -120,12 +120,16 @@ def _node_size(cfg: TrainConfig, world_size: int) -> int:
 def _planner_constraints(cfg: TrainConfig) -> dict[str, Any]:
     """What the user fixed for :func:`usp.plan.auto_degrees`: a degree that is not ``auto``; ``fsdp_mode`` and
     ``activation_checkpointing`` when they differ from their defaults (``full_shard``, ``none``: at the default
-    the planner chooses); the compute dtype, ring layout and loss chunk of the run."""
+    the planner chooses); the compute dtype, ring layout, loss chunk, MLP tiles (``auto``: the planner's
+    choice), where the states live and the host memory of the run."""
     p, defaults = cfg.parallel, type(cfg.parallel)()
     out: dict[str, Any] = {
         "compute_bytes": 4 if cfg.model.dtype == "float32" else 2,
         "ring_layout": p.ring_layout,
         "loss_chunk_size": cfg.trainer.loss_chunk_size,
+        "mlp_tiles": p.mlp_tiles,
+        "cpu_offload": states_on_host(cfg.optim.name, p.cpu_offload),
+        "host_mem_gib": cfg.cluster.host_mem_gib,
     }
     for name in ("ulysses_degree", "ring_degree"):
         value = getattr(p, name)

@@ -1,0 +1,207 @@
+"""``usp-plan --max-seq-len``: the longest trainable sequence, its validity, monotonicity, and the offload terms."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from usp.parallel import sequence_multiple
+from usp.plan import evaluate_layout, get_device, load_model_spec, plan_layouts
+from usp.plan.cli import main
+from usp.plan.hardware import GB, GIB
+from usp.plan.maxlen import max_seq_len, max_seq_lens
+from usp.plan.offload import HOST_ADAM_BYTES_PER_PARAM, host_memory, offload_time
+
+LLAMA8 = load_model_spec("llama-3.1-8b")
+H100 = get_device("h100-80g")
+REQUIRED = {
+    "max_seq_len",
+    "ulysses_degree",
+    "ring_degree",
+    "activation_checkpointing",
+    "mlp_tiles",
+    "mem_gib_per_gpu",
+    "host_mem_gib_per_node",
+    "step_time_s",
+    "mfu",
+}
+
+
+def _layout_kw(a) -> dict:
+    e = a.estimate
+    return dict(
+        ulysses_degree=e.ulysses_degree, ring_degree=e.ring_degree, fsdp_mode=e.fsdp_mode,
+        activation_checkpointing=e.activation_checkpointing, ac_every_k=e.ac_every_k, mlp_tiles=e.mlp_tiles,
+        offload=e.states == "cpu_offload",
+    )  # fmt: skip
+
+
+def test_cli_max_seq_len_json_fields_and_validity(capsys):
+    argv = ["--model", "llama-3.1-8b", "--max-seq-len", "--nodes", "1", "--gpus-per-node", "8", "--json"]
+    assert main(argv) == 0
+    answers = json.loads(capsys.readouterr().out)
+    assert answers and all(REQUIRED <= set(a) for a in answers)
+    lengths = [a["max_seq_len"] for a in answers]
+    assert lengths == sorted(lengths, reverse=True)
+    for a in answers:
+        U, R, T = a["ulysses_degree"], a["ring_degree"], a["mlp_tiles"]
+        # the trainer's rules: zigzag's 2 x ring x ulysses, and the tiles split the local tokens
+        assert a["max_seq_len"] % sequence_multiple(R, U, "zigzag") == 0
+        assert (a["max_seq_len"] // (U * R)) % T == 0
+        assert a["mem_gib_per_gpu"] + 0.075 * 80 <= 80 + 1e-6
+        assert a["host_mem_gib_per_node"] <= 0.85 * 2048
+        assert 0 < a["mfu"] < 1 and a["step_time_s"] > 0
+        assert f"trainer.seq_len={a['max_seq_len']}" in a["overrides"]
+    # the text form names the same answer and its overrides
+    assert main(argv[:-1]) == 0
+    out = capsys.readouterr().out
+    assert f"longest sequence {answers[0]['max_seq_len']} tokens" in out
+    assert "parallel.activation_checkpointing=" in out.splitlines()[-1]
+
+
+def test_the_answer_is_the_longest_for_its_layout():
+    """At the answer the layout fits; one granularity step longer it does not (with as many tiles as allowed)."""
+    for a in max_seq_lens(LLAMA8, H100, world_size=8, node_size=8)[:4]:
+        kw = _layout_kw(a) | dict(world_size=8, node_size=8)
+        assert evaluate_layout(LLAMA8, H100, seq_len=a.max_seq_len, **kw).fits
+        longer = kw | {"mlp_tiles": 64}
+        assert not evaluate_layout(LLAMA8, H100, seq_len=a.max_seq_len + a.granularity, **longer).fits
+        # auto tiles: the fewest that fit at that length
+        if a.estimate.mlp_tiles > 1:
+            fewer = kw | {"mlp_tiles": a.estimate.mlp_tiles // 2}
+            assert not evaluate_layout(LLAMA8, H100, seq_len=a.max_seq_len, **fewer).fits
+
+
+def test_max_seq_len_is_monotone_in_gpus_memory_and_host_memory():
+    by_world = [max_seq_len(LLAMA8, H100, world_size=w, node_size=min(w, 8)).max_seq_len for w in (1, 2, 4, 8, 16)]
+    assert by_world == sorted(by_world) and by_world[-1] > 4 * by_world[0]
+    by_mem = [
+        max_seq_len(LLAMA8, get_device("h100-80g", memory_gib=m), world_size=8, node_size=8).max_seq_len
+        for m in (40, 60, 80, 141)
+    ]
+    assert by_mem == sorted(by_mem) and by_mem[-1] > by_mem[0]
+    by_host = [
+        max_seq_len(LLAMA8, get_device("h100-80g", host_mem_gib=g), world_size=8, node_size=8).max_seq_len
+        for g in (64, 256, 2048)
+    ]
+    assert by_host == sorted(by_host) and by_host[-1] > by_host[0]
+
+
+def test_restricting_the_tricks_never_lengthens():
+    full = max_seq_len(LLAMA8, H100, world_size=8, node_size=8)
+    plain = max_seq_len(LLAMA8, H100, world_size=8, node_size=8, states=("device",), mlp_tiles=1,
+                        ac_modes=("none", "every_k", "full"))  # fmt: skip
+    assert plain.estimate.tricks == 0 and full.max_seq_len > plain.max_seq_len
+    # without the tricks the answer is what --seq-len ranking allows: it fits there, not one step longer
+    kw = dict(world_size=8, node_size=8, states=("device",), mlp_tiles=1, ac_modes=("none", "every_k", "full"))
+    assert plan_layouts(LLAMA8, H100, seq_len=plain.max_seq_len, **kw)
+    with pytest.raises(ValueError, match="no layout"):
+        plan_layouts(LLAMA8, H100, seq_len=plain.max_seq_len + 2 * plain.granularity, **kw)
+
+
+def test_headroom_keeps_the_best_layout_off_the_limit():
+    # 8B at 128K on 2 x 8 H100: keeping every activation needs 75.4 GiB, within 5 GiB of the 80
+    none = evaluate_layout(LLAMA8, H100, seq_len=2**17, ulysses_degree=8, ring_degree=2, world_size=16, node_size=8)
+    assert 75 < none.mem_gib_per_gpu < 76 and not none.fits and none.headroom_gib == pytest.approx(6.0)
+    assert evaluate_layout(LLAMA8, H100, seq_len=2**17, ulysses_degree=8, ring_degree=2, world_size=16,
+                           node_size=8, headroom_gib=0).fits  # fmt: skip
+    for e in plan_layouts(LLAMA8, H100, seq_len=2**17, world_size=16, node_size=8):
+        assert e.mem_gib_per_gpu <= 80 - 6.0
+
+
+def test_tricks_only_when_needed():
+    # 32K on 8 GPUs: everything fits plainly, nothing is offloaded or tiled
+    best = plan_layouts(LLAMA8, H100, seq_len=2**15, world_size=8, node_size=8)[0]
+    assert best.tricks == 0 and best.overrides()[-1].startswith("parallel.activation_checkpointing")
+    # 1M on 8 GPUs does not fit plainly; the planner offloads the checkpoints (free in time here) and tiles
+    best = plan_layouts(LLAMA8, H100, seq_len=2**20, world_size=8, node_size=8)[0]
+    assert best.activation_checkpointing == "offload" and best.tricks >= 1
+    assert best.time_s["ckpt_offload_exposed_s"] == 0.0  # the copies hide behind each layer's compute
+
+
+def test_host_memory_and_offload_time_by_hand():
+    S, U = 2**22, 8
+    s = S // U  # 524,288 local tokens
+    host = host_memory(LLAMA8, seq_len=S, ulysses_degree=U, ring_degree=1, world_size=8, node_size=8,
+                       activation_checkpointing="offload", offload=True)  # fmt: skip
+    # 32 layer inputs of 524,288 x 4096 x 2 B = 4 GiB each; fp32 parameter, gradient, Adam m, v: 16 B x 8.03B / 8
+    assert host["checkpoints"] == 32 * s * 4096 * 2 == 128 * GIB
+    assert host["states"] == pytest.approx(16 * LLAMA8.num_params / 8)
+    assert host["node"] == pytest.approx(8 * (128 * GIB + 16 * LLAMA8.num_params / 8))
+    t = offload_time(LLAMA8, H100, seq_len=S, ulysses_degree=U, ring_degree=1, world_size=8, node_size=8,
+                     activation_checkpointing="offload", offload=True, layer_fwd_s=0.05,
+                     layer_bwd_s=1.0)  # fmt: skip
+    # 8 GPUs share 300 GB/s of DRAM: 37.5 GB/s each (under the 50 GB/s PCIe link); 4 GiB take 0.115 s
+    copy = s * 4096 * 2 / 37.5e9
+    assert t["ckpt_copy_s"] == pytest.approx(copy)
+    assert t["ckpt_offload_exposed_s"] == pytest.approx(32 * (copy - 0.05))  # the backward hides its copy
+    # every micro step the fp32 parameter shard comes in twice (forward, backward) and the gradient goes out
+    assert t["fsdp_offload_s"] == pytest.approx(LLAMA8.num_params / 8 * 12 / 37.5e9)
+    # the optimizer step on the host: 28 B per parameter of the node over its DRAM bandwidth
+    assert t["host_adam_s"] == pytest.approx(LLAMA8.num_params * HOST_ADAM_BYTES_PER_PARAM / (300 * GB))
+
+
+def test_offload_terms_in_the_device_memory_by_hand():
+    from usp.plan.memory import training_memory
+
+    S, U = 2**20, 8
+    s = S // U
+    kw = dict(seq_len=S, ulysses_degree=U, ring_degree=1, world_size=8, node_size=8, overhead_frac=0.0)
+    full = training_memory(LLAMA8, H100, activation_checkpointing="full", **kw)
+    off = training_memory(LLAMA8, H100, activation_checkpointing="offload", **kw)
+    tiled = training_memory(LLAMA8, H100, activation_checkpointing="offload", mlp_tiles=8, **kw)
+    opt = training_memory(LLAMA8, H100, activation_checkpointing="offload", offload=True, **kw)
+    layer_input = s * 4096 * 2
+    # offload keeps 2 layer inputs on the device instead of 32
+    assert full.activations - off.activations == 30 * layer_input
+    # tiles: the recomputed layer keeps 32,768 B per token for its norms (input and output of each, 4 x 4096 x
+    # 2 B) instead of 65,536 + 8 (fp32 copies, normalized inputs, rsqrt) and nothing of its MLP instead of 4 x
+    # 14336 x 2 = 114,688; one MLP tile (1/8 of that) is in flight. Per token: 209,032 -> 61,568 (the q, k, v,
+    # out, o_proj input 28,672 and the lse 128 stay)
+    assert 32_768 + 28_672 + 128 == 61_568
+    mlp = 4 * 14336 * 2 * s
+    assert off.activations - tiled.activations == (209_032 - 61_568) * s - mlp / 8
+    # the final norm keeps its input and output, 2 x 4096 x 2 B per token, instead of 4096 x (4 + 2 + 2)
+    assert off.loss_buffer - tiled.loss_buffer == (8 - 4) * 4096 * s
+    # states offloaded: none of the 16 B per parameter shard stays on the device
+    assert opt.sharded_states == 0 and off.sharded_states == 16 * LLAMA8.num_params / 8
+    with pytest.raises(ValueError, match="parallel.mlp_tiles=3 does not divide"):
+        training_memory(LLAMA8, H100, activation_checkpointing="full", mlp_tiles=3, **kw)
+
+
+def test_bad_input(capsys):
+    assert main(["--model", "llama-3.1-8b", "--nodes", "1"]) == 2
+    assert "--max-seq-len" in capsys.readouterr().err
+    assert main(["--model", "llama-3.1-8b", "--seq-len", "1M", "--max-seq-len"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["--model", "llama-3.1-8b", "--max-seq-len", "--mlp-tiles", "0"]) == 2
+    assert "--mlp-tiles='0' is invalid" in capsys.readouterr().err
+    assert main(["--model", "llama-3.1-8b", "--max-seq-len", "--host-mem-gib", "-1"]) == 2
+    assert "--host-mem-gib=-1.0 must be > 0" in capsys.readouterr().err
+    assert main(["--model", "llama-3.1-8b", "--max-seq-len", "--headroom-gib", "-2"]) == 2
+    assert "--headroom-gib=-2.0 must be >= 0" in capsys.readouterr().err
+    assert main(["--model", "llama-3.1-8b", "--max-seq-len", "--ulysses-degree", "3"]) == 2
+    assert "--ulysses-degree=3 must divide the world size 8" in capsys.readouterr().err
+    assert main(["--model", "llama-3.1-8b", "--max-seq-len", "--nodes", "2", "--ulysses-degree", "16"]) == 2
+    assert "every (ulysses, ring) pair was rejected: ulysses=16 ring=1" in capsys.readouterr().err
+    tiny = replace(H100, memory_gib=2.0)
+    with pytest.raises(ValueError, match="no layout of llama-3.1-8b fits"):
+        max_seq_len(LLAMA8, tiny, world_size=1, node_size=1)
+
+
+def test_offload_copies_show_when_the_host_link_is_slow():
+    kw = dict(seq_len=2**20, ulysses_degree=8, ring_degree=1, world_size=8, node_size=8,
+              activation_checkpointing="offload")  # fmt: skip
+    fast = evaluate_layout(LLAMA8, H100, **kw)
+    assert fast.time_s["ckpt_offload_exposed_s"] == 0.0  # 1 GiB in 29 ms behind seconds of compute per layer
+    # at 0.1 GB/s a 1 GiB layer input takes 10.7 s, more than a layer's forward (~2.7 s here)
+    copy = 2**17 * 4096 * 2 / 0.1e9
+    slow = evaluate_layout(LLAMA8, get_device("h100-80g", host_link_gbps=0.1), **kw)
+    slower = evaluate_layout(LLAMA8, get_device("h100-80g", host_link_gbps=0.05), **kw)
+    exposed = slow.time_s["ckpt_offload_exposed_s"]
+    assert 32 * (copy - 3.0) < exposed < 2 * 32 * copy
+    assert slower.time_s["ckpt_offload_exposed_s"] > exposed + 32 * copy  # twice the copy time, out and back
+    assert slow.step_time_s == pytest.approx(fast.step_time_s + exposed)
+    assert slow.mem_gib_per_gpu == fast.mem_gib_per_gpu

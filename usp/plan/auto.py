@@ -1,0 +1,93 @@
+"""``parallel.ulysses_degree=auto`` / ``parallel.ring_degree=auto``: the trainer asks the planner at start-up.
+
+:func:`auto_degrees` takes the run's HF model config and what the user fixed, runs :func:`usp.plan.search.plan_layouts`
+and returns the fastest layout that fits, with a one-line reason for the run log.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from usp.plan.search import plan_layouts
+
+
+def auto_degrees(
+    model_config: dict[str, Any],
+    *,
+    seq_len: int,
+    world_size: int,
+    node_size: int,
+    gpu: str | None = None,
+    memory_gib: float | None = None,
+    ulysses_degree: int | None = None,
+    ring_degree: int | None = None,
+    fsdp_mode: str | None = None,
+    activation_checkpointing: str | None = None,
+    ac_every_k: int | None = None,
+    compute_bytes: int = 2,
+    ring_layout: str = "zigzag",
+    loss_chunk_size: int = 4096,
+    mlp_tiles: int | str = 1,
+    cpu_offload: bool = False,
+    host_mem_gib: float | None = None,
+    headroom_gib: float | None = None,
+) -> dict[str, Any]:
+    """The planner's choice for ``parallel.ulysses_degree=auto`` and/or ``parallel.ring_degree=auto``.
+
+    ``model_config`` is an HF config dict; ``gpu`` a name from :data:`usp.plan.hardware.GPUS` (default
+    ``h100-80g``; ``cpu`` for CPU runs); ``memory_gib`` overrides the device memory. The optional keywords are
+    constraints the user fixed: a degree (``ulysses_degree=4`` with ``ring_degree`` left to the planner), the
+    FSDP mode, the checkpointing mode (and its ``ac_every_k``); ``None`` lets the planner choose.
+    ``compute_bytes`` (2 for bf16/fp16 ``model.dtype``, 4 for float32), ``ring_layout`` and ``loss_chunk_size``
+    describe the run for the cost model. ``mlp_tiles`` (``parallel.mlp_tiles``: an integer, or ``"auto"`` to
+    let the planner tile when needed), ``cpu_offload`` (:func:`usp.config.states_on_host`: the states and
+    the optimizer step on the host), ``host_mem_gib`` (``cluster.host_mem_gib``) and ``headroom_gib`` complete the
+    run's description. Returns ``{"ulysses_degree", "ring_degree", "dp_degree", "fsdp_mode",
+    "activation_checkpointing", "reason"}`` (plus ``ac_every_k`` when checkpointing is ``every_k``, and
+    ``mlp_tiles`` when it was ``"auto"``). Raises ``ValueError`` when nothing fits.
+    """
+    from usp.plan.hardware import get_device
+    from usp.plan.models import load_model_spec
+
+    model = load_model_spec(model_config)
+    device = get_device(gpu or "h100-80g", memory_gib=memory_gib, host_mem_gib=host_mem_gib)
+    node = min(node_size, world_size)
+    where = "cpu_offload" if cpu_offload else "device"
+    layouts = plan_layouts(
+        model, device, seq_len=seq_len, world_size=world_size, node_size=node, ring_layout=ring_layout,
+        ulysses_degree=ulysses_degree, ring_degree=ring_degree,
+        ac_modes=None if activation_checkpointing is None else (activation_checkpointing,),
+        fsdp_modes=None if fsdp_mode is None else (fsdp_mode,), ac_every_k=ac_every_k,
+        loss_chunk_size=loss_chunk_size, compute_bytes=compute_bytes,
+        mlp_tiles=None if mlp_tiles == "auto" else int(mlp_tiles), states=(where,), headroom_gib=headroom_gib,
+    )  # fmt: skip
+    best = layouts[0]
+    fixed = {
+        k: v
+        for k, v in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree), ("fsdp_mode", fsdp_mode),
+                     ("activation_checkpointing", activation_checkpointing))
+        if v is not None
+    }  # fmt: skip
+    reason = (
+        f"fastest of {len(layouts)} layouts that fit {device.name} ({device.memory_gib:g} GiB) at seq_len={seq_len} "
+        f"on {world_size} ranks ({node} per node)"
+        + (f" with {', '.join(f'{k}={v}' for k, v in fixed.items())} fixed" if fixed else "")
+        + f": predicted {best.mem_gib_per_gpu:.2f} GiB/rank, "
+        f"{best.step_time_s:.3g} s/step, {best.tokens_per_s_per_gpu:.4g} tokens/s/rank"
+    )
+    out: dict[str, Any] = {
+        "ulysses_degree": best.ulysses_degree,
+        "ring_degree": best.ring_degree,
+        "dp_degree": best.dp_degree,
+        "fsdp_mode": best.fsdp_mode,
+        "activation_checkpointing": best.activation_checkpointing,
+        "reason": reason,
+    }
+    if mlp_tiles == "auto":  # the planner's choice; a fixed count stays the user's
+        out["mlp_tiles"] = best.mlp_tiles
+    if best.activation_checkpointing == "every_k":
+        out["ac_every_k"] = best.ac_every_k
+    return out
+
+
+__all__ = ["auto_degrees"]

@@ -1,0 +1,193 @@
+"""The longest sequence a model trains at on a cluster (``usp-plan --max-seq-len``).
+
+For every candidate of :func:`usp.plan.search.enumerate_layouts` without the sequence length (Ulysses and ring
+degrees, FSDP mode, checkpointing, where the states live), the longest length that fits is found by doubling
+then bisection: every memory term grows with the sequence, so "fits" is monotone in it. Lengths are multiples
+of the layout's granularity: the sequence multiple the trainer requires (``2 x ring x ulysses`` for zigzag),
+``ulysses x ring x`` the largest MLP tile count (so every tile count divides the local tokens) and
+``--seq-multiple`` (1024 by default). With ``mlp_tiles`` on ``auto`` a length fits when it fits with the most
+tiles; the answer then reports the fewest tiles that fit. Smaller loss chunks (``trainer.loss_chunk_size``,
+:data:`LOSS_CHUNK_CANDIDATES` unless one is given) shrink the ``[chunk, vocab]`` fp32 logits of the chunked
+loss; the largest chunk that reaches a candidate's longest length is kept. The answer is the longest length
+over all candidates; among candidates that reach it, the fastest (then fewer tricks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from usp.parallel.mesh import sequence_multiple
+from usp.plan.hardware import DeviceSpec
+from usp.plan.models import ModelSpec
+from usp.plan.search import (
+    AC_CANDIDATES,
+    MLP_TILE_CANDIDATES,
+    STATE_PLACEMENTS,
+    LayoutEstimate,
+    _divisors,
+    evaluate_layout,
+    split_layout,
+)
+
+SEQ_MULTIPLE = 1024
+LOSS_CHUNK_CANDIDATES: tuple[int, ...] = (4096, 2048, 1024)
+TRAINER_LOSS_CHUNK = 4096  # trainer.loss_chunk_size's default
+SEQ_LIMIT = 2**31
+"""No search goes past this many tokens (the answer says when it hit the limit)."""
+
+
+@dataclass
+class MaxSeqLenEstimate:
+    """The longest length of one candidate and what the cost model predicts there."""
+
+    max_seq_len: int
+    granularity: int
+    estimate: LayoutEstimate
+    loss_chunk_size: int = TRAINER_LOSS_CHUNK
+
+    def overrides(self) -> list[str]:
+        """Hydra overrides that train this layout at this length."""
+        out = self.estimate.overrides() + [f"trainer.seq_len={self.max_seq_len}"]
+        if self.loss_chunk_size != TRAINER_LOSS_CHUNK:
+            out.append(f"trainer.loss_chunk_size={self.loss_chunk_size}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {
+            "max_seq_len": self.max_seq_len,
+            "ulysses_degree": e.ulysses_degree,
+            "ring_degree": e.ring_degree,
+            "dp_degree": e.dp_degree,
+            "fsdp_mode": e.fsdp_mode,
+            "activation_checkpointing": e.activation_checkpointing,
+            "mlp_tiles": e.mlp_tiles,
+            "states": e.states,
+            "mem_gib_per_gpu": round(e.mem_gib_per_gpu, 3),
+            "host_mem_gib_per_node": round(e.host_mem_gib_per_node, 3),
+            "step_time_s": e.step_time_s,
+            "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu,
+            "mfu": round(e.mfu, 4),
+            "granularity": self.granularity,
+            "loss_chunk_size": self.loss_chunk_size,
+            "memory_gib": {k: round(v, 3) for k, v in e.memory_gib.items()},
+            "time_s": e.time_s,
+            "overrides": self.overrides(),
+        }
+
+
+def _longest(fits: Any, granularity: int, limit: int) -> int:
+    """Largest multiple ``k x granularity <= limit`` with ``fits(k x granularity)``, or 0 when none does."""
+    if granularity > limit or not fits(granularity):
+        return 0
+    lo = 1  # fits
+    hi = 2
+    while hi * granularity <= limit and fits(hi * granularity):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit // granularity + 1)  # first multiple known not to fit (or past the limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid * granularity):
+            lo = mid
+        else:
+            hi = mid
+    return lo * granularity
+
+
+def max_seq_lens(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    world_size: int,
+    node_size: int,
+    ring_layout: str = "zigzag",
+    ulysses_degree: int | None = None,
+    ring_degree: int | None = None,
+    ac_modes: tuple[str, ...] | None = None,
+    fsdp_modes: tuple[str, ...] | None = None,
+    states: tuple[str, ...] = STATE_PLACEMENTS,
+    mlp_tiles: int | None = None,
+    loss_chunk_sizes: tuple[int, ...] = (TRAINER_LOSS_CHUNK,),
+    overhead_frac: float = 0.08,
+    compute_bytes: int = 2,
+    headroom_gib: float | None = None,
+    seq_multiple: int = SEQ_MULTIPLE,
+    limit: int = SEQ_LIMIT,
+) -> list[MaxSeqLenEstimate]:
+    """The longest fitting length of every candidate that fits at all, longest first (then fastest, then
+    fewer tricks). ``mlp_tiles`` None is ``auto``; ``loss_chunk_sizes`` the chunks to try, largest first.
+    Raises ``ValueError`` when nothing fits at the smallest
+    length, or on bad input."""
+    if world_size < 1 or node_size < 1 or world_size % min(node_size, world_size):
+        raise ValueError(f"world size {world_size} is not a multiple of the node size {node_size}.")
+    if seq_multiple < 1:
+        raise ValueError(f"--seq-multiple={seq_multiple} must be >= 1.")
+    if not loss_chunk_sizes or min(loss_chunk_sizes) < 1:
+        raise ValueError(f"--loss-chunk-size={loss_chunk_sizes} must be >= 1.")
+    chunks = sorted(set(loss_chunk_sizes), reverse=True)
+    if mlp_tiles is not None and mlp_tiles < 1:
+        raise ValueError(f"--mlp-tiles={mlp_tiles} must be >= 1 (or auto).")
+    bad = [x for x in states if x not in STATE_PLACEMENTS]
+    if bad:
+        raise ValueError(f"states {bad} are invalid; choose from {STATE_PLACEMENTS}.")
+    node = min(node_size, world_size)
+    nodes = world_size // node
+    if fsdp_modes is None:
+        fsdp_modes = ("full_shard", "hybrid_shard") if nodes > 1 else ("full_shard",)
+    acs = [(m, k) for m, k in AC_CANDIDATES if ac_modes is None or m in ac_modes]
+    most_tiles = MLP_TILE_CANDIDATES[-1] if mlp_tiles is None else mlp_tiles
+    for name, value in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
+        if value is not None and (value < 1 or world_size % value):
+            raise ValueError(f"--{name.replace('_', '-')}={value} must divide the world size {world_size}.")
+    out: list[MaxSeqLenEstimate] = []
+    rejected: list[str] = []
+    pairs = 0
+    for U in _divisors(world_size) if ulysses_degree is None else [ulysses_degree]:
+        for R in _divisors(world_size // U) if ring_degree is None else [ring_degree]:
+            pairs += 1
+            dims, why = split_layout(model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node)
+            if dims is None:
+                rejected.append(f"ulysses={U} ring={R}: {why}")
+                continue
+            g = math.lcm(sequence_multiple(R, U, ring_layout), U * R * most_tiles, seq_multiple)
+            for fsdp_mode in fsdp_modes:
+                for ac, k in acs:
+                    for where in states:
+                        kw: dict[str, Any] = dict(
+                            ulysses_degree=U, ring_degree=R, world_size=world_size, node_size=node,
+                            fsdp_mode=fsdp_mode, activation_checkpointing=ac, ac_every_k=k,
+                            ring_layout=ring_layout, overhead_frac=overhead_frac,
+                            offload=where == "cpu_offload", compute_bytes=compute_bytes, headroom_gib=headroom_gib,
+                        )  # fmt: skip
+
+                        def fits(seq: int, tiles: int = most_tiles, chunk: int = chunks[0], kw=kw) -> bool:
+                            return evaluate_layout(
+                                model, device, seq_len=seq, mlp_tiles=tiles, loss_chunk_size=chunk, **kw
+                            ).fits
+
+                        by_chunk = [(_longest(lambda x, c=c: fits(x, chunk=c), g, limit), c) for c in chunks]
+                        seq = max(x for x, _ in by_chunk)
+                        if not seq:
+                            continue
+                        chunk = next(c for x, c in by_chunk if x == seq)  # the largest chunk that gets there
+                        tiles = most_tiles
+                        if mlp_tiles is None:  # auto: the fewest tiles that fit at this length
+                            tiles = next(t for t in (1, *MLP_TILE_CANDIDATES) if fits(seq, t, chunk))
+                        est = evaluate_layout(model, device, seq_len=seq, mlp_tiles=tiles, loss_chunk_size=chunk, **kw)
+                        out.append(MaxSeqLenEstimate(seq, g, est, chunk))
+    if rejected and len(rejected) == pairs:
+        raise ValueError("every (ulysses, ring) pair was rejected: " + "; ".join(rejected[:8]))
+    if not out:
+        raise ValueError(
+            f"no layout of {model.name} fits {world_size} x {device.name} ({device.memory_gib:g} GiB each) even "
+            f"at the smallest length it allows: use more GPUs or a device with more memory."
+        )
+    out.sort(key=lambda m: (-m.max_seq_len, -m.estimate.tokens_per_s_per_gpu, m.estimate.tricks))
+    return out
+
+
+def max_seq_len(model: ModelSpec, device: DeviceSpec, **kw: Any) -> MaxSeqLenEstimate:
+    """The longest trainable length (:func:`max_seq_lens`' first answer)."""
+    return max_seq_lens(model, device, **kw)[0]

@@ -1,0 +1,117 @@
+"""What offloading costs: host memory per node, copies over the host link, and the optimizer step on the host.
+
+Three things can live in host memory (``B`` the compute dtype's size, ``s`` local tokens, ``P`` parameters,
+``shard`` the FSDP shard degree):
+
+- checkpoint offload (``parallel.activation_checkpointing=offload``): every layer's input, ``L x s x h x B``
+  per rank, in pinned memory. Each is copied out after its layer's forward and back before its recompute;
+  a copy overlaps the compute of a neighbouring layer (the next layer's forward; the current layer's recompute
+  and backward), so per layer and direction only ``max(0, copy - compute)`` adds to the step;
+- offloaded states (FSDP2 CPU offload: ``optim.name=deepspeed_cpu_adam`` or ``adamw_cpu_offload``, or
+  ``parallel.cpu_offload=true``): the fp32 parameter, gradient and Adam moments, 16 B per parameter shard.
+  Every micro step copies the fp32 parameter shard in for the forward and the backward all-gathers and the
+  gradient shard out, behind compute like the all-gathers themselves; then the optimizer steps on the host,
+  which nothing overlaps (the next forward needs the parameters).
+
+The host Adam step reads parameter, gradient, ``m`` and ``v`` and writes parameter, ``m``, ``v``: 28 B per
+parameter, bound by the node's DRAM bandwidth (``DeviceSpec.host_mem_gbps``) over all of its ranks' shards
+(what DeepSpeed's vectorized ``DeepSpeedCPUAdam`` approaches; torch's AdamW on the host is slower and not
+modelled apart).
+A GPU's copies run at ``min(host_link_gbps, host_mem_gbps / ranks per node)``: the GPUs of a node copy at
+the same time and share its DRAM. Usable host memory is :data:`HOST_USABLE_FRAC` of ``host_mem_gib`` (the
+operating system, the data loader and the Python processes keep the rest).
+"""
+
+from __future__ import annotations
+
+from usp.plan.hardware import GB, GIB, DeviceSpec
+from usp.plan.memory import STATE_BYTES_PER_PARAM, checkpointed_layers, shard_degree
+from usp.plan.models import ModelSpec
+
+HOST_USABLE_FRAC = 0.85
+HOST_ADAM_BYTES_PER_PARAM = 28  # read param, grad, m, v (fp32); write param, m, v
+OFFLOAD_OPTIMIZER = "deepspeed_cpu_adam"
+"""The ``optim.name`` the planner proposes for states and step on the host (``DeepSpeedCPUAdam``)."""
+
+
+def host_memory(
+    model: ModelSpec,
+    *,
+    seq_len: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    world_size: int,
+    node_size: int,
+    fsdp_mode: str = "full_shard",
+    activation_checkpointing: str = "none",
+    offload: bool = False,
+    micro_batch_size: int = 1,
+    compute_bytes: int = 2,
+) -> dict[str, float]:
+    """Host bytes of one rank (``checkpoints``, ``states``, ``rank``) and of one node (``node``)."""
+    s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
+    ckpt = 0.0
+    if activation_checkpointing == "offload":
+        n = checkpointed_layers(model.num_layers, activation_checkpointing)
+        ckpt = n * s * model.hidden_size * compute_bytes
+    shard = shard_degree(world_size, node_size, fsdp_mode)
+    states = model.num_params * (STATE_BYTES_PER_PARAM if offload else 0) / shard
+    rank = ckpt + states
+    return {"checkpoints": ckpt, "states": states, "rank": rank, "node": rank * min(node_size, world_size)}
+
+
+def usable_host_bytes(device: DeviceSpec) -> float:
+    """Host memory one node can give the job (:data:`HOST_USABLE_FRAC` of ``host_mem_gib``)."""
+    return HOST_USABLE_FRAC * device.host_mem_gib * GIB
+
+
+def host_link_gbps(device: DeviceSpec, ranks_per_node: int) -> float:
+    """One GPU's host copy bandwidth while all ranks of its node copy: the link, or its share of the DRAM."""
+    return min(device.host_link_gbps, device.host_mem_gbps / max(1, ranks_per_node))
+
+
+def offload_time(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    seq_len: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    world_size: int,
+    node_size: int,
+    fsdp_mode: str = "full_shard",
+    activation_checkpointing: str = "none",
+    offload: bool = False,
+    layer_fwd_s: float = 0.0,
+    layer_bwd_s: float = 0.0,
+    micro_batch_size: int = 1,
+    compute_bytes: int = 2,
+) -> dict[str, float]:
+    """Seconds the offloads add (module docstring).
+
+    ``layer_fwd_s`` / ``layer_bwd_s``: one layer's forward, and its recompute + backward, on this rank (what
+    a checkpoint copy hides behind). Returns ``ckpt_copy_s`` (one layer's copy, one direction),
+    ``ckpt_offload_exposed_s`` (per micro step), ``fsdp_offload_s`` (per micro step, to add to the FSDP
+    traffic that hides behind compute), and per optimizer step ``host_adam_s``.
+    """
+    ranks = min(node_size, world_size)
+    bw = host_link_gbps(device, ranks) * GB
+    s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
+    out = {
+        "ckpt_copy_s": 0.0,
+        "ckpt_offload_exposed_s": 0.0,
+        "fsdp_offload_s": 0.0,
+        "host_adam_s": 0.0,
+    }
+    if activation_checkpointing == "offload":
+        copy = s * model.hidden_size * compute_bytes / bw
+        L = model.num_layers
+        out["ckpt_copy_s"] = copy
+        out["ckpt_offload_exposed_s"] = L * (max(0.0, copy - layer_fwd_s) + max(0.0, copy - layer_bwd_s))
+    shard_params = model.num_params / shard_degree(world_size, node_size, fsdp_mode)
+    if offload:
+        out["fsdp_offload_s"] = shard_params * 4 * 3 / bw  # param shard in (forward, backward), grad out
+    if offload:
+        node_params = shard_params * ranks
+        out["host_adam_s"] = node_params * HOST_ADAM_BYTES_PER_PARAM / (device.host_mem_gbps * GB)
+    return out
