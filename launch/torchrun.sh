@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Start usp.train on this machine: one torchrun, one process per GPU (or N CPU processes on gloo).
 #
-#   launch/torchrun.sh [--nproc-per-node N] [--cpu] [--entry train|eval] [--] [hydra overrides...]
+#   launch/torchrun.sh [--nproc-per-node N] [--cpu] [--max-restarts R] [--entry train|eval] [--] [hydra overrides...]
 #
 #   launch/torchrun.sh recipe=llama2_7b_rope_32k ...                 # one process per visible GPU
 #   launch/torchrun.sh --nproc-per-node 4 recipe=llama2_7b_rope_32k  # 4 GPUs (pick them with CUDA_VISIBLE_DEVICES)
 #   launch/torchrun.sh --cpu --nproc-per-node 4 recipe=tiny         # 4 CPU processes on gloo
 #
-# It runs:  torchrun --standalone --nproc-per-node N -m usp.train [trainer.device=cpu parallel.backend=gloo] OVERRIDES
+# It runs:  torchrun --standalone --nproc-per-node N [--max-restarts R] -m usp.train [trainer.device=cpu parallel.backend=gloo] OVERRIDES
+#
+# --max-restarts R: after a rank fails, torchrun restarts all of them (up to R times); they resume from the
+# run dir's last checkpoint. SIGTERM to torchrun reaches every rank: they checkpoint, stop and exit 75.
 #
 # torchrun exports LOCAL_WORLD_SIZE=N to every rank; the mesh takes it as the node size, so Ulysses groups
 # (adjacent ranks) stay on this node. `usp-launch torchrun ... --dry-run` prints the same command and checks
@@ -21,6 +24,7 @@ die() {
 
 nproc=""
 cpu=0
+restarts=""
 module="usp.train"
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -37,6 +41,15 @@ while [[ $# -gt 0 ]]; do
       cpu=1
       shift
       ;;
+    --max-restarts)
+      [[ $# -ge 2 ]] || die "$1 needs a value, e.g. $1 1"
+      restarts="$2"
+      shift 2
+      ;;
+    --max-restarts=*)
+      restarts="${1#*=}"
+      shift
+      ;;
     --entry)
       [[ $# -ge 2 ]] || die "--entry needs a value: train or eval"
       [[ "$2" == train || "$2" == eval ]] || die "--entry $2: use train (usp.train) or eval (usp.eval)"
@@ -44,14 +57,14 @@ while [[ $# -gt 0 ]]; do
       shift 2
       ;;
     -h | --help)
-      sed -n '2,14s/^# \{0,1\}//p' "$0"
+      sed -n '2,17s/^# \{0,1\}//p' "$0"
       exit 0
       ;;
     --)
       shift
       break
       ;;
-    -*) die "unknown option $1 (options: --nproc-per-node N, --cpu, --entry train|eval; then Hydra overrides key=value)" ;;
+    -*) die "unknown option $1 (options: --nproc-per-node N, --cpu, --max-restarts R, --entry train|eval; then Hydra overrides key=value)" ;;
     *) break ;;
   esac
 done
@@ -73,6 +86,9 @@ visible_gpus() {
   echo $((visible < listed ? visible : listed))
 }
 
+if [[ -n "$restarts" ]] && ! [[ "$restarts" =~ ^[0-9]+$ ]]; then
+  die "--max-restarts=$restarts is invalid: use an integer >= 0."
+fi
 if [[ -n "$nproc" ]] && ! [[ "$nproc" =~ ^[1-9][0-9]*$ ]]; then
   die "--nproc-per-node=$nproc is invalid: use an integer >= 1."
 fi
@@ -113,6 +129,10 @@ if ! command -v torchrun > /dev/null 2>&1; then
   export PATH="$repo/.venv/bin:$PATH"
 fi
 
-cmd=(torchrun --standalone --nproc-per-node "$nproc" -m "$module" ${defaults[@]+"${defaults[@]}"} "$@")
+restart_args=()
+if [[ -n "$restarts" && "$restarts" != 0 ]]; then
+  restart_args=(--max-restarts "$restarts")
+fi
+cmd=(torchrun --standalone --nproc-per-node "$nproc" ${restart_args[@]+"${restart_args[@]}"} -m "$module" ${defaults[@]+"${defaults[@]}"} "$@")
 echo "+ ${cmd[*]}" >&2
 exec "${cmd[@]}"

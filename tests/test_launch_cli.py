@@ -152,7 +152,8 @@ def test_srun_inside_allocation(capsys, monkeypatch):
                   *USER)  # fmt: skip
     assert out == (
         "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes 2 --nproc-per-node 8 "
-        "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 -m usp.train "
+        "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 --max-restarts 0 "
+        "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 240 -m usp.train "
         "recipe=llama31_8b_128k parallel.ulysses_degree=8 parallel.ring_degree=2 "
         f"{' '.join(USER)}\n"
     )
@@ -163,7 +164,8 @@ def test_srun_keeps_given_run_dir_and_reads_gpus_per_node(capsys, monkeypatch):
     out = dry_run(capsys, "slurm", "hydra.run.dir=outputs/slurm-4000", "trainer.resume=auto")
     assert out == (
         "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes 2 --nproc-per-node 4 "
-        "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 -m usp.train "
+        "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 --max-restarts 0 "
+        "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 240 -m usp.train "
         "hydra.run.dir=outputs/slurm-4000 trainer.resume=auto\n"
     )
 

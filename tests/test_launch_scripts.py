@@ -94,7 +94,9 @@ def test_sbatch_script_runs_the_srun_command_usp_launch_prints(stubs, tmp_path):
     assert expected[1:] == [
         "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
         "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--rdzv-id", "4242", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "gpu007:24242", "-m", "usp.train", *overrides,
+        "--rdzv-endpoint", "gpu007:24242", "--max-restarts", "0",
+        "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout", "240",
+        "-m", "usp.train", *overrides,
     ]  # fmt: skip
     assert stubs.calls("scontrol") == [["show", "hostnames", "gpu[007-008]"]]
 

@@ -222,6 +222,7 @@ def test_timeout_minutes_reaches_init_process_group(monkeypatch):
     calls: list[dict] = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(trainer, "launcher_store", lambda timeout: dist.HashStore())  # no TCPStore on a port
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     assert trainer.init_distributed(torch.device("cpu"), timeout_minutes=90)

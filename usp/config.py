@@ -162,6 +162,15 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"
     """``auto`` | ``cuda`` | ``cpu``."""
+    watchdog_factor: float = 20.0
+    """Step watchdog: a training step taking more than this many times the running median step time (and at
+    least ``watchdog_min_seconds``) dumps this rank's Python stacks and fails the job (a stuck or stopped
+    rank). 0 turns the rule off. See docs/launch.md."""
+    watchdog_min_seconds: float = 60.0
+    """The step rule of the watchdog never fires before a step has run this many seconds."""
+    watchdog_minutes: float = 30.0
+    """Step watchdog: no progress (no step, checkpoint or evaluation finished) for this many minutes fails the
+    job with stacks. 0 turns the rule off; keep it below ``parallel.timeout_minutes``."""
 
 
 @dataclass
@@ -262,6 +271,11 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run_dir: str = "."
     """Filled in by the entry point from ``hydra.run.dir``; every rank agrees on it."""
+    run_name: str | None = None
+    """A stable name for the run: the default run dir becomes ``outputs/<run_name>`` (instead of an id drawn
+    per launch or per SLURM job), so a relaunched, requeued or resubmitted job continues there with
+    ``trainer.resume=auto``. ``launch/slurm.sbatch`` sets it to the job name when the job is named
+    (``--job-name``). An explicit ``hydra.run.dir`` (or a recipe's) wins."""
 
 
 def _check_choice(name: str, value: object, valid: tuple) -> None:
@@ -340,6 +354,10 @@ def validate_choices(cfg: TrainConfig) -> None:
     for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "loss_chunk_size"):
         if getattr(t, name) < 1:
             raise ValueError(f"trainer.{name}={getattr(t, name)} is invalid: use an integer >= 1.")
+    for name in ("watchdog_factor", "watchdog_min_seconds", "watchdog_minutes"):
+        value = getattr(t, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"trainer.{name}={value!r} is invalid: use a number >= 0 (0 turns the rule off).")
     if isinstance(t.max_bad_steps, bool) or not isinstance(t.max_bad_steps, int) or t.max_bad_steps < 1:
         raise ValueError(
             f"trainer.max_bad_steps={t.max_bad_steps!r} is invalid: use an integer >= 1 (consecutive non-finite "

@@ -358,4 +358,6 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()  # under torchrun, a failing rank's traceback lands in torchrun's summary

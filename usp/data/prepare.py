@@ -96,6 +96,7 @@ def prepare_dataset(
     overwrite: bool = False,
     window: int = 256,
     log: Callable[[str], None] | None = None,
+    skip_non_text: bool = False,
 ) -> PreparedData:
     """Tokenize, shape, pack and save ``inputs`` to ``output``; see the module docstring.
 
@@ -108,7 +109,10 @@ def prepare_dataset(
     unless ``overwrite``: when it holds the same preparation (same inputs, tokenizer and settings) this
     run's work is discarded and the existing output used; otherwise this run's rows are kept next to it and
     ``ValueError`` says where. Raises ``ValueError`` for bad inputs before tokenizing, and for a corpus too
-    small to fill a row.
+    small to fill a row; for a file that does not parse (file and line) and for a text value that is not a
+    string (file, row and type), unless ``skip_non_text``: such rows are then dropped and counted
+    (``rows_not_text_skipped`` in the summary). Empty and whitespace-only documents are skipped and counted
+    (``documents_empty``).
     """
     log = log or (lambda msg: print(msg, flush=True))
     if not isinstance(seq_len, int) or seq_len < 1:
@@ -124,9 +128,10 @@ def prepare_dataset(
         streaming=streaming, shaping=shaping, add_bos=add_bos, max_documents=max_documents,
     )  # fmt: skip
     usage: list[dict[str, object]] = []
+    skipped: dict[str, int] = {}
     raw = load_text_sources(
         inputs, text_field=text_field, weights=weights, seed=seed, streaming=streaming, cache_dir=cache_dir,
-        log=log, usage=usage,
+        log=log, usage=usage, skip_non_text=skip_non_text, skipped=skipped,
     )  # fmt: skip
     if max_documents is not None:
         raw = (
@@ -174,6 +179,7 @@ def prepare_dataset(
         packed_file.unlink()
         stats.seconds = time.perf_counter() - t0
         stats.extra.update(
+            rows_not_text_skipped=sum(skipped.values()),  # a stream counts them as it is read: after packing
             tokens_per_s=stats.document_tokens / max(stats.seconds, 1e-9),
             inputs=list(inputs),
             text_field=text_field,
@@ -249,11 +255,17 @@ def summary(stats: PackStats, output: Path | str) -> str:
     share = 100.0 * stats.tokens_dropped / max(stats.tokens_in, 1)
     return (
         f"usp-prepare-data: {stats.documents_in} documents ({stats.documents_filtered} filtered, "
-        f"{stats.documents_upsampled} upsampled copies, {stats.extra.get('documents_empty', 0)} empty skipped) -> "
+        f"{stats.documents_upsampled} upsampled copies, {stats.extra.get('documents_empty', 0)} empty skipped"
+        f"{_non_text(stats)}) -> "
         f"{stats.rows} rows x {stats.seq_len} tokens at {output}; {stats.documents_split} documents split across "
         f"rows; {stats.tokens_dropped} tail tokens dropped ({share:.3f}%); {stats.document_tokens} tokens in "
         f"{stats.seconds:.1f}s = {stats.extra.get('tokens_per_s', 0.0):,.0f} tokens/s"
     )
+
+
+def _non_text(stats: PackStats) -> str:
+    n = stats.extra.get("rows_not_text_skipped", 0)
+    return f", {n} rows whose text is not a string skipped (--skip-non-text)" if n else ""
 
 
 def read_stats(path: str | os.PathLike) -> dict[str, Any]:
@@ -371,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-bos", action="store_true", help="do not prepend BOS to each document (EOS is always added)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing usp-prepare-data output")
+    p.add_argument(
+        "--skip-non-text",
+        action="store_true",
+        help="drop (and count) rows whose text field is not a string, instead of stopping with the first one",
+    )
     p.add_argument("--ring-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument("--ulysses-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument(
@@ -404,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             add_bos=not args.no_bos,
             max_documents=args.max_documents,
             overwrite=args.overwrite,
+            skip_non_text=args.skip_non_text,
         )
     except ValueError as e:
         parser.error(str(e))

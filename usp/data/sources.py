@@ -26,11 +26,12 @@ it twice in the inputs (long-document upsampling is separate: ``LengthShaping``)
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import datasets
@@ -208,7 +209,9 @@ def _load_one(
                         f"data.inputs: {spec!r} is a saved DatasetDict without a 'train' split (splits: "
                         f"{sorted(ds)}); pass the split's directory ({spec}/<split>) instead."
                     )
-                (log or logger.info)(f"input {spec!r}: saved DatasetDict, using its train split of {sorted(ds)}")
+                (log or logger.info)(
+                    f"input {spec!r}: saved DatasetDict, using its train split of {sorted(ds)}"
+                )
                 ds = ds["train"]
             return ds.to_iterable_dataset() if streaming else ds
         if path.is_dir():
@@ -230,9 +233,19 @@ def _load_one(
         builder = kinds.pop()
         assert builder is not None
         extra = {"sample_by": "document"} if builder == "text" else {}
-        return datasets.load_dataset(
-            builder, data_files=files, split="train", cache_dir=cache_dir, streaming=streaming, **extra
-        )
+        quiet = logging.getLogger("datasets.packaged_modules")  # logs a parse error before raising it
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
+        try:
+            return datasets.load_dataset(
+                builder, data_files=files, split="train", cache_dir=cache_dir, streaming=streaming, **extra
+            )
+        except Exception as e:  # noqa: BLE001 - a parse error deep in datasets/pyarrow: said as one line
+            if not _is_parse_error(e):
+                raise
+            raise ValueError(f"data.inputs: {describe_parse_error(files, builder, e)}") from e
+        finally:
+            quiet.setLevel(level)
     name, _, config = spec.partition(":")
     try:
         return datasets.load_dataset(
@@ -251,9 +264,171 @@ def _load_one(
         ) from e
 
 
+def _is_parse_error(e: BaseException) -> bool:
+    """A file ``datasets`` could not read (its generation error wrapping pyarrow's, or pyarrow's own)."""
+    chain = [e, e.__cause__, e.__context__]
+    names = {type(x).__name__ for x in chain if x is not None}
+    return bool(names & {"DatasetGenerationError", "ArrowInvalid", "ArrowTypeError", "UnicodeDecodeError"})
+
+
+def _json_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw line)`` of the non-blank lines of a JSON Lines file (compressed ones too)."""
+    opener = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}.get(os.path.splitext(path)[1])
+    if opener is not None:
+        import importlib
+
+        f = importlib.import_module(opener).open(path, "rb")
+    else:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    with f:
+        for number, raw in enumerate(f, start=1):
+            if raw.strip():
+                yield number, raw
+
+
+def describe_parse_error(files: Sequence[str], builder: str, error: BaseException) -> str:
+    """One line for a file ``datasets`` could not parse: ``<file>:<line>: <what is wrong>`` for JSON Lines
+    (found by reading the files again, line by line), else the file(s) and the parser's first line."""
+    if builder == "json":
+        for path in files:
+            if path.endswith(".zst"):
+                continue
+            try:
+                for number, raw in _json_lines(path):
+                    try:
+                        text = raw.decode("utf-8").rstrip("\r\n")
+                    except UnicodeDecodeError:
+                        return f"{path}:{number}: not UTF-8 text (a binary file?); fix or remove it."
+                    try:
+                        json.loads(text)
+                    except json.JSONDecodeError as e:
+                        return f"{path}:{number}: not valid JSON ({e.msg}, column {e.colno}); fix or remove the line."
+            except OSError as e:
+                return f"{path}: cannot be read ({e})."
+    causes = [x for x in (error.__cause__, error.__context__, error) if x is not None and str(x).strip()]
+    first = str(causes[0]).strip().splitlines()[0] if causes else type(error).__name__
+    where = files[0] if len(files) == 1 else f"one of {len(files)} files ({files[0]}, ...)"
+    return f"{where}: cannot be parsed as {builder} ({first[:300]})."
+
+
+def _locate_row(files: Sequence[str], builder: str, index: int) -> str:
+    """Where row ``index`` of an input came from: ``<file>:<line>`` for JSON Lines, else the row number."""
+    if builder == "json":
+        seen = 0
+        for path in files:
+            if path.endswith(".zst"):
+                break
+            for number, _ in _json_lines(path):
+                if seen == index:
+                    return f"{path}:{number}"
+                seen += 1
+    return f"row {index}"
+
+
+def check_text_column(
+    ds: Dataset,
+    spec: str,
+    text_field: str,
+    *,
+    files: Sequence[str] = (),
+    builder: str = "",
+    skip: bool = False,
+) -> tuple[Dataset, int]:
+    """Refuse (or, with ``skip``, drop and count) rows whose ``text_field`` is not a string.
+
+    A column of strings passes untouched (nulls are empty documents: tokenization skips and counts them).
+    Anything else (a number, a list, an object: ``datasets`` then types the column as ``Json`` or a
+    non-string value) raises ``ValueError`` naming the input, the first such row (``file:line`` for JSON
+    Lines) and its type; text is never re-encoded. Returns the text column alone as a string ``Dataset``
+    (the strings as decoded, in memory: only columns that are not strings come here) and the number of rows
+    dropped.
+    """
+    feature = ds.features[text_field]
+    if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+        return ds, 0
+    values = ds[text_field]
+    bad = [i for i, v in enumerate(values) if not (v is None or isinstance(v, str))]
+    if bad and not skip:
+        first = values[bad[0]]
+        where = _locate_row(files, builder, bad[0])
+        raise ValueError(
+            f"data.inputs: {spec!r}: the {text_field!r} value of {where} is of type {type(first).__name__} "
+            f"({str(first)[:60]!r}), not a string; {len(bad)} of {len(values)} rows are not text. Fix the "
+            f"data, point --text-field / data.text_field at the text column, or pass --skip-non-text to "
+            f"usp-prepare-data to drop those rows (counted in its summary)."
+        )
+    # the decoded strings themselves: casting a Json column to string would JSON-encode them
+    texts = [v for v in values if v is None or isinstance(v, str)]
+    return Dataset.from_dict(
+        {text_field: texts}, features=datasets.Features({text_field: datasets.Value("string")})
+    ), len(bad)
+
+
+def _is_string(features: datasets.Features | None, field: str) -> bool:
+    feature = None if features is None else features.get(field)
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+
+
+def _checked_stream(
+    ds: IterableDataset, spec: str, field: str, skip: bool, skipped: dict[str, int] | None
+) -> IterableDataset:
+    """:func:`check_text_column` for a stream, applied as rows are read: the decoded strings pass, anything
+    else raises ``ValueError`` (the row number within ``spec``) or, with ``skip``, is dropped and counted."""
+
+    def check(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        texts = []
+        for index, value in zip(indices, batch[field]):
+            if value is None or isinstance(value, str):
+                texts.append(value)
+            elif skip:
+                if skipped is not None:
+                    skipped[spec] = skipped.get(spec, 0) + 1
+            else:
+                raise ValueError(
+                    f"data.inputs: {spec!r}: the {field!r} value of row {index} is of type {type(value).__name__} "
+                    f"({str(value)[:60]!r}), not a string. Fix the data, point --text-field / data.text_field at "
+                    f"the text column, or pass --skip-non-text to usp-prepare-data to drop such rows."
+                )
+        return {field: texts}
+
+    return ds.map(
+        check, batched=True, with_indices=True, features=datasets.Features({field: datasets.Value("string")})
+    )
+
+
+def _local_files(spec: str) -> tuple[list[str], str]:
+    """The files of a local input and their builder (for locating a row); ``([], "")`` otherwise."""
+    if not _looks_local(spec):
+        return [], ""
+    path = Path(os.path.expanduser(spec))
+    if _is_saved_dataset(path):
+        return [], ""
+    if path.is_dir():
+        files = directory_files(path, log=lambda msg: None)
+    else:
+        files = sorted(glob.glob(str(path))) if any(c in spec for c in "*?[") else [str(path)]
+    kinds = {_builder_for(f) for f in files}
+    return files, (kinds.pop() or "") if len(kinds) == 1 else ""
+
+
 def _text_only(
-    ds: Dataset | IterableDataset, spec: str, text_field: str, plain_text: bool
+    ds: Dataset | IterableDataset,
+    spec: str,
+    text_field: str,
+    plain_text: bool,
+    *,
+    skip_non_text: bool = False,
+    skipped: dict[str, int] | None = None,
 ) -> Dataset | IterableDataset:
+    if isinstance(ds, Dataset) and not plain_text and text_field in ds.column_names:
+        feature = ds.features[text_field]
+        if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+            files, builder = _local_files(spec)
+            ds, dropped = check_text_column(
+                ds, spec, text_field, files=files, builder=builder, skip=skip_non_text
+            )
+            if skipped is not None:
+                skipped[spec] = skipped.get(spec, 0) + dropped
     columns = ds.column_names
     if columns is None and isinstance(ds, IterableDataset):  # unknown schema until read: peek one row
         columns = list(next(iter(ds.take(1)), {}).keys())
@@ -265,6 +440,8 @@ def _text_only(
             f"Set --text-field / data.text_field to the column that holds the document text."
         )
     ds = ds.select_columns([text_field])
+    if isinstance(ds, IterableDataset) and not _is_string(ds.features, text_field):
+        ds = _checked_stream(ds, spec, text_field, skip_non_text, skipped)
     if text_field != TEXT_COLUMN:
         ds = ds.rename_column(text_field, TEXT_COLUMN)
     return ds
@@ -310,8 +487,15 @@ def load_text_sources(
     cache_dir: str | os.PathLike | None = None,
     log: Callable[[str], None] | None = None,
     usage: list[dict[str, object]] | None = None,
+    skip_non_text: bool = False,
+    skipped: dict[str, int] | None = None,
 ) -> Dataset | IterableDataset:
     """Load every input, keep only its text (column ``text``), and concatenate or mix them.
+
+    Bad data is never rewritten: a file that does not parse raises ``ValueError`` with the file and line
+    (:func:`describe_parse_error`); a text value that is not a string raises ``ValueError`` naming the
+    input, row and type, or, with ``skip_non_text``, the row is dropped and counted in ``skipped`` (input ->
+    rows) (:func:`check_text_column`; for a stream, as its rows are read).
 
     Returns a memory-mapped ``Dataset`` (or an ``IterableDataset`` when ``streaming``). Raises ``ValueError``
     for missing inputs, a missing text field, mismatched weights or an empty result. With ``weights`` no
@@ -324,7 +508,14 @@ def load_text_sources(
     log = log or logger.info
     cache = None if cache_dir is None else str(cache_dir)
     parts = [
-        _text_only(_load_one(s, cache_dir=cache, streaming=streaming, log=log), s, field, _is_plain_text(s))
+        _text_only(
+            _load_one(s, cache_dir=cache, streaming=streaming, log=log),
+            s,
+            field,
+            _is_plain_text(s),
+            skip_non_text=skip_non_text,
+            skipped=skipped,
+        )
         for s, field in zip(inputs, fields)
     ]
     features = datasets.Features({TEXT_COLUMN: datasets.Value("string")})

@@ -22,7 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from usp.config import DataConfig, TrainConfig, validate_choices
 from usp.config_keys import check_composed_keys, check_override_keys
-from usp.train.__main__ import CONF_DIR, VERSION_BASE, check_conf_dir, config_groups, register_configs
+from usp.train.__main__ import (
+    CONF_DIR,
+    VERSION_BASE,
+    check_conf_dir,
+    config_groups,
+    fail_once,
+    register_configs,
+)
 
 CONFIG_NAME = "eval"
 
@@ -73,25 +80,32 @@ def compose_eval_config(overrides: Sequence[str] = (), *, run_dir: str | None = 
 def _task(dcfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = to_eval_config(dcfg, run_dir=HydraConfig.get().runtime.output_dir)
     except ValueError as err:
-        if rank == 0:
-            print(f"usp-eval: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail_once(err, "usp-eval")
     from usp.eval.runner import run  # lazy: composing and validating need no torch/transformers
 
     try:
         run(cfg)
     except ValueError as err:  # raised on every rank, before any forward
-        if rank == 0:
-            print(f"usp-eval: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail_once(err, "usp-eval")
+    except Exception as err:  # Hydra prints it and exits 1; torchrun's summary shows it from the error file
+        from usp.train.elastic import record_error
+
+        record_error(err)
+        raise
 
 
 def main() -> None:
-    """Console script ``usp-eval``: parse Hydra overrides from ``sys.argv`` and evaluate."""
+    """Console script ``usp-eval``: parse Hydra overrides from ``sys.argv`` and evaluate (a bad setting: said
+    once, exit 2; other failures land in torchrun's error file too, elastic's ``record``)."""
+    from torch.distributed.elastic.multiprocessing.errors import record  # lazy: composing needs no torch
+
+    record(_main)()
+
+
+def _main() -> None:
     import hydra
 
     check_conf_dir()
@@ -99,9 +113,7 @@ def main() -> None:
     try:
         check_override_keys(sys.argv[1:], TrainConfig, config_groups())
     except ValueError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"usp-eval: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail_once(err, "usp-eval")
     if int(os.environ.get("RANK", "0")) > 0:  # rank 0 alone writes .hydra/ and the log
         sys.argv.extend(["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"])
     app = hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=CONFIG_NAME)(_task)

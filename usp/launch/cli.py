@@ -4,9 +4,9 @@
 
     usp-launch local    [--cpu] [overrides...] [--dry-run]
     (any mode) --entry eval: start usp.eval (usp-eval) instead of usp.train, with the same checks
-    usp-launch torchrun [--nproc-per-node N] [--cpu] [overrides...] [--dry-run]
+    usp-launch torchrun [--nproc-per-node N] [--cpu] [--max-restarts R] [overrides...] [--dry-run]
     usp-launch slurm    [--nodes N] [--gpus-per-node G] [--partition P] [--time T] [--account A]
-                        [--job-name J] [--gres] [--submit] [overrides...] [--dry-run]
+                        [--job-name J] [--gres] [--submit] [--max-restarts R] [overrides...] [--dry-run]
 
 ``local`` runs one plain process. ``torchrun`` runs one node; ``--nproc-per-node`` defaults to the GPUs that
 ``nvidia-smi`` lists (no more than ``CUDA_VISIBLE_DEVICES`` shows), and it is what torchrun exports as
@@ -18,7 +18,9 @@ Without ``--nodes`` / ``--gpus-per-node``, the run config's ``cluster.num_nodes`
 Before anything runs, the overrides are composed into the trainer's run config (the same composition
 ``usp.train`` does, so an unknown recipe, a misspelled key or a missing ``model.path`` is reported here), and
 the composed degrees (``parallel.*``, from the recipe or the command line) are checked against the processes
-about to start. Errors print a message naming the setting and the fix, and exit with status 2.
+about to start, with the trainer's own layout and ``trainer.seq_len`` checks and the planner's memory
+estimate (:mod:`usp.launch.preflight`; ``--skip-memory-check`` lets a layout above the device memory
+through). Errors print a message naming the setting and the fix, and exit with status 2.
 
 Words after a literal ``--`` that are not ``key=value`` overrides (Hydra's own flags: ``-- --cfg job``,
 ``-- --help``) are passed to ``usp.train`` unchanged; the run config is then not composed.
@@ -37,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from usp.config import TrainConfig
-from usp.launch import commands
+from usp.launch import commands, preflight
 from usp.launch.overrides import check_degree_values, check_degrees, find_override, validate_override_syntax
 
 MODES = ("local", "torchrun", "slurm")
@@ -73,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--submit", action="store_true", help="slurm: submit with sbatch even inside an allocation")
     p.add_argument("--script", default=None, help="slurm: the batch script (default launch/slurm.sbatch)")
     p.add_argument("--cpu", action="store_true", help="local/torchrun: CPU processes on gloo")
+    p.add_argument(
+        "--max-restarts", dest="max_restarts", type=int, default=0, metavar="R",
+        help="torchrun/slurm: restart all ranks up to R times after one fails; they resume from the last "
+        "checkpoint (default 0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--skip-memory-check", dest="skip_memory_check", action="store_true",
+        help="submit even when the planner predicts the layout does not fit the device memory",
+    )  # fmt: skip
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the command; run nothing")
     p.add_argument(
         "--entry", choices=tuple(commands.ENTRY_MODULES), default="train",
@@ -162,11 +173,39 @@ def config_degrees(cfg: TrainConfig) -> list[str]:
     return words
 
 
-def _check(overrides: Sequence[str], cfg: TrainConfig | None, *, nodes: int, nproc_per_node: int) -> None:
-    """The command line's degrees first (its own words in the message), then the composed config's."""
+def _is_train(args: argparse.Namespace) -> bool:
+    return getattr(args, "entry", "train") == "train"
+
+
+def _check(
+    overrides: Sequence[str],
+    cfg: TrainConfig | None,
+    *,
+    nodes: int,
+    nproc_per_node: int,
+    memory: bool = True,
+    train: bool = True,
+) -> None:
+    """The command line's degrees first (its own words in the message), then the composed config's, then
+    the trainer's own layout and sequence-length checks and, for training (``train``), the planner's memory
+    estimate (:mod:`usp.launch.preflight`; the estimate's figure is printed on stderr, an excess is an error
+    unless ``memory`` is false, ``--skip-memory-check``)."""
     check_degrees(overrides, nodes=nodes, nproc_per_node=nproc_per_node)
-    if cfg is not None:
-        check_degrees(config_degrees(cfg), nodes=nodes, nproc_per_node=nproc_per_node)
+    if cfg is None:
+        return
+    check_degrees(config_degrees(cfg), nodes=nodes, nproc_per_node=nproc_per_node)
+    world = nodes * nproc_per_node
+    preflight.check_layout(cfg, world_size=world, local_world_size=nproc_per_node)
+    if not train:  # the estimate is of training memory
+        return
+    try:
+        note = preflight.check_memory(cfg, world_size=world, local_world_size=nproc_per_node)
+    except ValueError as exc:
+        if memory:
+            raise
+        note = f"warning: {exc}"
+    if note:
+        print(f"usp-launch: {note}", file=sys.stderr)
 
 
 def plan_command(
@@ -181,6 +220,10 @@ def plan_command(
     overrides = [*overrides, *hydra_flags]
     _positive(args.nproc_per_node, "--nproc-per-node")
     _positive(args.nodes, "--nodes")
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts={args.max_restarts} is invalid: use an integer >= 0.")
+    if args.mode == "local" and args.max_restarts:
+        raise LaunchError("--max-restarts: `local` runs one plain process, without torchrun; use `torchrun`.")
     if args.mode != "slurm":
         misplaced = [f"--{name.replace('_', '-')}" for name in SLURM_ONLY if getattr(args, name) not in (None, False)]
         if misplaced:
@@ -208,7 +251,7 @@ def plan_command(
                 f"--nproc-per-node={args.nproc_per_node}: `local` runs one process. "
                 f"Use `usp-launch torchrun --nproc-per-node {args.nproc_per_node}` for several."
             )
-        _check(overrides, cfg, nodes=1, nproc_per_node=1)
+        _check(overrides, cfg, nodes=1, nproc_per_node=1, memory=not args.skip_memory_check, train=_is_train(args))
         return commands.local_command(overrides, python=sys.executable, module=module)
 
     if args.mode == "torchrun":
@@ -222,8 +265,10 @@ def plan_command(
                     "no GPUs found (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them): pass "
                     "--nproc-per-node N, or --cpu --nproc-per-node N for CPU processes on gloo."
                 )
-        _check(overrides, cfg, nodes=1, nproc_per_node=nproc)
-        return commands.torchrun_command(overrides, nproc_per_node=nproc, module=module)
+        _check(overrides, cfg, nodes=1, nproc_per_node=nproc, memory=not args.skip_memory_check, train=_is_train(args))
+        return commands.torchrun_command(
+            overrides, nproc_per_node=nproc, max_restarts=args.max_restarts, module=module
+        )
 
     job_id = env.get("SLURM_JOB_ID")
     if job_id and not args.submit:
@@ -261,11 +306,12 @@ def _srun_in_allocation(
             f"SLURM job {job_id} shows no GPUs (SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE unset): "
             f"pass --gpus-per-node N, or allocate with --gpus-per-node=N."
         )
-    _check(overrides, cfg, nodes=nodes, nproc_per_node=nproc)
+    _check(overrides, cfg, nodes=nodes, nproc_per_node=nproc, memory=not args.skip_memory_check, train=_is_train(args))
     cpus = int(env["SLURM_CPUS_ON_NODE"]) if env.get("SLURM_CPUS_ON_NODE", "").isdigit() else None
     head = commands.first_hostname(env.get("SLURM_JOB_NODELIST", ""), shutil.which("scontrol"))
     return commands.srun_command(
         overrides, nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head, cpus_per_task=cpus,
+        max_restarts=args.max_restarts,
         module=commands.ENTRY_MODULES[getattr(args, "entry", "train")],
     )  # fmt: skip
 
@@ -281,7 +327,7 @@ def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | N
         )
     nodes = nodes or cfg.cluster.num_nodes
     gpus = gpus or cfg.cluster.gpus_per_node
-    _check(overrides, cfg, nodes=nodes, nproc_per_node=gpus)
+    _check(overrides, cfg, nodes=nodes, nproc_per_node=gpus, memory=not args.skip_memory_check, train=_is_train(args))
     script = Path(args.script) if args.script else commands.default_sbatch_script()
     if not script.is_file():
         raise LaunchError(f"--script {script}: no such file. Pass --script PATH to your copy of slurm.sbatch.")
@@ -295,6 +341,7 @@ def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | N
         account=args.account,
         job_name=args.job_name or "usp",
         gres=args.gres,
+        max_restarts=args.max_restarts,
         entry=getattr(args, "entry", "train"),
     )
 

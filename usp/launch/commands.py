@@ -25,6 +25,13 @@ ENTRY_MODULES: dict[str, str] = {"train": TRAIN_MODULE, "eval": "usp.eval"}
 
 RDZV_PORT_BASE = 20000
 RDZV_PORT_SPAN = 10000
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+"""What the SLURM line's torchrun forwards to its ranks: its defaults plus SIGUSR1, the signal
+``launch/slurm.sbatch`` asks for before the time limit (the ranks then checkpoint and stop)."""
+SHUTDOWN_TIMEOUT_S = 240
+"""How long the SLURM line's torchrun waits for its ranks to save and exit after forwarding a signal
+before it kills them (torchrun's default, 30 s, is shorter than a large checkpoint save); less than the
+300 s before the time limit that ``launch/slurm.sbatch`` asks for SIGUSR1."""
 
 
 def with_defaults(overrides: Sequence[str], defaults: Sequence[tuple[str, str]]) -> list[str]:
@@ -84,12 +91,23 @@ def local_command(overrides: Sequence[str], *, python: str, module: str = TRAIN_
     return [python, "-m", module, *overrides]
 
 
-def torchrun_command(overrides: Sequence[str], *, nproc_per_node: int, module: str = TRAIN_MODULE) -> list[str]:
-    """One node: ``torchrun --standalone --nproc-per-node N -m usp.train <overrides>``.
+def _restarts(max_restarts: int) -> list[str]:
+    return ["--max-restarts", str(max_restarts)] if max_restarts else []
 
-    torchrun exports ``LOCAL_WORLD_SIZE=N`` to every rank, which the mesh reads as the node size.
+
+def torchrun_command(
+    overrides: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0, module: str = TRAIN_MODULE
+) -> list[str]:
+    """One node: ``torchrun --standalone --nproc-per-node N [--max-restarts R] -m usp.train <overrides>``.
+
+    torchrun exports ``LOCAL_WORLD_SIZE=N`` to every rank, which the mesh reads as the node size. With
+    ``max_restarts`` torchrun restarts every rank up to R times after one fails; the ranks resume from the
+    run dir's last checkpoint (give ``hydra.run.dir`` or ``run_name`` to resume across launches too).
     """
-    return ["torchrun", "--standalone", "--nproc-per-node", str(nproc_per_node), "-m", module, *overrides]
+    return [
+        "torchrun", "--standalone", "--nproc-per-node", str(nproc_per_node), *_restarts(max_restarts),
+        "-m", module, *overrides,
+    ]  # fmt: skip
 
 
 def srun_command(
@@ -100,6 +118,7 @@ def srun_command(
     job_id: str,
     head: str,
     cpus_per_task: int | None = None,
+    max_restarts: int = 0,
     module: str = TRAIN_MODULE,
 ) -> list[str]:
     """Inside a SLURM allocation: one torchrun agent per node, c10d rendezvous on ``head``.
@@ -111,6 +130,10 @@ def srun_command(
     ``--kill-on-bad-exit=1`` ends every node's agent when one fails, instead of leaving the others waiting in
     a collective until the NCCL timeout. The overrides pass unchanged (no ``hydra.run.dir`` is added): the
     rendezvous id is the job id, so the entry point's default run dir is one that every rank agrees on.
+
+    torchrun forwards :data:`SIGNALS_TO_HANDLE` (SIGUSR1 too) to the ranks and waits
+    :data:`SHUTDOWN_TIMEOUT_S` for them to checkpoint and exit; ``max_restarts`` as in
+    :func:`torchrun_command` (every node's ranks restart together, through the c10d rendezvous).
     """
     return [
         "srun", f"--nodes={nodes}", "--ntasks-per-node=1",
@@ -122,6 +145,9 @@ def srun_command(
         "--rdzv-id", job_id,
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"{head}:{rdzv_port(job_id)}",
+        "--max-restarts", str(max_restarts),
+        "--signals-to-handle", SIGNALS_TO_HANDLE,
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         "-m", module,
         *overrides,
     ]  # fmt: skip
@@ -138,6 +164,7 @@ def sbatch_command(
     account: str | None = None,
     job_name: str = "usp",
     gres: bool = False,
+    max_restarts: int = 0,
     entry: str = "train",
 ) -> list[str]:
     """Submit ``script`` (``launch/slurm.sbatch``) for ``nodes`` nodes of ``gpus_per_node`` GPUs.
@@ -145,7 +172,8 @@ def sbatch_command(
     GPUs are requested with ``--gpus-per-node=N``, or ``--gres=gpu:N`` when ``gres`` (older or gres-only
     clusters). The script receives ``--nproc-per-node N`` and the overrides unchanged: it adds no
     ``hydra.run.dir``, so a recipe that pins its run dir keeps it, and otherwise the entry point's default run
-    dir (``outputs/${usp_run_id:}``) derives from the job's ids, the same on every rank.
+    dir (``outputs/${usp_run_id:${run_name}}``) derives from the job's name when it is named (the script
+    adds ``run_name=<job name>``), else from its id: the same on every rank, and across requeues.
     """
     cmd = ["sbatch", f"--nodes={nodes}", "--ntasks-per-node=1"]
     cmd.append(f"--gres=gpu:{gpus_per_node}" if gres else f"--gpus-per-node={gpus_per_node}")
@@ -156,7 +184,10 @@ def sbatch_command(
     # the script takes its own options first; `--` ends them when Hydra flags (--cfg job) are passed through
     dashes = ["--"] if any(word.startswith("-") for word in overrides) else []
     entry_flag = [] if entry == "train" else ["--entry", entry]  # the script runs usp.train unless told
-    return [*cmd, script, "--nproc-per-node", str(gpus_per_node), *entry_flag, *dashes, *overrides]
+    return [
+        *cmd, script, "--nproc-per-node", str(gpus_per_node), *_restarts(max_restarts), *entry_flag, *dashes,
+        *overrides,
+    ]  # fmt: skip
 
 
 def default_sbatch_script() -> Path:

@@ -16,16 +16,24 @@ files and its log, and every rank gets the same absolute ``run_dir`` (``hydra.ru
 from __future__ import annotations
 
 import os
+import re
 import sys
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
 from usp.config import TrainConfig, validate_choices, validate_layout
 from usp.config_keys import check_composed_keys, check_override_keys
 
+REQUEUE_EXIT_CODE = 75
+"""Exit status of a run stopped by SIGTERM/SIGUSR1 once its checkpoint is saved (the same number as
+``usp.train.signals.REQUEUE_EXIT_CODE``, which this module does not import: composing needs no torch)."""
+REPORT_GRACE_S = 5.0
+"""How long ranks > 0 wait before reporting a bad setting that rank 0 reports too (see ``fail_once``)."""
 CONF_DIR: Path = Path(__file__).resolve().parents[2] / "conf"
 """The config groups (a source checkout; ``conf/recipe`` links to the top-level ``recipes/``)."""
 CONFIG_NAME = "train"
@@ -39,8 +47,15 @@ _MISSING_HINTS: dict[str, str] = {
 }
 
 
-def _run_id() -> str:
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""What ``run_name`` may be: one path component (it names ``outputs/<run_name>``)."""
+
+
+def _run_id(run_name: str | None = None) -> str:
     """A run-dir name every rank computes identically.
+
+    ``run_name`` (the config's ``run_name``; ``launch/slurm.sbatch`` sets it to a named job's name) wins: a
+    stable name, so a relaunched, requeued or resubmitted job continues in the same run dir. Otherwise:
 
     torchrun's rendezvous id first: ``srun torchrun --rdzv-id $SLURM_JOB_ID`` (the multi-node launcher) gives
     ``slurm-<job id>``, so a requeued job resumes from its own checkpoints; ``torchrun --standalone`` makes a
@@ -48,6 +63,13 @@ def _run_id() -> str:
     ``trainer.resume=auto`` never picks up another run). Then the SLURM job id (a launcher-less
     ``python -m usp.train`` inside a job), else a timestamp (one process only).
     """
+    if run_name not in (None, ""):
+        if not RUN_NAME.fullmatch(str(run_name)) or str(run_name) in (".", ".."):
+            raise ValueError(
+                f"run_name={run_name!r} is invalid: use letters, digits, '.', '_' and '-' (it names the run dir "
+                f"outputs/<run_name>), or set hydra.run.dir=/path/of/the/run."
+            )
+        return str(run_name)
     job = os.environ.get("SLURM_JOB_ID", "")
     rdzv = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if rdzv and rdzv != "none":
@@ -129,10 +151,29 @@ def compose_config(overrides: Sequence[str] = (), *, run_dir: str | None = None)
     return to_train_config(cfg, run_dir=run_dir)
 
 
+def fail_once(err: ValueError, prog: str = "usp-train") -> NoReturn:
+    """A user error (a bad setting, found alike on every rank): said once, exit status 2, no traceback
+    (``usp.train`` and ``usp.eval`` under torchrun).
+
+    Rank 0 records it in its torchrun error file (``TORCHELASTIC_ERROR_FILE``: torchrun's failure summary
+    shows it as the root cause), prints it and exits at once. The other ranks wait up to
+    :data:`REPORT_GRACE_S` first, so rank 0 is the first to fail and torchrun stops them before they say it
+    again; one that is not stopped by then records and exits in turn, so the reason is never lost.
+    """
+    from usp.train.elastic import record_error
+
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        time.sleep(REPORT_GRACE_S)
+    record_error(err, with_traceback=False)
+    if rank == 0:
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def _task(dcfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = to_train_config(dcfg, run_dir=HydraConfig.get().runtime.output_dir)
         from usp.parallel.mesh import launched_world  # lazy: torch is not needed to compose a config
@@ -140,12 +181,29 @@ def _task(dcfg: DictConfig) -> None:
         world_size, local_world_size = launched_world()
         validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
     except ValueError as err:
-        if rank == 0:
-            print(f"usp-train: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail_once(err)
     from usp.train.trainer import run  # lazy: composing and validating need no torch/transformers
 
-    run(cfg)
+    try:
+        result = run(cfg)
+    except ValueError as err:  # raised on every rank by the trainer's checks, before any weights or data
+        fail_once(err)
+    except Exception as err:  # Hydra prints it and exits 1; torchrun's summary shows it from the error file
+        from usp.train.elastic import record_error
+
+        record_error(err)
+        raise
+    if isinstance(result, dict) and result.get("preempted"):  # the reason, in torchrun's summary too
+        from usp.train.elastic import record_error
+
+        record_error(
+            RuntimeError(
+                f"stopped by a signal after saving {result['checkpoint']} (step {result['final_step']}); exit "
+                f"status {REQUEUE_EXIT_CODE}: requeue, or relaunch with the same run dir, to continue from it"
+            ),
+            with_traceback=False,
+        )
+        sys.exit(REQUEUE_EXIT_CODE)
 
 
 def _rank_overrides(rank: int) -> list[str]:
@@ -156,7 +214,18 @@ def _rank_overrides(rank: int) -> list[str]:
 
 
 def main() -> None:
-    """Console script ``usp-train``: parse Hydra overrides from ``sys.argv`` and train."""
+    """Console script ``usp-train``: parse Hydra overrides from ``sys.argv`` and train.
+
+    Exit status: 0 done; 2 a bad setting (the message on stderr and in torchrun's error file);
+    :data:`REQUEUE_EXIT_CODE` stopped by SIGTERM/SIGUSR1 after saving a checkpoint (requeue to continue);
+    1 anything else (its traceback, also in torchrun's error file: elastic's ``record``).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record  # lazy: composing needs no torch
+
+    record(_main)()
+
+
+def _main() -> None:
     import hydra
 
     check_conf_dir()
@@ -164,9 +233,7 @@ def main() -> None:
     try:
         check_override_keys(sys.argv[1:], TrainConfig, config_groups())
     except ValueError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"usp-train: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail_once(err)
     sys.argv.extend(_rank_overrides(int(os.environ.get("RANK", "0"))))
     app = hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=CONFIG_NAME)(_task)
     app()

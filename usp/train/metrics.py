@@ -27,6 +27,7 @@ rank 0 logs one line per logged step instead (step, loss, grad norm, lr, tokens/
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -248,6 +249,12 @@ def drop_records_after(path: str | os.PathLike, step: int) -> int:
     return dropped
 
 
+def wandb_run_id(run_dir: str | os.PathLike) -> str:
+    """The wandb run id of a run dir: a hash of its absolute path, so a requeued, resubmitted or relaunched
+    job that continues in the same run dir continues the same wandb run (``resume="allow"``)."""
+    return "usp-" + hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
 def _init_wandb(cfg: WandbConfig, run_dir: Path, config: dict, layout: dict) -> Any:
     try:
         import wandb
@@ -263,6 +270,8 @@ def _init_wandb(cfg: WandbConfig, run_dir: Path, config: dict, layout: dict) -> 
         tags=list(cfg.tags) or None,
         mode=cfg.mode,
         dir=str(run_dir),  # offline runs land in <run_dir>/wandb/offline-run-*
+        id=wandb_run_id(run_dir),  # one wandb run per run dir, across requeues and resumes
+        resume="allow",
         config={**config, "layout": layout},
     )
 

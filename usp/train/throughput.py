@@ -222,4 +222,6 @@ def _find_max(loss_model: Any, optimizer: Any, mesh: Any, args: argparse.Namespa
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)(sys.argv[1:])  # under torchrun, a failing rank's traceback lands in torchrun's summary

@@ -13,7 +13,9 @@ Order (every rank runs all of it; each stage is collective where it says so):
    rank's fp32 shards loaded from the checkpoint (rank 0 reads, broadcasts); AdamW + schedule, resume.
 4. the loop: ``grad_accum_steps`` micro-batches per optimizer step (:func:`usp.train.step.train_step`),
    metrics every step (rank 0 writes), validation every ``eval_every``, a checkpoint every
-   ``checkpoint_every`` steps and at the end, then the Hugging Face export.
+   ``checkpoint_every`` steps and at the end, then the Hugging Face export. SIGTERM/SIGUSR1 on any rank
+   stops every rank at the same step after a checkpoint (:mod:`usp.train.signals`; no export, result
+   ``preempted``); a step watchdog fails a rank that stops progressing (:mod:`usp.train.watchdog`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import dataclasses
 import logging
 import os
 import random
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -45,13 +48,16 @@ from usp.model import (
 from usp.parallel import ParallelDims, SPMesh, check_sequence_length, init_sp_mesh
 from usp.parallel.agree import on_every_rank
 from usp.parallel.mesh import launched_world
+from usp.train.elastic import launcher_store
 from usp.train.loss import IGNORE_INDEX
 from usp.train.offload import check_host_memory
 from usp.train.optim import build_optimizer, check_optim_config
 from usp.train.parallelize import AC_MODES, FSDP_MODES, decoder_layers, parallelize
 from usp.train.resume import check_auto_resume, choose_resume, run_fingerprint  # noqa: F401 - public here too
+from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
 from usp.train.step import train_step
 from usp.train.tiling import check_tiling_available, resolve_mlp_tiles
+from usp.train.watchdog import build_watchdog
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,6 +84,8 @@ def init_distributed(
     start-up data preparation and a large checkpoint save, short enough that a dead peer ends the job.
     ``cpu_offload`` (``parallel.cpu_offload``) with nccl adds gloo for CPU tensors (``cpu:gloo,cuda:nccl``): the
     offloaded shards are CPU tensors in the weight broadcast and the gradient-norm all-reduce.
+    Under a launcher the group meets in :func:`usp.train.elastic.launcher_store` (the launcher's store, keys
+    private to each ``torchrun --max-restarts`` attempt), not ``env://``, whose keys a restart would reuse.
     """
     if dist.is_initialized():
         return False
@@ -87,8 +95,10 @@ def init_distributed(
     if cpu_offload and backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"
     timeout = timedelta(minutes=timeout_minutes)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a launcher; keys private to this restart
+        store = launcher_store(timeout)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:  # one process, no launcher
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return True
@@ -358,7 +368,8 @@ def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: tor
 # --- the job ------------------------------------------------------------------------------------------
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; returns ``{"losses", "final_step", "run_dir", "layout", "checkpoint",
-    "export_dir", "val_losses", "metrics"}`` (the same on every rank; ``losses`` are this run's steps only).
+    "export_dir", "val_losses", "metrics", "preempted"}`` (the same on every rank; ``losses`` are this run's
+    steps only; ``preempted``: stopped by a signal after saving the checkpoint at ``final_step``).
 
     Raises ``ValueError`` on every rank, before loading weights or data, for bad settings.
     """
@@ -494,12 +505,18 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     batches = iter(train_loader)
     fingerprint = run_fingerprint(cfg)
     guard = StepGuard(cfg.trainer.max_bad_steps, cfg.trainer.loss_spike_factor)
+    guards = ExitStack()  # SIGTERM/SIGUSR1 handlers and the step watchdog, for the loop's lifetime
+    stop = guards.enter_context(StopRequest())
+    watchdog = guards.enter_context(build_watchdog(cfg.trainer, rank))
+    preempted = False
     try:
         for step in range(start_step, cfg.trainer.max_steps):
+            watchdog.begin_step(step)
             micro = [next(batches) for _ in range(cfg.trainer.grad_accum_steps)]
             res = train_step(
                 loss_model, optimizer, scheduler, micro, mesh=mesh, grad_clip=cfg.optim.grad_clip, device=device
             )
+            preempted = stop.agreed(device)  # every rank, every step: a signal to any rank stops all here
             flops = torch.tensor(
                 training_flops(
                     dense_params=dense_params, num_layers=layers, num_heads=hf_config.num_attention_heads,
@@ -510,6 +527,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             )
             if mesh.dp_degree > 1:  # each replica counted its own documents
                 dist.all_reduce(flops, group=mesh.dp_group)
+            watchdog.end_step()
             done = step + 1
             guard.update(done, loss=res.loss, grad_norm=res.grad_norm, skipped=res.skipped)
             imbalance = torch.tensor(  # the slowest replica's attention work max/mean over its ring ranks
@@ -540,16 +558,32 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             losses.append(res.loss)
             guard.stop_if_exhausted(last_ckpt)
             periodic = cfg.trainer.checkpoint_every and done % cfg.trainer.checkpoint_every == 0
-            if periodic or done == cfg.trainer.max_steps:
+            if periodic or done == cfg.trainer.max_steps or preempted:
                 check_finite_weights(model, step=done, what=f"checkpoint step_{done}", last_checkpoint=last_ckpt)
                 last_ckpt = save_checkpoint(
                     ckpt_root, done, model=model, optimizer=optimizer, scheduler=scheduler,
                     extra={"data": train_loader.state_dict(), "rng": rng_state(device), "fingerprint": fingerprint},
                     keep_last=cfg.trainer.keep_last,
                 )  # fmt: skip
+                watchdog.beat()
+            if preempted:
+                break
     finally:
+        guards.close()
         metrics.close()
 
+    if preempted:
+        if rank == 0:
+            logger.warning(
+                "stopped by %s after step %d: checkpoint %s; exiting with status %d, requeue (or relaunch with "
+                "the same run dir) to continue from it", stop.received.name if stop.received else "a signal",
+                done, last_ckpt, REQUEUE_EXIT_CODE,
+            )  # fmt: skip
+        return {
+            "losses": losses, "final_step": done, "start_step": start_step, "run_dir": str(run_dir),
+            "layout": layout_info, "checkpoint": str(last_ckpt), "export_dir": None, "val_losses": val_losses,
+            "metrics": records, "preempted": True,
+        }  # fmt: skip
     export_dir = None
     if cfg.trainer.export_hf:
         check_finite_weights(model, step=max(start_step, cfg.trainer.max_steps), what="the Hugging Face export",
@@ -575,4 +609,5 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         "export_dir": None if export_dir is None else str(export_dir),
         "val_losses": val_losses,
         "metrics": records,
+        "preempted": False,
     }

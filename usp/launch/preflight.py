@@ -1,0 +1,69 @@
+"""The trainer's own start-up checks, run by ``usp-launch`` before it starts or submits a job, so a bad
+layout fails on the login node instead of after the queue wait.
+
+- :func:`check_layout`: :func:`usp.config.validate_layout`, the check ``usp.train`` runs first on every
+  rank: the degrees against the world the launcher will start (:class:`usp.parallel.ParallelDims`) and
+  ``trainer.seq_len`` against the sequence layout (:func:`usp.parallel.check_sequence_length`).
+- :func:`check_memory`: the planner's per-GPU memory estimate of that layout
+  (:func:`usp.plan.evaluate_layout`, the figure ``usp-plan`` prints; MLP tiles resolved and the states'
+  place decided as the trainer does) against ``cluster.gpu``'s memory
+  (``cluster.memory_gib`` when set): a note with the figure when it fits, ``ValueError`` above the device.
+
+Degrees left to the planner (``auto``) are chosen at start-up, where the planner keeps to layouts that fit;
+only what is fixed is checked here. A model whose ``config.json`` this machine cannot read is not estimated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from usp.config import TrainConfig, validate_layout
+
+
+def check_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> None:
+    """``usp.train``'s layout and sequence-length checks for ``world_size`` ranks, ``local_world_size`` per
+    node. Raises ``ValueError`` with the trainer's message (the numbers and the fix)."""
+    validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
+
+
+def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> str | None:
+    """The planner's memory figure for ``cfg``'s layout: a one-line note when it fits, ``None`` when it
+    cannot be estimated (``auto`` degrees, no readable ``config.json`` at ``model.path``).
+
+    Raises:
+        ValueError: when the estimate exceeds the device memory, with the figure, its breakdown and the fix.
+    """
+    from usp.config import states_on_host
+    from usp.plan import evaluate_layout, get_device, load_model_spec
+    from usp.train.tiling import resolve_mlp_tiles
+
+    p, t = cfg.parallel, cfg.trainer
+    if "auto" in (p.ulysses_degree, p.ring_degree) or not (Path(cfg.model.path) / "config.json").is_file():
+        return None
+    device = get_device(cfg.cluster.gpu, memory_gib=cfg.cluster.memory_gib)
+    model = load_model_spec(cfg.model.path)
+    node_size = p.node_size if p.node_size is not None else local_world_size
+    U, R = int(p.ulysses_degree), int(p.ring_degree)
+    tiles = resolve_mlp_tiles(p.mlp_tiles, local_tokens=t.seq_len // (U * R), hidden_size=model.hidden_size)
+    est = evaluate_layout(
+        model, device, seq_len=t.seq_len, ulysses_degree=U, ring_degree=R, world_size=world_size,
+        node_size=node_size, fsdp_mode=p.fsdp_mode, activation_checkpointing=p.activation_checkpointing,
+        ac_every_k=p.ac_every_k, ring_layout=p.ring_layout, loss_chunk_size=t.loss_chunk_size,
+        offload=states_on_host(cfg.optim.name, p.cpu_offload), compute_bytes=4 if cfg.model.dtype == "float32" else 2,
+        mlp_tiles=tiles,
+    )  # fmt: skip
+    layout = (
+        f"ulysses {est.ulysses_degree} x ring {est.ring_degree} x dp {est.dp_degree}, {est.fsdp_mode}, "
+        f"activation checkpointing {est.activation_checkpointing}, trainer.seq_len={t.seq_len}"
+    )
+    figure = f"{est.mem_gib_per_gpu:.1f} GiB per GPU of {device.memory_gib:g} GiB ({device.name})"
+    if est.fits:
+        return f"memory: the planner estimates {figure} for {layout}"
+    breakdown = ", ".join(f"{k} {v:.1f}" for k, v in est.memory_gib.items())
+    raise ValueError(
+        f"the planner estimates {figure} for {layout}: it would run out of memory (GiB: {breakdown}). Use "
+        f"parallel.activation_checkpointing=full, larger parallel.ulysses_degree / ring_degree (more GPUs), a "
+        f"shorter trainer.seq_len, parallel.mlp_tiles=auto or parallel.cpu_offload=true; `usp-plan` lists layouts "
+        f"that fit. "
+        f"(--skip-memory-check submits anyway; cluster.memory_gib sets the usable memory.)"
+    )
