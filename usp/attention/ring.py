@@ -16,6 +16,10 @@ steps), so each rank holds the exact ``dk, dv`` of its own K/V.
 With document masking the ring may stop after ``T < R`` steps when no rank needs a later block (every rank
 computes the same ``T`` from the global ``cu_seqlens``). Bytes sent per rank: forward ``(T-1) * 2 * |kv|``;
 backward ``(T-1) * 2 * |kv| + T * 2 * |kv|_fp32`` (``T = R`` without documents; nothing when ``T = 1``).
+
+Head chunks (``head_chunks = C > 1``): the whole ring, forward and backward, runs ``C`` times, each over ``Hq/C``
+query heads and the ``Hkv/C`` K/V heads of their GQA groups, so its fp32 accumulators and rotating buffers
+exist for one group at a time; the same bytes move in ``C`` times more, smaller messages.
 """
 
 from __future__ import annotations
