@@ -13,8 +13,6 @@ settings may stay unset: evaluation reads none of them), its choices are checked
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from usp.train.__main__ import (
     config_groups,
     fail_once,
     register_configs,
+    run_hydra_app,
 )
 
 CONFIG_NAME = "eval"
@@ -106,18 +105,7 @@ def main() -> None:
 
 
 def _main() -> None:
-    import hydra
-
-    check_conf_dir()
-    register_configs()
-    try:
-        check_override_keys(sys.argv[1:], TrainConfig, config_groups())
-    except ValueError as err:
-        fail_once(err, "usp-eval")
-    if int(os.environ.get("RANK", "0")) > 0:  # rank 0 alone writes .hydra/ and the log
-        sys.argv.extend(["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"])
-    app = hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=CONFIG_NAME)(_task)
-    app()
+    run_hydra_app(_task, config_name=CONFIG_NAME, prog="usp-eval")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import NoReturn
@@ -225,7 +225,10 @@ def main() -> None:
     record(_main)()
 
 
-def _main() -> None:
+def run_hydra_app(task: Callable[[DictConfig], None], *, config_name: str, prog: str) -> None:
+    """Run ``task`` as the Hydra app composing ``conf/<config_name>.yaml`` from ``sys.argv`` (the one
+    start-up of ``usp-train`` and ``usp-eval``): the override keys are checked first (a bad key is said once,
+    exit 2), and ranks > 0 write no ``.hydra/`` files or logs."""
     import hydra
 
     check_conf_dir()
@@ -233,10 +236,13 @@ def _main() -> None:
     try:
         check_override_keys(sys.argv[1:], TrainConfig, config_groups())
     except ValueError as err:
-        fail_once(err)
+        fail_once(err, prog)
     sys.argv.extend(_rank_overrides(int(os.environ.get("RANK", "0"))))
-    app = hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=CONFIG_NAME)(_task)
-    app()
+    hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=config_name)(task)()
+
+
+def _main() -> None:
+    run_hydra_app(_task, config_name=CONFIG_NAME, prog="usp-train")
 
 
 if __name__ == "__main__":
