@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -33,19 +32,7 @@ from usp.plan.maxlen import (
 )
 from usp.plan.models import PRESETS, ModelSpec, load_model_spec
 from usp.plan.search import STATE_PLACEMENTS, LayoutEstimate, plan_layouts
-
-_SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
-
-
-def parse_seq_len(text: str) -> int:
-    """``131072``, ``128K``, ``1M`` (binary multiples) -> tokens."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"--seq-len={text!r}: use a token count like 131072, 128K or 1M.")
-    value = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
-    if value != int(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"--seq-len={text!r} is not a whole positive number of tokens.")
-    return int(value)
+from usp.units import parse_seq_len  # noqa: F401 - also usp.plan.cli.parse_seq_len, as before
 
 
 def _device_args(p: argparse.ArgumentParser) -> None:
