@@ -15,7 +15,7 @@ import torch
 from tests.mesh_cache import cached_sp_mesh
 from tests.test_attention_documents import DOCUMENTS
 from tests.test_attention_usp import check_cases
-from tests.test_train_layouts import GRAD_PARAMS, OPTIM, local_batch, make_batches
+from tests.test_train_layouts import GRAD_PARAMS, OPTIM, make_batches, train_then_grads
 from tests.test_train_memory_run import make_config
 from tests.test_train_memory_tricks import assert_same
 from usp.attention import check_attn_head_chunks, usp_attention
@@ -77,7 +77,6 @@ def run_chunked_training(model_dir: str, ulysses: int, ring: int) -> dict | None
     from usp.model import load_causal_lm
     from usp.train.optim import build_optimizer
     from usp.train.parallelize import parallelize
-    from usp.train.step import train_step
 
     mesh = cached_sp_mesh(ulysses, ring, "zigzag", 1)
     out = {}
@@ -86,17 +85,7 @@ def run_chunked_training(model_dir: str, ulysses: int, ring: int) -> dict | None
         loss_model = parallelize(model, mesh, param_dtype=torch.float32, loss_chunk_size=7, attn_head_chunks=chunks)
         optimizer, scheduler = build_optimizer(loss_model, OPTIM, max_steps=4)
         batches = make_batches(model.config.vocab_size)[:2]
-        losses, norms = [], []
-        for step in batches:
-            res = train_step(loss_model, optimizer, scheduler, [local_batch(b, mesh) for b in step], mesh=mesh,
-                             grad_clip=OPTIM.grad_clip)  # fmt: skip
-            losses.append(res.loss)
-            norms.append(res.grad_norm)
-        n = sum(int((b["labels"] != -100).sum()) for b in batches[0])
-        for b in batches[0]:
-            lb = local_batch(b, mesh)
-            loss_model(lb["input_ids"], lb["labels"], position_ids=lb["position_ids"], num_targets=n).backward()
-        params = dict(model.named_parameters())
+        losses, norms, params = train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches)
         grads = {name: params[name].grad.full_tensor() for name in GRAD_PARAMS}
         out[chunks] = {"losses": losses, "grad_norms": norms, "grads": grads}
     return out if mesh.device_mesh.get_rank() == 0 else None

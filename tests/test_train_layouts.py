@@ -54,6 +54,22 @@ def local_batch(batch: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]
     return {k: shard_sequence(v[r0 : r0 + rows], mesh) for k, v in batch.items()}
 
 
+def train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches) -> tuple[list, list, dict]:
+    """Train one step per entry of ``batches``, then backward the first step's batches without an optimizer
+    step; returns ``(losses, grad_norms, named parameters)`` (their ``.grad`` set). Shared by the layout tests."""
+    losses, norms = [], []
+    for step in batches:
+        res = train_step(loss_model, optimizer, scheduler, [local_batch(b, mesh) for b in step], mesh=mesh,
+                         grad_clip=OPTIM.grad_clip)  # fmt: skip
+        losses.append(res.loss)
+        norms.append(res.grad_norm)
+    n = sum(int((b["labels"] != -100).sum()) for b in batches[0])
+    for b in batches[0]:
+        lb = local_batch(b, mesh)
+        loss_model(lb["input_ids"], lb["labels"], position_ids=lb["position_ids"], num_targets=n).backward()
+    return losses, norms, dict(model.named_parameters())
+
+
 def train_layout(
     model_dir: str, ulysses: int, ring: int, dp: int, ac: str, fsdp_mode: str = "full_shard",
     param_dtype: torch.dtype = torch.float32,
@@ -66,21 +82,10 @@ def train_layout(
         fsdp_mode=fsdp_mode, node_size=2,
     )  # fmt: skip
     optimizer, scheduler = build_optimizer(loss_model, OPTIM, max_steps=STEPS + 2)
-    batches = make_batches(model.config.vocab_size)
-    losses, norms = [], []
-    for step in batches:
-        res = train_step(loss_model, optimizer, scheduler, [local_batch(b, mesh) for b in step], mesh=mesh,
-                         grad_clip=OPTIM.grad_clip)  # fmt: skip
-        losses.append(res.loss)
-        norms.append(res.grad_norm)
     # gradients after training, on the first step's batches (no optimizer step)
-    n = 0
-    for b in batches[0]:
-        n += int((b["labels"] != -100).sum())
-    for b in batches[0]:
-        lb = local_batch(b, mesh)
-        loss_model(lb["input_ids"], lb["labels"], position_ids=lb["position_ids"], num_targets=n).backward()
-    params = dict(model.named_parameters())
+    losses, norms, params = train_then_grads(
+        loss_model, model, mesh, optimizer, scheduler, make_batches(model.config.vocab_size)
+    )
     grads = {name: params[name].grad.full_tensor() for name in GRAD_PARAMS}
     if mesh.device_mesh.get_rank() != 0:
         return None

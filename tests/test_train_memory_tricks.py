@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from tests.mesh_cache import cached_sp_mesh
-from tests.test_train_layouts import GRAD_PARAMS, OPTIM, STEPS, local_batch, make_batches
+from tests.test_train_layouts import GRAD_PARAMS, OPTIM, STEPS, make_batches, train_then_grads
 from usp.model import load_causal_lm
 from usp.tiny import build_tiny_llama
 from usp.train.optim import build_optimizer
 from usp.train.parallelize import parallelize
-from usp.train.step import train_step
 
 # (activation_checkpointing, mlp_tiles): the plain run first
 VARIANTS = [("none", 1), ("offload", 1), ("none", 4), ("offload", 4), ("full", 2)]
@@ -34,17 +33,7 @@ def run_variants(model_dir: str, ulysses: int, ring: int) -> dict | None:
                                  activation_checkpointing=ac, mlp_tiles=tiles)  # fmt: skip
         optimizer, scheduler = build_optimizer(loss_model, OPTIM, max_steps=STEPS + 2)
         batches = make_batches(model.config.vocab_size)[:TRAIN_STEPS]
-        losses, norms = [], []
-        for step in batches:
-            res = train_step(loss_model, optimizer, scheduler, [local_batch(b, mesh) for b in step], mesh=mesh,
-                             grad_clip=OPTIM.grad_clip)  # fmt: skip
-            losses.append(res.loss)
-            norms.append(res.grad_norm)
-        n = sum(int((b["labels"] != -100).sum()) for b in batches[0])
-        for b in batches[0]:
-            lb = local_batch(b, mesh)
-            loss_model(lb["input_ids"], lb["labels"], position_ids=lb["position_ids"], num_targets=n).backward()
-        params = dict(model.named_parameters())
+        losses, norms, params = train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches)
         grads = {name: params[name].grad.full_tensor() for name in GRAD_PARAMS}
         grads["model.layers.0.post_attention_layernorm.weight"] = (
             params["model.layers.0.post_attention_layernorm.weight"].grad.full_tensor()
