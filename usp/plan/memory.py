@@ -22,10 +22,14 @@ With ``full`` checkpointing a layer keeps only its input (``h``) and one layer i
 With ``offload`` those inputs live in host memory: the device holds :data:`OFFLOAD_DEVICE_CHECKPOINTS` of them
 (the one being copied out or prefetched back, and the one in use) instead of ``L``.
 
-With ``mlp_tiles = T > 1`` the MLP and the RMSNorms run over the sequence in ``T`` tiles and recompute each
-tile in backward (:mod:`usp.train.tiling`): a layer no longer keeps the ``4 I B`` per token of the MLP (only
-its input, the norm's output), each norm keeps its input and output (``2 B h``) instead of ``h (4 + 2B)`` and
-an rsqrt, and one MLP tile's ``4 I B s / T`` exists at a time.
+With ``mlp_tiles = T > 1`` (:mod:`usp.train.tiling`) every RMSNorm is fused into its consumers, which run
+over the sequence in ``T`` tiles and recompute each tile in backward: the post-attention norm and the MLP in
+one tile (keeping the residual stream, ``B h``), the input norm inside each of the q/k/v projections (keeping
+the layer input, ``B h``), the final norm inside the loss chunks (keeping the pre-norm hidden, ``B h``). A
+layer keeps ``2 B h + (H + 2kv) d B + H d B (x2 if U>1) + 4 H`` per token: no norm output, nothing of the
+MLP, no rsqrt; one MLP tile's ``4 I B s / T`` exists at a time. Of those ``2 B h``, the layer input is the
+checkpoint's own when the layer is checkpointed: the recomputed layer adds ``B h`` less (measured in
+``tests/test_plan_memory.py``).
 
 Sharded states: 16 B per parameter on the device; with them offloaded (``offload``: FSDP2 CPU offload, what
 ``parallel.cpu_offload=true`` and an ``optim.name`` that steps on the host both select) nothing stays on the
@@ -76,14 +80,14 @@ def activation_bytes_per_token_layer(
 ) -> int:
     """Saved activations of one decoder layer per local token, in bytes (module docstring).
 
-    ``tiled`` (``mlp_tiles > 1``, :mod:`usp.train.tiling`): the MLP keeps only its input (the norm's output)
-    and each RMSNorm, checkpointed per tile, keeps only its input (``B h``) and its output (kept by the next
-    matmul, ``B h``) instead of ``h (4 + 2B)`` and an rsqrt."""
+    ``tiled`` (``mlp_tiles > 1``, :mod:`usp.train.tiling`): the RMSNorms are recomputed per tile by their
+    consumers, so the layer keeps its input (``B h``, for the q/k/v tiles) and the residual after attention
+    (``B h``, for the norm + MLP tiles) instead of ``2 h (4 + 2B)``, two rsqrt and the MLP's ``4 I B``."""
     h, d, H, B = model.hidden_size, model.head_dim, model.num_heads, compute_bytes
     kv = max(model.num_kv_heads, ulysses_degree)
     attention = (H + 2 * kv) * d * B + H * d * B * (2 if ulysses_degree > 1 else 1)
     if tiled:
-        return 2 * 2 * h * B + attention + 4 * H
+        return 2 * h * B + attention + 4 * H
     norms = 2 * h * (4 + 2 * B)
     return norms + attention + 4 * H + 8 + mlp_bytes_per_token(model, compute_bytes)
 
@@ -126,7 +130,8 @@ def held_activation_bytes(
     """Bytes autograd keeps on the device at the end of a training forward, per rank (what
     :func:`usp.train.memory.track_memory` measures as held bytes): ``layers`` (every saved activation of the
     layers that are not checkpointed, the input of those that are, nothing of the inputs ``offload`` moved to
-    the host), ``rotary`` (cos and sin) and ``final_norm``; ``total`` their sum."""
+    the host), ``rotary`` (cos and sin) and ``final_norm`` (what the final norm and the loss keep: with tiles
+    only the pre-norm hidden, ``B h`` per token); ``total`` their sum."""
     B, h = compute_bytes, model.hidden_size
     s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
     check_mlp_tiles(mlp_tiles, s)
@@ -137,7 +142,7 @@ def held_activation_bytes(
     out = {
         "layers": ((model.num_layers - n_ckpt) * per_layer + inputs * h * B) * s,
         "rotary": 2 * model.head_dim * B * s,
-        "final_norm": (2 * h * B if tiled else h * (4 + 2 * B)) * s,
+        "final_norm": (h * B if tiled else h * (4 + 2 * B)) * s,
     }
     return out | {"total": sum(out.values())}
 
@@ -214,7 +219,9 @@ def training_memory(
     )  # fmt: skip
     # checkpoint offload: the input being copied out (forward) or prefetched (backward) and the one in use
     in_flight = min(n_ckpt, OFFLOAD_DEVICE_CHECKPOINTS) * h * s * B if activation_checkpointing == "offload" else 0
-    recompute = per_layer if n_ckpt else 0.0
+    # the recomputed layer's saved tensors; under tiles its input (kept by the q/k/v tiles) is the checkpoint's,
+    # already counted among the held or in-flight inputs
+    recompute = (per_layer - (h * B * s if mlp_tiles > 1 else 0.0)) if n_ckpt else 0.0
     tile = mlp / mlp_tiles if mlp_tiles > 1 else 0.0  # one MLP tile in flight (forward, or its recompute)
     activations = held["layers"] + held["rotary"] + in_flight + recompute + tile
 
@@ -231,7 +238,8 @@ def training_memory(
 
     chunk = min(loss_chunk_size, s)
     # One checkpointed chunk of the cross-entropy at its peak (log-softmax backward): the fp32 log-probabilities it
-    # saved, their gradient and the gradient it returns, 3 x 4 B per logit; plus what the final norm keeps.
+    # saved, their gradient and the gradient it returns, 3 x 4 B per logit; plus what the final norm and the loss
+    # keep (with tiles the final norm runs inside the chunks: the pre-norm hidden only).
     loss = chunk * model.vocab_size * 12 + held["final_norm"]
 
     subtotal = states + gathered + activations + workspace + loss

@@ -13,7 +13,8 @@ single-process gradient of the mean loss.
 
 Memory: the final norm'd hidden states ``[B, S_local, H]`` go through ``lm_head`` ``chunk_size`` tokens at a
 time, each chunk under activation checkpointing, so at most one chunk's ``[chunk, vocab]`` fp32 logits exist
-in forward and in backward.
+in forward and in backward. With sequence tiling the final norm runs inside the chunks too, and only the
+pre-norm hidden states are kept.
 
 Precision: under bf16 compute the ``lm_head`` weight is FSDP2's gathered bf16 copy, so its gradient is the
 sum of the per-chunk bf16 gradients, accumulated by autograd in bf16 (one rounding per chunk, before the
@@ -21,6 +22,9 @@ sum of the per-chunk bf16 gradients, accumulated by autograd in bf16 (one roundi
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -30,13 +34,20 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from usp.model.usp_attention_fn import packed_sequence_kwargs
+from usp.train.tiling import deferrable_final_norm
 
 IGNORE_INDEX = -100
 
 
 def _chunk_ce_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    if norm is not None:
+        hidden = norm(hidden)  # the deferred final norm, [chunk, H]
     logits = F.linear(hidden, weight, bias)  # [chunk, V]
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # bf16/fp16 compute: log-softmax in fp32
@@ -50,13 +61,16 @@ def chunked_cross_entropy_sum(
     *,
     chunk_size: int,
     bias: torch.Tensor | None = None,
+    norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``lm_head(hidden)`` against ``labels`` (``-100`` ignored).
 
     ``hidden`` ``[B, S, H]`` (after the final norm), ``weight`` ``[V, H]`` (``lm_head.weight``), ``labels``
     ``[B, S]``. Returns an fp32 scalar. Differentiable with respect to ``hidden``, ``weight`` and ``bias``;
     each chunk of ``chunk_size`` tokens is recomputed in backward, so peak extra memory is one chunk's logits.
-    The result is fp32 (fp64 for fp64 inputs).
+    The result is fp32 (fp64 for fp64 inputs). ``norm`` (per token, ``[n, H] -> [n, H]``): when given,
+    ``hidden`` is *before* the final norm and ``norm`` is applied to each chunk inside its checkpoint, so
+    only ``hidden`` is kept for backward (:class:`usp.train.tiling.DeferrableNorm`).
     """
     if chunk_size < 1:
         raise ValueError(f"trainer.loss_chunk_size={chunk_size} must be >= 1 (tokens per cross-entropy chunk).")
@@ -66,7 +80,7 @@ def chunked_cross_entropy_sum(
     total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for start in range(0, h.size(0), chunk_size):
         end = min(start + chunk_size, h.size(0))
-        total = total + checkpoint(_chunk_ce_sum, h[start:end], weight, bias, y[start:end], use_reentrant=False)
+        total = total + checkpoint(_chunk_ce_sum, h[start:end], weight, bias, y[start:end], norm, use_reentrant=False)
     return total
 
 
@@ -89,6 +103,8 @@ class ChunkedCausalLMLoss(nn.Module):
     FSDP2 is applied with this wrapper as its root, so ``lm_head`` (in the root's parameter group) is gathered
     by the root's hooks even though the model's own ``forward`` (which would build full logits) is bypassed.
     ``self.model`` stays the plain transformers model: checkpoints and exports use it, with its usual names.
+    When sequence tiling made the decoder's final norm deferrable (:mod:`usp.train.tiling`, ``mlp_tiles > 1``)
+    the decoder runs without it and each loss chunk applies it.
     """
 
     def __init__(self, model: PreTrainedModel, *, chunk_size: int):
@@ -113,8 +129,12 @@ class ChunkedCausalLMLoss(nn.Module):
         document boundaries or ``None``; ``num_targets``: the global target count of the whole step.
         """
         extra = packed_sequence_kwargs(cu_seqlens)  # transformers' names: cu_seq_lens_q/k, max_length_q/k
-        out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
-        hidden = out.last_hidden_state  # [B, S_local, H], after the final norm
+        decoder = self.model.get_decoder()
+        final_norm = deferrable_final_norm(decoder)
+        with final_norm.deferred() if final_norm is not None else nullcontext():
+            out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+        hidden = out.last_hidden_state  # [B, S_local, H], after the final norm (before it when deferred)
         head = self.model.get_output_embeddings()
-        loss_sum = chunked_cross_entropy_sum(hidden, head.weight, labels, chunk_size=self.chunk_size, bias=head.bias)
+        loss_sum = chunked_cross_entropy_sum(hidden, head.weight, labels, chunk_size=self.chunk_size, bias=head.bias,
+                                             norm=None if final_norm is None else final_norm.norm)  # fmt: skip
         return loss_sum / num_targets
