@@ -119,8 +119,9 @@ def test_headroom_keeps_the_best_layout_off_the_limit():
 
 
 def test_tricks_only_when_needed():
-    # 32K on 8 GPUs: everything fits plainly, nothing is offloaded or tiled
-    best = plan_layouts(LLAMA8, H100, seq_len=2**15, world_size=8, node_size=8)[0]
+    # 8K on 8 GPUs: everything fits plainly, nothing is offloaded or tiled (from 16K on, tiles=2 lets pure data
+    # parallelism fit without checkpointing, which the model finds faster than Ulysses: tiles when faster)
+    best = plan_layouts(LLAMA8, H100, seq_len=2**13, world_size=8, node_size=8)[0]
     assert best.tricks == 0 and best.overrides()[-1].startswith("parallel.activation_checkpointing")
     # 1M on 8 GPUs does not fit plainly; the planner offloads the checkpoints (free in time here) and tiles
     best = plan_layouts(LLAMA8, H100, seq_len=2**20, world_size=8, node_size=8)[0]
@@ -163,15 +164,17 @@ def test_offload_terms_in_the_device_memory_by_hand():
     layer_input = s * 4096 * 2
     # offload keeps 2 layer inputs on the device instead of 32
     assert full.activations - off.activations == 30 * layer_input
-    # tiles: the recomputed layer keeps 32,768 B per token for its norms (input and output of each, 4 x 4096 x
-    # 2 B) instead of 65,536 + 8 (fp32 copies, normalized inputs, rsqrt) and nothing of its MLP instead of 4 x
-    # 14336 x 2 = 114,688; one MLP tile (1/8 of that) is in flight. Per token: 209,032 -> 61,568 (the q, k, v,
-    # out, o_proj input 28,672 and the lse 128 stay)
-    assert 32_768 + 28_672 + 128 == 61_568
+    # tiles: every norm is recomputed by its consumers, so the recomputed layer keeps the residual after
+    # attention (4096 x 2 B; its input, kept by the q/k/v tiles, is the checkpoint's, counted above) instead of
+    # 65,536 + 8 (fp32 copies, normalized inputs and outputs, rsqrt) and nothing of its MLP instead of 4 x 14336
+    # x 2 = 114,688; one MLP tile (1/8 of that) is in flight. Per token: 209,032 -> 36,992 (the q, k, v, out,
+    # o_proj input 28,672 and the lse 128 stay)
+    assert 8_192 + 28_672 + 128 == 36_992
     mlp = 4 * 14336 * 2 * s
-    assert off.activations - tiled.activations == (209_032 - 61_568) * s - mlp / 8
-    # the final norm keeps its input and output, 2 x 4096 x 2 B per token, instead of 4096 x (4 + 2 + 2)
-    assert off.loss_buffer - tiled.loss_buffer == (8 - 4) * 4096 * s
+    assert off.activations - tiled.activations == (209_032 - 36_992) * s - mlp / 8
+    # the loss keeps the pre-norm hidden (4096 x 2 B per token; the final norm runs inside its chunks) instead
+    # of the final norm's 4096 x (4 + 2 + 2)
+    assert off.loss_buffer - tiled.loss_buffer == (8 - 2) * 4096 * s
     # states offloaded: none of the 16 B per parameter shard stays on the device
     assert opt.sharded_states == 0 and off.sharded_states == 16 * LLAMA8.num_params / 8
     with pytest.raises(ValueError, match="parallel.mlp_tiles=3 does not divide"):

@@ -212,7 +212,12 @@ def test_planner_terms_match_the_measured_step(activation_checkpointing, mlp_til
     spec = load_model_spec(MEASURED_SHAPE)
     kw = dict(seq_len=MEASURED_TOKENS, ulysses_degree=1, ring_degree=1, activation_checkpointing=activation_checkpointing,
               mlp_tiles=mlp_tiles, compute_bytes=4)  # fmt: skip
-    predicted_held = held_activation_bytes(spec, **kw)["total"]
+    predicted = held_activation_bytes(spec, **kw)
+    predicted_held = predicted["total"]
+    if activation_checkpointing != "none":
+        # the checkpoint keeps RoPE's cos/sin (keyword arguments of every layer) by reference, outside saved-tensor
+        # hooks: on the device (the peak below sees them) but not in the held-bytes measurement
+        predicted_held -= predicted["rotary"]
     assert held == pytest.approx(predicted_held, rel=0.15)
     mem = training_memory(spec, replace(GPUS["cpu"], reserved_gib=0.0), world_size=1, node_size=1,
                           loss_chunk_size=1024, overhead_frac=0.0, **kw)  # fmt: skip
