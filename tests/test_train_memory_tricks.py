@@ -1,9 +1,11 @@
 """Checkpoint offload and sequence tiling change memory, not results.
 
-Loss, grad norms and gradients with ``activation_checkpointing=offload`` and ``mlp_tiles > 1``, alone and
-together (and tiles under ``full``), equal the plain run (no checkpointing, no tiles) of the same layout
-(fp32, rtol 1e-5, atol scaled to each gradient's max-abs), under u2r2 and u1r4. Measured held bytes and step
-peaks (CPU profiler) fall as each setting promises.
+Loss, grad norms and every parameter's gradient with ``activation_checkpointing=offload`` and ``mlp_tiles >
+1`` (the MLPs, the q/k/v projections and the loss chunks with their RMSNorms fused in), alone and together
+(and tiles under ``full`` and ``every_k``, and with ring head chunks under u1r4), equal the plain run (no
+checkpointing, no tiles) of the same layout (fp32, rtol 1e-5, atol scaled to each gradient's max-abs), under
+u2r2 and u1r4. On one process, tiling keeps the state-dict keys and the decoder's output outside the loss.
+Measured held bytes and step peaks (CPU profiler) fall as each setting promises.
 """
 
 from __future__ import annotations
@@ -12,34 +14,32 @@ import pytest
 import torch
 
 from tests.mesh_cache import cached_sp_mesh
-from tests.test_train_layouts import GRAD_PARAMS, OPTIM, STEPS, make_batches, train_then_grads
+from tests.test_train_layouts import OPTIM, STEPS, make_batches, train_then_grads
 from usp.model import load_causal_lm
 from usp.tiny import build_tiny_llama
 from usp.train.optim import build_optimizer
 from usp.train.parallelize import parallelize
 
-# (activation_checkpointing, mlp_tiles): the plain run first
-VARIANTS = [("none", 1), ("offload", 1), ("none", 4), ("offload", 4), ("full", 2)]
+# (activation_checkpointing, mlp_tiles, attn_head_chunks): the plain run first
+VARIANTS = [("none", 1, 1), ("offload", 1, 1), ("none", 4, 1), ("offload", 4, 1), ("full", 2, 1), ("every_k", 4, 1)]
+HEAD_CHUNK_VARIANTS = [("offload", 4, 2)]  # where the heads per rank split (u1: 4 query / 2 K/V heads)
 TRAIN_STEPS = 2  # optimizer steps per variant (warmup and clipping active)
 
 
 def run_variants(model_dir: str, ulysses: int, ring: int) -> dict | None:
-    """Worker: for each variant, train ``STEPS`` steps and take the gradients of the first step's batches."""
+    """Worker: for each variant, train ``STEPS`` steps and take every gradient of the first step's batches."""
     mesh = cached_sp_mesh(ulysses, ring, "zigzag", 1)
     out = {}
-    for ac, tiles in VARIANTS:
+    for ac, tiles, chunks in VARIANTS + (HEAD_CHUNK_VARIANTS if ulysses == 1 else []):
         model = load_causal_lm(model_dir, dtype=torch.float32)
-        loss_model = parallelize(model, mesh, param_dtype=torch.float32, loss_chunk_size=7,
-                                 activation_checkpointing=ac, mlp_tiles=tiles)  # fmt: skip
+        loss_model = parallelize(model, mesh, param_dtype=torch.float32, loss_chunk_size=7, ac_every_k=2,
+                                 activation_checkpointing=ac, mlp_tiles=tiles, attn_head_chunks=chunks)  # fmt: skip
         optimizer, scheduler = build_optimizer(loss_model, OPTIM, max_steps=STEPS + 2)
         batches = make_batches(model.config.vocab_size)[:TRAIN_STEPS]
         losses, norms, params = train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches)
-        grads = {name: params[name].grad.full_tensor() for name in GRAD_PARAMS}
-        grads["model.layers.0.post_attention_layernorm.weight"] = (
-            params["model.layers.0.post_attention_layernorm.weight"].grad.full_tensor()
-        )
+        grads = {name: p.grad.full_tensor() for name, p in params.items()}
         store = loss_model.offload_store
-        out[(ac, tiles)] = {
+        out[(ac, tiles, chunks)] = {
             "losses": losses, "grad_norms": norms, "grads": grads,
             "host_bytes": None if store is None else store.host_bytes,
         }  # fmt: skip
@@ -66,11 +66,46 @@ def assert_same(run: dict, plain: dict, what: str) -> None:
 ])  # fmt: skip
 def test_offload_and_tiles_equal_the_plain_run(dist_pools, tiny_llama, world, ulysses, ring):
     out = dist_pools(world).run(run_variants, tiny_llama, ulysses, ring)[0]
-    plain = out[("none", 1)]
-    for key, run in out.items():
-        assert_same(run, plain, f"u{ulysses}r{ring} activation_checkpointing={key[0]} mlp_tiles={key[1]}")
+    plain = out[("none", 1, 1)]
+    assert len(plain["grads"]) == 21  # every parameter: embedding, 2 x (4 attention + 3 MLP + 2 norms), norm, head
+    assert len(out) == len(VARIANTS) + (len(HEAD_CHUNK_VARIANTS) if ulysses == 1 else 0)
+    for (ac, tiles, chunks), run in out.items():
+        assert_same(run, plain, f"u{ulysses}r{ring} activation_checkpointing={ac} mlp_tiles={tiles} "
+                                f"attn_head_chunks={chunks}")  # fmt: skip
     # the host slots: one [2 rows, S_local, h] fp32 input per layer (tiny Llama: 2 layers, hidden 64)
-    assert out[("offload", 1)]["host_bytes"] == 2 * 2 * (32 // (ulysses * ring)) * 64 * 4
+    assert out[("offload", 1, 1)]["host_bytes"] == 2 * 2 * (32 // (ulysses * ring)) * 64 * 4
+
+
+def test_tiling_keeps_state_dict_keys_decoder_output_and_gradients(tiny_llama):
+    """One process, fp32: ``apply_sequence_tiling`` (4 tiles) leaves the state-dict keys (names and order) and
+    the decoder's output (what evaluation and decoding read: the final norm applied) as they were, and the
+    chunked loss (final norm deferred into its chunks) gives the plain loss and every parameter's gradient."""
+    from usp.train.loss import ChunkedCausalLMLoss
+    from usp.train.parallelize import decoder_layers
+    from usp.train.tiling import apply_sequence_tiling, deferrable_final_norm
+
+    plain = load_causal_lm(tiny_llama, dtype=torch.float32)
+    tiled = load_causal_lm(tiny_llama, dtype=torch.float32)
+    keys = list(tiled.state_dict())
+    assert apply_sequence_tiling(decoder_layers(tiled), tiled.model.norm, 4) == 2 * 5 + 1
+    assert list(tiled.state_dict()) == keys == list(plain.state_dict())
+    assert deferrable_final_norm(tiled.get_decoder()) is not None and deferrable_final_norm(plain.get_decoder()) is None
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, plain.config.vocab_size, (2, 32), generator=g)
+    labels = torch.roll(ids, -1, 1)
+    with torch.no_grad():
+        ref = plain.get_decoder()(input_ids=ids).last_hidden_state
+        out = tiled.get_decoder()(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    losses = {}
+    for name, model in (("plain", plain), ("tiled", tiled)):
+        losses[name] = ChunkedCausalLMLoss(model, chunk_size=7)(ids, labels, num_targets=ids.numel())
+        losses[name].backward()
+    torch.testing.assert_close(losses["tiled"], losses["plain"], rtol=1e-5, atol=0)
+    grads = dict(tiled.named_parameters())
+    for name, p in plain.named_parameters():
+        ref = p.grad
+        torch.testing.assert_close(grads[name].grad, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=name)
 
 
 # --- measured memory: each trick lowers what it promises (ratios; CPU allocator via the profiler) ------------
