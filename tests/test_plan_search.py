@@ -114,7 +114,7 @@ def test_auto_degrees_memory_limit_forces_checkpointing():
 def test_no_layout_fits_says_why_and_what_would():
     with pytest.raises(NoFeasibleLayoutError) as err:
         plan_layouts(
-            load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**22, world_size=8, node_size=8
+            load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**23, world_size=8, node_size=8
         )
     msg = str(err.value)
     assert isinstance(err.value, ValueError)
@@ -130,7 +130,7 @@ def test_no_layout_fits_says_why_and_what_would():
 def test_checkpointing_suggested_when_the_user_ruled_it_out():
     with pytest.raises(NoFeasibleLayoutError, match="activation_checkpointing=full"):
         plan_layouts(
-            load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**20, world_size=32, node_size=8,
+            load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**21, world_size=32, node_size=8,
             ac_modes=("none",), attn_head_chunks=1,
         )  # fmt: skip
 

@@ -5,7 +5,11 @@ For each ``(activation_checkpointing, mlp_tiles)`` variant: a random Llama (``--
 ``--seq-len`` sequence under :func:`usp.train.memory.track_memory`. Prints and writes (``--out``) one JSON
 object per variant: ``held_mib`` (bytes saved for backward on the device), ``peak_mib`` (the step's peak
 allocated above its start: max of the forward's peak and the forward's net plus the backward's peak),
-``host_mib`` (offload slots) and ``fwd_bwd_s`` (wall time with the profiler on: relative figures only).
+``host_mib`` (offload slots), ``fwd_bwd_s`` (wall time with the profiler on: relative figures only), and what
+the planner predicts for the same model and setting (:mod:`usp.plan.memory`): ``planned_held_mib``
+(:func:`~usp.plan.memory.held_activation_bytes`) and ``planned_peak_mib`` (activations + attention workspace +
+loss buffer + 4 bytes of gradient per parameter). With ``mlp_tiles > 1`` every RMSNorm is fused into its
+consumers (:mod:`usp.train.tiling`): no norm output is kept.
 
 Run (CPU, fp32, a few seconds per variant)::
 
@@ -29,6 +33,7 @@ import torch.distributed as dist
 
 VARIANTS = (("none", 1), ("full", 1), ("offload", 1), ("none", 8), ("full", 8), ("offload", 8))
 MIB = 1 << 20
+LOSS_CHUNK = 1024  # trainer.loss_chunk_size of every variant
 
 
 def measure(model_dir: str, *, seq_len: int, ac: str, tiles: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -39,7 +44,7 @@ def measure(model_dir: str, *, seq_len: int, ac: str, tiles: int, device: torch.
 
     mesh = init_sp_mesh(1, 1, device_type=device.type)
     model = load_causal_lm(model_dir, dtype=torch.float32)
-    loss_model = parallelize(model, mesh, param_dtype=dtype, loss_chunk_size=1024, activation_checkpointing=ac,
+    loss_model = parallelize(model, mesh, param_dtype=dtype, loss_chunk_size=LOSS_CHUNK, activation_checkpointing=ac,
                              mlp_tiles=tiles, attention_backend="auto")  # fmt: skip
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (1, seq_len), generator=g).to(device)
@@ -58,6 +63,8 @@ def measure(model_dir: str, *, seq_len: int, ac: str, tiles: int, device: torch.
         loss.backward()
     elapsed = time.perf_counter() - start
     store = loss_model.offload_store
+    planned_held, planned_peak = planned_bytes(model_dir, seq_len=seq_len, ac=ac, tiles=tiles,
+                                               compute_bytes=torch.finfo(dtype).bits // 8)  # fmt: skip
     return {
         "activation_checkpointing": ac,
         "mlp_tiles": tiles,
@@ -67,7 +74,26 @@ def measure(model_dir: str, *, seq_len: int, ac: str, tiles: int, device: torch.
         "peak_reserved_mib": None if bwd.peak_reserved_bytes is None else bwd.peak_reserved_bytes / MIB,
         "host_mib": 0.0 if store is None else store.host_bytes / MIB,
         "fwd_bwd_s": elapsed,
+        "planned_held_mib": planned_held / MIB,
+        "planned_peak_mib": planned_peak / MIB,
     }
+
+
+def planned_bytes(model_dir: str, *, seq_len: int, ac: str, tiles: int, compute_bytes: int) -> tuple[float, float]:
+    """The planner's held bytes and step peak (without CUDA context or margin) for one rank of this run."""
+    from dataclasses import replace
+
+    from usp.plan.hardware import GPUS
+    from usp.plan.memory import held_activation_bytes, training_memory
+    from usp.plan.models import load_model_spec
+
+    spec = load_model_spec(model_dir)
+    kw = dict(seq_len=seq_len, ulysses_degree=1, ring_degree=1, activation_checkpointing=ac, mlp_tiles=tiles,
+              compute_bytes=compute_bytes)  # fmt: skip
+    held = held_activation_bytes(spec, **kw)["total"]
+    mem = training_memory(spec, replace(GPUS["cpu"], reserved_gib=0.0), world_size=1, node_size=1,
+                          loss_chunk_size=LOSS_CHUNK, overhead_frac=0.0, **kw)  # fmt: skip
+    return held, mem.activations + mem.attention_workspace + mem.loss_buffer + 4 * spec.num_params
 
 
 def build_parser() -> argparse.ArgumentParser:
