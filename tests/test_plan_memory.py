@@ -83,10 +83,13 @@ def test_float32_run_activations_by_hand():
     assert fp32.gathered_params * 8 == bf16.gathered_params * 12
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["plain", "tiled"])
 @pytest.mark.parametrize("dtype,compute_bytes", [(torch.bfloat16, 2), (torch.float32, 4)])
-def test_activation_bytes_match_what_autograd_saves(dtype, compute_bytes):
+def test_activation_bytes_match_what_autograd_saves(dtype, compute_bytes, tiled):
     """Count the bytes autograd keeps for one Hugging Face Llama decoder layer (SDPA keeps the flash set:
-    q, k, v, out, lse) and compare with the planner's per-token formula (Ulysses 1)."""
+    q, k, v, out, lse) and compare with the planner's per-token formula (Ulysses 1). Tiled
+    (:func:`usp.train.tiling.apply_sequence_tiling`, 4 tiles): the norms fused into q/k/v and the MLP, the
+    layer keeps its input and the residual after attention, no norm output and nothing of the MLP."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -96,6 +99,10 @@ def test_activation_bytes_match_what_autograd_saves(dtype, compute_bytes):
     cfg = LlamaConfig(num_hidden_layers=1, vocab_size=100, **shape)
     cfg._attn_implementation = "sdpa"
     layer = LlamaDecoderLayer(cfg, 0).to(dtype)
+    if tiled:
+        from usp.train.tiling import apply_sequence_tiling
+
+        apply_sequence_tiling([layer], None, 4)
     T = 64
     x = torch.randn(1, T, 96, dtype=dtype, requires_grad=True)
     pos = torch.arange(T)[None]
@@ -113,7 +120,7 @@ def test_activation_bytes_match_what_autograd_saves(dtype, compute_bytes):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=pos)
     spec = load_model_spec(shape | {"num_hidden_layers": 1, "vocab_size": 100})
-    assert sum(saved.values()) == T * activation_bytes_per_token_layer(spec, 1, compute_bytes)
+    assert sum(saved.values()) == T * activation_bytes_per_token_layer(spec, 1, compute_bytes, tiled)
 
 
 def test_more_gpus_never_predict_more_memory_per_gpu():
