@@ -109,9 +109,9 @@ def test_restricting_the_tricks_never_lengthens():
 
 
 def test_headroom_keeps_the_best_layout_off_the_limit():
-    # 8B at 128K on 2 x 8 H100: keeping every activation needs 75.4 GiB, within 5 GiB of the 80
+    # 8B at 128K on 2 x 8 H100: keeping every activation needs 76.3 GiB, within 4 GiB of the 80
     none = evaluate_layout(LLAMA8, H100, seq_len=2**17, ulysses_degree=8, ring_degree=2, world_size=16, node_size=8)
-    assert 75 < none.mem_gib_per_gpu < 76 and not none.fits and none.headroom_gib == pytest.approx(6.0)
+    assert 76 < none.mem_gib_per_gpu < 77 and not none.fits and none.headroom_gib == pytest.approx(6.0)
     assert evaluate_layout(LLAMA8, H100, seq_len=2**17, ulysses_degree=8, ring_degree=2, world_size=16,
                            node_size=8, headroom_gib=0).fits  # fmt: skip
     for e in plan_layouts(LLAMA8, H100, seq_len=2**17, world_size=16, node_size=8):

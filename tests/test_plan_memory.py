@@ -30,8 +30,11 @@ def test_llama31_8b_1m_tokens_32_gpus_ulysses8_ring4_full_checkpointing():
     s = S // W  # 32,768 local tokens
     # fp32 param + fp32 grad + Adam m, v = 16 B/param, sharded over all 32 ranks
     assert mem.sharded_states == 16 * 8_030_261_248 / 32 == 4_015_130_624
-    # largest FSDP unit is the embedding (525M): 2 x bf16 (current + prefetch) + 1 x fp32 grad = 8 B/param
-    assert mem.gathered_params == 525_336_576 * 8
+    # through every layer's backward: the layer and the prefetched one in bf16 + its fp32 grad, 8 B x 218M; the
+    # root unit (embedding, final norm, LM head: 1.05B), which FSDP2 keeps gathered from its forward to the end
+    # of backward, in bf16, and the LM head's bf16 gradient (525M), which the loss computes first
+    root = (2 * 525_336_576 + 4096) * 2 + 525_336_576 * 2
+    assert mem.gathered_params == 218_112_000 * 8 + root == 4_896_923_648
     # one layer's saved activations per token, bytes: two RMSNorms x 4096 x (fp32 input copy 4 + normalized 2 +
     # output 2) = 65,536; q,k,v after the all-to-all with 8 KV heads (32 + 16) x 128 x 2 = 12,288; attention
     # output + the o_proj input after the all-to-all back 2 x 4096 x 2 = 16,384; fp32 lse 4 x 32 + two rsqrt 8
@@ -51,9 +54,9 @@ def test_llama31_8b_1m_tokens_32_gpus_ulysses8_ring4_full_checkpointing():
     # fp32 input copy, normalized input, output (4 + 2 + 2 B x 4096)
     assert mem.loss_buffer == 4096 * 128256 * 12 + s * 4096 * 8 == 7_377_780_736
     assert mem.overhead == 1 * GIB  # CUDA context; no margin asked
-    # 4,015,130,624 + 4,202,692,608 + 15,456,272,384 + 2,147,483,648 + 7,377,780,736 + 1,073,741,824
-    assert mem.total == 34_273_101_824
-    assert mem.total_gib == pytest.approx(31.92, abs=0.005)
+    # 4,015,130,624 + 4,896,923,648 + 15,456,272,384 + 2,147,483,648 + 7,377,780,736 + 1,073,741,824
+    assert mem.total == 34_967_332_864
+    assert mem.total_gib == pytest.approx(32.57, abs=0.005)
 
 
 def test_no_checkpointing_keeps_every_layer():
@@ -79,8 +82,11 @@ def test_float32_run_activations_by_hand():
     assert fp32.activations == 32 * s * (98_304 + 24_576 + 32_768 + 136 + 229_376) + 2 * 128 * 4 * s
     assert bf16.activations == 32 * s * 209_032 + 2 * 128 * 2 * s
     assert fp32.sharded_states == bf16.sharded_states
-    # gathered: 2 copies x 4 B + fp32 grad 4 B = 12 B per parameter of the largest unit, against 8 B in bf16
-    assert fp32.gathered_params * 8 == bf16.gathered_params * 12
+    # gathered: a layer's 2 copies x 4 B + fp32 grad 4 B = 12 B per parameter (8 B in bf16); the root unit's
+    # parameters and the LM head's gradient in the compute dtype
+    root_params, head_grad = 2 * 525_336_576 + 4096, 525_336_576
+    assert fp32.gathered_params == 218_112_000 * 12 + (root_params + head_grad) * 4
+    assert bf16.gathered_params == 218_112_000 * 8 + (root_params + head_grad) * 2
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["plain", "tiled"])

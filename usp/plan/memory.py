@@ -205,10 +205,14 @@ def training_memory(
 
     shard = shard_degree(world_size, node_size, fsdp_mode)
     states = device_states_bytes(model, shard, offload=offload)
-    # Current layer and the prefetched one in bf16, plus one fp32 unsharded gradient waiting for reduction
-    # (on one rank without offload the parameters are used where they live: nothing is gathered).
-    unit = max(model.layer_params, model.embedding_params, model.head_params)
-    gathered = 0.0 if world_size == 1 and not offload else unit * (2 * B + 4)
+    # Through every layer's backward (on one rank without offload the parameters are used where they live:
+    # nothing is gathered): the current layer and the prefetched one in bf16, plus one fp32 unsharded gradient
+    # waiting for reduction; and the root unit (embedding, final norm, LM head), which FSDP2 does not reshard
+    # after forward and reduce-scatters only after the whole backward: its bf16 parameters and the LM head's
+    # gradient (the loss's backward runs first; tied or not, a [vocab, h] gradient). The root's own reduction
+    # at the end (its fp32 gradient copy) comes when the layers' activations are gone.
+    root = (model.embedding_params + model.head_params + h) * B + model.vocab_size * h * B
+    gathered = 0.0 if world_size == 1 and not offload else root + model.layer_params * (2 * B + 4)
 
     mlp = mlp_bytes_per_token(model, B) * s
     per_layer = activation_bytes_per_token_layer(model, U, B, tiled=mlp_tiles > 1) * s
