@@ -31,6 +31,11 @@ MLP, no rsqrt; one MLP tile's ``4 I B s / T`` exists at a time. Of those ``2 B h
 checkpoint's own when the layer is checkpointed: the recomputed layer adds ``B h`` less (measured in
 ``tests/test_plan_memory.py``).
 
+Gathered parameters (FSDP2, more than one rank or states on the host): through every layer's backward, the
+current layer and the prefetched one in ``B`` bytes plus one fp32 unsharded layer gradient, and the root unit
+(embedding, final norm, LM head), which FSDP2 does not reshard after forward and reduce-scatters only after the
+whole backward: its parameters in ``B`` bytes and the LM head's ``[V, h]`` gradient.
+
 Sharded states: 16 B per parameter on the device; with them offloaded (``offload``: FSDP2 CPU offload, what
 ``parallel.cpu_offload=true`` and an ``optim.name`` that steps on the host both select) nothing stays on the
 device between uses.
