@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from usp.atomic import write_text
 from usp.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -94,9 +95,7 @@ def write_run_marker(run_dir: Path) -> None:
         return
     info = {"format": "usp-run", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
             "pid": os.getpid()}  # fmt: skip
-    tmp = marker.with_name(marker.name + ".tmp")
-    tmp.write_text(json.dumps(info) + "\n")
-    os.replace(tmp, marker)
+    write_text(marker, json.dumps(info) + "\n")
 
 
 # --- the lock --------------------------------------------------------------------------------------------
