@@ -18,6 +18,8 @@ crash leaves something clearly named that globs of the target's siblings (``step
 fixed name is cleared by the next run, a unique one is ignored.
 
 Local operations only: no collectives. Multi-rank callers publish from one rank after their own barrier.
+One replacing publisher per target at a time (a checkpoint step, an export, ``--overwrite``); writers that may
+race for the same target use ``replace=False``, where the rename itself decides who wins.
 """
 
 from __future__ import annotations
@@ -102,8 +104,9 @@ def _asides(final: Path) -> list[Path]:
         tail = p.name[len(prefix):].rpartition("-")[2]
         return int(tail) if tail.isdigit() else -1
 
-    return sorted((p for p in final.parent.glob(f".{final.name}.{ASIDE_TAG}-*") if p.name.startswith(prefix)),
-                  key=stamp, reverse=True)  # fmt: skip
+    if not final.parent.is_dir():
+        return []
+    return sorted((p for p in final.parent.iterdir() if p.name.startswith(prefix)), key=stamp, reverse=True)
 
 
 def restore_aside(final: str | os.PathLike) -> bool:
