@@ -115,7 +115,8 @@ def enumerate_layouts(
     return enumerate_candidates(work, space, device)
 
 
-def _check_cluster(seq_len: int, world_size: int, node_size: int, global_batch: int | None) -> None:
+def _check_search(work: Workload, space: SearchSpace) -> None:
+    seq_len, world_size, node_size, global_batch = work.seq_len, space.world_size, space.node_size, work.global_batch
     if seq_len < 1:
         raise ValueError(f"--seq-len={seq_len} must be >= 1.")
     if world_size < 1 or node_size < 1:
@@ -126,6 +127,9 @@ def _check_cluster(seq_len: int, world_size: int, node_size: int, global_batch: 
         raise ValueError(f"world size {world_size} is not a multiple of the node size {node_size}.")
     if global_batch is not None and global_batch < 1:
         raise ValueError(f"--global-batch={global_batch} must be >= 1 (sequences per optimizer step).")
+    for name, value in (("ulysses_degree", space.ulysses_degree), ("ring_degree", space.ring_degree)):
+        if value is not None and (value < 1 or world_size % value):
+            raise ValueError(f"--{name.replace('_', '-')}={value} must divide the world size {world_size}.")
 
 
 def rank_layouts(layouts: list[LayoutEstimate], tie_tolerance: float = TIE_TOLERANCE) -> list[LayoutEstimate]:
@@ -172,10 +176,6 @@ def plan_layouts(
 
     Raises :class:`NoFeasibleLayoutError` (a ``ValueError``) saying why nothing fits and what would.
     """
-    _check_cluster(seq_len, world_size, node_size, global_batch)
-    for name, value in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
-        if value is not None and (value < 1 or world_size % value):
-            raise ValueError(f"--{name.replace('_', '-')}={value} must divide the world size {world_size}.")
     work = Workload(
         model, seq_len, global_batch=global_batch, compute_bytes=compute_bytes, loss_chunk_size=loss_chunk_size,
         ring_layout=ring_layout, documents=documents, overhead_frac=overhead_frac, headroom_gib=headroom_gib,
@@ -190,7 +190,9 @@ def plan_layouts(
 
 def search_layouts(work: Workload, space: SearchSpace, device: DeviceSpec) -> list[LayoutEstimate]:
     """:func:`plan_layouts` on a workload and a search space: the ranked fitting layouts, or
-    :class:`NoFeasibleLayoutError` with :func:`usp.plan.advice.explain_no_fit`'s message."""
+    :class:`NoFeasibleLayoutError` with :func:`usp.plan.advice.explain_no_fit`'s message. Checks the cluster
+    and the pinned degrees first."""
+    _check_search(work, space)
     candidates, rejected = enumerate_candidates(work, space, device)
     fitting = [c for c in candidates if c.fits]
     if fitting:
