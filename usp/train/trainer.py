@@ -7,7 +7,7 @@ Order (every rank runs all of it; each stage is collective where it says so):
    here is destroyed here.
 2. the run dir, checked and locked on rank 0 (:mod:`usp.train.rundir`); the tiny model built if asked.
 3. validation and resolution, once, before any weights or data (:func:`usp.train.validate.validate`): the
-   config's own rules, the checkpoint dir, the degrees (or the planner's choice for ``auto``) against the
+   config's own rules, the model dir (``model.path``), the degrees (or the planner's choice for ``auto``) against the
    world, sequence length vs layout, heads vs Ulysses, the MLP tiles, optimizer and trainer settings, the
    resume path. The result is a frozen :class:`~usp.train.validate.Layout` that every later stage reads; the
    config is never changed. A ``ValueError`` on any rank is raised on every rank (one all_gather of short
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from usp.config import TrainConfig
 from usp.model import build_empty_causal_lm, load_sharded_weights, parse_dtype, weight_devices
 from usp.parallel import SPMesh, init_sp_mesh
-from usp.parallel.agree import on_every_rank  # noqa: F401 - public here too (tests import it from here)
-from usp.parallel.process_group import init_distributed, resolve_device  # public here too
+from usp.parallel.agree import on_every_rank
+from usp.parallel.process_group import init_distributed, resolve_device
 from usp.train.loss import IGNORE_INDEX
 from usp.train.optim import build_optimizer
 from usp.train.parallelize import decoder_layers, parallelize
@@ -53,10 +53,9 @@ from usp.train.watchdog import build_watchdog
 logger = logging.getLogger(__name__)
 
 
-# --- validation loss ----------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: torch.device) -> float:
-    """Token-weighted mean loss over one pass of ``loader`` (all ranks together)."""
+    """The validation loss: token-weighted mean over one pass of ``loader`` (all ranks together)."""
     total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets]
     for batch in loader:
         labels = batch["labels"].to(device)

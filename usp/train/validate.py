@@ -129,7 +129,7 @@ def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device:
         "fsdp_mode": p.fsdp_mode, "activation_checkpointing": p.activation_checkpointing, "ac_every_k": p.ac_every_k,
         "attn_head_chunks": p.attn_head_chunks,
     }  # fmt: skip
-    reason = "set in the config"
+    reason, planned_tiles = "set in the config", None
     if "auto" in (p.ulysses_degree, p.ring_degree):
         from usp.plan import auto_degrees
 
@@ -138,15 +138,15 @@ def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device:
             model_config.to_dict(), seq_len=cfg.trainer.seq_len, world_size=world_size, node_size=node_size,
             gpu=gpu, memory_gib=cfg.cluster.memory_gib, **_planner_constraints(cfg),
         )  # fmt: skip
-        chosen.update((k, v) for k, v in plan.items() if k in chosen or k == "mlp_tiles")
-        reason = f"planner: {plan.get('reason', '')}"
+        chosen.update((k, v) for k, v in plan.items() if k in chosen)
+        reason, planned_tiles = f"planner: {plan.get('reason', '')}", plan.get("mlp_tiles")  # tiles: if auto
     dims = ParallelDims(
         world_size=world_size, ulysses_degree=chosen["ulysses_degree"], ring_degree=chosen["ring_degree"],
         dp_degree=chosen["dp_degree"], node_size=node_size, allow_cross_node_ulysses=p.allow_cross_node_ulysses,
     )  # fmt: skip
     check_sequence_length(cfg.trainer.seq_len, dims.ring_degree, dims.ulysses_degree, p.ring_layout)
-    if "mlp_tiles" in chosen:  # the planner's choice for mlp_tiles=auto, as it planned it
-        mlp_tiles = int(chosen["mlp_tiles"])
+    if planned_tiles is not None:  # the planner's choice for mlp_tiles=auto, as it planned it
+        mlp_tiles = int(planned_tiles)
     else:
         local_tokens = cfg.trainer.seq_len // dims.sp_degree
         mlp_tiles = resolve_mlp_tiles(p.mlp_tiles, local_tokens=local_tokens, hidden_size=model_config.hidden_size)
