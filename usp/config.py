@@ -400,8 +400,9 @@ def states_on_host(optim_name: str, cpu_offload: bool) -> bool:
 
 def validate_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int | None = None) -> None:
     """Check the degrees against the launched world (``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``) and ``seq_len``
-    against the sequence layout, before anything expensive. Degrees set to ``auto`` are left to the planner
-    (only the given one is checked to divide the world size).
+    against the sequence layout, before anything expensive. A degree set to ``auto`` is left to the planner and
+    counts as 1 here: the fixed one is checked (world size, node size) and the sequence length waits for the
+    planner's choice.
 
     Raises ``ValueError`` with the numbers (from :class:`usp.parallel.ParallelDims`) and the fix.
     """
@@ -409,21 +410,21 @@ def validate_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int 
 
     p = cfg.parallel
     node_size = p.node_size if p.node_size is not None else local_world_size
-    if "auto" in (p.ulysses_degree, p.ring_degree):
-        for name in ("ulysses_degree", "ring_degree"):
-            value = getattr(p, name)
-            if value != "auto" and world_size % value != 0:
-                raise ValueError(
-                    f"parallel.{name}={value} does not divide the world size {world_size}; launch a multiple "
-                    f"of {value} ranks or change parallel.{name}."
-                )
+    auto = [name for name in ("ulysses_degree", "ring_degree") if getattr(p, name) == "auto"]
+    try:
+        ParallelDims(  # an ``auto`` degree counts as 1 (the planner's choice only multiplies the product)
+            world_size=world_size,
+            ulysses_degree=1 if "ulysses_degree" in auto else p.ulysses_degree,
+            ring_degree=1 if "ring_degree" in auto else p.ring_degree,
+            dp_degree=-1 if auto else p.dp_degree,
+            node_size=node_size,
+            allow_cross_node_ulysses=p.allow_cross_node_ulysses,
+        )
+    except ValueError as e:
+        if not auto:
+            raise
+        counted = " and ".join(f"parallel.{name}=auto" for name in auto)
+        raise ValueError(f"{e} ({counted} counted as 1 here: the planner picks it at start-up.)") from e
+    if auto:
         return
-    ParallelDims(
-        world_size=world_size,
-        ulysses_degree=p.ulysses_degree,
-        ring_degree=p.ring_degree,
-        dp_degree=p.dp_degree,
-        node_size=node_size,
-        allow_cross_node_ulysses=p.allow_cross_node_ulysses,
-    )
     check_sequence_length(cfg.trainer.seq_len, p.ring_degree, p.ulysses_degree, p.ring_layout)
