@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from usp.bench.maxlen import Attempt, attempt_from, choose_optim, search, table
+from usp.bench.maxlen import Attempt, attempt_from, choose_optim, deepest_fitting, search, table
+from usp.bench.maxlen import main as maxlen_main
 from usp.bench.maxlen_attempt import classify
+from usp.bench.maxlen_setup import model_fields
+from usp.plan import load_model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,12 +73,27 @@ def test_search_stops_on_an_error_and_on_the_budget():
 
 def test_choose_optim():
     ok, broken = (lambda: None), (lambda: "gcc: not found")
-    assert choose_optim("auto", host_fits=True, cpu_adam_error=ok)[0] == "deepspeed_cpu_adam"
-    assert choose_optim("auto", host_fits=True, cpu_adam_error=broken)[0] == "adamw_cpu_offload"
-    assert choose_optim("deepspeed_cpu_adam", host_fits=False, cpu_adam_error=broken)[0] == "adamw_cpu_offload"
-    name, why = choose_optim("auto", host_fits=False, cpu_adam_error=broken)
-    assert name == "adamw" and "host" in why
-    assert choose_optim("adamw_cpu_offload", host_fits=True, cpu_adam_error=broken)[0] == "adamw_cpu_offload"
+    assert choose_optim("auto", cpu_adam_error=ok)[0] == "deepspeed_cpu_adam"
+    assert choose_optim("auto", cpu_adam_error=broken)[0] == "adamw_cpu_offload"
+    name, why = choose_optim("deepspeed_cpu_adam", cpu_adam_error=broken)
+    assert name == "adamw_cpu_offload" and "gcc: not found" in why
+    assert choose_optim("adamw", cpu_adam_error=broken)[0] == "adamw"
+
+
+def test_host_memory_decides_the_depth(tmp_path):
+    """Llama-3.1-8B's offloaded states (16 B x 8.03e9 = 120 GiB) do not fit a 128 GiB host (85% usable): auto
+    depth keeps a shallower model of the same width; a host too small for the asked model fails at once."""
+    fields = model_fields("llama-3.1-8b")
+    assert deepest_fitting(fields, host_mem_gib=2048, seq_len=4096, compute_bytes=2) == 32
+    deepest = deepest_fitting(fields, host_mem_gib=128, seq_len=4096, compute_bytes=2)
+    assert 8 <= deepest < 32
+    spec = load_model_spec({**fields, "num_hidden_layers": deepest})
+    assert spec.num_params * 16 <= 0.85 * 0.75 * 128 * 2**30  # states leave a quarter for pinned inputs
+    assert load_model_spec({**fields, "num_hidden_layers": deepest + 1}).num_params * 16 > 0.85 * 0.75 * 128 * 2**30 - 2**30
+    if 0.85 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") < 120 * 2**30:  # this machine
+        with pytest.raises(ValueError, match="--num-layers auto"):
+            maxlen_main(["--out", str(tmp_path / "m.json")])
+        assert not (tmp_path / "maxlen-work").exists()  # failed before any setup
 
 
 def test_classify_outcomes():

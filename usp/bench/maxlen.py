@@ -201,25 +201,34 @@ class Planner:
             return None
 
 
-def choose_optim(
-    setting: str, *, host_fits: bool, cpu_adam_error: Callable[[], str | None]
-) -> tuple[str, str]:
-    """``(optim.name, why)``: ``auto`` keeps the states on the host when the host holds them (DeepSpeed's CPU
-    Adam, or torch's fused AdamW there when DeepSpeed's op does not build), else on the device."""
-    if setting == "auto" and not host_fits:
-        return (
-            "adamw",
-            "the host cannot hold the offloaded states (planner's host terms): states on the device",
-        )
+def choose_optim(setting: str, *, cpu_adam_error: Callable[[], str | None]) -> tuple[str, str]:
+    """``(optim.name, why)``: ``auto`` and ``deepspeed_cpu_adam`` step on the host with DeepSpeed's CPU Adam,
+    or with torch's fused AdamW there (``adamw_cpu_offload``) when DeepSpeed's op does not build."""
     if setting in ("auto", "deepspeed_cpu_adam"):
         err = cpu_adam_error()
         if err is None:
             return "deepspeed_cpu_adam", f"{setting}: DeepSpeed's CPU Adam builds"
-        return (
-            "adamw_cpu_offload",
-            f"DeepSpeed's CPU Adam did not build ({err}): torch's fused AdamW on the host",
-        )
+        return "adamw_cpu_offload", f"DeepSpeed's CPU Adam did not build ({err}): torch's fused AdamW on the host"
     return setting, "set by --optim"
+
+
+def deepest_fitting(fields: dict[str, Any], *, host_mem_gib: float, seq_len: int, compute_bytes: int,
+                    keep_frac: float = 0.25) -> int:  # fmt: skip
+    """The most decoder layers (at most the model's) whose offloaded states and pinned layer inputs at
+    ``seq_len`` take at most ``1 - keep_frac`` of the usable host memory (the planner's terms,
+    :func:`usp.plan.host_memory`), leaving ``keep_frac`` for the pinned inputs of longer sequences; 0 when
+    not even one layer does. ``--num-layers auto``."""
+    from usp.plan import host_memory, load_model_spec
+    from usp.plan.offload import HOST_USABLE_FRAC
+
+    usable = HOST_USABLE_FRAC * host_mem_gib * GIB * (1 - keep_frac)
+    for layers in range(int(fields["num_hidden_layers"]), 0, -1):
+        spec = load_model_spec({"vocab_size": 512, **fields, "num_hidden_layers": layers})
+        need = host_memory(spec, seq_len=seq_len, ulysses_degree=1, ring_degree=1, world_size=1, node_size=1,
+                           activation_checkpointing="offload", offload=True, compute_bytes=compute_bytes)["node"]  # fmt: skip
+        if need <= usable:
+            return layers
+    return 0
 
 
 def cpu_adam_error(timeout_s: float) -> str | None:
@@ -296,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m usp.bench.maxlen", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b", help="a preset name or a config.json / checkpoint dir")
     p.add_argument("--tiny", action="store_true", help="the tiny Llama on the CPU, fp32, 256-token granules")
-    p.add_argument("--num-layers", type=int, default=None, help="a shallower model of the same width")
+    p.add_argument(
+        "--num-layers", default=None, help="a shallower model of the same width: N, or auto (deepest the host holds)"
+    )
     p.add_argument("--out", default="bench_results/maxlen/maxlen.json", help="the JSON report")
     p.add_argument(
         "--work-dir", default=None, help="checkpoint, corpora, data cache (default: next to --out)"
@@ -348,14 +359,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--mlp-tiles={args.mlp_tiles!r}: use auto or an integer >= 1.")
     out = Path(args.out)
     work = Path(args.work_dir) if args.work_dir else out.parent / "maxlen-work"
-    model_fields(model, num_layers=args.num_layers)  # a bad --model or --num-layers fails here, at once
+    host_gib = _memory_gib("MemTotal")
+    compute_bytes = 4 if dtype == "float32" else 2
+    host_states = args.optim != "adamw"
+    layers_note = "set by --num-layers" if args.num_layers not in (None, "auto") else "the model's"
+    if args.num_layers not in (None, "auto") and not str(args.num_layers).isdigit():
+        raise ValueError(f"--num-layers={args.num_layers!r}: use a whole number >= 1, or auto.")
+    fields = model_fields(model, num_layers=None if args.num_layers in (None, "auto") else int(args.num_layers))
+    if args.num_layers == "auto" and host_states:
+        deepest = deepest_fitting(fields, host_mem_gib=host_gib, seq_len=g, compute_bytes=compute_bytes)
+        if deepest < fields["num_hidden_layers"]:
+            layers_note = (f"auto: {deepest} of {fields['num_hidden_layers']} layers, the deepest whose offloaded "
+                           f"states this host ({host_gib:.0f} GiB) holds with room for pinned layer inputs")  # fmt: skip
+            fields["num_hidden_layers"] = deepest
+    if host_states and deepest_fitting(fields, host_mem_gib=host_gib, seq_len=g, compute_bytes=compute_bytes,
+                                       keep_frac=0.0) < fields["num_hidden_layers"]:  # fmt: skip
+        raise ValueError(
+            f"this host's memory ({host_gib:.0f} GiB, {0.85 * host_gib:.0f} usable) cannot hold the offloaded "
+            f"optimizer states of {model} with {fields['num_hidden_layers']} layers (16 bytes per parameter): "
+            f"measure a shallower model of the same width (--num-layers auto, or a number), or keep the states "
+            f"on the device (--optim adamw)."
+        )
+    num_layers = None if layers_note == "the model's" else fields["num_hidden_layers"]
     model_dir = (
-        work / f"model-{Path(model).name}{'' if args.num_layers is None else f'-L{args.num_layers}'}-{dtype}"
+        work / f"model-{Path(model).name}{'' if num_layers is None else f'-L{num_layers}'}-{dtype}"
     )
 
     setup = subprocess.run(  # in a child: this process never holds a CUDA context
         [sys.executable, "-m", "usp.bench.maxlen_setup", "--model", model, "--out", str(model_dir), "--dtype", dtype]
-        + ([] if args.num_layers is None else ["--num-layers", str(args.num_layers)]),
+        + ([] if num_layers is None else ["--num-layers", str(num_layers)]),
         capture_output=True, text=True, check=True, cwd=ROOT, timeout=args.budget,
     )  # fmt: skip
     info = json.loads(setup.stdout.strip().splitlines()[-1])
@@ -365,27 +397,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise ValueError(
             f"the planner does not know the GPU {dev['name']!r}: pass --gpu (h100-80g, h200, ...)."
         )
-    host_gib = _memory_gib("MemTotal")
     config = json.loads((model_dir / "config.json").read_text())  # what the trainer trains
     planner = Planner(str(model_dir), gpu=gpu, memory_gib=dev["memory_gib"], host_mem_gib=host_gib, mlp_tiles=args.mlp_tiles,
-                      loss_chunk_size=args.loss_chunk_size, compute_bytes=4 if dtype == "float32" else 2)  # fmt: skip
-    host_fits = planner.estimate(g, True).host_fits
+                      loss_chunk_size=args.loss_chunk_size, compute_bytes=compute_bytes)  # fmt: skip
     optim, optim_reason = choose_optim(
-        args.optim, host_fits=host_fits,
+        args.optim,
         cpu_adam_error=lambda: cpu_adam_error(max(1.0, min(args.build_timeout, deadline - time.monotonic()))),
-    )  # fmt: skip
-    host_states = optim != "adamw"
+    )
     planned = planner.max_seq_len(host_states, g, None)
     raw = planner.max_seq_len(host_states, g, 0.0)
     start = args.start
-    if (
-        start is None
-    ):  # the planner's limit, shortened until its predicted steps take half the attempt timeout
+    if start is None:  # the planner's limit, shortened until its predicted steps take half an attempt's time
         start = round_down(min(raw or args.max_len, args.max_len), g)
-        while (
-            start > g
-            and args.steps * planner.estimate(start, host_states).step_time_s > args.attempt_timeout / 2
-        ):
+        while start > g and args.steps * planner.estimate(start, host_states).step_time_s > args.attempt_timeout / 2:
             start = round_down(start / args.factor, g)
     print(f"maxlen: {model} ({planner.spec.num_params / 1e9:.2f}B params) on {dev['name']} (planner device {gpu}, "
           f"host {host_gib:.0f} GiB); optim.name={optim} ({optim_reason}); planner max {planned} (no headroom: "
@@ -435,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "attempts": [asdict(a) for a in attempts],
         "planner": {"max_seq_len": planned, "max_seq_len_no_headroom": raw, "device": gpu,
                     "at_max_seq_len": None if best is None else planner.predict(best, host_states)},
-        "settings": {"model": model, "num_layers": config["num_hidden_layers"], "params": planner.spec.num_params,
+        "settings": {"model": model, "num_layers": config["num_hidden_layers"], "num_layers_note": layers_note, "params": planner.spec.num_params,
                      "activation_checkpointing": "offload", "mlp_tiles": args.mlp_tiles, "optim": optim,
                      "optim_reason": optim_reason, "dtype": dtype, "loss_chunk_size": args.loss_chunk_size,
                      "steps": args.steps, "granularity": g, "factor": args.factor, "start": start,
