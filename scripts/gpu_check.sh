@@ -15,8 +15,9 @@
 #    the fwd/fwd+bwd step at 8K and 32K tokens, dense and with packed documents. -> usp_bench*.json
 # Each step has its own timeout (3.5 + 1 + 1.5 + 1.5 min, 7.5 at most); a failing step is recorded and the next one still runs.
 # 3. (only when asked: it does not fit a 15-minute session together with 1 and 2) python -m usp.bench.maxlen:
-#    the longest sequence that trains Llama-3.1-8B (random weights) on this GPU with checkpoint offload, MLP
-#    tiles and the optimizer on the host, one trainer run per length, against the planner. -> maxlen.json,
+#    the longest sequence that trains Llama-3.1-8B (random weights; fewer layers when the host cannot hold its
+#    offloaded states) on this GPU with checkpoint offload, MLP tiles and the optimizer on the host, one
+#    trainer run per length, against the planner. -> maxlen.json,
 #    maxlen-attempts/ (logs); its checkpoint (16 GB) and corpora stay in bench_results/maxlen-work for reruns.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -77,7 +78,7 @@ if [ "$checks" -eq 1 ]; then
 fi
 if [ -n "$maxlen_s" ]; then  # the search stops itself at its budget; the timeout is a backstop
     run maxlen "$((maxlen_s + 90))" "$py" -m usp.bench.maxlen --budget "$maxlen_s" --out "$out/maxlen.json" \
-        --work-dir bench_results/maxlen-work
+        --num-layers auto --steps 1 --work-dir bench_results/maxlen-work  # auto: all 32 where the host holds them
 fi
 
 echo "results in $out (exit codes: $(tr '\n' ' ' <"$out/exit_codes.txt"))"

@@ -135,7 +135,7 @@ def test_cpu_search_brackets_an_injected_memory_limit(tmp_path):
     assert [(a["seq_len"], a["status"]) for a in attempts] == [(1536, "oom"), (1024, "ok"), (1280, "oom")]
     assert report["max_seq_len"] == 1024 == max(a["seq_len"] for a in attempts if a["status"] == "ok")
     assert report["max_seq_len"] <= 1100 < report["max_seq_len"] + report["settings"]["granularity"]
-    assert report["stopped"] == "converged"
+    assert (report["stopped"], report["limited_by"]) == ("converged", "oom")
     best = report["best"]
     assert best["seq_len"] == 1024 and best["mlp_tiles"] == 16  # auto: tiles of hidden_size (64) tokens
     for key in ("step_time_s", "tokens_per_s", "mfu", "peak_mem_gib"):
@@ -146,3 +146,29 @@ def test_cpu_search_brackets_an_injected_memory_limit(tmp_path):
     s = report["settings"]
     assert (s["activation_checkpointing"], s["optim"], s["mlp_tiles"], s["steps"]) == ("offload", "adamw_cpu_offload", "auto", 2)
     assert "| 1024 | ok | 16 |" in proc.stdout and "longest trained: 1024 tokens" in proc.stdout
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_descendants_include_other_sessions():
+    """A timed-out attempt is killed with all its descendants, also those in sessions of their own (the
+    compilers of a JIT build did that and outlived the attempt)."""
+    import signal
+
+    from usp.bench.maxlen_attempt import _descendants
+
+    proc = subprocess.Popen(["bash", "-c", "setsid sleep 60 & sleep 60"], start_new_session=True)
+    try:
+        for _ in range(50):
+            found = _descendants(proc.pid)
+            if len(found) == 2:
+                break
+            import time
+
+            time.sleep(0.1)
+        assert len(found) == 2  # the plain child and the one in its own session
+        names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in found}
+        assert names == {"sleep"}
+    finally:
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()

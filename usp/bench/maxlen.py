@@ -454,8 +454,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         time_left=lambda: deadline - time.monotonic() >= args.min_attempt_s,
     )  # fmt: skip
     found = next((a for a in attempts if a.ok and a.seq_len == best), None)
+    above = sorted((a for a in attempts if not a.ok and (best is None or a.seq_len > best)), key=lambda a: a.seq_len)
+    limited_by = above[0].status if above else stopped  # what stopped the next longer length (oom, timeout ...)
     report = {
-        "max_seq_len": best, "stopped": stopped, "best": None if found is None else asdict(found),
+        "max_seq_len": best, "stopped": stopped, "limited_by": limited_by, "best": None if found is None else asdict(found),
         "attempts": [asdict(a) for a in attempts],
         "planner": {"max_seq_len": planned, "max_seq_len_no_headroom": raw, "device": gpu,
                     "at_max_seq_len": None if best is None else planner.predict(best, host_states)},
@@ -474,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     summary = "none trained" if found is None else (
         f"{best} tokens (step {found.step_time_s:.2f} s, {found.tokens_per_s:.0f} tokens/s, MFU {100 * found.mfu:.1f}%, "
         f"peak {_fmt(found.peak_mem_gib, '.2f')} GiB allocated, {_fmt(found.peak_mem_reserved_gib, '.2f')} reserved)")  # fmt: skip
-    print(f"longest trained: {summary}; planner: {planned} ({raw} without headroom); stopped: {stopped} after "
+    print(f"longest trained: {summary}; next longer: {limited_by}; planner: {planned} ({raw} without headroom); stopped: {stopped} after "
           f"{len(attempts)} attempt(s), {report['elapsed_s']:.0f} s; report {out}", flush=True)  # fmt: skip
     return report
 

@@ -22,6 +22,7 @@ trainer: ``mlp_tiles`` ...), ``error`` (the exception's type and first line), ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -77,6 +78,24 @@ def run_attempt(spec: dict[str, Any]) -> dict[str, Any]:
     return {"records": result["metrics"], "layout": result["layout"]}
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux ``/proc``; none elsewhere), children before their parents'
+    siblings. Taken before killing: a killed parent's children are adopted by init and can no longer be found."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children.get(child, []))
+    return out
+
+
 def launch(spec: dict[str, Any], *, timeout_s: float, log_path: str | os.PathLike) -> dict[str, Any]:
     """Run ``spec`` in a fresh process (a session of its own, killed as a group at ``timeout_s``), its output
     in ``log_path``; returns its result, or ``{"status": "timeout"}`` (killed at the timeout) / ``"killed"``
@@ -100,6 +119,9 @@ def launch(spec: dict[str, Any], *, timeout_s: float, log_path: str | os.PathLik
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
+            for pid in [*_descendants(proc.pid), proc.pid]:  # compilers a JIT build starts leave the group
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
     wall = time.perf_counter() - start
