@@ -91,6 +91,25 @@ def test_export_plain_model_and_replace_previous_export(tiny_dir, tmp_path):
     _check_export(tiny_dir, out_dir, ref)
 
 
+def test_export_failing_mid_write_keeps_the_previous_export_whole(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out_dir = tmp_path / "hf"
+    ref = _train_and_export(tiny_dir, str(out_dir), False)
+    before = {p.name: p.read_bytes() for p in out_dir.iterdir()}
+
+    class FailingTokenizer:  # the weights and config are already written when this fails
+        def save_pretrained(self, path):
+            raise OSError("disk full (simulated)")
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_hf(model, tokenizer=FailingTokenizer(), out_dir=out_dir)
+    assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no half-written temp dir left beside it
+    _check_export(tiny_dir, out_dir, ref)
+
+
 def test_export_refuses_foreign_directory(tiny_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -373,3 +373,29 @@ def test_intermediate_files_are_deleted_before_the_final_copy(tmp_path, tokenize
     extra = read_stats(res.path)["extra"]
     assert extra["tokenizer_identity"]["vocab_size"] == len(tokenizer)
     assert 0 < extra["max_token_id"] < len(tokenizer)
+
+
+def test_overwrite_keeps_the_previous_output_until_the_new_one_is_in_place(tmp_path, tokenizer, monkeypatch):
+    """--overwrite: if the new rows cannot be moved into place, the previous prepared dataset is still there."""
+    import usp.atomic as atomic
+
+    src = _write_jsonl(tmp_path / "c.jsonl", tiny_corpus_texts(40, seed=5))
+    out = tmp_path / "out"
+    kw = dict(tokenizer=tokenizer, output=out, cache_dir=tmp_path / "hf", log=lambda _: None)
+    prepare_dataset([str(src)], seq_len=32, **kw)
+    real = atomic.os.replace
+
+    def refuse_new_rows(src_path, dst_path):
+        if Path(dst_path) == out and ".work-" in str(src_path):
+            raise OSError("rename refused (simulated)")
+        return real(src_path, dst_path)
+
+    monkeypatch.setattr(atomic.os, "replace", refuse_new_rows)
+    with pytest.raises(OSError, match="rename refused"):
+        prepare_dataset([str(src)], seq_len=40, overwrite=True, **kw)
+    monkeypatch.undo()
+    assert read_stats(out)["seq_len"] == 32 and datasets.load_from_disk(str(out)).num_rows > 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "hf") == ["c.jsonl", "out"]
+    prepare_dataset([str(src)], seq_len=40, overwrite=True, **kw)
+    assert read_stats(out)["seq_len"] == 40
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "hf") == ["c.jsonl", "out"]

@@ -521,6 +521,8 @@ def test_run_dir_of_this_usp_and_a_fresh_launch_are_accepted(tmp_path):
     (launched / ".hydra").mkdir(parents=True)
     (launched / "usp-train.log").write_text("")
     check_run_dir(launched)  # what Hydra writes before the trainer starts
+    (launched / ".usp-run.json.tmp-123-456").write_text("")  # the marker's write was killed halfway
+    check_run_dir(launched)
     older = tmp_path / "older"
     shutil.copytree(launched, older)
     (older / "layout.json").write_text('{"ulysses_degree": 2}')

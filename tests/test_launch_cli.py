@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from usp.launch import cli, commands
-from usp.launch.overrides import check_degrees, find_override, override_key
+from usp.launch.overrides import check_degrees, find_override, has_override, override_key, parse_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 # What a real recipe needs from the user (composition stops on ??? values before anything is launched).
@@ -242,7 +243,7 @@ def test_allocation_uses_all_its_nodes(capsys, monkeypatch):
 # --- errors before launch ----------------------------------------------------------------------------
 def test_degrees_not_dividing_world(capsys):
     err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "parallel.ulysses_degree=3", "--dry-run")
-    assert "parallel.ulysses_degree=3 does not divide the world size" in err
+    assert "parallel.ulysses_degree=3 x parallel.ring_degree=1 = 3 does not divide the world size 4" in err
     assert "1 node(s) x 4 process(es) per node = 4 ranks" in err
     assert "[1, 2, 4]" in err
 
@@ -250,14 +251,16 @@ def test_degrees_not_dividing_world(capsys):
 def test_ulysses_across_nodes_rejected(capsys):
     err = fails(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "8",
                 "parallel.ulysses_degree=16", "parallel.ring_degree=1", "--dry-run")  # fmt: skip
-    assert "parallel.ulysses_degree=16 does not divide the ranks per node (LOCAL_WORLD_SIZE) = 8" in err
+    assert "parallel.ulysses_degree=16 would make Ulysses groups span nodes of 8 ranks" in err
+    assert "[1, 2, 4, 8]" in err and "node size 8 = LOCAL_WORLD_SIZE" in err
     assert "parallel.allow_cross_node_ulysses=true" in err
 
 
 def test_ulysses_checked_against_node_size_override(capsys):
     err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "parallel.ulysses_degree=4",
                 "parallel.node_size=2", "--dry-run")  # fmt: skip
-    assert "does not divide the parallel.node_size = 2" in err
+    assert "parallel.ulysses_degree=4 would make Ulysses groups span nodes of 2 ranks" in err
+    assert "node size parallel.node_size=2" in err
 
 
 def test_auto_degrees_accepted(capsys):
@@ -269,11 +272,11 @@ def test_auto_degrees_accepted(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["local", "parallel.ring_degree=2"], "parallel.ring_degree=2 does not divide the world size"),
+        (["local", "parallel.ring_degree=2"], "parallel.ring_degree=2 = 2 does not divide the world size 1"),
         (["slurm", "--nodes", "2", "--gpus-per-node", "8", "parallel.ulysses_degree=4", "parallel.ring_degree=2",
           "parallel.dp_degree=4"],
-         "parallel.dp_degree=4 x ulysses_degree=4 x ring_degree=2 = 32 != 2 node(s)"),
-        (["torchrun", "--nproc-per-node", "4", "parallel.ring_degree=two"], "parallel.ring_degree=two is invalid"),
+         "parallel.dp_degree=4 x ulysses_degree=4 x ring_degree=2 = 32 != world size 16"),
+        (["torchrun", "--nproc-per-node", "4", "parallel.ring_degree=two"], "parallel.ring_degree='two' is invalid"),
         (["torchrun", "--nproc-per-node", "0"], "--nproc-per-node=0 is invalid"),
         (["torchrun", "recipe=tiny"], "no GPUs found"),
         (["torchrun", "--cpu", "recipe=tiny"], "--cpu needs --nproc-per-node N"),
@@ -327,7 +330,7 @@ def test_hydra_flags_still_rejected_before_dashes(capsys):
     err = fails(capsys, "local", "recipe=tiny", "--cfg", "job", "--dry-run")
     assert "unknown option '--cfg'" in err
     err = fails(capsys, "local", "--", "parallel.ring_degree=2", "--cfg", "job", "--dry-run")
-    assert "parallel.ring_degree=2 does not divide the world size" in err
+    assert "parallel.ring_degree=2 = 2 does not divide the world size 1" in err
 
 
 # --- running --------------------------------------------------------------------------------------------
@@ -370,13 +373,104 @@ def test_rdzv_port():
     assert commands.rdzv_port("123456") == 23456
 
 
-def test_override_parsing():
+def test_override_parsing_is_hydras():
+    """Keys and values as Hydra's override parser reads them (typed values, quotes, lists, +/++/~ forms)."""
     assert override_key("++parallel.ring_degree=2") == "parallel.ring_degree"
+    assert override_key("+parallel.ring_degree=2") == "parallel.ring_degree"
     assert override_key("~logging.wandb") == "logging.wandb"
-    assert find_override(["a.b=1", "+a.b=2", "c=3"], "a.b") == "2"
-    assert find_override(["c=3"], "a.b") is None
+    assert override_key("hydra/job_logging=none") == "hydra/job_logging"
+    assert find_override(["a.b=1", "+a.b=2", "c=3"], "a.b") == 2
+    assert find_override(["a.b='2'"], "a.b") == "2"  # a quoted value stays a string, as the trainer gets it
+    inputs = 'data.inputs=["/d/a=1.jsonl",/d/b.jsonl]'  # a quoted '=' inside a list value
+    assert find_override([inputs], "data.inputs") == ["/d/a=1.jsonl", "/d/b.jsonl"]
+    assert find_override(["a.b=1", "~a.b"], "a.b") is None and find_override(["c=3"], "a.b") is None
+    assert find_override(["--cfg", "job", "a.b=3"], "a.b") == 3  # Hydra's flags and their values are skipped
+    assert has_override(["+trainer.device=cpu"], "trainer.device") and not has_override(["a=1"], "trainer.device")
+
+
+@pytest.mark.parametrize(
+    ("word", "message"),
+    [("tiny", "'tiny' is not a Hydra override (missing EQUAL"), ("=3", "'=3' has an empty key"),
+     ("data.inputs=[a.jsonl", "'data.inputs=[a.jsonl' is not a Hydra override"),
+     ("--cfg", "unknown option '--cfg'")],
+)  # fmt: skip
+def test_parse_overrides_names_the_bad_word(word, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_overrides(["recipe=tiny", word])
+
+
+def test_check_degrees_is_parallel_dims_on_the_command_lines_values():
+    """Without a composed config (Hydra flags after --): the command line's integer degrees, ParallelDims's rules."""
     check_degrees(["parallel.ulysses_degree=2", "parallel.ring_degree=2", "parallel.node_size=2"],
                   nodes=1, nproc_per_node=4)  # fmt: skip
+    with pytest.raises(ValueError, match=r"parallel.ulysses_degree=1 x parallel.ring_degree=3 = 3 does not divide"):
+        check_degrees(["parallel.ring_degree=3"], nodes=1, nproc_per_node=4)
+    with pytest.raises(ValueError, match=r"node_size=3 \(LOCAL_WORLD_SIZE\) does not divide the world size 4"):
+        check_degrees(["--cfg", "job", "parallel.node_size=3"], nodes=1, nproc_per_node=4)
+    # dp only when both sequence degrees are known; auto and non-integers are usp.train's to report
+    check_degrees(["parallel.dp_degree=4", "parallel.ring_degree=2"], nodes=1, nproc_per_node=8)
+    check_degrees(["parallel.ulysses_degree=auto", "parallel.ring_degree='2'"], nodes=1, nproc_per_node=1)
+
+
+# --- values the old string rules misread ---------------------------------------------------------------
+def test_interpolated_degree_is_resolved_not_rejected(capsys):
+    interpolated = "parallel.ulysses_degree=${parallel.ring_degree}"
+    out = dry_run(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "parallel.ring_degree=2", interpolated)
+    assert out.endswith(f"parallel.ring_degree=2 {shlex.quote(interpolated)}\n")
+    err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "2", "parallel.ring_degree=2", interpolated, "--dry-run")
+    assert "parallel.ulysses_degree=2 x parallel.ring_degree=2 = 4 does not divide the world size 2" in err
+
+
+@pytest.mark.parametrize("value", ["'2'", "0x2", "2.0", "true"])
+def test_a_degree_the_trainer_would_refuse_is_refused_in_its_words(capsys, value):
+    """Hydra reads '2' as a string, 0x2 as a string, 2.0 as a float: the trainer's config refuses them all."""
+    err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "2", f"parallel.ulysses_degree={value}", "--dry-run")
+    assert "parallel.ulysses_degree=" in err and "is invalid: use an integer >= 1 or 'auto'" in err
+
+
+def test_append_syntax_on_a_degree(capsys):
+    err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "+parallel.ring_degree=2", "--dry-run")
+    assert "An item is already at 'parallel.ring_degree'" in err and "'++parallel.ring_degree=2'" in err
+    err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "++parallel.ring_degree=3", "--dry-run")
+    assert "parallel.ring_degree=3 = 3 does not divide the world size 4" in err
+    out = dry_run(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "++parallel.ring_degree=2")
+    assert out.endswith(" ++parallel.ring_degree=2\n")
+
+
+def _recipe(tmp_path: Path, name: str, parallel: str) -> str:
+    """A recipe file outside the repository, found through Hydra's search path; returns its override."""
+    (tmp_path / "recipe").mkdir(exist_ok=True)
+    (tmp_path / "recipe" / f"{name}.yaml").write_text(f"# @package _global_\nparallel:\n{parallel}")
+    return f"hydra.searchpath=[file://{tmp_path}]"
+
+
+def test_degrees_set_in_a_recipe_file(capsys, tmp_path):
+    """What the recipe sets counts, not only what the command line says: the old command-line check refused
+    ulysses 16 on 8-GPU nodes although the recipe allows Ulysses across nodes."""
+    search = _recipe(tmp_path, "xnode", "  allow_cross_node_ulysses: true\n")
+    _recipe(tmp_path, "u16", "  ulysses_degree: 16\n  ring_degree: 1\n")
+    two_nodes = ("slurm", "--nodes", "2", "--gpus-per-node", "8", search)
+    out = dry_run(capsys, *two_nodes, "recipe=xnode", "parallel.ulysses_degree=16")
+    assert out.endswith("recipe=xnode parallel.ulysses_degree=16\n")
+    err = fails(capsys, *two_nodes, "recipe=u16", "--dry-run")
+    assert "parallel.ulysses_degree=16 would make Ulysses groups span nodes of 8 ranks" in err
+    dry_run(capsys, *two_nodes, "recipe=u16", "parallel.allow_cross_node_ulysses=yes")  # OmegaConf's true
+    err = fails(capsys, *two_nodes, "recipe=xnode", "parallel.ulysses_degree=16",
+                "parallel.allow_cross_node_ulysses=false", "--dry-run")  # fmt: skip
+    assert "span nodes of 8 ranks" in err
+
+
+def test_fixed_degree_next_to_auto_still_checked_against_the_node(capsys):
+    err = fails(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "8", "parallel.ulysses_degree=16",
+                "parallel.ring_degree=auto", "--dry-run")  # fmt: skip
+    assert "parallel.ulysses_degree=16 would make Ulysses groups span nodes of 8 ranks" in err
+
+
+def test_quoted_cluster_size_is_read_as_the_config_reads_it(capsys):
+    out = dry_run(capsys, "slurm", "recipe=llama31_8b_1m", "cluster.num_nodes='4'", "parallel.ring_degree=4", *USER)
+    assert out.startswith("sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 ")
+    err = fails(capsys, "slurm", "--nodes", "2", "cluster.num_nodes='4'", "--dry-run")
+    assert "--nodes=2 but cluster.num_nodes=4" in err
 
 
 def test_module_entry_out_of_process(monkeypatch):

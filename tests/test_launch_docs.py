@@ -51,3 +51,51 @@ def test_doc_command_works_as_written(words, monkeypatch, capsys):
     start = max(words.index(m) for m in MARKERS if m in words) + 1
     overrides = [w for w in words[start:] if not w.startswith("-") and "=" in w]
     compose_config(overrides)
+
+
+def fenced_blocks(path: Path) -> list[tuple[str, str]]:
+    """``(language, text)`` of every fenced block (language ``""`` for a plain one)."""
+    blocks: list[tuple[str, str]] = []
+    lang, lines = None, []
+    for line in path.read_text().splitlines(keepends=True):
+        if line.startswith("```"):
+            if lang is None:
+                lang, lines = line[3:].strip(), []
+            else:
+                blocks.append((lang, "".join(lines)))
+                lang = None
+        elif lang is not None:
+            lines.append(line)
+    return blocks
+
+
+def doc_errors(path: Path) -> list[tuple[list[str], str]]:
+    """The ``$ usp-launch ...`` examples of the plain blocks with the error they show (wrapped lines joined; a
+    trailing ``(...)`` elides the rest)."""
+    found = []
+    for lang, block in fenced_blocks(path):
+        for example in re.split(r"^\$ ", block, flags=re.M)[1:] if lang == "" else []:
+            command, _, shown = example.replace("\\\n", " ").partition("\n")
+            if command.startswith("usp-launch ") and shown.startswith("usp-launch: error: "):
+                found.append((shlex.split(command), " ".join(shown.split())))
+    return found
+
+
+ERRORS = doc_errors(DOC)
+
+
+def test_the_doc_shows_errors():
+    assert len(ERRORS) >= 3
+
+
+@pytest.mark.parametrize(("words", "shown"), ERRORS, ids=lambda x: " ".join(x)[-50:] if isinstance(x, list) else "")
+def test_doc_error_is_what_usp_launch_says(words, shown, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    for var in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE", "SLURM_CPUS_ON_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    assert cli.main(words[1:]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    if shown.endswith("(...)"):
+        assert said.startswith(shown.removesuffix("(...)").rstrip())
+    else:
+        assert said == shown

@@ -18,6 +18,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from usp.atomic import write_dir, write_text
+
 TINY_LLAMA_DEFAULTS: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -59,11 +61,8 @@ def build_tiny_corpus(path: str | os.PathLike, num_docs: int = 400, seed: int = 
     """Write ``num_docs`` synthetic documents as jsonl (``{"text": ...}`` per line); returns the file path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for text in tiny_corpus_texts(num_docs, seed):
-            f.write(json.dumps({text_field: text}) + "\n")
-    os.replace(tmp, path)
+    lines = (json.dumps({text_field: text}) + "\n" for text in tiny_corpus_texts(num_docs, seed))
+    write_text(path, "".join(lines))
     return path
 
 
@@ -101,24 +100,19 @@ def build_tiny_llama(path: str | os.PathLike, seed: int = 0, **config_overrides:
     path = Path(path)
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
         return path
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(tmp)
-    fields = {**TINY_LLAMA_DEFAULTS, **config_overrides}
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **fields,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    try:
-        os.replace(tmp, path)
-    except OSError:  # another process won the race; its checkpoint is complete
-        import shutil
 
-        shutil.rmtree(tmp, ignore_errors=True)
+    def write(tmp: Path) -> None:
+        tokenizer = build_tiny_tokenizer(tmp)
+        fields = {**TINY_LLAMA_DEFAULTS, **config_overrides}
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **fields,
+        )
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(str(tmp), safe_serialization=True)
+
+    write_dir(path, write, replace=False)  # False: another process won the race; its checkpoint is complete
     return path

@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 from datasets import Dataset, IterableDataset
 
+from usp.atomic import publish_dir, temp_path
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
 from usp.data.sources import check_inputs, is_prepared_dataset, load_text_sources
 from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, load_tokenizer, tokenize_documents
@@ -139,8 +140,7 @@ def prepare_dataset(
             if isinstance(raw, IterableDataset)
             else raw.select(range(min(max_documents, len(raw))))
         )
-    work = output.parent / f".{output.name}.work-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
+    work = temp_path(output, "work")  # tokenized and packed files, then the rows to publish: same filesystem
     work.mkdir(parents=True)
     try:
         tokenized = tokenize_documents(
@@ -223,6 +223,7 @@ def _publish(out_tmp: Path, output: Path, *, key: str, overwrite: bool, log: Cal
     are kept at a sibling path named in the ``ValueError``.
     """
     for _ in range(2):  # a second look if another process renamed into place between our check and ours
+        replace = False
         if _occupied(output):
             same = (
                 is_prepared_dataset(output)
@@ -233,19 +234,18 @@ def _publish(out_tmp: Path, output: Path, *, key: str, overwrite: bool, log: Cal
                 return False
             if not (overwrite and is_prepared_dataset(output)):
                 keep = output.parent / f"{output.name}.usp-{os.getpid()}"
-                os.replace(out_tmp, keep)
+                publish_dir(out_tmp, keep, replace=False)
                 raise ValueError(
                     f"--output {str(output)!r} appeared while preparing (another process?) and holds other data; "
                     f"it was left untouched and this run's rows were saved at {str(keep)!r}. Use that path, or "
                     "move it into place yourself."
                 )
-            shutil.rmtree(output) if output.is_dir() else output.unlink()  # --overwrite, a prepared dataset
-        try:
-            os.replace(out_tmp, output)
+            replace = True
+        try:  # --overwrite of a prepared dataset: the previous one stays whole until the new one is in place
+            publish_dir(out_tmp, output, replace=replace)
             return True
-        except OSError:
-            if not _occupied(output):
-                raise
+        except FileExistsError:
+            pass
     raise ValueError(
         f"--output {str(output)!r} keeps being replaced by another process; choose another path."
     )

@@ -9,10 +9,10 @@ context length as a dashed vertical line) and ``passkey.png`` (accuracy heatmap,
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from usp.atomic import write_text
 from usp.config import WandbConfig
 
 EVAL_JSON = "eval.json"
@@ -29,9 +29,7 @@ def write_json(run_dir: Path, task: str, entry: dict[str, Any]) -> Path:
         except json.JSONDecodeError:
             data = {}
     data[task] = entry
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data, indent=2, default=str) + "\n")
     return path
 
 

@@ -15,15 +15,19 @@
 Without ``--nodes`` / ``--gpus-per-node``, the run config's ``cluster.num_nodes`` / ``cluster.gpus_per_node``
 (the size the recipe declares, or a ``cluster.*`` override) sizes the sbatch job.
 
-Before anything runs, the overrides are composed into the trainer's run config (the same composition
-``usp.train`` does, so an unknown recipe, a misspelled key or a missing ``model.path`` is reported here), and
-the composed degrees (``parallel.*``, from the recipe or the command line) are checked against the processes
-about to start, with the trainer's own layout and ``trainer.seq_len`` checks and the planner's memory
-estimate (:mod:`usp.launch.preflight`; ``--skip-memory-check`` lets a layout above the device memory
-through). Errors print a message naming the setting and the fix, and exit with status 2.
+Before anything runs, the overrides are parsed with Hydra's override parser
+(:mod:`usp.launch.overrides`) and composed once into the trainer's run config (the same composition
+``usp.train`` does, :func:`usp.train.__main__.compose_config`, so an unknown recipe, a misspelled key, a
+value of the wrong type or a missing ``model.path`` is reported here). The composed layout (``parallel.*``,
+from the recipe or the command line) is then checked against the processes about to start by the trainer's
+own checks, :func:`usp.config.validate_layout` (:class:`usp.parallel.ParallelDims` and ``trainer.seq_len``),
+and its memory by the planner's estimate (:mod:`usp.launch.preflight`; ``--skip-memory-check`` lets a
+layout above the device memory through). Errors print a message naming the setting and the fix, and exit
+with status 2.
 
 Words after a literal ``--`` that are not ``key=value`` overrides (Hydra's own flags: ``-- --cfg job``,
-``-- --help``) are passed to ``usp.train`` unchanged; the run config is then not composed.
+``-- --help``) are passed to ``usp.train`` unchanged; the run config is then not composed, and only the
+degrees the command line sets are checked (:func:`usp.launch.overrides.check_degrees`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pathlib import Path
 
 from usp.config import TrainConfig
 from usp.launch import commands, preflight
-from usp.launch.overrides import check_degree_values, check_degrees, find_override, validate_override_syntax
+from usp.launch.overrides import check_degrees, find_override, validate_override_syntax
 
 MODES = ("local", "torchrun", "slurm")
 SLURM_ONLY = ("partition", "time", "account", "job_name", "gres", "submit", "script")
@@ -105,17 +109,23 @@ def _slurm_gpus(env: dict[str, str]) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
-def _flag_or_cluster(value: int | None, flag: str, overrides: list[str], key: str) -> int | None:
-    """``flag``'s value, else the integer override ``key`` (``cluster.num_nodes``, ``cluster.gpus_per_node``):
-    a recipe's declared size given on the command line sizes the SLURM job. Both given must agree."""
-    raw = find_override(overrides, key)
-    if raw is None:
+def _flag_or_cluster(
+    value: int | None, flag: str, overrides: list[str], key: str, cfg: TrainConfig | None
+) -> int | None:
+    """``flag``'s value, else the override ``key`` (``cluster.num_nodes``, ``cluster.gpus_per_node``) when the
+    command line sets it: a recipe's declared size given on the command line sizes the SLURM job. Both given
+    must agree. The value is the composed config's (typed and resolved: ``'4'``, ``${oc.env:N}``), or Hydra's
+    parse of the override when no config is composed (Hydra flags after ``--``)."""
+    given = find_override(overrides, key)
+    if given is None:
         return value
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise LaunchError(f"{key}={raw} is invalid: use an integer >= 1.")
-    if value is not None and value != int(raw):
-        raise LaunchError(f"{flag}={value} but {key}={raw}: the job and the run config disagree; make them equal.")
-    return int(raw)
+    if cfg is not None:
+        given = getattr(cfg.cluster, key.rsplit(".", 1)[1])
+    if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+        raise LaunchError(f"{key}={given!r} is invalid: use an integer >= 1.")
+    if value is not None and value != given:
+        raise LaunchError(f"{flag}={value} but {key}={given}: the job and the run config disagree; make them equal.")
+    return given
 
 
 def _one_line_hydra_error(exc: Exception) -> str:
@@ -159,18 +169,13 @@ def compose_run_config(overrides: Sequence[str], entry: str = "train") -> TrainC
         raise LaunchError(str(exc)) from exc
 
 
-def config_degrees(cfg: TrainConfig) -> list[str]:
-    """The composed config's layout settings as overrides, for :func:`check_degrees` (recipe values included)."""
-    p = cfg.parallel
-    words = [
-        f"parallel.ulysses_degree={p.ulysses_degree}",
-        f"parallel.ring_degree={p.ring_degree}",
-        f"parallel.dp_degree={p.dp_degree}",
-        f"parallel.allow_cross_node_ulysses={str(p.allow_cross_node_ulysses).lower()}",
-    ]
-    if p.node_size is not None:
-        words.append(f"parallel.node_size={p.node_size}")
-    return words
+def _launching(nodes: int, nproc_per_node: int, node_size: object) -> str:
+    """What usp-launch is about to start, for a layout error: the world size and the node size's origin."""
+    where = (f"usp-launch starts {nodes} node(s) x {nproc_per_node} process(es) per node = "
+             f"{nodes * nproc_per_node} ranks")  # fmt: skip
+    if node_size is None:
+        return f"{where}, node size {nproc_per_node} = LOCAL_WORLD_SIZE"
+    return f"{where}, node size parallel.node_size={node_size}"
 
 
 def _is_train(args: argparse.Namespace) -> bool:
@@ -186,16 +191,22 @@ def _check(
     memory: bool = True,
     train: bool = True,
 ) -> None:
-    """The command line's degrees first (its own words in the message), then the composed config's, then
-    the trainer's own layout and sequence-length checks and, for training (``train``), the planner's memory
-    estimate (:mod:`usp.launch.preflight`; the estimate's figure is printed on stderr, an excess is an error
-    unless ``memory`` is false, ``--skip-memory-check``)."""
-    check_degrees(overrides, nodes=nodes, nproc_per_node=nproc_per_node)
-    if cfg is None:
-        return
-    check_degrees(config_degrees(cfg), nodes=nodes, nproc_per_node=nproc_per_node)
+    """The layout against ``nodes x nproc_per_node`` processes: the composed config's, with the trainer's own
+    checks (:func:`usp.launch.preflight.check_layout`: :class:`usp.parallel.ParallelDims`, then
+    ``trainer.seq_len``), or without a config (``cfg`` None: Hydra flags after ``--``) the degrees the command
+    line sets (:func:`check_degrees`). Then, for training (``train``), the planner's memory estimate (its
+    figure is printed on stderr; an excess is an error unless ``memory`` is false, ``--skip-memory-check``).
+
+    A layout error keeps the trainer's message and adds where the world size comes from."""
     world = nodes * nproc_per_node
-    preflight.check_layout(cfg, world_size=world, local_world_size=nproc_per_node)
+    try:
+        if cfg is None:
+            check_degrees(overrides, nodes=nodes, nproc_per_node=nproc_per_node)
+            return
+        preflight.check_layout(cfg, world_size=world, local_world_size=nproc_per_node)
+    except ValueError as exc:
+        node_size = find_override(overrides, "parallel.node_size") if cfg is None else cfg.parallel.node_size
+        raise LaunchError(f"{exc} ({_launching(nodes, nproc_per_node, node_size)})") from exc
     if not train:  # the estimate is of training memory
         return
     try:
@@ -215,7 +226,7 @@ def plan_command(
 
     ``hydra_flags`` (what followed ``--`` that is not an override, e.g. ``--cfg job``) go last, unchanged.
     They change what ``usp.train`` does (print the config, the help) rather than train, so the run config is
-    then not composed here: only the degrees on the command line are checked.
+    then not composed here: only the degrees the command line sets are checked.
     """
     overrides = [*overrides, *hydra_flags]
     _positive(args.nproc_per_node, "--nproc-per-node")
@@ -240,7 +251,6 @@ def plan_command(
         raise LaunchError("--cpu applies to local and torchrun; SLURM runs use GPUs (drop --cpu).")
     if args.cpu:
         overrides = commands.with_defaults(overrides, commands.cpu_defaults())
-    check_degree_values(overrides)
     entry = getattr(args, "entry", "train")
     module = commands.ENTRY_MODULES[entry]
     cfg = None if hydra_flags else compose_run_config(overrides, entry)
@@ -289,14 +299,14 @@ def _srun_in_allocation(
     allocated = int(env["SLURM_NNODES"]) if env.get("SLURM_NNODES", "").isdigit() else None
     if allocated is None:
         raise LaunchError(f"SLURM_JOB_ID={job_id} is set but SLURM_NNODES is not: cannot tell the node count.")
-    nodes = _flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes") or allocated
+    nodes = _flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes", cfg) or allocated
     if nodes != allocated:
         # srun would pick `nodes` of the allocation, not necessarily the rendezvous head among them
         raise LaunchError(
             f"{nodes} node(s) asked for, but SLURM job {job_id} has {allocated}: inside an allocation usp-launch "
             f"runs on all of its nodes. Allocate {nodes} node(s), or add --submit to queue a job of that size."
         )
-    nproc = _flag_or_cluster(args.nproc_per_node, "--gpus-per-node", overrides, "cluster.gpus_per_node")
+    nproc = _flag_or_cluster(args.nproc_per_node, "--gpus-per-node", overrides, "cluster.gpus_per_node", cfg)
     on_node = _slurm_gpus(env)
     if nproc is not None and on_node is not None and nproc > on_node:
         raise LaunchError(f"{nproc} processes per node, but SLURM job {job_id} has {on_node} GPUs per node.")
@@ -318,8 +328,8 @@ def _srun_in_allocation(
 
 def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | None) -> list[str]:
     """sbatch for the flags' size, else the run config's declared ``cluster.num_nodes x cluster.gpus_per_node``."""
-    nodes = _flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes")
-    gpus = _flag_or_cluster(args.nproc_per_node, "--gpus-per-node", overrides, "cluster.gpus_per_node")
+    nodes = _flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes", cfg)
+    gpus = _flag_or_cluster(args.nproc_per_node, "--gpus-per-node", overrides, "cluster.gpus_per_node", cfg)
     if cfg is None and (nodes is None or gpus is None):
         raise LaunchError(
             "with Hydra flags after --, usp-launch does not compose the run config, so it cannot read the job's "

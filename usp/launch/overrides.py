@@ -1,141 +1,104 @@
-"""Hydra override strings as the launcher sees them: plain ``key=value`` parsing and the degree checks.
+"""Hydra overrides as ``usp-launch`` reads them: through Hydra's own override parser, never by splitting on ``=``.
 
-The checks take overrides, so that a mistake on the command line is reported in the user's own words; the
-launcher also runs them on the composed config's degrees (``usp.launch.cli.config_degrees``), so degrees a
-recipe sets are checked too. Either way the most common mistake, degrees that do not fit the processes about
-to be launched, is reported before anything is started or queued.
+The launcher reads only a few things from the command line itself: whether a word is an override at all,
+whether the user set a key (``--cpu`` adds ``trainer.device=cpu`` unless the user set it), the job size a
+``cluster.*`` override gives, and, when Hydra flags after ``--`` stop it from composing the run config, the
+degrees the command line sets. Everything else comes from the composed run config (:mod:`usp.launch.cli`),
+and every degree rule from :class:`usp.parallel.ParallelDims` (:mod:`usp.launch.preflight`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import OverrideParseException
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def override_key(override: str) -> str:
-    """The config key an override sets: ``++a.b=1`` / ``+a.b=1`` / ``a.b=1`` / ``~a.b`` -> ``a.b``."""
-    head = override.split("=", 1)[0]
-    return head.lstrip("+~")
-
-
-def validate_override_syntax(overrides: Sequence[str]) -> None:
-    """Reject words that are not Hydra overrides (``key=value``, ``+key=value``, ``++key=value`` or ``~key``).
+def parse_overrides(overrides: Sequence[str]) -> list[Override]:
+    """Parse ``overrides`` with Hydra's grammar (``key=value``, ``+key=value``, ``++key=value``, ``~key[=value]``,
+    ``group=option``, quoted strings, lists, dicts, interpolations).
 
     Raises:
-        ValueError: naming the bad word and the expected form.
+        ValueError: naming the first word that is an option rather than an override, that Hydra cannot
+            parse, or whose key is empty, with the expected form.
     """
     for word in overrides:
         if word.startswith("-"):
             raise ValueError(
                 f"unknown option {word!r}: see `usp-launch --help` for the options (Hydra overrides are key=value)."
             )
-        if "=" not in word and not word.startswith("~"):
-            raise ValueError(
-                f"{word!r} is not a Hydra override: write key=value (e.g. recipe=tiny, parallel.ring_degree=2)."
-            )
-        if not override_key(word):
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except OverrideParseException as exc:
+        lines = str(exc).splitlines()[:-1]  # without Hydra's link to its grammar
+        why = " ".join(ln.strip() for ln in lines if ln.strip() and not ln.startswith("Error parsing override"))
+        raise ValueError(
+            f"{exc.override!r} is not a Hydra override ({why}): write key=value "
+            f"(e.g. recipe=tiny, parallel.ring_degree=2; quote a value with spaces or commas)."
+        ) from exc
+    for word, override in zip(overrides, parsed):
+        if not override.key_or_group:
             raise ValueError(f"{word!r} has an empty key: write key=value (e.g. trainer.max_steps=100).")
+    return parsed
 
 
-def find_override(overrides: Sequence[str], key: str) -> str | None:
-    """The value of the last override that sets ``key``, or None when the command line does not set it."""
-    value = None
-    for word in overrides:
-        if "=" in word and override_key(word) == key:
-            value = word.split("=", 1)[1]
-    return value
+def validate_override_syntax(overrides: Sequence[str]) -> None:
+    """:func:`parse_overrides` for its errors only: every word is a Hydra override."""
+    parse_overrides(overrides)
+
+
+def override_key(override: str) -> str:
+    """The config key (or group) an override sets: ``++a.b=1`` / ``+a.b=1`` / ``a.b=1`` / ``~a.b`` -> ``a.b``."""
+    return parse_overrides([override])[0].key_or_group
+
+
+def overrides_among(words: Sequence[str]) -> list[Override]:
+    """The words that are Hydra overrides, parsed, in order; options (``--cfg``) and the words Hydra cannot
+    parse as an override (an option's value: ``job``) are skipped. For reading a command line that may carry
+    Hydra's flags after ``--``; :func:`parse_overrides` is the strict form."""
+    parser = OverridesParser.create()
+    found = []
+    for word in words:
+        if word.startswith("-"):
+            continue
+        try:
+            found.extend(parser.parse_overrides([word]))
+        except OverrideParseException:
+            continue
+    return found
+
+
+def _last_values(words: Sequence[str]) -> dict[str, Any]:
+    """key -> the value its last override gives (None for a deletion ``~key``)."""
+    return {o.key_or_group: None if o.is_delete() else o.value() for o in overrides_among(words)}
+
+
+def find_override(overrides: Sequence[str], key: str) -> Any | None:
+    """The value the last override setting ``key`` gives, as Hydra parses it (``2`` -> int, ``'2'`` -> str,
+    ``[a,b]`` -> list, ``null`` -> None); None when no override sets it, or the last one deletes it (``~key``).
+    Words that are not overrides are ignored (:func:`overrides_among`)."""
+    return _last_values(overrides).get(key)
 
 
 def has_override(overrides: Sequence[str], key: str) -> bool:
-    return any(override_key(word) == key for word in overrides)
-
-
-def _degree(overrides: Sequence[str], key: str) -> int | None:
-    """An integer degree from the command line; None when absent or ``auto`` (left to the planner)."""
-    raw = find_override(overrides, key)
-    if raw is None:
-        return None
-    text = raw.strip().strip("'\"")
-    if text.lower() in ("auto", "null", "~"):
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1 and not (key == "parallel.dp_degree" and value == -1):
-        allowed = "an integer >= 1, or -1 for the remaining ranks" if key == "parallel.dp_degree" else (
-            "an integer >= 1, or auto"
-        )
-        raise ValueError(f"{key}={raw} is invalid: use {allowed}.")
-    return value
-
-
-DEGREE_KEYS = ("parallel.ulysses_degree", "parallel.ring_degree", "parallel.dp_degree", "parallel.node_size")
-
-
-def check_degree_values(overrides: Sequence[str]) -> None:
-    """Each degree the command line sets is an integer >= 1 (``auto`` for ulysses/ring, -1 for dp).
-
-    Raises:
-        ValueError: naming the setting and the values it accepts.
-    """
-    for key in DEGREE_KEYS:
-        _degree(overrides, key)
+    """Whether any override sets, adds or deletes ``key`` (words that are not overrides are ignored)."""
+    return any(override.key_or_group == key for override in overrides_among(overrides))
 
 
 def check_degrees(overrides: Sequence[str], *, nodes: int, nproc_per_node: int) -> None:
-    """Check the degrees given as integer overrides against ``nodes x nproc_per_node`` processes.
-
-    Checks, for whatever the command line sets (``auto`` and absent keys are accepted as-is):
-
-    - ``parallel.ulysses_degree x parallel.ring_degree`` divides the world size ``nodes * nproc_per_node``;
-    - ``parallel.dp_degree`` (when not -1) times that product equals the world size;
-    - ``parallel.node_size`` (default: ``nproc_per_node``, what ``LOCAL_WORLD_SIZE`` will be) divides the world;
-    - ``parallel.ulysses_degree`` divides the node size, so Ulysses groups stay inside a node (unless
-      ``parallel.allow_cross_node_ulysses=true``).
+    """The degrees ``overrides`` set, against ``nodes x nproc_per_node`` processes, when there is no composed
+    run config to check (Hydra flags after ``--``, which may be among ``overrides``):
+    :func:`usp.launch.preflight.check_known_degrees` on the values the command line gives; what it leaves
+    unset, ``auto`` or not an integer is left to ``usp.train``.
 
     Raises:
-        ValueError: with the numbers and the fix.
+        ValueError: from :class:`usp.parallel.ParallelDims`, with the numbers and the fix.
     """
-    world = nodes * nproc_per_node
-    where = f"{nodes} node(s) x {nproc_per_node} process(es) per node = {world} ranks"
-    ulysses = _degree(overrides, "parallel.ulysses_degree")
-    ring = _degree(overrides, "parallel.ring_degree")
-    dp = _degree(overrides, "parallel.dp_degree")
-    node_size = _degree(overrides, "parallel.node_size")
+    from usp.launch.preflight import LAYOUT_FIELDS, check_known_degrees
 
-    given = {k: v for k, v in (("ulysses_degree", ulysses), ("ring_degree", ring)) if v is not None}
-    product = 1
-    for value in given.values():
-        product *= value
-    if world % product != 0:
-        terms = " x ".join(f"parallel.{k}={v}" for k, v in given.items())
-        if len(given) > 1:
-            terms += f" = {product}"
-        raise ValueError(
-            f"{terms} does not divide the world size: {where}. "
-            f"Choose degrees whose product divides {world} (divisors: {_divisors(world)}), "
-            f"or launch another number of processes (--nodes, --nproc-per-node)."
-        )
-    if dp is not None and dp != -1 and ulysses is not None and ring is not None and dp * product != world:
-        raise ValueError(
-            f"parallel.dp_degree={dp} x ulysses_degree={ulysses} x ring_degree={ring} = {dp * product} "
-            f"!= {where}. Set parallel.dp_degree={world // product} or -1 (the remaining ranks)."
-        )
-    if node_size is not None and world % node_size != 0:
-        raise ValueError(
-            f"parallel.node_size={node_size} does not divide the world size: {where}. "
-            f"Use one of {_divisors(world)}, or leave it unset to use LOCAL_WORLD_SIZE={nproc_per_node}."
-        )
-    node = node_size if node_size is not None else nproc_per_node
-    cross_node = (find_override(overrides, "parallel.allow_cross_node_ulysses") or "").lower() == "true"
-    if ulysses is not None and node % ulysses != 0 and not cross_node:
-        origin = "parallel.node_size" if node_size is not None else "ranks per node (LOCAL_WORLD_SIZE)"
-        raise ValueError(
-            f"parallel.ulysses_degree={ulysses} does not divide the {origin} = {node}: Ulysses groups would "
-            f"span nodes (all-to-all over the network). Use a ulysses_degree in {_divisors(node)} and put the "
-            f"rest in parallel.ring_degree, or set parallel.allow_cross_node_ulysses=true if you mean it."
-        )
+    values = _last_values(overrides)
+    given = {name: values.get(f"parallel.{name}") for name in LAYOUT_FIELDS}
+    check_known_degrees(given, world_size=nodes * nproc_per_node, local_world_size=nproc_per_node)

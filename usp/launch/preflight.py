@@ -3,7 +3,10 @@ layout fails on the login node instead of after the queue wait.
 
 - :func:`check_layout`: :func:`usp.config.validate_layout`, the check ``usp.train`` runs first on every
   rank: the degrees against the world the launcher will start (:class:`usp.parallel.ParallelDims`) and
-  ``trainer.seq_len`` against the sequence layout (:func:`usp.parallel.check_sequence_length`).
+  ``trainer.seq_len`` against the sequence layout (:func:`usp.parallel.check_sequence_length`); with an
+  ``auto`` degree, also :func:`check_known_degrees` on the fixed ones.
+- :func:`check_known_degrees`: :class:`usp.parallel.ParallelDims` on the degrees known before start-up (the
+  fixed ones of an ``auto`` layout, or the command line's when no run config is composed).
 - :func:`check_memory`: the planner's per-GPU memory estimate of that layout
   (:func:`usp.plan.evaluate_layout`, the figure ``usp-plan`` prints; MLP tiles resolved and the states'
   place decided as the trainer does) against ``cluster.gpu``'s memory
@@ -15,15 +18,59 @@ only what is fixed is checked here. A model whose ``config.json`` this machine c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from usp.config import TrainConfig, validate_layout
+
+LAYOUT_FIELDS = ("ulysses_degree", "ring_degree", "dp_degree", "node_size", "allow_cross_node_ulysses")
+"""The ``parallel.*`` settings :class:`usp.parallel.ParallelDims` validates."""
 
 
 def check_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> None:
     """``usp.train``'s layout and sequence-length checks for ``world_size`` ranks, ``local_world_size`` per
-    node. Raises ``ValueError`` with the trainer's message (the numbers and the fix)."""
+    node. Raises ``ValueError`` with the trainer's message (the numbers and the fix).
+
+    With an ``auto`` degree the trainer checks the layout after the planner picks it, at start-up; the fixed
+    degrees are checked here already (:func:`check_known_degrees`), so a ``ulysses_degree`` that cannot stay
+    inside a node still fails before the queue."""
     validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
+    p = cfg.parallel
+    if "auto" in (p.ulysses_degree, p.ring_degree):
+        check_known_degrees({name: getattr(p, name) for name in LAYOUT_FIELDS}, world_size=world_size,
+                            local_world_size=local_world_size)  # fmt: skip
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_known_degrees(degrees: Mapping[str, Any], *, world_size: int, local_world_size: int) -> None:
+    """:class:`usp.parallel.ParallelDims` for what is known of a layout before start-up.
+
+    ``degrees`` maps :data:`LAYOUT_FIELDS` names to values; a missing or ``None`` one is unknown.
+    ``ulysses_degree`` / ``ring_degree`` count when integers; one that is unknown, ``auto`` or not an integer
+    counts as 1 (what the planner, or the trainer's own check, decides for it only multiplies the product, so
+    a layout failing here fails at start-up too). ``dp_degree`` counts only when both are integers.
+    ``node_size`` defaults to ``local_world_size``; ``allow_cross_node_ulysses`` holds unless it is ``False``
+    or unknown (a spelling the trainer's config reads as true, ``yes``, is not held against the layout).
+
+    Raises:
+        ValueError: ParallelDims's message, with the numbers and the fix.
+    """
+    from usp.parallel import ParallelDims
+
+    ulysses, ring = degrees.get("ulysses_degree"), degrees.get("ring_degree")
+    dp, node, cross = degrees.get("dp_degree"), degrees.get("node_size"), degrees.get("allow_cross_node_ulysses")
+    ParallelDims(
+        world_size=world_size,
+        ulysses_degree=ulysses if _integer(ulysses) else 1,
+        ring_degree=ring if _integer(ring) else 1,
+        dp_degree=dp if _integer(dp) and _integer(ulysses) and _integer(ring) else -1,
+        node_size=node if _integer(node) else local_world_size,
+        allow_cross_node_ulysses=cross not in (None, False),
+    )
 
 
 def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> str | None:

@@ -1,13 +1,16 @@
 """The planner: a pure-Python cost model of memory, compute and communication per layout, and ``usp-plan``.
 
 ``auto_degrees`` answers ``parallel.ulysses_degree=auto parallel.ring_degree=auto`` for the trainer;
-``max_seq_len`` finds the longest sequence a cluster trains (``usp-plan --max-seq-len``).
+``max_seq_len`` finds the longest sequence a cluster trains (``usp-plan --max-seq-len``). Inside, what is
+trained, the layout being costed and the layouts a search tries travel as :class:`Workload`,
+:class:`Candidate` and :class:`SearchSpace` (:mod:`usp.plan.layout`); the functions here take keywords.
 """
 
 from usp.plan.auto import auto_degrees
 from usp.plan.calibrate import Calibration, calibrate, read_bench_json, read_training_run
 from usp.plan.hardware import GPUS, DeviceSpec, get_device
 from usp.plan.inference import InferenceEstimate, kv_cache_bytes_per_gpu, plan_inference
+from usp.plan.layout import Candidate, SearchSpace, Workload
 from usp.plan.maxlen import MaxSeqLenEstimate, max_seq_len, max_seq_lens
 from usp.plan.memory import MemoryBreakdown, held_activation_bytes, training_memory
 from usp.plan.models import PRESETS, ModelSpec, load_model_spec
@@ -18,6 +21,7 @@ __all__ = [
     "GPUS",
     "PRESETS",
     "Calibration",
+    "Candidate",
     "DeviceSpec",
     "InferenceEstimate",
     "LayoutEstimate",
@@ -25,6 +29,8 @@ __all__ = [
     "MemoryBreakdown",
     "ModelSpec",
     "NoFeasibleLayoutError",
+    "SearchSpace",
+    "Workload",
     "auto_degrees",
     "calibrate",
     "evaluate_layout",

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
+from usp.plan.estimate import LayoutEstimate, enumerate_candidates
 from usp.plan.hardware import DeviceSpec
-from usp.plan.models import ModelSpec
+from usp.plan.layout import SearchSpace, Workload
 from usp.plan.offload import OFFLOAD_OPTIMIZER
-from usp.plan.search import LayoutEstimate, enumerate_layouts
 
 
-def _fits(model: ModelSpec, device: DeviceSpec, **kw: Any) -> LayoutEstimate | None:
+def _fits(work: Workload, space: SearchSpace, device: DeviceSpec) -> LayoutEstimate | None:
+    """The fitting layout of ``space`` that needs the least device memory, or None."""
     try:
-        candidates, _ = enumerate_layouts(model, device, **kw)
+        candidates, _ = enumerate_candidates(work, space, device)
     except ValueError:
         return None
     fitting = [c for c in candidates if c.fits]
@@ -20,16 +21,14 @@ def _fits(model: ModelSpec, device: DeviceSpec, **kw: Any) -> LayoutEstimate | N
 
 
 def explain_no_fit(
-    model: ModelSpec,
-    device: DeviceSpec,
-    candidates: list[LayoutEstimate],
-    rejected: list[str],
-    kw: dict[str, Any],
+    work: Workload, space: SearchSpace, device: DeviceSpec, candidates: list[LayoutEstimate], rejected: list[str]
 ) -> str:
     """Why nothing fits (the smallest need and its breakdown, or every rejection) and what would: more GPUs,
     a shorter sequence, full checkpointing (when it was ruled out), the states on the host (or that with a
-    shorter sequence). ``kw`` are the :func:`usp.plan.search.enumerate_layouts` arguments of the search."""
-    W, node, S = kw["world_size"], kw["node_size"], kw["seq_len"]
+    shorter sequence). ``candidates`` and ``rejected`` are what :func:`usp.plan.estimate.enumerate_candidates` made
+    of ``work`` and ``space``; each suggestion is a search of a changed copy of them."""
+    model = work.model
+    W, node, S = space.world_size, space.node_size, work.seq_len
     lines = [
         f"no layout of {model.name} at seq_len={S} fits {W} x {device.name} ({device.memory_gib:g} GiB each)."
     ]
@@ -50,9 +49,7 @@ def explain_no_fit(
     lines.append("What would fit:")
     n_header = len(lines)
     for factor in (2, 4, 8, 16, 32, 64):
-        hit = _fits(
-            model, device, **(kw | {"world_size": W * factor, "ulysses_degree": None, "ring_degree": None})
-        )
+        hit = _fits(work, replace(space, world_size=W * factor, ulysses_degree=None, ring_degree=None), device)
         if hit:
             lines.append(
                 f"  - more GPUs: {W * factor // node} nodes of {node} ({W * factor} GPUs), e.g. "
@@ -60,10 +57,10 @@ def explain_no_fit(
             )
             break
 
-    def longest_fitting(**extra: Any) -> tuple[int, LayoutEstimate] | None:
+    def longest_fitting(space: SearchSpace = space) -> tuple[int, LayoutEstimate] | None:
         seq = S // 2
         while seq >= 1024:
-            hit = _fits(model, device, **(kw | {"seq_len": seq} | extra))
+            hit = _fits(replace(work, seq_len=seq), space, device)
             if hit:
                 return seq, hit
             seq //= 2
@@ -74,8 +71,8 @@ def explain_no_fit(
         lines.append(
             f"  - a shorter sequence: trainer.seq_len={shorter[0]} fits ({shorter[1].mem_gib_per_gpu:.1f} GiB)"
         )
-    if kw["ac_modes"] is not None and "full" not in kw["ac_modes"]:
-        hit = _fits(model, device, **(kw | {"ac_modes": ("full",)}))
+    if space.ac_modes is not None and "full" not in space.ac_modes:
+        hit = _fits(work, replace(space, ac_modes=("full",)), device)
         if hit:
             lines.append(
                 f"  - activation checkpointing: parallel.activation_checkpointing=full "
@@ -84,21 +81,20 @@ def explain_no_fit(
     offload = (
         f"optim.name={OFFLOAD_OPTIMIZER} (parameters, gradients and optimizer states on the host, the step there)"
     )
-    host = {"states": ("cpu_offload",)}
-    if kw.get("states") == host["states"]:
-        host = {}  # already tried
-    hit = _fits(model, device, **(kw | host)) if host else None
+    host = replace(space, states=("cpu_offload",))
+    tried = space.states == host.states  # already searched with the states on the host
+    hit = None if tried else _fits(work, host, device)
     if hit:
         lines.append(f"  - offload: {offload} ({hit.mem_gib_per_gpu:.1f} GiB/GPU on device)")
-    elif kw["loss_chunk_size"] > 1024:  # smaller [chunk, vocab] logits of the chunked loss, with the states offloaded
-        small = _fits(model, device, **(kw | host | {"loss_chunk_size": 1024}))
+    elif work.loss_chunk_size > 1024:  # smaller [chunk, vocab] logits of the chunked loss, with the states offloaded
+        small = _fits(replace(work, loss_chunk_size=1024), host, device)
         if small:
             lines.append(
                 f"  - offload and smaller loss chunks: {offload} and trainer.loss_chunk_size=1024 "
                 f"({small.mem_gib_per_gpu:.1f} GiB/GPU on device)"
             )
-    if not hit and not shorter and host:
-        both = longest_fitting(**host)
+    if not hit and not shorter and not tried:
+        both = longest_fitting(host)
         if both:
             lines.append(
                 f"  - offload and a shorter sequence: {offload} with trainer.seq_len={both[0]} "
@@ -106,7 +102,7 @@ def explain_no_fit(
             )
     if len(lines) == n_header:
         lines.append("  - nothing within 64x the GPUs or down to 1K tokens; use a device with more memory.")
-    if kw["ac_modes"] is None:
+    if space.ac_modes is None:
         lines.append("(Full activation checkpointing was already tried in every layout above.)")
     lines.append("usp-plan --max-seq-len (instead of --seq-len) finds the longest sequence that fits.")
     return "\n".join(lines)

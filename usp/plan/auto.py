@@ -1,14 +1,18 @@
 """``parallel.ulysses_degree=auto`` / ``parallel.ring_degree=auto``: the trainer asks the planner at start-up.
 
-:func:`auto_degrees` takes the run's HF model config and what the user fixed, runs :func:`usp.plan.search.plan_layouts`
-and returns the fastest layout that fits, with a one-line reason for the run log.
+:func:`auto_degrees` takes the run's HF model config and what the user fixed, describes the run as a
+:class:`usp.plan.layout.Workload` and the choices left as a :class:`usp.plan.layout.SearchSpace`, runs
+:func:`usp.plan.search.search_layouts` and returns the fastest layout that fits, with a one-line reason for the run log.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from usp.plan.search import plan_layouts
+from usp.plan.hardware import get_device
+from usp.plan.layout import SearchSpace, Workload
+from usp.plan.models import load_model_spec
+from usp.plan.search import search_layouts
 
 
 def auto_degrees(
@@ -48,22 +52,22 @@ def auto_degrees(
     "activation_checkpointing", "reason"}`` (plus ``ac_every_k`` when checkpointing is ``every_k``, and
     ``mlp_tiles`` / ``attn_head_chunks`` when they were ``"auto"``). Raises ``ValueError`` when nothing fits.
     """
-    from usp.plan.hardware import get_device
-    from usp.plan.models import load_model_spec
-
     model = load_model_spec(model_config)
     device = get_device(gpu or "h100-80g", memory_gib=memory_gib, host_mem_gib=host_mem_gib)
     node = min(node_size, world_size)
-    where = "cpu_offload" if cpu_offload else "device"
-    layouts = plan_layouts(
-        model, device, seq_len=seq_len, world_size=world_size, node_size=node, ring_layout=ring_layout,
-        ulysses_degree=ulysses_degree, ring_degree=ring_degree,
-        ac_modes=None if activation_checkpointing is None else (activation_checkpointing,),
-        fsdp_modes=None if fsdp_mode is None else (fsdp_mode,), ac_every_k=ac_every_k,
-        loss_chunk_size=loss_chunk_size, compute_bytes=compute_bytes,
-        mlp_tiles=None if mlp_tiles == "auto" else int(mlp_tiles), states=(where,), headroom_gib=headroom_gib,
-        attn_head_chunks=None if attn_head_chunks == "auto" else int(attn_head_chunks),
+    work = Workload(
+        model, seq_len, compute_bytes=compute_bytes, loss_chunk_size=loss_chunk_size, ring_layout=ring_layout,
+        headroom_gib=headroom_gib,
     )  # fmt: skip
+    space = SearchSpace(
+        world_size, node, ulysses_degree=ulysses_degree, ring_degree=ring_degree,
+        fsdp_modes=None if fsdp_mode is None else (fsdp_mode,),
+        ac_modes=None if activation_checkpointing is None else (activation_checkpointing,), ac_every_k=ac_every_k,
+        mlp_tiles=None if mlp_tiles == "auto" else int(mlp_tiles),
+        attn_head_chunks=None if attn_head_chunks == "auto" else int(attn_head_chunks),
+        states=("cpu_offload" if cpu_offload else "device",),
+    )  # fmt: skip
+    layouts = search_layouts(work, space, device)
     best = layouts[0]
     fixed = {
         k: v

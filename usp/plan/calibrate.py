@@ -1,7 +1,7 @@
 """Fit the device efficiencies to measurements and report predicted vs measured (the planner's honesty figure).
 
 Measurements come from :mod:`usp.plan.measurements` (``usp-bench`` JSON, training run dirs). For a training run
-the median step time after warm-up is compared with :func:`usp.plan.search.evaluate_layout` for its layout.
+the median step time after warm-up is compared with :func:`usp.plan.estimate.estimate_layout` for its layout.
 
 Fit: a step is ``dense_flops / (peak * e_dense) + attn_work / (peak * e_attn) + layers * c + comm``. Least squares
 on relative error over the richest set of unknowns whose solution is positive: ``1/e_dense, 1/e_attn, c`` (three
@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from usp.plan.estimate import LayoutEstimate, estimate_layout
 from usp.plan.hardware import DeviceSpec
+from usp.plan.layout import Candidate, Workload
 from usp.plan.measurements import BenchRecord, TrainingRun, read_bench_json, read_training_run
-from usp.plan.search import LayoutEstimate, evaluate_layout
 
 __all__ = [
     "BenchRecord",
@@ -48,23 +49,16 @@ def fit_attention_efficiency(records: list[BenchRecord], device: DeviceSpec) -> 
 
 def predict_run(run: TrainingRun, device: DeviceSpec) -> LayoutEstimate:
     """What the cost model says about the run's layout (micro batch 1 x accumulation as the global batch)."""
-    return evaluate_layout(
-        run.model,
-        device,
-        seq_len=run.seq_len,
-        ulysses_degree=run.ulysses_degree,
-        ring_degree=run.ring_degree,
-        world_size=run.world_size,
-        node_size=run.node_size,
-        fsdp_mode=run.fsdp_mode,
-        activation_checkpointing=run.activation_checkpointing,
-        ac_every_k=run.ac_every_k,
-        global_batch=run.global_batch,
+    work = Workload(
+        run.model, run.seq_len, global_batch=run.global_batch, compute_bytes=run.compute_bytes,
         loss_chunk_size=run.loss_chunk_size,
-        compute_bytes=run.compute_bytes,
-        mlp_tiles=run.mlp_tiles,
-        offload=run.states_on_host,
-    )
+    )  # fmt: skip
+    cand = Candidate(
+        run.ulysses_degree, run.ring_degree, world_size=run.world_size, node_size=run.node_size,
+        fsdp_mode=run.fsdp_mode, activation_checkpointing=run.activation_checkpointing, ac_every_k=run.ac_every_k,
+        mlp_tiles=run.mlp_tiles, states="cpu_offload" if run.states_on_host else "device",
+    )  # fmt: skip
+    return estimate_layout(work, cand, device)
 
 
 @dataclass

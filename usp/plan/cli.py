@@ -23,6 +23,7 @@ from usp.plan.calibrate import Calibration, calibrate, format_report, read_bench
 from usp.plan.compute import DocumentWork
 from usp.plan.hardware import GPUS, DeviceSpec, get_device
 from usp.plan.inference import InferenceEstimate, plan_inference
+from usp.plan.layout import STATE_PLACEMENTS
 from usp.plan.maxlen import (
     LOSS_CHUNK_CANDIDATES,
     SEQ_MULTIPLE,
@@ -31,7 +32,7 @@ from usp.plan.maxlen import (
     max_seq_lens,
 )
 from usp.plan.models import PRESETS, ModelSpec, load_model_spec
-from usp.plan.search import STATE_PLACEMENTS, LayoutEstimate, plan_layouts
+from usp.plan.search import LayoutEstimate, plan_layouts
 from usp.units import parse_seq_len  # noqa: F401 - also usp.plan.cli.parse_seq_len, as before
 
 

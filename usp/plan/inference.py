@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from usp.plan.compute import attention_fwd_flops, block_efficiency, causal_imbalance
+from usp.plan.estimate import split_layout
 from usp.plan.hardware import GB, GIB, DeviceSpec
 from usp.plan.models import ModelSpec
-from usp.plan.search import split_layout
 
 BF16 = 2
 

@@ -18,23 +18,23 @@ over all candidates; among candidates that reach it, the fastest (then fewer tri
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from usp.attention.ring import head_chunk_options
 from usp.parallel.mesh import sequence_multiple
-from usp.plan.hardware import DeviceSpec
-from usp.plan.models import ModelSpec
-from usp.plan.search import (
+from usp.plan.estimate import (
     AC_CANDIDATES,
     MLP_TILE_CANDIDATES,
-    STATE_PLACEMENTS,
     LayoutEstimate,
-    _divisors,
-    evaluate_layout,
-    head_chunk_candidates,
+    divisors,
+    estimate_layout,
+    fsdp_modes_to_try,
+    head_chunks_to_try,
     split_layout,
 )
+from usp.plan.hardware import DeviceSpec
+from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
+from usp.plan.models import ModelSpec
 
 SEQ_MULTIPLE = 1024
 LOSS_CHUNK_CANDIDATES: tuple[int, ...] = (4096, 2048, 1024)
@@ -141,74 +141,86 @@ def max_seq_lens(
     if bad:
         raise ValueError(f"states {bad} are invalid; choose from {STATE_PLACEMENTS}.")
     node = min(node_size, world_size)
-    nodes = world_size // node
-    if fsdp_modes is None:
-        fsdp_modes = ("full_shard", "hybrid_shard") if nodes > 1 else ("full_shard",)
-    acs = [(m, k) for m, k in AC_CANDIDATES if ac_modes is None or m in ac_modes]
-    most_tiles = MLP_TILE_CANDIDATES[-1] if mlp_tiles is None else mlp_tiles
+    space = SearchSpace(
+        world_size, node, ulysses_degree=ulysses_degree, ring_degree=ring_degree, fsdp_modes=fsdp_modes,
+        ac_modes=ac_modes, mlp_tiles=mlp_tiles, attn_head_chunks=attn_head_chunks, states=tuple(states),
+    )  # fmt: skip
     for name, value in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
         if value is not None and (value < 1 or world_size % value):
             raise ValueError(f"--{name.replace('_', '-')}={value} must divide the world size {world_size}.")
-    out: list[MaxSeqLenEstimate] = []
-    rejected: list[str] = []
-    pairs = 0
-    for U in _divisors(world_size) if ulysses_degree is None else [ulysses_degree]:
-        for R in _divisors(world_size // U) if ring_degree is None else [ring_degree]:
-            pairs += 1
-            dims, why = split_layout(model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node)
-            if dims is None:
-                rejected.append(f"ulysses={U} ring={R}: {why}")
-                continue
-            head_chunks = head_chunk_candidates(model, U) if R > 1 else [1]
-            if attn_head_chunks is not None:
-                if attn_head_chunks != 1 and attn_head_chunks not in head_chunk_options(
-                    model.num_heads // U, model.kv_heads_per_rank(U)
-                ):
-                    rejected.append(f"ulysses={U} ring={R}: attn_head_chunks={attn_head_chunks} does not split its heads")
-                    continue
-                head_chunks = [attn_head_chunks]
-            g = math.lcm(sequence_multiple(R, U, ring_layout), U * R * most_tiles, seq_multiple)
-            for fsdp_mode in fsdp_modes:
-                for ac, k in acs:
-                    for where in states:
-                        kw: dict[str, Any] = dict(
-                            ulysses_degree=U, ring_degree=R, world_size=world_size, node_size=node,
-                            fsdp_mode=fsdp_mode, activation_checkpointing=ac, ac_every_k=k,
-                            ring_layout=ring_layout, overhead_frac=overhead_frac,
-                            offload=where == "cpu_offload", compute_bytes=compute_bytes, headroom_gib=headroom_gib,
-                        )  # fmt: skip
-
-                        def fits(
-                            seq: int, tiles: int = most_tiles, chunk: int = chunks[0], heads: int = head_chunks[-1],
-                            kw=kw,
-                        ) -> bool:
-                            return evaluate_layout(
-                                model, device, seq_len=seq, mlp_tiles=tiles, loss_chunk_size=chunk,
-                                attn_head_chunks=heads, **kw,
-                            ).fits  # fmt: skip
-
-                        by_chunk = [(_longest(lambda x, c=c: fits(x, chunk=c), g, limit), c) for c in chunks]
-                        seq = max(x for x, _ in by_chunk)
-                        if not seq:
-                            continue
-                        chunk = next(c for x, c in by_chunk if x == seq)  # the largest chunk that gets there
-                        tiles = most_tiles
-                        if mlp_tiles is None:  # auto: the fewest tiles that fit at this length
-                            tiles = next(t for t in (1, *MLP_TILE_CANDIDATES) if fits(seq, t, chunk))
-                        heads = next(c for c in head_chunks if fits(seq, tiles, chunk, c))  # the fewest that fit
-                        est = evaluate_layout(
-                            model, device, seq_len=seq, mlp_tiles=tiles, loss_chunk_size=chunk, attn_head_chunks=heads,
-                            **kw,
-                        )  # fmt: skip
-                        out.append(MaxSeqLenEstimate(seq, g, est, chunk))
-    if rejected and len(rejected) == pairs:
-        raise ValueError("every (ulysses, ring) pair was rejected: " + "; ".join(rejected[:8]))
+    # the length and the loss chunk are what the search varies
+    work = Workload(model, limit, compute_bytes=compute_bytes, ring_layout=ring_layout,
+                    overhead_frac=overhead_frac, headroom_gib=headroom_gib)  # fmt: skip
+    out = longest_per_candidate(work, space, device, chunks, seq_multiple, limit)
     if not out:
         raise ValueError(
             f"no layout of {model.name} fits {world_size} x {device.name} ({device.memory_gib:g} GiB each) even "
             f"at the smallest length it allows: use more GPUs or a device with more memory."
         )
     out.sort(key=lambda m: (-m.max_seq_len, -m.estimate.tokens_per_s_per_gpu, m.estimate.tricks))
+    return out
+
+
+def longest_per_candidate(
+    work: Workload, space: SearchSpace, device: DeviceSpec, chunks: list[int], seq_multiple: int, limit: int
+) -> list[MaxSeqLenEstimate]:
+    """For each candidate of ``space`` (``space.node_size`` at most the world), its longest fitting length
+    with the largest of ``chunks`` that reaches it (``work.seq_len`` and ``work.loss_chunk_size`` are what
+    varies; the rest of ``work`` is kept), unordered; candidates that fit at no length are left out. Raises
+    ``ValueError`` when every (ulysses, ring) pair is rejected."""
+    model, world_size, node = work.model, space.world_size, space.node_size
+    acs = [(m, k) for m, k in AC_CANDIDATES if space.ac_modes is None or m in space.ac_modes]
+    most_tiles = MLP_TILE_CANDIDATES[-1] if space.mlp_tiles is None else space.mlp_tiles
+    out: list[MaxSeqLenEstimate] = []
+    rejected: list[str] = []
+    pairs = 0
+    for U in divisors(world_size) if space.ulysses_degree is None else [space.ulysses_degree]:
+        for R in divisors(world_size // U) if space.ring_degree is None else [space.ring_degree]:
+            pairs += 1
+            dims, why = split_layout(model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node)
+            if dims is None:
+                rejected.append(f"ulysses={U} ring={R}: {why}")
+                continue
+            head_chunks = head_chunks_to_try(model, U, R, space.attn_head_chunks)
+            if not head_chunks:
+                rejected.append(
+                    f"ulysses={U} ring={R}: attn_head_chunks={space.attn_head_chunks} does not split its heads"
+                )
+                continue
+            g = math.lcm(sequence_multiple(R, U, work.ring_layout), U * R * most_tiles, seq_multiple)
+            for fsdp_mode in fsdp_modes_to_try(space, node):
+                for ac, k in acs:
+                    for where in space.states:
+                        base = Candidate(
+                            U, R, world_size=world_size, node_size=node, fsdp_mode=fsdp_mode,
+                            activation_checkpointing=ac, ac_every_k=k, states=where,
+                        )  # fmt: skip
+
+                        def estimate(
+                            seq: int, tiles: int = most_tiles, chunk: int = chunks[0], heads: int = head_chunks[-1],
+                            base: Candidate = base,
+                        ) -> LayoutEstimate:
+                            return estimate_layout(
+                                replace(work, seq_len=seq, loss_chunk_size=chunk),
+                                replace(base, mlp_tiles=tiles, attn_head_chunks=heads),
+                                device,
+                            )
+
+                        by_chunk = [
+                            (_longest(lambda x, c=c: estimate(x, chunk=c).fits, g, limit), c) for c in chunks
+                        ]
+                        seq = max(x for x, _ in by_chunk)
+                        if not seq:
+                            continue
+                        chunk = next(c for x, c in by_chunk if x == seq)  # the largest chunk that gets there
+                        tiles = most_tiles
+                        if space.mlp_tiles is None:  # auto: the fewest tiles that fit at this length
+                            tiles = next(t for t in (1, *MLP_TILE_CANDIDATES) if estimate(seq, t, chunk).fits)
+                        # the fewest head chunks that fit
+                        heads = next(c for c in head_chunks if estimate(seq, tiles, chunk, c).fits)
+                        out.append(MaxSeqLenEstimate(seq, g, estimate(seq, tiles, chunk, heads), chunk))
+    if rejected and len(rejected) == pairs:
+        raise ValueError("every (ulysses, ring) pair was rejected: " + "; ".join(rejected[:8]))
     return out
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, fields
 from usp.modes import AC_MODES
 from usp.plan.comm import ACT_BYTES, kv_block_bytes
 from usp.plan.hardware import GIB, DeviceSpec
+from usp.plan.layout import Candidate, Workload
 from usp.plan.models import ModelSpec
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master param + fp32 grad + Adam m and v
@@ -111,6 +112,9 @@ def device_states_bytes(model: ModelSpec, shard: int, *, offload: bool = False) 
     return model.num_params * STATE_BYTES_PER_PARAM / shard
 
 
+# Keyword forms: the public API. The planner itself passes a Workload and a Candidate to the functions below.
+
+
 def held_activation_bytes(
     model: ModelSpec,
     *,
@@ -123,10 +127,57 @@ def held_activation_bytes(
     micro_batch_size: int = 1,
     compute_bytes: int = ACT_BYTES,
 ) -> dict[str, float]:
+    """:func:`held_bytes` of this workload and layout (no sharding enters the held bytes)."""
+    work = Workload(model, seq_len, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes)
+    ranks = ulysses_degree * ring_degree
+    cand = Candidate(
+        ulysses_degree, ring_degree, world_size=ranks, node_size=ranks,
+        activation_checkpointing=activation_checkpointing, ac_every_k=ac_every_k, mlp_tiles=mlp_tiles,
+    )  # fmt: skip
+    return held_bytes(work, cand)
+
+
+def training_memory(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    seq_len: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    world_size: int,
+    node_size: int,
+    fsdp_mode: str = "full_shard",
+    activation_checkpointing: str = "none",
+    ac_every_k: int = 2,
+    micro_batch_size: int = 1,
+    loss_chunk_size: int = 4096,
+    overhead_frac: float = 0.08,
+    offload: bool = False,
+    compute_bytes: int = ACT_BYTES,
+    mlp_tiles: int = 1,
+    attn_head_chunks: int = 1,
+) -> MemoryBreakdown:
+    """:func:`peak_memory` of this workload and layout; ``offload`` puts the sharded states on the host."""
+    work = Workload(
+        model, seq_len, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes,
+        loss_chunk_size=loss_chunk_size, overhead_frac=overhead_frac,
+    )  # fmt: skip
+    cand = Candidate(
+        ulysses_degree, ring_degree, world_size=world_size, node_size=node_size, fsdp_mode=fsdp_mode,
+        activation_checkpointing=activation_checkpointing, ac_every_k=ac_every_k, mlp_tiles=mlp_tiles,
+        attn_head_chunks=attn_head_chunks, states="cpu_offload" if offload else "device",
+    )  # fmt: skip
+    return peak_memory(work, cand, device)
+
+
+def held_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
     """Bytes autograd keeps on the device at the end of a training forward, per rank (what
     :func:`usp.train.memory.track_memory` measures as held bytes): ``layers`` (every saved activation of the
     layers that are not checkpointed, the input of those that are, nothing of the inputs ``offload`` moved to
     the host), ``rotary`` (cos and sin) and ``final_norm``; ``total`` their sum."""
+    model, seq_len, micro_batch_size, compute_bytes = work.model, work.seq_len, work.micro_batch_size, work.compute_bytes
+    ulysses_degree, ring_degree = cand.ulysses_degree, cand.ring_degree
+    activation_checkpointing, ac_every_k, mlp_tiles = cand.activation_checkpointing, cand.ac_every_k, cand.mlp_tiles
     B, h = compute_bytes, model.hidden_size
     s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
     check_mlp_tiles(mlp_tiles, s)
@@ -166,31 +217,18 @@ def shard_degree(world_size: int, node_size: int, fsdp_mode: str) -> int:
     raise ValueError(f"parallel.fsdp_mode={fsdp_mode!r} is invalid; choose full_shard or hybrid_shard.")
 
 
-def training_memory(
-    model: ModelSpec,
-    device: DeviceSpec,
-    *,
-    seq_len: int,
-    ulysses_degree: int,
-    ring_degree: int,
-    world_size: int,
-    node_size: int,
-    fsdp_mode: str = "full_shard",
-    activation_checkpointing: str = "none",
-    ac_every_k: int = 2,
-    micro_batch_size: int = 1,
-    loss_chunk_size: int = 4096,
-    overhead_frac: float = 0.08,
-    offload: bool = False,
-    compute_bytes: int = ACT_BYTES,
-    mlp_tiles: int = 1,
-    attn_head_chunks: int = 1,
-) -> MemoryBreakdown:
+def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBreakdown:
     """Peak bytes per rank on the device. ``offload`` moves the sharded states to host memory (FSDP2 CPU
     offload); ``activation_checkpointing=offload`` keeps the layer inputs there; ``mlp_tiles`` runs the MLPs
     and norms in tiles (module docstring); ``attn_head_chunks`` runs the ring over that many groups of heads
     in turn, dividing its K/V, dK/dV and fp32 accumulator buffers by it; ``compute_bytes`` is 2 for bf16 compute, 4 for an fp32 run. Host
     bytes: :func:`usp.plan.offload.host_memory`."""
+    model, seq_len, micro_batch_size, compute_bytes = work.model, work.seq_len, work.micro_batch_size, work.compute_bytes
+    loss_chunk_size, overhead_frac = work.loss_chunk_size, work.overhead_frac
+    world_size, node_size, fsdp_mode, offload = cand.world_size, cand.node_size, cand.fsdp_mode, cand.states_on_host
+    activation_checkpointing, ac_every_k = cand.activation_checkpointing, cand.ac_every_k
+    mlp_tiles, attn_head_chunks = cand.mlp_tiles, cand.attn_head_chunks
+    ulysses_degree, ring_degree = cand.ulysses_degree, cand.ring_degree
     B = compute_bytes
     U, R = ulysses_degree, ring_degree
     s = seq_len / (U * R) * micro_batch_size  # local tokens

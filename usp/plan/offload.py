@@ -25,6 +25,7 @@ operating system, the data loader and the Python processes keep the rest).
 from __future__ import annotations
 
 from usp.plan.hardware import GB, GIB, DeviceSpec
+from usp.plan.layout import Candidate, Workload
 from usp.plan.memory import STATE_BYTES_PER_PARAM, checkpointed_layers, shard_degree
 from usp.plan.models import ModelSpec
 
@@ -32,6 +33,78 @@ HOST_USABLE_FRAC = 0.85
 HOST_ADAM_BYTES_PER_PARAM = 28  # read param, grad, m, v (fp32); write param, m, v
 OFFLOAD_OPTIMIZER = "deepspeed_cpu_adam"
 """The ``optim.name`` the planner proposes for states and step on the host (``DeepSpeedCPUAdam``)."""
+
+
+def host_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
+    """Host bytes of one rank (``checkpoints``, ``states``, ``rank``) and of one node (``node``)."""
+    model = work.model
+    s = work.seq_len / (cand.ulysses_degree * cand.ring_degree) * work.micro_batch_size
+    ckpt = 0.0
+    if cand.activation_checkpointing == "offload":
+        n = checkpointed_layers(model.num_layers, cand.activation_checkpointing)
+        ckpt = n * s * model.hidden_size * work.compute_bytes
+    shard = shard_degree(cand.world_size, cand.node_size, cand.fsdp_mode)
+    states = model.num_params * (STATE_BYTES_PER_PARAM if cand.states_on_host else 0) / shard
+    rank = ckpt + states
+    return {"checkpoints": ckpt, "states": states, "rank": rank, "node": rank * min(cand.node_size, cand.world_size)}
+
+
+def usable_host_bytes(device: DeviceSpec) -> float:
+    """Host memory one node can give the job (:data:`HOST_USABLE_FRAC` of ``host_mem_gib``)."""
+    return HOST_USABLE_FRAC * device.host_mem_gib * GIB
+
+
+def host_link_gbps(device: DeviceSpec, ranks_per_node: int) -> float:
+    """One GPU's host copy bandwidth while all ranks of its node copy: the link, or its share of the DRAM."""
+    return min(device.host_link_gbps, device.host_mem_gbps / max(1, ranks_per_node))
+
+
+def offload_seconds(
+    work: Workload, cand: Candidate, device: DeviceSpec, *, layer_fwd_s: float = 0.0, layer_bwd_s: float = 0.0
+) -> dict[str, float]:
+    """Seconds the offloads add (module docstring).
+
+    ``layer_fwd_s`` / ``layer_bwd_s``: one layer's forward, and its recompute + backward, on this rank (what
+    a checkpoint copy hides behind). Returns ``ckpt_copy_s`` (one layer's copy, one direction),
+    ``ckpt_offload_exposed_s`` (per micro step), ``fsdp_offload_s`` (per micro step, to add to the FSDP
+    traffic that hides behind compute), and per optimizer step ``host_adam_s``.
+    """
+    model = work.model
+    ranks = min(cand.node_size, cand.world_size)
+    bw = host_link_gbps(device, ranks) * GB
+    s = work.seq_len / (cand.ulysses_degree * cand.ring_degree) * work.micro_batch_size
+    out = {
+        "ckpt_copy_s": 0.0,
+        "ckpt_offload_exposed_s": 0.0,
+        "fsdp_offload_s": 0.0,
+        "host_adam_s": 0.0,
+    }
+    if cand.activation_checkpointing == "offload":
+        copy = s * model.hidden_size * work.compute_bytes / bw
+        L = model.num_layers
+        out["ckpt_copy_s"] = copy
+        out["ckpt_offload_exposed_s"] = L * (max(0.0, copy - layer_fwd_s) + max(0.0, copy - layer_bwd_s))
+    shard_params = model.num_params / shard_degree(cand.world_size, cand.node_size, cand.fsdp_mode)
+    if cand.states_on_host:
+        out["fsdp_offload_s"] = shard_params * 4 * 3 / bw  # param shard in (forward, backward), grad out
+        node_params = shard_params * ranks
+        out["host_adam_s"] = node_params * HOST_ADAM_BYTES_PER_PARAM / (device.host_mem_gbps * GB)
+    return out
+
+
+# Keyword forms (the public API): each builds a Workload and a Candidate.
+
+
+def _placement(
+    model: ModelSpec, *, seq_len: int, ulysses_degree: int, ring_degree: int, world_size: int, node_size: int,
+    fsdp_mode: str, activation_checkpointing: str, offload: bool, micro_batch_size: int, compute_bytes: int,
+) -> tuple[Workload, Candidate]:  # fmt: skip
+    work = Workload(model, seq_len, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes)
+    cand = Candidate(
+        ulysses_degree, ring_degree, world_size=world_size, node_size=node_size, fsdp_mode=fsdp_mode,
+        activation_checkpointing=activation_checkpointing, states="cpu_offload" if offload else "device",
+    )  # fmt: skip
+    return work, cand
 
 
 def host_memory(
@@ -48,26 +121,12 @@ def host_memory(
     micro_batch_size: int = 1,
     compute_bytes: int = 2,
 ) -> dict[str, float]:
-    """Host bytes of one rank (``checkpoints``, ``states``, ``rank``) and of one node (``node``)."""
-    s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
-    ckpt = 0.0
-    if activation_checkpointing == "offload":
-        n = checkpointed_layers(model.num_layers, activation_checkpointing)
-        ckpt = n * s * model.hidden_size * compute_bytes
-    shard = shard_degree(world_size, node_size, fsdp_mode)
-    states = model.num_params * (STATE_BYTES_PER_PARAM if offload else 0) / shard
-    rank = ckpt + states
-    return {"checkpoints": ckpt, "states": states, "rank": rank, "node": rank * min(node_size, world_size)}
-
-
-def usable_host_bytes(device: DeviceSpec) -> float:
-    """Host memory one node can give the job (:data:`HOST_USABLE_FRAC` of ``host_mem_gib``)."""
-    return HOST_USABLE_FRAC * device.host_mem_gib * GIB
-
-
-def host_link_gbps(device: DeviceSpec, ranks_per_node: int) -> float:
-    """One GPU's host copy bandwidth while all ranks of its node copy: the link, or its share of the DRAM."""
-    return min(device.host_link_gbps, device.host_mem_gbps / max(1, ranks_per_node))
+    """:func:`host_bytes` of this workload and layout; ``offload`` puts the sharded states on the host."""
+    return host_bytes(*_placement(
+        model, seq_len=seq_len, ulysses_degree=ulysses_degree, ring_degree=ring_degree, world_size=world_size,
+        node_size=node_size, fsdp_mode=fsdp_mode, activation_checkpointing=activation_checkpointing,
+        offload=offload, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes,
+    ))  # fmt: skip
 
 
 def offload_time(
@@ -87,31 +146,10 @@ def offload_time(
     micro_batch_size: int = 1,
     compute_bytes: int = 2,
 ) -> dict[str, float]:
-    """Seconds the offloads add (module docstring).
-
-    ``layer_fwd_s`` / ``layer_bwd_s``: one layer's forward, and its recompute + backward, on this rank (what
-    a checkpoint copy hides behind). Returns ``ckpt_copy_s`` (one layer's copy, one direction),
-    ``ckpt_offload_exposed_s`` (per micro step), ``fsdp_offload_s`` (per micro step, to add to the FSDP
-    traffic that hides behind compute), and per optimizer step ``host_adam_s``.
-    """
-    ranks = min(node_size, world_size)
-    bw = host_link_gbps(device, ranks) * GB
-    s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
-    out = {
-        "ckpt_copy_s": 0.0,
-        "ckpt_offload_exposed_s": 0.0,
-        "fsdp_offload_s": 0.0,
-        "host_adam_s": 0.0,
-    }
-    if activation_checkpointing == "offload":
-        copy = s * model.hidden_size * compute_bytes / bw
-        L = model.num_layers
-        out["ckpt_copy_s"] = copy
-        out["ckpt_offload_exposed_s"] = L * (max(0.0, copy - layer_fwd_s) + max(0.0, copy - layer_bwd_s))
-    shard_params = model.num_params / shard_degree(world_size, node_size, fsdp_mode)
-    if offload:
-        out["fsdp_offload_s"] = shard_params * 4 * 3 / bw  # param shard in (forward, backward), grad out
-    if offload:
-        node_params = shard_params * ranks
-        out["host_adam_s"] = node_params * HOST_ADAM_BYTES_PER_PARAM / (device.host_mem_gbps * GB)
-    return out
+    """:func:`offload_seconds` of this workload and layout."""
+    work, cand = _placement(
+        model, seq_len=seq_len, ulysses_degree=ulysses_degree, ring_degree=ring_degree, world_size=world_size,
+        node_size=node_size, fsdp_mode=fsdp_mode, activation_checkpointing=activation_checkpointing,
+        offload=offload, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes,
+    )  # fmt: skip
+    return offload_seconds(work, cand, device, layer_fwd_s=layer_fwd_s, layer_bwd_s=layer_bwd_s)

@@ -19,7 +19,8 @@ new job has: save at world 4 under FSDP2, resume at world 2, or load into a plai
 
 Atomicity: everything is written into ``<ckpt_root>/.tmp-step_<N>``; after every rank has finished (a
 collective that also carries errors, so a failure on one rank raises on all ranks instead of hanging them),
-rank 0 writes ``COMPLETE`` and renames the directory to ``step_<N>`` (one ``rename`` on the same filesystem).
+rank 0 writes ``COMPLETE`` and renames the directory to ``step_<N>`` (one ``rename`` on the same filesystem,
+:func:`usp.atomic.publish_dir`; ``meta.pt``, ``rank_<r>.pt`` and ``COMPLETE`` are each written atomically too).
 Only then are checkpoints beyond the newest ``keep_last`` deleted. A crash at any point leaves the previous
 checkpoints untouched; :func:`latest_checkpoint` only reports directories named ``step_<N>`` that hold the
 marker, so a leftover ``.tmp-step_*`` is never picked up (the next save removes it).
@@ -64,6 +65,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from usp.atomic import fsync_dir, publish_dir
+from usp.atomic import write_file as _write_file
 from usp.parallel.agree import dist_rank, dist_world_size, raise_if_any_failed
 from usp.parallel.agree import distributed as _distributed
 
@@ -94,46 +97,6 @@ def _first_failure(error: CheckpointException) -> str:
     for rank, (exc, _) in sorted(error.failures.items()):
         return f"rank {rank}: {type(exc).__name__}: {exc}"
     return str(error)
-
-
-# --- filesystem helpers --------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some filesystems don't allow opening directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, write: Any) -> None:
-    """Write via ``write(f)`` to ``path`` aside-then-rename, fsynced."""
-    part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
-
-
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Rename the finished directory ``tmp`` to ``final`` (replacing an older ``final``), then fsync the parent.
-
-    ``rename`` cannot replace a non-empty directory, so an existing ``final`` is first moved aside and deleted
-    only after ``tmp`` took its place.
-    """
-    old = None
-    if final.exists():
-        old = final.with_name(f".old-{final.name}-{os.getpid()}-{time.time_ns()}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --- queries -------------------------------------------------------------------------------------------
@@ -484,7 +447,7 @@ def save_checkpoint(
             marker = {"step": step, "world_size": world, "format_version": FORMAT_VERSION, "time": time.time(),
                       "checksum": CHECKSUM, "files": files}  # fmt: skip
             _write_file(tmp / COMPLETE_MARKER, lambda f: f.write(json.dumps(marker).encode()))
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             publish_dir(tmp, final)
         except Exception as e:  # noqa: BLE001
             error = e

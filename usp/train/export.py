@@ -4,8 +4,9 @@ The full (unsharded) state dict is gathered with ``get_model_state_dict(full_sta
 cpu_offload=True)``: a collective over the FSDP2 mesh that leaves full CPU tensors on rank 0 only, so peak
 memory on rank 0 is one copy of the model in host RAM (in the training dtype) plus one tensor: the cast to the
 export dtype replaces the entries one by one. Rank 0 writes the files into
-``.<name>.tmp-export`` beside ``out_dir`` and renames the directory into place, so a crash never leaves a
-half-written export at ``out_dir``. The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` in
+``.<name>.tmp-export`` beside ``out_dir`` and renames the directory into place (:func:`usp.atomic.write_dir`),
+so a crash never leaves a half-written export at ``out_dir``: a previous export stays whole until the new one
+replaces it. The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` in
 plain transformers: the saved config uses the standard ``sdpa`` attention, never the trainer's own ``usp``, and
 ``use_cache: true`` in config.json and generation_config.json (the trainer runs without a KV cache; generation
 needs it).
@@ -17,7 +18,6 @@ import copy
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,12 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from usp.atomic import write_dir
 from usp.parallel.agree import dist_rank, raise_if_any_failed
-from usp.train.checkpoint import publish_dir
 
 EXPORT_MARKER = "usp_export.json"
+TMP_TAG = "tmp-export"
+"""The export is written into ``.<name>.tmp-export`` beside ``out_dir`` (:func:`usp.atomic.temp_path`)."""
 SAFE_ATTENTION = "sdpa"
 _ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
 
@@ -103,6 +105,28 @@ def _scrub_attention(config_json: Path) -> None:
     config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def _write_files(
+    tmp: Path, tensors: dict[str, torch.Tensor], model: Any, saved_dtype: torch.dtype | None, tokenizer: Any,
+    max_shard_size: int | str,
+) -> None:
+    """Fill the (empty) directory ``tmp`` with the export: weights, config, generation config, tokenizer, marker."""
+    # safetensors shards + model.safetensors.index.json when sharded, named like save_pretrained's
+    logging.disable(logging.INFO)  # its "weights successfully saved to <tmp dir>" line would mislead
+    try:
+        save_torch_state_dict(tensors, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
+    finally:
+        logging.disable(logging.NOTSET)
+    _plain_config(model, saved_dtype).save_pretrained(str(tmp))
+    _scrub_attention(tmp / "config.json")
+    generation_config = _generation_config(model)
+    if generation_config is not None:
+        generation_config.save_pretrained(str(tmp))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    marker = {"format": "usp-hf-export", "num_tensors": len(tensors), "dtype": str(saved_dtype)}
+    (tmp / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
+
+
 def export_hf(
     model: torch.nn.Module,
     *,
@@ -138,26 +162,8 @@ def export_hf(
                 del v  # the fp32 original is freed as soon as its entry is replaced
             dtypes = {v.dtype for v in tensors.values() if v.is_floating_point()}
             saved_dtype = dtypes.pop() if len(dtypes) == 1 else None
-            tmp = out_dir.parent / f".{out_dir.name}.tmp-export"
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-            # safetensors shards + model.safetensors.index.json when sharded, named like save_pretrained's
-            logging.disable(logging.INFO)  # its "weights successfully saved to <tmp dir>" line would mislead
-            try:
-                save_torch_state_dict(tensors, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
-            finally:
-                logging.disable(logging.NOTSET)
-            _plain_config(model, saved_dtype).save_pretrained(str(tmp))
-            _scrub_attention(tmp / "config.json")
-            generation_config = _generation_config(model)
-            if generation_config is not None:
-                generation_config.save_pretrained(str(tmp))
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp))
-            marker = {"format": "usp-hf-export", "num_tensors": len(tensors), "dtype": str(saved_dtype)}
-            (tmp / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
-            publish_dir(tmp, out_dir)
+            write_dir(out_dir, lambda tmp: _write_files(tmp, tensors, model, saved_dtype, tokenizer, max_shard_size),
+                      tag=TMP_TAG, unique=False)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - reported to every rank
             error = e
     raise_if_any_failed(error, f"exporting the Hugging Face checkpoint to {out_dir}")

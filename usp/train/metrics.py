@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from usp.atomic import write_text
 from usp.config import ClusterConfig, WandbConfig
 from usp.plan.hardware import GPUS
 
@@ -243,9 +244,7 @@ def drop_records_after(path: str | os.PathLike, step: int) -> int:
         else:
             kept.append(line)
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        write_text(path, "".join(line + "\n" for line in kept))
     return dropped
 
 
@@ -332,7 +331,7 @@ class MetricsLogger:
             dropped = drop_records_after(self.path, start_step)
             if dropped:
                 logger.info("metrics.jsonl: dropped %d record(s) after step %d (resumed there)", dropped, start_step)
-        (self.run_dir / "layout.json").write_text(json.dumps(layout, indent=2, default=str) + "\n")
+        write_text(self.run_dir / "layout.json", json.dumps(layout, indent=2, default=str) + "\n")
         if wandb_cfg.mode != "disabled":
             self._wandb = _init_wandb(wandb_cfg, self.run_dir, config, layout)
         self._file = open(self.path, "a")  # closed in close()

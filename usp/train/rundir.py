@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from usp.atomic import write_text
 from usp.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,12 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
 
 
 # --- the run-dir check -----------------------------------------------------------------------------------
+def _own_leftover(name: str) -> bool:
+    """A temp of one of usp's own names left by an interrupted atomic write (``.<name>.<tag>[-<pid>-<ns>]``,
+    :func:`usp.atomic.temp_path`): counted as usp's, so a crash never makes a run dir look foreign."""
+    return any(name.startswith(f".{own}.") for own in USP_NAMES)
+
+
 def _is_older_usp_run(run_dir: Path, names: set[str]) -> bool:
     """A run dir of a usp version without the marker: only usp's names, and usp's layout.json or checkpoints."""
     if not names <= USP_NAMES | LAUNCH_NAMES:
@@ -75,7 +82,7 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
         return
     if not run_dir.is_dir():
         raise ValueError(f"hydra.run.dir={str(run_dir)!r} is a file; point hydra.run.dir at a directory.")
-    names = {p.name for p in run_dir.iterdir()}
+    names = {p.name for p in run_dir.iterdir() if not _own_leftover(p.name)}
     if RUN_MARKER in names or names <= LAUNCH_NAMES or _is_older_usp_run(run_dir, names):
         return
     foreign = sorted(names - LAUNCH_NAMES)
@@ -94,9 +101,7 @@ def write_run_marker(run_dir: Path) -> None:
         return
     info = {"format": "usp-run", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
             "pid": os.getpid()}  # fmt: skip
-    tmp = marker.with_name(marker.name + ".tmp")
-    tmp.write_text(json.dumps(info) + "\n")
-    os.replace(tmp, marker)
+    write_text(marker, json.dumps(info) + "\n")
 
 
 # --- the lock --------------------------------------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""What the planner costs, as three small frozen records passed through its internals instead of keyword chains.
+
+- :class:`Workload`: what is trained, the same for every layout of a search (model, sequence length, batch,
+  precision, loss chunk, ring layout, packed documents) and how strictly a layout is judged (allocator margin,
+  headroom);
+- :class:`Candidate`: one layout being costed (degrees, cluster shape, FSDP mode, checkpointing, memory tricks,
+  where the states live);
+- :class:`SearchSpace`: the candidates a search tries (the cluster and what the user pinned; ``None`` = the
+  planner chooses).
+
+The public functions (:func:`usp.plan.evaluate_layout`, :func:`usp.plan.training_memory`, ...) keep their
+keyword arguments; each builds these records and hands them on. Change one field with
+:func:`dataclasses.replace` (``replace(work, seq_len=2 * work.seq_len)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from usp.plan.compute import DocumentWork
+from usp.plan.models import ModelSpec
+
+STATE_PLACEMENTS: tuple[str, ...] = ("device", "cpu_offload")
+"""Where the sharded states live: on the device, or on the host with the optimizer step there
+(``optim.name=deepspeed_cpu_adam``: FSDP2 CPU offload, :func:`usp.config.states_on_host`)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained, and the margins a layout must keep (the same for every candidate of a search)."""
+
+    model: ModelSpec
+    seq_len: int
+    """Tokens per sequence (``trainer.seq_len``)."""
+    global_batch: int | None = None
+    """Sequences per optimizer step; ``None``: one per data-parallel rank."""
+    micro_batch_size: int = 1
+    """Sequences per rank per micro step (the planner's searches cost 1)."""
+    compute_bytes: int = 2
+    """Bytes of the compute dtype: 2 for bf16/fp16 ``model.dtype``, 4 for float32."""
+    loss_chunk_size: int = 4096
+    """``trainer.loss_chunk_size``: tokens per chunk of the cross-entropy's ``[chunk, vocab]`` logits."""
+    ring_layout: str = "zigzag"
+    """``parallel.ring_layout``: how the sequence is placed on the ring (its multiple and its balance)."""
+    documents: DocumentWork | None = None
+    """Packed documents (``--doc-lengths``): attention is costed over them; ``None``: one causal sequence."""
+    overhead_frac: float = 0.08
+    """Allocator margin added on top of the device estimate."""
+    headroom_gib: float | None = None
+    """Device memory a layout must leave free; ``None``: :attr:`DeviceSpec.default_headroom_gib`."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: how the ranks split the sequence and the model, and which memory tricks it uses."""
+
+    ulysses_degree: int
+    ring_degree: int
+    world_size: int
+    node_size: int
+    """Ranks per node (at most ``world_size``): ``hybrid_shard`` shards over it, host memory is per node."""
+    fsdp_mode: str = "full_shard"
+    activation_checkpointing: str = "none"
+    """One of :data:`usp.modes.AC_MODES`: ``none``, ``every_k``, ``full``, ``offload`` (inputs on the host)."""
+    ac_every_k: int = 2
+    """With ``every_k``: every k-th layer is checkpointed."""
+    mlp_tiles: int = 1
+    """``parallel.mlp_tiles``: the MLPs and norms run over this many sequence tiles (1 = off)."""
+    attn_head_chunks: int = 1
+    """``parallel.attn_head_chunks``: the ring runs over this many groups of heads in turn (1 = off)."""
+    states: str = "device"
+    """One of :data:`STATE_PLACEMENTS`: where the sharded parameters, gradients and optimizer states live."""
+
+    @property
+    def dp_degree(self) -> int:
+        return self.world_size // (self.ulysses_degree * self.ring_degree)
+
+    @property
+    def states_on_host(self) -> bool:
+        """The sharded states and the optimizer step on the host (FSDP2 CPU offload)."""
+        return self.states == "cpu_offload"
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The candidates a search tries on a cluster. ``None`` lets the planner choose; a value pins it."""
+
+    world_size: int
+    node_size: int
+    ulysses_degree: int | None = None
+    ring_degree: int | None = None
+    fsdp_modes: tuple[str, ...] | None = None
+    """FSDP modes tried; ``None``: ``full_shard``, and across nodes also ``hybrid_shard``."""
+    ac_modes: tuple[str, ...] | None = None
+    """Checkpointing modes tried; ``None``: all of them."""
+    ac_every_k: int | None = None
+    """The ``every_k`` candidate's k; ``None``: the planner's (2)."""
+    mlp_tiles: int | None = None
+    """A fixed tile count, or ``None`` (``auto``): 1, and when that does not fit the fewest tiles that fit."""
+    attn_head_chunks: int | None = None
+    """A fixed head chunk count (layouts whose heads it does not split are rejected), or ``None`` (``auto``)."""
+    states: tuple[str, ...] = ("device",)
+    """Placements of :data:`STATE_PLACEMENTS` tried."""
+
+
+__all__ = ["STATE_PLACEMENTS", "Candidate", "SearchSpace", "Workload"]
