@@ -93,8 +93,9 @@ class ParallelConfig:
     ac_every_k: int = 2
     mlp_tiles: Any = 1
     """Sequence tiles for each decoder layer's MLP and the RMSNorms (DeepSpeed ``TiledMLP``): 1 = off, an
-    integer dividing ``trainer.seq_len / (ulysses x ring)``, or ``auto`` (tiles of about ``hidden_size``
-    tokens). Exact; costs one more MLP forward per step."""
+    integer dividing ``trainer.seq_len / (ulysses x ring)``, or ``auto``: the planner's count (the fewest tiles
+    that fit) when it chooses the degrees (``auto``), else tiles of about ``hidden_size`` tokens. Exact; costs
+    one more MLP forward per step."""
     attn_head_chunks: int = 1
     """Groups of heads the ring attention runs over one after another (after the Ulysses all-to-all): 1 = all
     at once; else a divisor of both ``Hq / ulysses`` and ``max(Hkv, ulysses) / ulysses`` (whole GQA groups).
@@ -352,8 +353,9 @@ def validate_choices(cfg: TrainConfig) -> None:
     _check_choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     t = cfg.trainer
     for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "loss_chunk_size"):
-        if getattr(t, name) < 1:
-            raise ValueError(f"trainer.{name}={getattr(t, name)} is invalid: use an integer >= 1.")
+        value = getattr(t, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"trainer.{name}={value!r} is invalid: use an integer >= 1.")
     for name in ("watchdog_factor", "watchdog_min_seconds", "watchdog_minutes"):
         value = getattr(t, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -368,6 +370,8 @@ def validate_choices(cfg: TrainConfig) -> None:
             f"trainer.loss_spike_factor={t.loss_spike_factor} is invalid: use a factor > 1 (e.g. 3.0), or 0 to "
             "turn the loss-spike warning off."
         )
+    if isinstance(t.eval_every, bool) or not isinstance(t.eval_every, int) or t.eval_every < 0:
+        raise ValueError(f"trainer.eval_every={t.eval_every!r} is invalid: use an integer >= 0 (0 = off).")
     if t.checkpoint_every < 0 or t.keep_last < 1:
         raise ValueError(
             f"trainer.checkpoint_every={t.checkpoint_every} / trainer.keep_last={t.keep_last}: "
