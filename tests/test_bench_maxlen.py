@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,17 +158,17 @@ def test_descendants_include_other_sessions():
     from usp.bench.maxlen_attempt import _descendants
 
     proc = subprocess.Popen(["bash", "-c", "setsid sleep 60 & sleep 60"], start_new_session=True)
-    try:
-        for _ in range(50):
-            found = _descendants(proc.pid)
-            if len(found) == 2:
-                break
-            import time
 
-            time.sleep(0.1)
-        assert len(found) == 2  # the plain child and the one in its own session
-        names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in found}
-        assert names == {"sleep"}
+    def names(pids: list[int]) -> list[str]:
+        return sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in pids)
+
+    try:
+        deadline = time.monotonic() + 10
+        found = _descendants(proc.pid)
+        while names(found) != ["sleep", "sleep"] and time.monotonic() < deadline:  # until both have exec'd
+            time.sleep(0.05)
+            found = _descendants(proc.pid)
+        assert names(found) == ["sleep", "sleep"]  # the plain child and the one in a session of its own
     finally:
         for pid in [*_descendants(proc.pid), proc.pid]:
             os.kill(pid, signal.SIGKILL)
