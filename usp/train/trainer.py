@@ -159,8 +159,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     )  # fmt: skip
     param_device, _ = weight_devices(device, cpu_offload=host_states)  # offload: shards on the CPU
     load_sharded_weights(model, cfg.model.path, device=device, param_device=param_device)
-    optimizer, scheduler = build_optimizer(loss_model, cfg.optim, max_steps=cfg.trainer.max_steps,
-                                           host_states=host_states)  # fmt: skip
+    optimizer, scheduler = build_optimizer(loss_model, cfg.optim, max_steps=cfg.trainer.max_steps)
 
     start_step = 0
     if resume_from is not None:
