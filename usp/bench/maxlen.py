@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     from usp.bench.maxlen_attempt import launch
     from usp.bench.maxlen_setup import model_fields, write_corpus
-    from usp.train.metrics import _gpu_from_device_name
+    from usp.train.metrics import gpu_from_device_name
 
     args = build_parser().parse_args(argv)
     began = time.monotonic()
@@ -290,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     info = json.loads(setup.stdout.strip().splitlines()[-1])
     dev = info["device"]
-    gpu = args.gpu or (_gpu_from_device_name(dev["name"]) if dev["cuda"] else "cpu")
+    gpu = args.gpu or (gpu_from_device_name(dev["name"]) if dev["cuda"] else "cpu")
     if gpu is None:
         raise ValueError(
             f"the planner does not know the GPU {dev['name']!r}: pass --gpu (h100-80g, h200, ...)."
