@@ -53,7 +53,10 @@ def test_auto_degrees_are_accepted_and_left_to_the_planner():
     assert cfg.parallel.ulysses_degree == "auto" and cfg.parallel.ring_degree == "auto"
     validate_layout(cfg, world_size=16, local_world_size=8)
     cfg = compose_config(["parallel=auto", "parallel.ring_degree=3"])
-    with pytest.raises(ValueError, match="parallel.ring_degree=3 does not divide the world size 16"):
+    with pytest.raises(ValueError, match=r"ring_degree=3 = 3 does not divide the world size 16.*ulysses_degree=auto counted as 1"):
+        validate_layout(cfg, world_size=16, local_world_size=8)
+    cfg = compose_config(["parallel=auto", "parallel.ulysses_degree=16"])  # ParallelDims' node rule, auto or not
+    with pytest.raises(ValueError, match=r"ulysses_degree=16 would make Ulysses groups span nodes of 8 ranks"):
         validate_layout(cfg, world_size=16, local_world_size=8)
 
 

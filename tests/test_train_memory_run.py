@@ -187,7 +187,8 @@ def test_deepspeed_cpu_adam_trains_and_resumes_like_adamw(dist_pools, model_dir,
 
 
 def fused_vs_foreach(model_dir: str) -> dict:
-    """Worker (world 1): 3 AdamW steps on FSDP2 shards with ``optim.name`` adamw vs adamw_cpu_offload."""
+    """Worker (world 1): 3 AdamW steps on FSDP2 shards with ``optim.name`` adamw and adamw_cpu_offload, and
+    torch's for-each AdamW on the same parameter groups as the reference."""
     from tests.mesh_cache import cached_sp_mesh
     from usp.config import OptimConfig
     from usp.model import load_causal_lm
@@ -196,10 +197,14 @@ def fused_vs_foreach(model_dir: str) -> dict:
 
     mesh = cached_sp_mesh(1, 1, "zigzag", 1)
     out = {}
-    for name in ("adamw", "adamw_cpu_offload"):
+    for name in ("foreach", "adamw", "adamw_cpu_offload"):
         model = load_causal_lm(model_dir, dtype=torch.float32)
         loss_model = parallelize(model, mesh, param_dtype=torch.float32)
-        opt, _ = build_optimizer(loss_model, OptimConfig(name=name, lr=1e-2, warmup_steps=0), max_steps=10)
+        cfg = OptimConfig(name="adamw" if name == "foreach" else name, lr=1e-2, warmup_steps=0)
+        opt, _ = build_optimizer(loss_model, cfg, max_steps=10)
+        if name == "foreach":  # the same groups and hyper-parameters, torch's default multi-tensor kernel
+            groups = [{k: v for k, v in g.items() if k in ("params", "weight_decay")} for g in opt.param_groups]
+            opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
             ids = torch.randint(3, model.config.vocab_size, (1, 64), generator=g)
@@ -211,11 +216,12 @@ def fused_vs_foreach(model_dir: str) -> dict:
     return out
 
 
-def test_adamw_cpu_offload_uses_the_fused_host_kernel_with_the_same_result(dist_pools, model_dir):
+def test_adamw_uses_the_fused_kernel_with_the_for_each_result(dist_pools, model_dir):
     out = dist_pools(1).run(fused_vs_foreach, model_dir)[0]
-    assert out["adamw_cpu_offload"]["fused"] and not out["adamw"]["fused"]
-    for name, ref in out["adamw"]["params"].items():
+    assert out["adamw"]["fused"] and out["adamw_cpu_offload"]["fused"] and not out["foreach"]["fused"]
+    for name, ref in out["foreach"]["params"].items():
         # Adam normalizes each element's update by its own gradient scale: kernel rounding differences (~1e-7)
         # in near-zero gradients move such elements by ~1e-6 after 3 steps of lr 1e-2
-        torch.testing.assert_close(out["adamw_cpu_offload"]["params"][name], ref, rtol=1e-5,
-                                   atol=1e-4 * ref.abs().max().item(), msg=name)  # fmt: skip
+        for opt_name in ("adamw", "adamw_cpu_offload"):
+            torch.testing.assert_close(out[opt_name]["params"][name], ref, rtol=1e-5,
+                                       atol=1e-4 * ref.abs().max().item(), msg=f"{opt_name}: {name}")  # fmt: skip

@@ -217,12 +217,13 @@ def test_timeout_minutes_reaches_init_process_group(monkeypatch):
 
     import torch.distributed as dist
 
+    from usp.parallel import process_group
     from usp.train import trainer
 
     calls: list[dict] = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append(kw))
-    monkeypatch.setattr(trainer, "launcher_store", lambda timeout: dist.HashStore())  # no TCPStore on a port
+    monkeypatch.setattr(process_group, "launcher_store", lambda timeout: dist.HashStore())  # no TCPStore on a port
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     assert trainer.init_distributed(torch.device("cpu"), timeout_minutes=90)

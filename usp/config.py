@@ -93,8 +93,9 @@ class ParallelConfig:
     ac_every_k: int = 2
     mlp_tiles: Any = 1
     """Sequence tiles for each decoder layer's MLP and the RMSNorms (DeepSpeed ``TiledMLP``): 1 = off, an
-    integer dividing ``trainer.seq_len / (ulysses x ring)``, or ``auto`` (tiles of about ``hidden_size``
-    tokens). Exact; costs one more MLP forward per step."""
+    integer dividing ``trainer.seq_len / (ulysses x ring)``, or ``auto``: the planner's count (the fewest tiles
+    that fit) when it chooses the degrees (``auto``), else tiles of about ``hidden_size`` tokens. Exact; costs
+    one more MLP forward per step."""
     attn_head_chunks: int = 1
     """Groups of heads the ring attention runs over one after another (after the Ulysses all-to-all): 1 = all
     at once; else a divisor of both ``Hq / ulysses`` and ``max(Hkv, ulysses) / ulysses`` (whole GQA groups).
@@ -352,8 +353,9 @@ def validate_choices(cfg: TrainConfig) -> None:
     _check_choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     t = cfg.trainer
     for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "loss_chunk_size"):
-        if getattr(t, name) < 1:
-            raise ValueError(f"trainer.{name}={getattr(t, name)} is invalid: use an integer >= 1.")
+        value = getattr(t, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"trainer.{name}={value!r} is invalid: use an integer >= 1.")
     for name in ("watchdog_factor", "watchdog_min_seconds", "watchdog_minutes"):
         value = getattr(t, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -368,6 +370,8 @@ def validate_choices(cfg: TrainConfig) -> None:
             f"trainer.loss_spike_factor={t.loss_spike_factor} is invalid: use a factor > 1 (e.g. 3.0), or 0 to "
             "turn the loss-spike warning off."
         )
+    if isinstance(t.eval_every, bool) or not isinstance(t.eval_every, int) or t.eval_every < 0:
+        raise ValueError(f"trainer.eval_every={t.eval_every!r} is invalid: use an integer >= 0 (0 = off).")
     if t.checkpoint_every < 0 or t.keep_last < 1:
         raise ValueError(
             f"trainer.checkpoint_every={t.checkpoint_every} / trainer.keep_last={t.keep_last}: "
@@ -396,8 +400,9 @@ def states_on_host(optim_name: str, cpu_offload: bool) -> bool:
 
 def validate_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int | None = None) -> None:
     """Check the degrees against the launched world (``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``) and ``seq_len``
-    against the sequence layout, before anything expensive. Degrees set to ``auto`` are left to the planner
-    (only the given one is checked to divide the world size).
+    against the sequence layout, before anything expensive. A degree set to ``auto`` is left to the planner and
+    counts as 1 here: the fixed one is checked (world size, node size) and the sequence length waits for the
+    planner's choice.
 
     Raises ``ValueError`` with the numbers (from :class:`usp.parallel.ParallelDims`) and the fix.
     """
@@ -405,21 +410,21 @@ def validate_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int 
 
     p = cfg.parallel
     node_size = p.node_size if p.node_size is not None else local_world_size
-    if "auto" in (p.ulysses_degree, p.ring_degree):
-        for name in ("ulysses_degree", "ring_degree"):
-            value = getattr(p, name)
-            if value != "auto" and world_size % value != 0:
-                raise ValueError(
-                    f"parallel.{name}={value} does not divide the world size {world_size}; launch a multiple "
-                    f"of {value} ranks or change parallel.{name}."
-                )
+    auto = [name for name in ("ulysses_degree", "ring_degree") if getattr(p, name) == "auto"]
+    try:
+        ParallelDims(  # an ``auto`` degree counts as 1 (the planner's choice only multiplies the product)
+            world_size=world_size,
+            ulysses_degree=1 if "ulysses_degree" in auto else p.ulysses_degree,
+            ring_degree=1 if "ring_degree" in auto else p.ring_degree,
+            dp_degree=-1 if auto else p.dp_degree,
+            node_size=node_size,
+            allow_cross_node_ulysses=p.allow_cross_node_ulysses,
+        )
+    except ValueError as e:
+        if not auto:
+            raise
+        counted = " and ".join(f"parallel.{name}=auto" for name in auto)
+        raise ValueError(f"{e} ({counted} counted as 1 here: the planner picks it at start-up.)") from e
+    if auto:
         return
-    ParallelDims(
-        world_size=world_size,
-        ulysses_degree=p.ulysses_degree,
-        ring_degree=p.ring_degree,
-        dp_degree=p.dp_degree,
-        node_size=node_size,
-        allow_cross_node_ulysses=p.allow_cross_node_ulysses,
-    )
     check_sequence_length(cfg.trainer.seq_len, p.ring_degree, p.ulysses_degree, p.ring_layout)

@@ -4,10 +4,11 @@ Order (every rank runs all of it):
 
 1. process group (as the trainer: reuse, ``env://`` from torchrun, or one process); nccl on CUDA, gloo on CPU;
 2. checks, before any weight is read or any forward runs, shared by every rank (an error on one rank is
-   raised on all, no rank left waiting): the ``eval.*`` settings, the degrees against the launched world,
-   every evaluated length against the sequence layout, ``model.path`` (an HF dir or a training checkpoint),
-   heads vs Ulysses, the tokenizer, then the task's inputs (passkey prompts; ppl documents read on rank 0
-   and broadcast);
+   raised on all, no rank left waiting): ``model.path`` (an HF dir or a training checkpoint), the layout
+   resolved as for training (:func:`usp.train.validate.resolve_layout`: the same degrees, planner choice for
+   ``auto`` and node size as ``usp-train`` gets for this config), the ``eval.*`` settings, every evaluated
+   length against the sequence layout, heads vs Ulysses, the tokenizer, then the task's inputs (passkey
+   prompts; ppl documents read on rank 0 and broadcast);
 3. the mesh, the model (whole on every rank, in ``model.dtype``), :func:`usp.model.apply_usp`;
 4. the task; rank 0 writes ``eval.json``, the plot, wandb, and prints a summary.
 """
@@ -33,10 +34,10 @@ from usp.model import (
     check_rope_for_sequence_parallel,
     parse_dtype,
 )
-from usp.parallel import ParallelDims, init_sp_mesh, sequence_multiple
+from usp.parallel import init_sp_mesh, sequence_multiple
 from usp.parallel.agree import on_every_rank, on_rank0
-from usp.parallel.mesh import launched_world
-from usp.train.trainer import init_distributed, resolve_device
+from usp.parallel.process_group import init_distributed, resolve_device
+from usp.train.validate import Layout, resolve_layout
 
 logger = logging.getLogger(__name__)
 
@@ -77,21 +78,23 @@ def resolve_model_source(path: str) -> ModelSource:
     return ModelSource(Path(base), ckpt, config)
 
 
-def resolve_lengths(cfg: TrainConfig) -> list[int]:
-    """``eval.lengths``, or the default for the task (from ``trainer.seq_len``), rounded to the layout."""
+def resolve_lengths(cfg: TrainConfig, layout: Layout | None = None) -> list[int]:
+    """``eval.lengths``, or the default for the task (from ``trainer.seq_len``), rounded to the layout
+    (``layout``: the resolved one; without it, the config's explicit degrees)."""
     if cfg.eval.lengths:
         return [int(x) for x in cfg.eval.lengths]
     s = cfg.trainer.seq_len
     if cfg.eval.task == "ppl":
         return [s]
     p = cfg.parallel
-    m = sequence_multiple(int(p.ring_degree), int(p.ulysses_degree), p.ring_layout)
+    ring, ulysses = (layout.ring_degree, layout.ulysses_degree) if layout else (p.ring_degree, p.ulysses_degree)
+    m = sequence_multiple(int(ring), int(ulysses), p.ring_layout)
     return sorted({max(m, (x // m) * m) for x in (s // 4, s // 2, s, 2 * s)})
 
 
-def check_eval_settings(cfg: TrainConfig, world_size: int) -> tuple[list[int], ParallelDims]:
-    """Every ``eval.*`` setting, the degrees vs the world and the lengths vs the layout; ``ValueError`` naming
-    the setting and the fix. Pure arithmetic (no files)."""
+def check_eval_settings(cfg: TrainConfig, layout: Layout) -> list[int]:
+    """Every ``eval.*`` setting and the evaluated lengths vs the resolved ``layout``; returns the lengths.
+    ``ValueError`` naming the setting and the fix. Pure arithmetic (no files)."""
     e, p = cfg.eval, cfg.parallel
     if e.task not in EVAL_TASKS:
         raise ValueError(f"eval.task={e.task!r} is invalid; choose eval=ppl or eval=passkey.")
@@ -106,27 +109,17 @@ def check_eval_settings(cfg: TrainConfig, world_size: int) -> tuple[list[int], P
         )
     if not k.depths or any(not 0.0 <= d <= 1.0 for d in k.depths):
         raise ValueError(f"eval.passkey.depths={list(k.depths)} must be fractions in [0, 1], at least one.")
-    if "auto" in (p.ulysses_degree, p.ring_degree):
-        raise ValueError(
-            "usp-eval needs explicit degrees: set parallel.ulysses_degree and parallel.ring_degree (the planner's "
-            "auto choice is for training)."
-        )
-    node_size = p.node_size if p.node_size is not None else launched_world()[1]  # LOCAL_WORLD_SIZE
-    dims = ParallelDims(
-        world_size=world_size, ulysses_degree=int(p.ulysses_degree), ring_degree=int(p.ring_degree),
-        dp_degree=p.dp_degree, node_size=node_size, allow_cross_node_ulysses=p.allow_cross_node_ulysses,
-    )  # fmt: skip
-    lengths = resolve_lengths(cfg)
-    m = sequence_multiple(dims.ring_degree, dims.ulysses_degree, p.ring_layout)
+    lengths = resolve_lengths(cfg, layout)
+    m = sequence_multiple(layout.ring_degree, layout.ulysses_degree, p.ring_layout)
     bad = [x for x in lengths if x < 2 or x % m]
     if bad:
         fix = ", ".join(f"{x} -> {max(m, round(x / m) * m)}" for x in bad)
         raise ValueError(
             f"eval.lengths={lengths}: {bad} do not suit the layout (a multiple of {m} = "
-            f"{'' if p.ring_layout == 'contiguous' else '2 x '}ring_degree {dims.ring_degree} x ulysses_degree "
-            f"{dims.ulysses_degree}, {p.ring_layout}); use e.g. {fix}."
+            f"{'' if p.ring_layout == 'contiguous' else '2 x '}ring_degree {layout.ring_degree} x ulysses_degree "
+            f"{layout.ulysses_degree}, {p.ring_layout}); use e.g. {fix}."
         )
-    return lengths, dims
+    return lengths
 
 
 def load_model(source: ModelSource, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
@@ -171,22 +164,27 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def _prepare(cfg: TrainConfig, world: int) -> tuple[list[int], ParallelDims, ModelSource, Any]:
+def prepare(
+    cfg: TrainConfig, world: int, device: torch.device
+) -> tuple[list[int], Layout, ModelSource, Any]:
+    """Every check before the model is read: ``(lengths, layout, source, tokenizer)``; ``ValueError`` naming
+    the setting. The layout is :func:`usp.train.validate.resolve_layout`'s, as for training this config."""
     from transformers import AutoTokenizer
 
-    lengths, dims = check_eval_settings(cfg, world)
     source = resolve_model_source(cfg.model.path)
     apply_rope_overrides(
         source.config, rope_theta=cfg.model.rope_theta, rope_scaling=cfg.model.rope_scaling,
         max_position_embeddings=cfg.model.max_position_embeddings,
     )  # fmt: skip
-    check_heads(source.config, dims.ulysses_degree)
-    check_rope_for_sequence_parallel(source.config, dims.sp_degree)
+    layout = resolve_layout(cfg, source.config, world, device)
+    lengths = check_eval_settings(cfg, layout)
+    check_heads(source.config, layout.ulysses_degree)
+    check_rope_for_sequence_parallel(source.config, layout.ulysses_degree * layout.ring_degree)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.config_dir), local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"model.path={cfg.model.path!r}: no tokenizer at {source.config_dir} ({e}).") from e
-    return lengths, dims, source, tokenizer
+    return lengths, layout, source, tokenizer
 
 
 def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
@@ -200,7 +198,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(cfg.run_dir)
-    lengths, dims, source, tokenizer = on_every_rank(lambda: _prepare(cfg, world), "eval config validation")
+    lengths, layout, source, tokenizer = on_every_rank(lambda: prepare(cfg, world, device), "eval config validation")
     task = cfg.eval.task
     if task == "passkey":
         trials = on_every_rank(lambda: passkey_task.build_trials(tokenizer, lengths, cfg.eval), "passkey prompts")
@@ -209,7 +207,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         documents = on_rank0(lambda: ppl_task.read_documents(cfg, tokenizer, lengths, cache_dir), "reading eval.inputs")
 
     mesh = init_sp_mesh(
-        dims.ulysses_degree, dims.ring_degree, dp_degree=dims.dp_degree, node_size=cfg.parallel.node_size,
+        layout.ulysses_degree, layout.ring_degree, dp_degree=layout.dp_degree, node_size=layout.node_size,
         ring_layout=cfg.parallel.ring_layout, allow_cross_node_ulysses=cfg.parallel.allow_cross_node_ulysses,
         device_type=device.type, timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
     )  # fmt: skip

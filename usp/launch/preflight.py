@@ -3,10 +3,10 @@ layout fails on the login node instead of after the queue wait.
 
 - :func:`check_layout`: :func:`usp.config.validate_layout`, the check ``usp.train`` runs first on every
   rank: the degrees against the world the launcher will start (:class:`usp.parallel.ParallelDims`) and
-  ``trainer.seq_len`` against the sequence layout (:func:`usp.parallel.check_sequence_length`); with an
-  ``auto`` degree, also :func:`check_known_degrees` on the fixed ones.
-- :func:`check_known_degrees`: :class:`usp.parallel.ParallelDims` on the degrees known before start-up (the
-  fixed ones of an ``auto`` layout, or the command line's when no run config is composed).
+  ``trainer.seq_len`` against the sequence layout (:func:`usp.parallel.check_sequence_length`); an ``auto``
+  degree counts as 1 there, so the fixed one is checked.
+- :func:`check_known_degrees`: :class:`usp.parallel.ParallelDims` on the command line's degrees when no run
+  config is composed (Hydra-flag mode).
 - :func:`check_memory`: the planner's per-GPU memory estimate of that layout
   (:func:`usp.plan.evaluate_layout`, the figure ``usp-plan`` prints; MLP tiles resolved and the states'
   place decided as the trainer does) against ``cluster.gpu``'s memory
@@ -32,14 +32,9 @@ def check_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int) ->
     """``usp.train``'s layout and sequence-length checks for ``world_size`` ranks, ``local_world_size`` per
     node. Raises ``ValueError`` with the trainer's message (the numbers and the fix).
 
-    With an ``auto`` degree the trainer checks the layout after the planner picks it, at start-up; the fixed
-    degrees are checked here already (:func:`check_known_degrees`), so a ``ulysses_degree`` that cannot stay
-    inside a node still fails before the queue."""
+    With an ``auto`` degree the fixed one is checked (``validate_layout`` counts ``auto`` as 1), so a
+    ``ulysses_degree`` that cannot stay inside a node still fails before the queue."""
     validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
-    p = cfg.parallel
-    if "auto" in (p.ulysses_degree, p.ring_degree):
-        check_known_degrees({name: getattr(p, name) for name in LAYOUT_FIELDS}, world_size=world_size,
-                            local_world_size=local_world_size)  # fmt: skip
 
 
 def _integer(value: object) -> bool:

@@ -3,10 +3,12 @@
     torchrun --standalone --nproc-per-node 4 -m usp.train recipe=tiny hydra.run.dir=outputs/demo
 
 Hydra stays here. The composed config becomes a typed :class:`usp.config.TrainConfig` once
-(``OmegaConf.to_object`` over the ``train_schema`` stored in Hydra's ConfigStore), is checked once (enum
-fields, then the degrees against the launched ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` and ``seq_len`` against
-the sequence layout), and only then is :func:`usp.train.trainer.run` called with it. Nothing below reads Hydra
-or the environment for settings.
+(``OmegaConf.to_object`` over the ``train_schema`` stored in Hydra's ConfigStore), is checked (enum fields,
+then the degrees against the launched ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` and ``seq_len`` against the
+sequence layout: a bad setting is reported before torch is imported), and only then is
+:func:`usp.train.trainer.run` called with it, which resolves it once into a frozen layout
+(:func:`usp.train.validate.validate`) and never changes it. Nothing below reads Hydra or the environment for
+settings (the node size: :func:`usp.parallel.mesh.launched_world`).
 
 Every rank composes the same config; only rank 0 (``RANK`` from the launcher) writes Hydra's ``.hydra/``
 files and its log, and every rank gets the same absolute ``run_dir`` (``hydra.run.dir``, where

@@ -69,7 +69,7 @@ CUDA_METRIC_FIELDS: tuple[str, ...] = ("peak_mem_reserved_gib",)
 allocator's peak reserved memory since the previous logged step (:func:`peak_memory_reserved_gib`)."""
 
 
-def _gpu_from_device_name(name: str) -> str | None:
+def gpu_from_device_name(name: str) -> str | None:
     """Map a CUDA device name (``NVIDIA H100 80GB HBM3``) to a :data:`PEAK_TFLOPS` key, if recognisable."""
     n = name.lower()
     for key, marker in (("b200", "b200"), ("h200", "h200"), ("h100-80g", "h100")):
@@ -97,7 +97,7 @@ def peak_flops_per_device(cluster: ClusterConfig, device_type: str) -> float:
     if key == "cpu" and device_type == "cuda":
         import torch
 
-        detected = _gpu_from_device_name(torch.cuda.get_device_name())
+        detected = gpu_from_device_name(torch.cuda.get_device_name())
         if detected is None:
             raise ValueError(
                 f"cluster.gpu=cpu on a CUDA run with an unrecognised GPU ({torch.cuda.get_device_name()}): "

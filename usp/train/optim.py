@@ -2,8 +2,9 @@
 
 ``optim.name`` picks the AdamW implementation (:data:`usp.modes.OPTIMIZERS`): ``adamw`` and
 ``adamw_cpu_offload`` use ``torch.optim.AdamW`` (the second with the states on the host, see
-:func:`usp.config.states_on_host`, and torch's fused kernel, which on the host CPU steps about 5x faster than
-the default for-each one); ``deepspeed_cpu_adam`` uses DeepSpeed's vectorized C++ CPU Adam
+:func:`usp.config.states_on_host`), always with torch's fused kernel: on the host CPU it steps about 5x faster
+than the default for-each one, and on CUDA the for-each step allocates temporaries as large as the parameters
+it updates (about 30 GiB for an 8B model), which the fused one does not and the planner does not count; ``deepspeed_cpu_adam`` uses DeepSpeed's vectorized C++ CPU Adam
 (:class:`ShardedCPUAdam`), for states that live on the host. DeepSpeed compiles that op on first use (about
 2 minutes on 2 cores; cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
 """
@@ -114,13 +115,13 @@ def lr_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: flo
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, *, max_steps: int, host_states: bool = False
+    model: nn.Module, cfg: OptimConfig, *, max_steps: int
 ) -> tuple[torch.optim.Optimizer, LambdaLR]:
     """AdamW (no weight decay on biases, norms and other 1-D parameters) and its warmup-cosine scheduler.
 
     ``cfg.name``: ``adamw`` / ``adamw_cpu_offload`` -> ``torch.optim.AdamW`` (it steps where the parameters
-    are: the host under FSDP2 CPU offload; fused when the states are on the host: ``adamw_cpu_offload``, or
-    ``host_states`` from :func:`usp.config.states_on_host`); ``deepspeed_cpu_adam`` -> :func:`sharded_cpu_adam`.
+    are: the host under FSDP2 CPU offload; always fused, see the module docstring); ``deepspeed_cpu_adam`` ->
+    :func:`sharded_cpu_adam`.
     """
     check_optim_config(cfg, max_steps)
     decay, no_decay = [], []
@@ -134,8 +135,7 @@ def build_optimizer(
     if cfg.name == "deepspeed_cpu_adam":
         optimizer = sharded_cpu_adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     else:
-        fused = True if (host_states or cfg.name == "adamw_cpu_offload") else None
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
     scheduler = LambdaLR(
         optimizer,
         lambda step: lr_factor(

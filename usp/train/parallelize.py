@@ -60,10 +60,9 @@ def apply_activation_checkpointing(
     state-dict keys with or without it). Collectives inside attention run again during the recompute, in the
     same order on every rank.
     """
-    if mode not in AC_MODES:
-        raise ValueError(f"parallel.activation_checkpointing={mode!r} is invalid; choose one of {AC_MODES}.")
-    if mode == "every_k" and every_k < 1:
-        raise ValueError(f"parallel.ac_every_k={every_k} must be >= 1.")
+    # the settings were validated with the run (usp.config.validate_choices); these are the callers' contract
+    assert mode in AC_MODES, f"activation checkpointing mode {mode!r} is not one of {AC_MODES}"
+    assert mode != "every_k" or every_k >= 1, f"ac_every_k={every_k} must be >= 1"
     if mode == "offload":
         assert offload_store is not None, "activation_checkpointing=offload needs a HostCheckpointStore"
         return apply_offload_checkpointing(layers, offload_store)
@@ -102,8 +101,7 @@ def apply_fsdp(
     ``cpu_offload`` (CUDA only) keeps the sharded parameters, gradients and optimizer states in host memory;
     they are copied to the device for each all-gather and the optimizer step runs on the CPU.
     """
-    if cpu_offload and device_mesh.device_type != "cuda":
-        raise ValueError("FSDP CPU offload needs CUDA devices; turn cpu_offload off on CPU runs.")
+    assert not cpu_offload or device_mesh.device_type == "cuda", "FSDP CPU offload needs CUDA devices"
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for layer in layers:
@@ -142,8 +140,7 @@ def parallelize(
     ``mlp_tiles``: a resolved tile count (:func:`usp.train.tiling.resolve_mlp_tiles`), 1 = off.
     ``attn_head_chunks``: ``parallel.attn_head_chunks`` (:func:`usp.attention.usp_attention`), 1 = off.
     """
-    if fsdp_mode not in FSDP_MODES:
-        raise ValueError(f"parallel.fsdp_mode={fsdp_mode!r} is invalid; choose one of {FSDP_MODES}.")
+    assert fsdp_mode in FSDP_MODES, f"fsdp_mode={fsdp_mode!r} is not one of {FSDP_MODES} (validate_choices)"
     apply_usp(model, mesh, backend=attention_backend, attn_head_chunks=attn_head_chunks)
     layers = decoder_layers(model)
     apply_sequence_tiling(layers, getattr(model.get_decoder(), "norm", None), mlp_tiles)

@@ -33,11 +33,11 @@ from usp.model import apply_rope_overrides, build_empty_causal_lm, parse_dtype
 from usp.model.load import materialize_empty
 from usp.modes import AC_MODES, OPTIMIZERS
 from usp.parallel import init_sp_mesh, shard_sequence
+from usp.parallel.process_group import init_distributed, resolve_device
 from usp.train.metrics import count_dense_params, peak_flops_per_device, training_flops
 from usp.train.optim import build_optimizer
 from usp.train.parallelize import parallelize
 from usp.train.step import train_step
-from usp.train.trainer import init_distributed, resolve_device
 from usp.units import parse_seq_len
 
 

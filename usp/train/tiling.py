@@ -62,7 +62,8 @@ def resolve_mlp_tiles(setting: Any, *, local_tokens: int, hidden_size: int) -> i
     """``parallel.mlp_tiles`` -> a tile count that divides ``local_tokens`` (``ValueError`` naming what works).
 
     ``local_tokens``: tokens per rank per sequence (``trainer.seq_len / (ulysses x ring)``). ``auto``: the
-    module docstring's rule.
+    module docstring's rule, the one used with explicit degrees; when the planner chooses the degrees, its own
+    tile count is used instead (:func:`usp.train.validate.resolve_layout`).
     """
     if local_tokens < 1:
         raise ValueError(f"local tokens per rank must be >= 1 (got {local_tokens})")

@@ -1,0 +1,161 @@
+"""One attempt of the longest-sequence search, in a process of its own:
+``python -m usp.bench.maxlen_attempt SPEC.json``.
+
+A fresh process per length: an out-of-memory error can leave the CUDA caching allocator fragmented, so a
+later, shorter attempt in the same process could fail where a fresh one fits. The attempt is the product's
+own run: the trainer's config composed from Hydra overrides (:func:`usp.train.__main__.compose_config`, then
+:func:`usp.config.validate_layout`) and :func:`usp.train.trainer.run` (validation, data preparation, sharded
+model, weights from the checkpoint, the training loop, ``metrics.jsonl``). Two things are changed, both
+outside the measured steps:
+
+- the final checkpoint is not written (``usp.train.checkpoint.save_checkpoint`` replaced by a no-op in this
+  process; with ``trainer.export_hf=false``): for Llama-3.1-8B it would write 96 GB of weights and optimizer
+  states after the step;
+- ``fail_above`` (tests only): a training step with more tokens raises ``torch.OutOfMemoryError`` as a real
+  one would, so the search logic can be checked on CPU against a known limit.
+
+The spec (JSON) holds ``seq_len``, ``overrides``, ``run_dir``, ``result`` (where to write the outcome) and
+``fail_above`` (or null). The result (JSON): ``seq_len``, ``status`` (``ok``, ``oom``, ``host_mem`` or
+``error``), ``records`` (the trainer's ``metrics.jsonl`` records of this run), ``layout`` (as resolved by the
+trainer: ``mlp_tiles`` ...), ``error`` (the exception's type and first line), ``wall_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def classify(err: BaseException) -> str:
+    """``oom`` for a device out-of-memory error (also when a loader wrapped it in its own message),
+    ``host_mem`` for the trainer's refusal to pin more host memory than is available, ``error`` otherwise."""
+    import torch
+
+    text = f"{type(err).__name__}: {err}".lower()
+    if isinstance(err, torch.OutOfMemoryError) or "out of memory" in text or "outofmemoryerror" in text:
+        return "oom"
+    if isinstance(err, ValueError) and "host memory" in text:
+        return "host_mem"
+    return "error"
+
+
+def _inject_fail_above(limit: int) -> None:
+    """Make every training step of more than ``limit`` tokens raise ``torch.OutOfMemoryError``."""
+    import torch
+
+    from usp.train import trainer
+
+    real_step = trainer.train_step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        micro = args[3] if len(args) > 3 else kwargs["micro_batches"]
+        mesh = kwargs.get("mesh")
+        tokens = sum(b["input_ids"].numel() for b in micro) * (mesh.sp_degree if mesh is not None else 1)
+        if tokens > limit:
+            raise torch.OutOfMemoryError(f"injected by fail_above={limit}: a step of {tokens} tokens")
+        return real_step(*args, **kwargs)
+
+    trainer.train_step = step
+
+
+def run_attempt(spec: dict[str, Any]) -> dict[str, Any]:
+    """Compose, validate and train as ``spec`` says; returns ``{"records", "layout"}`` (raises on failure)."""
+    from usp.config import validate_layout
+    from usp.train import checkpoint, trainer
+    from usp.train.__main__ import compose_config
+
+    cfg = compose_config(spec["overrides"], run_dir=spec["run_dir"])
+    validate_layout(cfg, world_size=1, local_world_size=1)
+    checkpoint.save_checkpoint = lambda *args, **kwargs: None  # the trainer imports it when it starts
+    if spec.get("fail_above") is not None:
+        _inject_fail_above(int(spec["fail_above"]))
+    result = trainer.run(cfg)
+    return {"records": result["metrics"], "layout": result["layout"]}
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux ``/proc``; none elsewhere), children before their parents'
+    siblings. Taken before killing: a killed parent's children are adopted by init and can no longer be found."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children.get(child, []))
+    return out
+
+
+def launch(spec: dict[str, Any], *, timeout_s: float, log_path: str | os.PathLike) -> dict[str, Any]:
+    """Run ``spec`` in a fresh process (a session of its own, killed as a group at ``timeout_s``), its output
+    in ``log_path``; returns its result, or ``{"status": "timeout"}`` (killed at the timeout) / ``"killed"``
+    (ended by a signal without a result: the host's out-of-memory killer, typically) / ``"error"``."""
+    import signal
+    import subprocess
+
+    result = Path(spec["result"])  # the run dir itself is the trainer's: it must start empty
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.unlink(missing_ok=True)
+    spec_path = result.with_name(result.name.replace(".result.json", "") + ".spec.json")
+    spec_path.write_text(json.dumps(spec, indent=1))
+    root = str(Path(__file__).resolve().parents[2])  # the checkout that holds this usp package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    start = time.perf_counter()
+    timed_out = False
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "usp.bench.maxlen_attempt", str(spec_path)], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=root)  # fmt: skip
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for pid in [*_descendants(proc.pid), proc.pid]:  # compilers a JIT build starts leave the group
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+    wall = time.perf_counter() - start
+    if result.is_file():
+        return {**json.loads(result.read_text()), "wall_s": wall}
+    status = "timeout" if timed_out else "killed" if rc < 0 else "error"
+    return {"seq_len": spec["seq_len"], "status": status, "error": f"exit status {rc}, no result (see {log_path})",
+            "wall_s": wall}  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    spec = json.loads(Path(argv[0]).read_text())
+    out: dict[str, Any] = {"seq_len": spec["seq_len"], "status": "error"}
+    start = time.perf_counter()
+    try:
+        out.update(run_attempt(spec), status="ok")
+    except Exception as err:  # noqa: BLE001 - every failure is an outcome of the attempt, written below
+        import traceback
+
+        traceback.print_exc()
+        out["status"] = classify(err)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        out["error"] = f"{type(err).__name__}: {first}"[:500]
+    out["wall_s"] = time.perf_counter() - start
+    path = Path(spec["result"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, default=str, indent=1))
+    os.replace(tmp, path)
+    print(f"attempt seq_len={spec['seq_len']}: {out['status']} {out.get('error', '')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
