@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -18,6 +19,7 @@ from usp.plan import (
     plan_layouts,
 )
 from usp.plan.cli import main, parse_seq_len
+from usp.plan.maxlen import max_seq_len
 
 TINY = {
     "hidden_size": 64,
@@ -120,6 +122,12 @@ def test_no_layout_fits_says_why_and_what_would():
     assert isinstance(err.value, ValueError)
     assert "Smallest need" in msg and "more GPUs" in msg and "trainer.seq_len=" in msg
     assert "checkpointing" in msg
+    # the shorter sequence it names fits and is within 1/16 of the longest that does (the states on the device,
+    # as in the search it explains)
+    shorter = int(re.search(r"a shorter sequence: trainer.seq_len=(\d+) fits", msg).group(1))
+    longest = max_seq_len(load_model_spec("llama-3.1-8b"), get_device("h100-80g"), world_size=8, node_size=8,
+                          states=("device",)).max_seq_len  # fmt: skip
+    assert longest * 15 / 16 - 8 * 1024 <= shorter <= longest
     # 70B on one node of 40 GB cards: sharded states alone overflow; offload (with a shorter sequence) fits
     with pytest.raises(NoFeasibleLayoutError, match="offload"):
         plan_layouts(

@@ -58,13 +58,27 @@ def explain_no_fit(
             break
 
     def longest_fitting(space: SearchSpace = space) -> tuple[int, LayoutEstimate] | None:
+        """Halve the sequence until one fits, then bisect towards the next longer one (to 1/16 of it, on
+        multiples of 1024 x GPUs, which every layout's sequence multiple divides)."""
         seq = S // 2
         while seq >= 1024:
             hit = _fits(replace(work, seq_len=seq), space, device)
             if hit:
-                return seq, hit
+                break
             seq //= 2
-        return None
+        else:
+            return None
+        granule, hi = 1024 * W, 2 * seq
+        while hi - seq > max(granule, seq // 16):
+            mid = (seq + hi) // 2 // granule * granule
+            if mid <= seq:
+                break
+            longer = _fits(replace(work, seq_len=mid), space, device)
+            if longer:
+                seq, hit = mid, longer
+            else:
+                hi = mid
+        return seq, hit
 
     shorter = longest_fitting()
     if shorter:
