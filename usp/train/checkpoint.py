@@ -32,17 +32,23 @@ layout can interpret — e.g. the data loader's position in *global* samples, wh
 put per-rank state (RNG) next to it. The returned dict says which case applied (``"extra_rank"``).
 
 The checkpoint root must be on a filesystem every rank sees (a shared filesystem across nodes).
+
+This module holds the save (:func:`save_checkpoint`) and the load (:func:`load_checkpoint`,
+:func:`read_saved_extra`); the parts they use live next to it and are importable from here too:
+
+- :mod:`usp.train.checkpoint_layout` - the file names, ``FORMAT_VERSION`` and the queries
+  (:func:`list_checkpoints`, :func:`latest_checkpoint`, :func:`resolve_checkpoint`);
+- :mod:`usp.train.checkpoint_integrity` - :func:`check_plain_data`, the per-file checksums and their
+  verification (:func:`verify_checkpoint`, :func:`find_intact_checkpoint`);
+- :mod:`usp.train.checkpoint_reader` - the pickle-free reads (:func:`load_plain`, :class:`SafeFileSystemReader`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import pickle
-import re
 import shutil
 import time
 import warnings
@@ -51,11 +57,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -70,19 +73,46 @@ from usp.atomic import write_file as _write_file
 from usp.parallel.agree import dist_rank, dist_world_size, raise_if_any_failed
 from usp.parallel.agree import distributed as _distributed
 
-logger = logging.getLogger(__name__)
+# The parts this module is built from, importable from here as before (``from usp.train.checkpoint import ...``).
+from usp.train.checkpoint_integrity import (  # noqa: F401 - public here too
+    _HASH_BLOCK,
+    _OWNED_RE,
+    _PLAIN_LEAVES,
+    CHECKSUM,
+    _all_files,
+    _gather,
+    _hash_own_files,
+    _owner,
+    _read_marker,
+    _verify_own_files,
+    check_plain_data,
+    file_digest,
+    find_intact_checkpoint,
+    verify_checkpoint,
+)
+from usp.train.checkpoint_layout import (  # noqa: F401 - public here too
+    _STEP_RE,
+    COMPLETE_MARKER,
+    DCP_DIR,
+    FORMAT_VERSION,
+    META_FILE,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    is_complete_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    resolve_checkpoint,
+)
+from usp.train.checkpoint_reader import (  # noqa: F401 - public here too
+    _METADATA_MODULE,
+    _REFUSED,
+    _SAFE_GLOBALS,
+    SafeFileSystemReader,
+    _MetadataUnpickler,
+    load_plain,
+)
 
-FORMAT_VERSION = 2
-"""2: plain-data ``meta.pt`` / ``rank_<r>.pt`` (``weights_only`` loads) and per-file checksums in ``COMPLETE``.
-1 (older usp): pickled trainer state, no checksums; refused (it could only be read by unpickling code)."""
-CHECKSUM = "sha256"
-_HASH_BLOCK = 8 << 20  # bytes read per hash update: streaming, constant memory
-COMPLETE_MARKER = "COMPLETE"
-DCP_DIR = "dcp"
-META_FILE = "meta.pt"
-STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp-step_"
-_STEP_RE = re.compile(r"^step_(\d+)$")
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -98,250 +128,6 @@ def _first_failure(error: CheckpointException) -> str:
         return f"rank {rank}: {type(exc).__name__}: {exc}"
     return str(error)
 
-
-# --- queries -------------------------------------------------------------------------------------------
-def is_complete_checkpoint(path: str | os.PathLike) -> bool:
-    """True if ``path`` is a finished checkpoint directory (marker, DCP metadata and meta file present)."""
-    path = Path(path)
-    return (
-        (path / COMPLETE_MARKER).is_file()
-        and (path / DCP_DIR / ".metadata").is_file()
-        and (path / META_FILE).is_file()
-    )
-
-
-def list_checkpoints(ckpt_root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``ckpt_root`` as ``(step, path)``, oldest first; temp dirs are ignored."""
-    root = Path(ckpt_root)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        m = _STEP_RE.match(child.name)
-        if m and child.is_dir() and is_complete_checkpoint(child):
-            found.append((int(m.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(ckpt_root: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step under ``ckpt_root``, or ``None`` if there is none."""
-    found = list_checkpoints(ckpt_root)
-    return found[-1][1] if found else None
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """Validate a checkpoint path given by the user: a ``step_<N>`` directory, or a checkpoint root (-> latest).
-
-    Raises ``ValueError`` naming ``trainer.resume`` and the fix if nothing loadable is there.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(
-            f"trainer.resume={str(path)!r}: the path does not exist. Point it at a checkpoint directory "
-            f"(<checkpoint_dir>/step_<N>) or a checkpoint root, use trainer.resume=auto, or null to start fresh."
-        )
-    if not p.is_dir():
-        raise ValueError(
-            f"trainer.resume={str(path)!r} is a file, not a checkpoint directory. Point it at "
-            f"<checkpoint_dir>/step_<N> (a directory holding {COMPLETE_MARKER}, {META_FILE} and {DCP_DIR}/)."
-        )
-    if is_complete_checkpoint(p):
-        return p
-    latest = latest_checkpoint(p)
-    if latest is not None:
-        return latest
-    missing = [n for n in (COMPLETE_MARKER, META_FILE, f"{DCP_DIR}/.metadata") if not (p / n).exists()]
-    raise ValueError(
-        f"trainer.resume={str(path)!r} is not a complete checkpoint (missing: {', '.join(missing)}) and holds no "
-        f"complete step_<N> checkpoint. It may be a save that was interrupted; point trainer.resume at an "
-        f"earlier step_<N> directory, or use trainer.resume=auto to take the latest complete one."
-    )
-
-
-# --- plain data and checksums ----------------------------------------------------------------------------
-_PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, torch.Tensor)
-
-
-def check_plain_data(obj: Any, where: str = "extra") -> None:
-    """``TypeError`` unless ``obj`` is plain data that ``torch.load(weights_only=True)`` reads back: tensors,
-    numbers, strings, ``None`` and lists, tuples and dicts of them (e.g. a numpy array is refused: store it as a
-    tensor or a list)."""
-    if isinstance(obj, _PLAIN_LEAVES):
-        return
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            if not isinstance(key, (str, int)):
-                raise TypeError(f"checkpoint {where}: key {key!r} is a {type(key).__name__}; use str or int keys.")
-            check_plain_data(value, f"{where}[{key!r}]")
-        return
-    if isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            check_plain_data(value, f"{where}[{i}]")
-        return
-    raise TypeError(
-        f"checkpoint {where} is a {type(obj).__module__}.{type(obj).__qualname__}: store plain data (tensors, "
-        f"numbers, strings, lists, tuples, dicts) so the checkpoint loads without unpickling code."
-    )
-
-
-def file_digest(path: Path) -> str:
-    """SHA-256 of ``path`` read in 8 MiB blocks (constant memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
-_OWNED_RE = re.compile(r"^(?:rank_(\d+)\.pt|__(\d+)_\d+\.distcp)$")
-
-
-def _owner(rel: str, world: int) -> int:
-    """The rank that hashes (at save) or verifies (at load) the checkpoint file ``rel``: the writer of a
-    per-rank file (modulo ``world``, for a load at another world size), rank 0 for the rest."""
-    m = _OWNED_RE.match(Path(rel).name)
-    if m is None:
-        return 0
-    return int(m.group(1) or m.group(2)) % world
-
-
-def _all_files(ckpt: Path) -> list[str]:
-    return sorted(
-        str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != COMPLETE_MARKER
-    )
-
-
-def _gather(obj: Any) -> list[Any]:
-    if not _distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _hash_own_files(tmp: Path, rank: int, world: int) -> dict[str, dict[str, Any]]:
-    return {
-        rel: {"bytes": (tmp / rel).stat().st_size, CHECKSUM: file_digest(tmp / rel)}
-        for rel in _all_files(tmp)
-        if _owner(rel, world) == rank
-    }
-
-
-def _read_marker(ckpt: Path) -> dict[str, Any]:
-    try:
-        marker = json.loads((ckpt / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{COMPLETE_MARKER} is unreadable ({type(e).__name__}: {e})") from e
-    if not isinstance(marker, dict):
-        raise ValueError(f"{COMPLETE_MARKER} is not a JSON object")
-    return marker
-
-
-def _verify_own_files(ckpt: Path, rank: int, world: int) -> list[str]:
-    """This rank's share of :func:`verify_checkpoint` (no collectives); problems as ``"<file>: <why>"``."""
-    try:
-        marker = _read_marker(ckpt)
-    except ValueError as e:
-        return [str(e)] if rank == 0 else []
-    version = marker.get("format_version")
-    if version != FORMAT_VERSION:
-        return [] if rank else [
-            f"format {version!r} (this usp reads format {FORMAT_VERSION}; format 1 checkpoints of older usp "
-            f"versions hold pickled state and carry no checksums)"
-        ]
-    files = marker.get("files")
-    if not isinstance(files, dict) or not files:
-        return [] if rank else [f"{COMPLETE_MARKER} lists no file checksums"]
-    problems = []
-    for rel, want in sorted(files.items()):
-        if _owner(rel, world) != rank:
-            continue
-        path = ckpt / rel
-        try:
-            size = path.stat().st_size
-            if size != want["bytes"]:
-                problems.append(f"{rel}: {size} bytes, {want['bytes']} when saved (truncated or rewritten)")
-            elif file_digest(path) != want[CHECKSUM]:
-                problems.append(f"{rel}: {CHECKSUM} differs from the one recorded at save (the file changed)")
-        except FileNotFoundError:
-            problems.append(f"{rel}: missing")
-        except (OSError, KeyError, TypeError) as e:
-            problems.append(f"{rel}: cannot be checked ({type(e).__name__}: {e})")
-    return problems
-
-
-def verify_checkpoint(path: str | os.PathLike) -> list[str]:
-    """Check every file of the checkpoint at ``path`` (a ``step_<N>`` dir) against the sizes and SHA-256
-    recorded in its ``COMPLETE`` marker; returns the problems (``[]``: intact), the same list on every rank.
-
-    Collective under a process group (one ``all_gather_object``): each rank hashes a share of the files (the
-    per-rank files of its own rank, modulo the world size), so the cost is one read of the checkpoint spread
-    over the ranks. Cost: about 0.6 s per GB per rank on one core (sha256 with SHA-NI, measured in
-    docs/checkpoints.md).
-    """
-    ckpt = Path(path)
-    try:
-        mine = _verify_own_files(ckpt, dist_rank(), dist_world_size())
-    except Exception as e:  # noqa: BLE001 - shared with every rank, never raised alone
-        mine = [f"verification failed: {type(e).__name__}: {e}"]
-    return [problem for share in _gather(mine) for problem in share]
-
-
-def find_intact_checkpoint(ckpt_root: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
-    """The newest complete checkpoint under ``ckpt_root`` that verifies, and the newer ones skipped with their
-    problems (``(path, problems)``, newest first). Collective under a process group; the same on every rank."""
-    skipped: list[tuple[Path, list[str]]] = []
-    for _, path in reversed(list_checkpoints(ckpt_root)):
-        problems = verify_checkpoint(path)
-        if not problems:
-            return path, skipped
-        skipped.append((path, problems))
-    return None, skipped
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, but ``.metadata`` is unpickled with :class:`_MetadataUnpickler`: only DCP's metadata
-    dataclasses, torch dtypes/sizes/layouts, paths and plain containers are admitted, so a crafted checkpoint
-    cannot run code through it."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-_REFUSED = "is not allowed in a checkpoint's DCP .metadata"
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_SAFE_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch._utils", "_get_layout"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("pathlib._local", "PosixPath"),
-    ("pathlib._local", "WindowsPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == _METADATA_MODULE and (not name.startswith("_") or name == "_MEM_FORMAT_ENCODING"):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) and obj.__module__ == module:  # DCP's own dataclasses and enums only
-                return obj
-        if (module, name) in _SAFE_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} {_REFUSED}")
 
 
 # --- save ----------------------------------------------------------------------------------------------
@@ -460,24 +246,6 @@ def save_checkpoint(
 
 
 # --- load ----------------------------------------------------------------------------------------------
-def load_plain(path: Path, what: str = "trainer.resume") -> Any:
-    """``torch.load(weights_only=True)`` of a checkpoint's ``meta.pt`` / ``rank_<r>.pt``: plain data only.
-
-    Anything else (a pickled object that would run code, a torn file) raises ``ValueError`` naming the file.
-    """
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError as e:
-        raise ValueError(f"{what}: {path} is missing; the checkpoint is damaged. Point {what} at another "
-                         f"step_<N> directory.") from e
-    except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError (torn zip), EOFError, ...
-        raise ValueError(
-            f"{what}: {path} cannot be read as plain checkpoint data ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); it is damaged, or it holds pickled objects, which "
-            f"usp refuses to unpickle. Point {what} at another step_<N> directory."
-        ) from e
-
-
 def read_saved_extra(path: str | os.PathLike, rank: int = 0) -> dict[str, Any]:
     """The ``extra`` dict rank ``rank`` saved in the checkpoint at ``path`` (a ``step_<N>`` dir or a root),
     without touching the model: cheap (one small file, ``weights_only``), for checks before loading (run
