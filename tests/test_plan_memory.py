@@ -205,10 +205,16 @@ def _measure_step(activation_checkpointing: str, mlp_tiles: int) -> tuple[int, i
     with track_memory("cpu") as first:
         loss = loss_model(ids, labels, position_ids=pos)
     loss.backward()  # first step: the offload store allocates its host slots (reused from then on)
-    model.zero_grad(set_to_none=True)
-    with track_memory("cpu") as second:
-        loss_model(ids, labels, position_ids=pos).backward()
-    return first.held_bytes, second.peak_bytes
+    peaks = []
+    for _ in range(2):  # the same step twice: the larger figure (see below)
+        model.zero_grad(set_to_none=True)
+        with track_memory("cpu") as second:
+            loss_model(ids, labels, position_ids=pos).backward()
+        peaks.append(second.peak_bytes)
+    # Twice (a loaded run, one full-suite run) the CPU profiler returned a step's figure equal to its forward alone (the
+    # backward's allocation events missing; not reproduced in isolation): a missing event can only lower the
+    # running sum, so the larger of two identical steps is the measurement.
+    return first.held_bytes, max(peaks)
 
 
 @pytest.mark.parametrize("activation_checkpointing", ["none", "full", "offload"])
