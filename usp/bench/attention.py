@@ -44,6 +44,7 @@ from usp.attention.kernels import resolve_backend
 from usp.bench.balance import rank_attention_ms
 from usp.data.doc_lengths import boundaries, parse_doc_lengths
 from usp.parallel import init_sp_mesh, sequence_multiple
+from usp.parallel.process_group import init_distributed, resolve_device
 
 COLUMNS = [
     ("ulysses", "U", "{}"),
@@ -341,11 +342,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         parse_doc_lengths(spec)  # a bad spec fails here, before any rank starts
     if dist.is_initialized():
         return _main_on_rank(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a launcher: join its group as usp-train does
+        init_distributed(resolve_device("auto"))
         try:
             return _main_on_rank(args)
         finally:

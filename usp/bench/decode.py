@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from usp.parallel.process_group import init_distributed
+
 
 def _layouts(text: str) -> list[tuple[int, int]]:
     out = []
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     args = p.parse_args(argv)
 
-    dist.init_process_group("gloo")
+    init_distributed(torch.device("cpu"))  # gloo, in the launcher's store (usp.parallel.process_group)
     torch.set_num_threads(1)
     rank = dist.get_rank()
     model_dir = args.model

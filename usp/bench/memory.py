@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from usp.parallel.process_group import init_distributed
+
 VARIANTS = (("none", 1), ("full", 1), ("offload", 1), ("none", 8), ("full", 8), ("offload", 8))
 MIB = 1 << 20
 LOSS_CHUNK = 1024  # trainer.loss_chunk_size of every variant
@@ -116,10 +118,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    created = not dist.is_initialized()
-    if created:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    created = init_distributed(device)  # one process, no launcher: a world of 1
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     records = []
     try:
