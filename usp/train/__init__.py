@@ -5,7 +5,12 @@
 - :mod:`usp.train.parallelize` - the recipe: ``apply_usp``, activation checkpointing, FSDP2 / HSDP;
 - :mod:`usp.train.optim` - AdamW, warmup + cosine, global-norm clipping;
 - :mod:`usp.train.step` - one optimizer step over micro-batches (``train_step``);
-- :mod:`usp.train.checkpoint`, :mod:`usp.train.export` - checkpoints and the Hugging Face export; :mod:`usp.train.rng` - the RNG states they carry;
+- :mod:`usp.train.checkpoint` (save, load; names and queries in :mod:`usp.train.checkpoint_layout`, checksums in
+  :mod:`usp.train.checkpoint_integrity`, the pickle-free reader in :mod:`usp.train.checkpoint_reader`),
+  :mod:`usp.train.export` - checkpoints and the Hugging Face export; :mod:`usp.train.rng` - the RNG states they carry;
+- :mod:`usp.train.tiling`, :mod:`usp.train.offload` - sequence tiles and checkpoint offload (docs/memory.md);
+- :mod:`usp.train.resume`, :mod:`usp.train.rundir`, :mod:`usp.train.guard`, :mod:`usp.train.signals`,
+  :mod:`usp.train.watchdog`, :mod:`usp.train.elastic` - faults: resume, run dirs, bad steps, preemption, hangs;
 - :mod:`usp.train.metrics` - metrics.jsonl, wandb, MFU;
 - :mod:`usp.train.throughput` - step throughput on random weights.
 
