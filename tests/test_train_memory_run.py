@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_train_run import make_config as train_run_config
+from tests.test_train_run import run_worker
 from usp.config import TrainConfig, validate_choices
 from usp.tiny import build_tiny_llama
 from usp.train import offload, trainer
@@ -24,23 +26,14 @@ from usp.train.tiling import resolve_mlp_tiles
 
 
 def make_config(model_dir: str, run_dir: str, **parallel) -> TrainConfig:
-    cfg = TrainConfig()
-    cfg.model.path = model_dir
-    cfg.model.dtype = "float32"
-    cfg.data.build_tiny_corpus = True
-    cfg.data.cache_dir = f"{run_dir}/../data_cache"
-    cfg.trainer.seq_len = 64
+    """:func:`tests.test_train_run.make_config` without validation data or accumulation: 4 steps, a
+    checkpoint every 2, the data cache beside the run."""
+    cfg = train_run_config(model_dir, run_dir, f"{run_dir}/../data_cache", **parallel)
+    cfg.data.validation_fraction = 0.0
+    cfg.trainer.eval_every = 0
     cfg.trainer.max_steps = 4
-    cfg.trainer.loss_chunk_size = 24
+    cfg.trainer.grad_accum_steps = 1
     cfg.trainer.checkpoint_every = 2
-    cfg.trainer.device = "cpu"
-    cfg.optim.lr = 3e-3
-    cfg.optim.warmup_steps = 2
-    cfg.logging.progress_bar = False
-    cfg.cluster.gpu = "cpu"
-    cfg.run_dir = run_dir
-    for k, v in parallel.items():
-        setattr(cfg.parallel, k, v)
     return cfg
 
 
@@ -131,11 +124,6 @@ def test_host_states_rule():
 
 
 # --- resume and export (world 2, u2) ------------------------------------------------------------------
-def run_worker(cfg: TrainConfig) -> dict:
-    out = trainer.run(cfg)
-    return {k: out[k] for k in ("losses", "start_step", "export_dir", "layout")}
-
-
 def exported_tensors(export_dir: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
