@@ -11,7 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from usp.modes import AC_MODES, ATTENTION_BACKENDS, FSDP_MODES, OPTIMIZERS, RING_LAYOUTS
+from usp.modes import (
+    AC_MODES,
+    ATTENTION_BACKENDS,
+    DATA_FORMATS,
+    FSDP_MODES,
+    LONG_CONVERSATIONS,
+    LOSS_ON,
+    OPTIMIZERS,
+    RING_LAYOUTS,
+)
 
 # Valid values of the string-enum fields (checked once, by ``validate_choices``).
 DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float16")
@@ -66,8 +75,23 @@ class DataConfig:
     long_doc_factor: float = 1.0
     """Repeat long documents this many times on average (e.g. 2.0 doubles their share of the corpus)."""
     build_tiny_corpus: bool = False
-    """Generate a small synthetic corpus (demo/tests only) when ``inputs`` is empty."""
+    """Generate a small synthetic corpus (demo/tests only) when ``inputs`` is empty (``format=chat``: chats)."""
     seed: int = 1234
+    format: str = "text"
+    """``text`` (documents, every token trained) | ``chat`` (conversations rendered with the chat template,
+    a ``loss_mask`` per token, best-fit packed; docs/data.md, "Chat data")."""
+    messages_field: str = "messages"
+    """Chat: the column holding the ``[{role, content}]`` list (ShareGPT ``conversations`` and ``prompt`` /
+    ``completion`` rows are recognised too)."""
+    chat_template: str | None = None
+    """Chat: a Jinja template file, or a shipped one (``chatml``, ``tiny_chatml``); default the tokenizer's."""
+    loss_on: str | None = None
+    """Targets: ``assistant`` (each assistant message's content + its end-of-turn marker; the default for chat)
+    | ``last_assistant`` | ``all`` (every token; the only choice, and the default, for text)."""
+    long_conversations: str = "truncate"
+    """Chat: a conversation longer than ``trainer.seq_len`` is ``truncate``d (first tokens kept) or ``drop``ped."""
+    split_long_conversations: bool = False
+    """Chat: cut conversations longer than ``trainer.seq_len`` across rows instead (never shorter ones)."""
 
 
 @dataclass
@@ -318,6 +342,19 @@ def validate_choices(cfg: TrainConfig) -> None:
         raise ValueError(
             f"data.weights has {len(d.weights)} entries but data.inputs has {len(d.inputs)}: give one weight "
             "per input, or data.weights=null to concatenate."
+        )
+    _check_choice("data.format", d.format, DATA_FORMATS)
+    if d.loss_on is not None:
+        _check_choice("data.loss_on", d.loss_on, LOSS_ON)
+    _check_choice("data.long_conversations", d.long_conversations, LONG_CONVERSATIONS)
+    if d.format == "text" and d.loss_on not in (None, "all"):
+        raise ValueError(
+            f"data.loss_on={d.loss_on} needs conversations: set data.format=chat (text documents train every token)."
+        )
+    if d.format == "chat" and not d.document_masking:
+        raise ValueError(
+            "data.format=chat packs one conversation per document and needs data.document_masking=true (attention "
+            "must not cross conversations or reach the padding)."
         )
     p = cfg.parallel
     _check_degree("parallel.ulysses_degree", p.ulysses_degree)

@@ -34,3 +34,18 @@ AttentionBackend = Literal["auto", "flash_attn", "sdpa_flash", "sdpa_efficient",
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 CUDA_BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 """The backends that run on CUDA devices only."""
+
+DataFormat = Literal["text", "chat"]
+"""``data.format`` / ``usp-prepare-data --format``: plain documents (every token trained) or conversations
+rendered with the tokenizer's chat template, with a ``loss_mask`` per token (``usp.data.chat``)."""
+DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
+
+LossOn = Literal["assistant", "all", "last_assistant"]
+"""``data.loss_on``: which tokens of a conversation are targets: every assistant message's content and the
+end-of-turn marker closing it (the default for chat), every token, or only the last assistant message's."""
+LOSS_ON: tuple[str, ...] = get_args(LossOn)
+
+LongConversations = Literal["truncate", "drop"]
+"""``data.long_conversations``: what packing does with a conversation longer than ``seq_len`` (unless
+``data.split_long_conversations``): keep its first ``seq_len`` tokens, or leave it out (both counted)."""
+LONG_CONVERSATIONS: tuple[str, ...] = get_args(LongConversations)

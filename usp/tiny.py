@@ -7,7 +7,9 @@ Nothing here downloads anything. The demo (``recipe=tiny``) and the tests build 
 - :func:`build_tiny_llama` saves a randomly initialised ``LlamaForCausalLM`` (GQA by default) with that
   tokenizer, in the same layout as a hub checkpoint (config.json + model.safetensors + tokenizer files);
 - :func:`build_tiny_corpus` writes a jsonl corpus of documents of varied length with learnable structure
-  (counting runs, repeated phrases), so the loss visibly falls in a few dozen steps.
+  (counting runs, repeated phrases), so the loss visibly falls in a few dozen steps;
+- :func:`build_tiny_chats` writes synthetic multi-turn conversations (``messages`` rows) for the SFT demo:
+  the assistant continues the user's counting run or repeats their phrase, a task the loss can learn.
 """
 
 from __future__ import annotations
@@ -115,4 +117,27 @@ def build_tiny_llama(path: str | os.PathLike, seed: int = 0, **config_overrides:
         LlamaForCausalLM(config).save_pretrained(str(tmp), safe_serialization=True)
 
     write_dir(path, write, replace=False)  # False: another process won the race; its checkpoint is complete
+    return path
+
+
+def _chat(rng: random.Random) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": "continue the run"}] if rng.random() < 0.5 else []
+    for _ in range(rng.randint(1, 4)):
+        if rng.random() < 0.5:
+            start, n = rng.randrange(500), rng.randint(3, 12)
+            ask = " ".join(str(start + i) for i in range(n))
+            answer = " ".join(str(start + n + i) for i in range(rng.randint(3, 24)))
+        else:
+            phrase = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 4)))
+            ask, answer = f"repeat {phrase}", " , ".join(phrase for _ in range(rng.randint(2, 8)))
+        messages += [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]
+    return messages
+
+
+def build_tiny_chats(path: str | os.PathLike, num_chats: int = 600, seed: int = 0) -> Path:
+    """Write ``num_chats`` synthetic conversations as jsonl (``{"messages": [{role, content}, ...]}``)."""
+    rng = random.Random(seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, "".join(json.dumps({"messages": _chat(rng)}) + "\n" for _ in range(num_chats)))
     return path

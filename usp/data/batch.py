@@ -20,15 +20,23 @@ IGNORE_INDEX = -100
 
 
 def row_labels(
-    input_ids: torch.Tensor, document_lengths: Sequence[int], document_masking: bool
+    input_ids: torch.Tensor,
+    document_lengths: Sequence[int],
+    document_masking: bool,
+    loss_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next-token targets of one packed row ``[S]``: ``input_ids`` shifted left by one.
 
     ``IGNORE_INDEX`` where there is no target: the last token of the row and, with document masking, the last
-    token of every document piece (its successor belongs to another document, or to the next row).
+    token of every document piece (its successor belongs to another document, or to the next row). With a
+    ``loss_mask`` ``[S]`` (chat rows, :mod:`usp.data.chat`), token ``t`` is a target only where
+    ``loss_mask[t] == 1``: ``labels[t - 1] = input_ids[t]`` then, else ``IGNORE_INDEX`` (so ``loss_mask[0]``,
+    the row's first token, never counts: nothing in the row predicts it).
     """
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     labels[:-1] = input_ids[1:]
+    if loss_mask is not None:
+        labels[:-1][torch.as_tensor(loss_mask)[1:] == 0] = IGNORE_INDEX
     if document_masking:
         ends = torch.as_tensor(np.cumsum(document_lengths), dtype=torch.long) - 1
         labels[ends] = IGNORE_INDEX
@@ -61,7 +69,8 @@ def cu_seqlens_of(document_lengths: Sequence[int]) -> torch.Tensor:
 def collate_rows(
     rows: Sequence[dict[str, Any]], *, mesh: SPMesh | None, document_masking: bool
 ) -> dict[str, Any]:
-    """Packed rows (``input_ids``, ``document_lengths``, ``first_position``) -> this rank's batch dict.
+    """Packed rows (``input_ids``, ``document_lengths``, ``first_position``; ``loss_mask`` for chat rows) ->
+    this rank's batch dict.
 
     Returns ``input_ids``, ``labels``, ``position_ids`` (int64 ``[B, S_local]``), ``cu_seqlens`` (int32
     ``[num_docs + 1]`` of the global row when ``B == 1`` and document masking, else ``None``) and
@@ -75,7 +84,13 @@ def collate_rows(
         assert sum(lengths) == seq_len, (
             f"a packed row's document_lengths sum to {sum(lengths)}, not {seq_len}"
         )
-    labels = torch.stack([row_labels(ids[i], doc_lengths[i], document_masking) for i in range(len(rows))])
+    masks = [r.get("loss_mask") for r in rows]
+    labels = torch.stack(
+        [
+            row_labels(ids[i], doc_lengths[i], document_masking, None if masks[i] is None else torch.as_tensor(np.asarray(masks[i])))
+            for i in range(len(rows))
+        ]
+    )
     positions = torch.stack(
         [
             row_positions(seq_len, doc_lengths[i], int(rows[i].get("first_position", 0)), document_masking)

@@ -204,14 +204,19 @@ def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_di
         inputs = list(cfg.inputs)
         tiny = not inputs and cfg.build_tiny_corpus
         if tiny:
-            inputs = [str(cache_dir / "tiny_corpus.jsonl")]
+            inputs = [str(cache_dir / ("tiny_chats.jsonl" if cfg.format == "chat" else "tiny_corpus.jsonl"))]
         else:
             check_inputs(inputs, cfg.weights)
         check_tokenizer(tokenizer, setting="model.path")
         if tiny and not Path(inputs[0]).exists():
-            from usp.tiny import build_tiny_corpus
+            from usp.tiny import build_tiny_chats, build_tiny_corpus
 
-            build_tiny_corpus(inputs[0], seed=cfg.seed, text_field=cfg.text_field)
+            if cfg.format == "chat":
+                build_tiny_chats(inputs[0], seed=cfg.seed)
+            else:
+                build_tiny_corpus(inputs[0], seed=cfg.seed, text_field=cfg.text_field)
+        if cfg.format == "chat":
+            return _prepare_chat(cfg, inputs, tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache_dir, hf_cache=hf_cache)
         key = preparation_key(
             inputs, tokenizer=tokenizer, seq_len=seq_len, text_field=cfg.text_field, weights=cfg.weights,
             seed=cfg.seed, streaming=cfg.streaming, shaping=shaping,
@@ -228,6 +233,35 @@ def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_di
         return entry
 
     return _run_once_on_rank0(resolve)
+
+
+def chat_options(cfg: DataConfig) -> Any:
+    """The chat settings of ``cfg`` (``data.format=chat``) as :class:`usp.data.chat_prepare.ChatOptions`."""
+    from usp.data.chat_prepare import ChatOptions
+
+    return ChatOptions(
+        messages_field=cfg.messages_field, chat_template=cfg.chat_template, loss_on=cfg.loss_on or "assistant",
+        long_conversations=cfg.long_conversations, split_long_conversations=cfg.split_long_conversations,
+    )  # fmt: skip
+
+
+def _prepare_chat(cfg: DataConfig, inputs: list[str], *, tokenizer: Any, seq_len: int, cache_dir: Path, hf_cache: str) -> Path:
+    """On-the-fly ``--format chat`` preparation into ``cache_dir/packed/chat-seq<S>-<key>`` (reused when there)."""
+    from usp.data.chat_prepare import chat_preparation_key, prepare_chat_dataset
+
+    options = chat_options(cfg)
+    options.check()
+    key = chat_preparation_key(preparation_key, inputs, tokenizer, seq_len, options, cfg.weights, cfg.seed,
+                               cfg.streaming, None)  # fmt: skip
+    entry = cache_dir / "packed" / f"chat-seq{seq_len}-{key}"
+    if is_prepared_dataset(entry):
+        logger.info("reusing prepared conversations at %s", entry)
+        return entry
+    prepare_chat_dataset(
+        inputs, tokenizer=tokenizer, seq_len=seq_len, output=entry, options=options, weights=cfg.weights,
+        seed=cfg.seed, streaming=cfg.streaming, num_proc=cfg.num_proc, cache_dir=hf_cache, log=logger.info,
+    )  # fmt: skip
+    return entry
 
 
 def check_tokenizer_matches(path: Path, tokenizer: Any, setting: str) -> None:
@@ -262,6 +296,20 @@ def check_tokenizer_matches(path: Path, tokenizer: Any, setting: str) -> None:
         detail = ", ".join(f"{k}: data {a!r} vs model {b!r}" for k, (a, b) in differ.items())
         raise ValueError(
             f"{setting}={str(path)!r} was prepared with another tokenizer than model.path's ({detail}). {fix}"
+        )
+
+
+def _check_loss_mask(cfg: DataConfig, path: Path, has_mask: bool) -> None:
+    """Chat settings need rows with ``loss_mask``; rows with it need document masking."""
+    if cfg.format == "chat" and not has_mask:
+        raise ValueError(
+            f"data.format=chat but the prepared data at {str(path)!r} has no loss_mask column (it holds text "
+            "documents). Prepare it with usp-prepare-data --format chat, or set data.format=text."
+        )
+    if has_mask and not cfg.document_masking:
+        raise ValueError(
+            f"the prepared data at {str(path)!r} holds conversations (loss_mask) packed with padding; it needs "
+            "data.document_masking=true."
         )
 
 
@@ -331,6 +379,7 @@ def build_dataloaders(
             f"Re-run usp-prepare-data with --seq-len {seq_len}, or set trainer.seq_len={row_len}."
         )
     dp_rank, dp_degree = (mesh.dp_rank, mesh.dp_degree) if mesh is not None else (0, 1)
+    _check_loss_mask(cfg, path, "loss_mask" in dataset.column_names)
     setting = "data.prepared_path" if cfg.prepared_path else "data.inputs"
     check_tokenizer_matches(path, tokenizer, setting)
     need = dp_degree * micro_batch_size

@@ -35,7 +35,7 @@ from usp.atomic import publish_dir, temp_path
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
 from usp.data.sources import check_inputs, is_prepared_dataset, load_text_sources
 from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, load_tokenizer, tokenize_documents
-from usp.modes import RING_LAYOUTS
+from usp.modes import DATA_FORMATS, LONG_CONVERSATIONS, LOSS_ON, RING_LAYOUTS
 from usp.parallel import check_sequence_length
 from usp.units import parse_seq_len
 
@@ -322,6 +322,7 @@ def preparation_key(
     shaping: LengthShaping,
     add_bos: bool = True,
     max_documents: int | None = None,
+    chat: dict[str, Any] | None = None,
 ) -> str:
     """A short hash of everything that decides the packed rows (used to name on-the-fly cache entries)."""
     desc = {
@@ -333,11 +334,13 @@ def preparation_key(
         "weights": None if weights is None else list(weights),
         "seed": seed,
         "streaming": streaming,
-        "shaping": asdict(shaping),
+        "shaping": None if shaping is None else asdict(shaping),
         "add_bos": add_bos,
     }
     if max_documents is not None:  # only then, so existing cache entries keep their names
         desc["max_documents"] = max_documents
+    if chat is not None:  # --format chat: its settings and template
+        desc["chat"] = chat
     return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -388,6 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="drop (and count) rows whose text field is not a string, instead of stopping with the first one",
     )
+    chat = p.add_argument_group("conversations (--format chat; docs/data.md, 'Chat data')")
+    chat.add_argument("--format", default="text", choices=list(DATA_FORMATS), help="text documents or conversations")
+    chat.add_argument("--messages-field", default="messages", help="column holding the [{role, content}] list")
+    chat.add_argument("--chat-template", help="Jinja chat template file (or a shipped one: chatml, tiny_chatml)")
+    chat.add_argument("--loss-on", default="assistant", help=f"target tokens: {', '.join(LOSS_ON)}")
+    chat.add_argument("--long-conversations", default="truncate", choices=list(LONG_CONVERSATIONS),
+                      help="a conversation longer than --seq-len: keep its first tokens, or drop it")  # fmt: skip
+    chat.add_argument("--split-long-conversations", action="store_true",
+                      help="cut conversations longer than --seq-len across rows instead")  # fmt: skip
     p.add_argument("--ring-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument("--ulysses-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument(
@@ -406,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         shaping = LengthShaping(args.min_doc_tokens, args.long_doc_threshold, args.long_doc_factor)
         tokenizer = load_tokenizer(args.tokenizer)
+        if args.format == "chat":
+            return _main_chat(args, tokenizer)
         prepare_dataset(
             args.input,
             tokenizer=tokenizer,
@@ -425,6 +439,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as e:
         parser.error(str(e))
+    return 0
+
+
+def _main_chat(args: argparse.Namespace, tokenizer: Any) -> int:
+    from usp.data.chat_prepare import ChatOptions, prepare_chat_dataset
+
+    options = ChatOptions(
+        messages_field=args.messages_field, chat_template=args.chat_template, loss_on=args.loss_on,
+        long_conversations=args.long_conversations, split_long_conversations=args.split_long_conversations,
+    )  # fmt: skip
+    prepare_chat_dataset(
+        args.input, tokenizer=tokenizer, seq_len=args.seq_len, output=args.output, options=options,
+        weights=args.weights, seed=args.seed, streaming=args.streaming, num_proc=args.num_proc,
+        cache_dir=args.cache_dir, max_documents=args.max_documents, overwrite=args.overwrite,
+    )  # fmt: skip
     return 0
 
 

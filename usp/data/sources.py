@@ -520,6 +520,21 @@ def load_text_sources(
     ]
     features = datasets.Features({TEXT_COLUMN: datasets.Value("string")})
     parts = [p.cast(features) if p.features is not None and p.features != features else p for p in parts]
+    return combine_sources(parts, inputs, weights=weights, seed=seed, streaming=streaming, log=log, usage=usage)
+
+
+def combine_sources(
+    parts: list[Dataset | IterableDataset],
+    inputs: Sequence[str],
+    *,
+    weights: Sequence[float] | None,
+    seed: int,
+    streaming: bool,
+    log: Callable[[str], None],
+    usage: list[dict[str, object]] | None = None,
+) -> Dataset | IterableDataset:
+    """One dataset from the loaded ``parts`` (one per input, same features): concatenated, or mixed by
+    ``weights`` without repeating a row (see :func:`load_text_sources`)."""
     if not streaming:
         for spec, p in zip(inputs, parts):
             if len(p) == 0:
