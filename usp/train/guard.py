@@ -4,7 +4,8 @@
   not finite (NaN or inf), with every rank agreeing (one MIN all-reduce of a flag); the gradients are dropped,
   the weights and AdamW moments stay as they were, the LR schedule still advances (the step's data is spent).
 - :class:`StepGuard` counts those skipped steps, logs each one, and stops the run with ``RuntimeError`` after
-  ``trainer.max_bad_steps`` consecutive ones (the weights are usually non-finite by then, or the data or the
+  ``trainer.max_bad_steps`` consecutive ones (a step with no target token at all is skipped and counted too,
+  but does not stop the run) (the weights are usually non-finite by then, or the data or the
   learning rate is broken: going on would only burn the allocation). It also warns about loss spikes: a finite
   loss above ``trainer.loss_spike_factor`` times the median of the last :data:`SPIKE_WINDOW` finite losses.
 - :func:`check_finite_weights` (collective) runs before every checkpoint save and the export: non-finite
@@ -50,13 +51,24 @@ class StepGuard:
         self.consecutive = 0
         self.total = 0
         self.spikes = 0
+        self.no_target_steps = 0
         self._history: collections.deque[float] = collections.deque(maxlen=SPIKE_WINDOW)
         self._last: tuple[int, float, float] = (0, 0.0, 0.0)
 
-    def update(self, step: int, *, loss: float, grad_norm: float, skipped: bool) -> None:
+    def update(self, step: int, *, loss: float, grad_norm: float, skipped: bool, no_targets: bool = False) -> None:
         """Record optimizer step ``step`` (1-based): count and log a skipped step, or watch for a spike. Call
-        :meth:`stop_if_exhausted` once the step is logged."""
+        :meth:`stop_if_exhausted` once the step is logged. A step skipped for having no target token
+        (``no_targets``) counts in :attr:`total` but not towards ``max_bad_steps`` (nothing went non-finite)."""
         self._last = (step, loss, grad_norm)
+        if no_targets:
+            self.total += 1
+            self.no_target_steps += 1
+            logger.warning(
+                "step %d: no target token in the whole step (every rank, every micro-batch): optimizer step skipped "
+                "(%d such steps, %d skipped in this run); check data.loss_on and the conversations' lengths",
+                step, self.no_target_steps, self.total,
+            )  # fmt: skip
+            return
         if skipped:
             self.consecutive += 1
             self.total += 1

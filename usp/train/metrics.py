@@ -351,6 +351,7 @@ class MetricsLogger:
         flops: float,
         step_time_s: float,
         extra: dict | None = None,
+        trained_tokens: int | None = None,
     ) -> dict:
         """Compute the step's metrics from global ``tokens`` / ``flops`` and its wall time; rank 0 writes them.
 
@@ -358,6 +359,8 @@ class MetricsLogger:
         ranks of :func:`peak_memory_gib` (CUDA: since the previous logged step, the window is reset here; CPU:
         the process peak RSS); on CUDA ``peak_mem_reserved_gib`` likewise (:data:`CUDA_METRIC_FIELDS`).
         Returns the record (the same on every rank): :data:`METRIC_FIELDS` (then the CUDA fields), then ``extra``.
+        With ``trained_tokens`` (the step's target tokens, every rank and micro-batch: what the loss averages
+        over), ``trained_tokens`` and ``trained_tokens_per_s`` follow ``tokens_per_s_per_gpu``.
         """
         if step_time_s <= 0:
             raise ValueError(f"step_time_s={step_time_s} must be > 0")
@@ -375,6 +378,11 @@ class MetricsLogger:
             "tokens": int(tokens),
             "tokens_per_s": tokens / step_time_s,
             "tokens_per_s_per_gpu": tokens / step_time_s / self.world_size,
+            **(
+                {}
+                if trained_tokens is None
+                else {"trained_tokens": int(trained_tokens), "trained_tokens_per_s": trained_tokens / step_time_s}
+            ),
             "tflops_per_gpu": flops_per_gpu_s / 1e12,
             "mfu": flops_per_gpu_s / self.peak_flops,
             "peak_mem_gib": peak_mem,

@@ -42,7 +42,11 @@ class StepResult:
     document_lengths: list[list[int]] = field(default_factory=list)
     """This data-parallel replica's document-piece lengths (one list per sample), for FLOP counting."""
     skipped: bool = False
-    """The loss or the gradient norm was not finite on some rank: no optimizer step was taken (every rank)."""
+    """The loss or the gradient norm was not finite on some rank, or the step had no target token at all: no
+    optimizer step was taken (every rank)."""
+    no_targets: bool = False
+    """The step's micro-batches held no target token on any rank (e.g. chat rows whose assistant turns were all
+    truncated away): nothing was run, ``loss`` is NaN, the step is skipped."""
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -66,8 +70,10 @@ def train_step(
 ) -> StepResult:
     """Forward/backward every micro-batch, then clip, step and advance the schedule.
 
-    A non-finite loss or gradient norm (on any rank: every rank agrees, one MIN all-reduce of a flag) skips the
-    optimizer step: the gradients are dropped and the weights and optimizer state stay as they were; the
+    A step without any target token (counted over every rank and micro-batch) runs nothing and is skipped
+    (``StepResult.no_targets``); a micro-batch or a rank without targets contributes an exact zero to the loss
+    and gradients (a sum over no tokens), never NaN. A non-finite loss or gradient norm (on any rank: every
+    rank agrees, one MIN all-reduce of a flag) skips the optimizer step: the gradients are dropped and the weights and optimizer state stay as they were; the
     schedule still advances. ``StepResult.skipped`` says so.
 
     ``micro_batches``: this rank's slices (``input_ids``, ``labels``, ``position_ids`` ``[B, S_local]``;
@@ -83,18 +89,29 @@ def train_step(
     local_targets = sum(count_targets(b["labels"]) for b in batches)
     num_targets = global_target_count(local_targets, group, device)
     lr = optimizer.param_groups[0]["lr"]
+    tokens = sum(b["input_ids"].numel() for b in micro_batches) * mesh.sp_degree * mesh.dp_degree
+    doc_lengths: list[list[int]] = []
+    for b in micro_batches:
+        doc_lengths.extend(b.get("document_lengths") or [[b["input_ids"].size(1) * mesh.sp_degree]] * b["input_ids"].size(0))
+    if num_targets == 0:  # every rank agrees (a global count): no forward, no division by zero, no update
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+        return StepResult(loss=math.nan, grad_norm=math.nan, lr=lr, num_targets=0, tokens=tokens,
+                          step_time_s=time.perf_counter() - start, document_lengths=doc_lengths, skipped=True,
+                          no_targets=True)  # fmt: skip
 
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # float64 so fp64 runs are reported exactly
     for b in batches:
         loss = loss_model(
             b["input_ids"],
             b["labels"],
             position_ids=b["position_ids"],
             cu_seqlens=b["cu_seqlens"],
-            num_targets=max(num_targets, 1),
+            num_targets=num_targets,  # > 0; a rank (or micro-batch) without targets adds an exact 0
         )
         loss.backward()
-        loss_sum += loss.detach()
+        loss_sum += loss.detach().double()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(loss_sum, group=group)  # shares of the global mean -> the global mean
     grad_norm = clip_grad_norm(loss_model.parameters(), grad_clip)  # no clipping when it is not finite
@@ -108,10 +125,6 @@ def train_step(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-    doc_lengths: list[list[int]] = []
-    for b in micro_batches:
-        doc_lengths.extend(b.get("document_lengths") or [[b["input_ids"].size(1) * mesh.sp_degree]] * b["input_ids"].size(0))
-    tokens = sum(b["input_ids"].numel() for b in micro_batches) * mesh.sp_degree * mesh.dp_degree
     return StepResult(
         loss=loss_value,
         grad_norm=grad_norm,

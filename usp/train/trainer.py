@@ -223,7 +223,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
                 dist.all_reduce(flops, group=mesh.dp_group)
             watchdog.end_step()
             done = step + 1
-            guard.update(done, loss=res.loss, grad_norm=res.grad_norm, skipped=res.skipped)
+            guard.update(done, loss=res.loss, grad_norm=res.grad_norm, skipped=res.skipped, no_targets=res.no_targets)
             imbalance = torch.tensor(  # the slowest replica's attention work max/mean over its ring ranks
                 attention_work_imbalance(res.document_lengths, mesh.ring_degree, mesh.ring_layout),
                 dtype=torch.float64, device=device,
@@ -247,6 +247,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
                     metrics.log_step(
                         done, loss=res.loss, grad_norm=res.grad_norm, lr=res.lr, tokens=res.tokens,
                         flops=float(flops), step_time_s=max(res.step_time_s, 1e-9), extra=extra,
+                        trained_tokens=res.num_targets,
                     )  # fmt: skip
                 )
             losses.append(res.loss)
