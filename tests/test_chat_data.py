@@ -105,7 +105,9 @@ def test_mask_marks_exactly_assistant_content_and_end_of_turn(tokenizer, name):
         assert (m["content"] in rest) == (m["role"] != "assistant"), (name, m)
     # last_assistant: only the last run; all: every token
     ids_l, mask_l = ChatRenderer(tokenizer, "last_assistant", template).encode(CHAT)
-    assert ids_l.tolist() == ids.tolist() and runs(ids_l, mask_l) == expected_runs(tokenizer, CHAT, marker)[-1:]
+    assert (
+        ids_l.tolist() == ids.tolist() and runs(ids_l, mask_l) == expected_runs(tokenizer, CHAT, marker)[-1:]
+    )
     _, mask_a = ChatRenderer(tokenizer, "all", template).encode(CHAT)
     assert mask_a.all()
 
@@ -120,7 +122,9 @@ def test_generation_blocks_give_the_same_mask(tokenizer):
 
 
 def test_row_shapes_normalise_to_messages():
-    assert conversation_of({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}) == [
+    assert conversation_of(
+        {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}
+    ) == [
         {"role": "user", "content": "a"},
         {"role": "assistant", "content": "b"},
     ]
@@ -128,7 +132,9 @@ def test_row_shapes_normalise_to_messages():
         {"role": "user", "content": "a"},
         {"role": "assistant", "content": "b"},
     ]
-    assert conversation_of({"chat": [{"role": "user", "content": "a"}]}, "chat") == [{"role": "user", "content": "a"}]
+    assert conversation_of({"chat": [{"role": "user", "content": "a"}]}, "chat") == [
+        {"role": "user", "content": "a"}
+    ]
     with pytest.raises(ValueError, match=r"row 7: message 1 has an unknown role 'robot'"):
         conversation_of({"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]},
                         where="row 7")  # fmt: skip
@@ -141,7 +147,9 @@ def test_bad_templates_and_settings_are_errors(tokenizer):
         ChatRenderer(tokenizer, "assistant", NO_ASSISTANT_TEMPLATE, "no-assistant.jinja").encode(CHAT)
     with pytest.raises(ValueError, match=r"has no chat template.*--chat-template FILE"):
         ChatRenderer(tokenizer, "assistant")  # the tiny tokenizer ships none
-    with pytest.raises(ValueError, match=r"data.loss_on='assistants' is invalid; choose one of: assistant, all"):
+    with pytest.raises(
+        ValueError, match=r"data.loss_on='assistants' is invalid; choose one of: assistant, all"
+    ):
         ChatRenderer(tokenizer, "assistants", CHATML)
     with pytest.raises(ValueError, match=r"--loss-on / data.loss_on='asistant' is invalid"):
         ChatOptions(loss_on="asistant").check()
@@ -188,7 +196,9 @@ def test_best_fit_packing_never_splits_and_pads_as_its_own_document():
                 assert piece == list(range(10, 10 + n))  # whole conversations, never split
             start += n
     assert sorted(real) == sorted(lengths)
-    assert stats.tokens_packed == 40 and stats.extra["padding_tokens"] == 0 and stats.extra["fill_ratio"] == 1.0
+    assert (
+        stats.tokens_packed == 40 and stats.extra["padding_tokens"] == 0 and stats.extra["fill_ratio"] == 1.0
+    )
     assert stats.extra["target_tokens"] == sum(n - 1 for n in lengths)
 
 
@@ -196,7 +206,9 @@ def test_long_conversations_truncate_drop_split():
     long, short, late = _conv(25, slice(1, None)), _conv(4, slice(1, None)), _conv(14, slice(12, None))
     s = PackStats(seq_len=10)
     rows = _rows(pack_conversations([[long, short, late]], 10, pad_id=0, stats=s))
-    assert s.extra["conversations_truncated"] == 1 and s.extra["conversations_dropped_long"] == 1  # late: no target left
+    assert (
+        s.extra["conversations_truncated"] == 1 and s.extra["conversations_dropped_long"] == 1
+    )  # late: no target left
     assert s.tokens_dropped == 15 + 14 and len(rows) == 2
     s = PackStats(seq_len=10)
     rows = _rows(pack_conversations([[long, short]], 10, pad_id=0, long_conversations="drop", stats=s))
@@ -205,7 +217,11 @@ def test_long_conversations_truncate_drop_split():
     rows = _rows(pack_conversations([[long, short]], 10, pad_id=0, split_long_conversations=True, stats=s))
     assert s.documents_split == 1 and s.tokens_dropped == 0
     firsts = sorted(r["first_position"] for r in rows)
-    assert firsts == [0, 10, 20]  # two full pieces, then the remainder opens a row (first); the short one joins it
+    assert firsts == [
+        0,
+        10,
+        20,
+    ]  # two full pieces, then the remainder opens a row (first); the short one joins it
     tail = next(r for r in rows if r["first_position"] == 20)
     assert tail["input_ids"][:5] == list(range(30, 35)) and tail["document_lengths"] == [5, 4, 1]
     with pytest.raises(ValueError, match="data.long_conversations='cut' is invalid"):
@@ -221,8 +237,12 @@ def test_labels_follow_the_mask_with_the_shift():
     starts = set(np.cumsum([0] + row["document_lengths"][:-1]).tolist())
     for t in range(1, 12):
         target = bool(mask[t]) and t not in starts
-        assert (labels[t - 1] == ids[t]).item() == target and (labels[t - 1] == IGNORE_INDEX).item() == (not target)
-    assert labels[-1] == IGNORE_INDEX and int((labels != IGNORE_INDEX).sum()) == 3 + 2  # 3 of conv 1, 2 of conv 2
+        assert (labels[t - 1] == ids[t]).item() == target and (labels[t - 1] == IGNORE_INDEX).item() == (
+            not target
+        )
+    assert (
+        labels[-1] == IGNORE_INDEX and int((labels != IGNORE_INDEX).sum()) == 3 + 2
+    )  # 3 of conv 1, 2 of conv 2
 
 
 def test_prepare_chat_end_to_end_counts_and_cli(tokenizer, tmp_path):
@@ -245,9 +265,15 @@ def test_prepare_chat_end_to_end_counts_and_cli(tokenizer, tmp_path):
     ds = datasets.load_from_disk(str(out))
     assert "loss_mask" in ds.column_names and sum(ds[0]["loss_mask"]) == stats["extra"]["target_tokens"] > 0
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}) + "\n")
+    bad.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}) + "\n"
+    )
     with pytest.raises(ValueError, match=r"bad.jsonl', row 0: message 1 has an unknown role 'bot'"):
-        prepare_chat_dataset([str(bad)], tokenizer=tokenizer, seq_len=64, output=tmp_path / "o2", options=ChatOptions())
+        prepare_chat_dataset(
+            [str(bad)], tokenizer=tokenizer, seq_len=64, output=tmp_path / "o2", options=ChatOptions()
+        )
     plain = build_tiny_tokenizer(tmp_path / "plain")
     with pytest.raises(ValueError, match="--chat-template FILE"):
-        prepare_chat_dataset([str(data)], tokenizer=plain, seq_len=64, output=tmp_path / "o3", options=ChatOptions())
+        prepare_chat_dataset(
+            [str(data)], tokenizer=plain, seq_len=64, output=tmp_path / "o3", options=ChatOptions()
+        )

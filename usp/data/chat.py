@@ -68,11 +68,15 @@ def _content(value: Any, where: str) -> str:
 
 def _messages(items: Any, role_key: str, content_key: str, where: str) -> list[dict[str, str]]:
     if not isinstance(items, (list, tuple)):
-        raise ValueError(f"{where}: the conversation is of type {type(items).__name__}, not a list of messages.")
+        raise ValueError(
+            f"{where}: the conversation is of type {type(items).__name__}, not a list of messages."
+        )
     out = []
     for j, m in enumerate(items):
         if not isinstance(m, Mapping) or role_key not in m:
-            raise ValueError(f"{where}: message {j} is not an object with a {role_key!r} field ({str(m)[:80]!r}).")
+            raise ValueError(
+                f"{where}: message {j} is not an object with a {role_key!r} field ({str(m)[:80]!r})."
+            )
         role = m[role_key]
         if role not in ROLES:
             raise ValueError(
@@ -83,7 +87,9 @@ def _messages(items: Any, role_key: str, content_key: str, where: str) -> list[d
     return out
 
 
-def conversation_of(row: Mapping[str, Any], messages_field: str = "messages", where: str = "row") -> list[dict[str, str]]:
+def conversation_of(
+    row: Mapping[str, Any], messages_field: str = "messages", where: str = "row"
+) -> list[dict[str, str]]:
     """The messages ``[{role, content}]`` of one row (see the module docstring for the accepted shapes)."""
     if row.get(messages_field) is not None:
         value = row[messages_field]
@@ -117,7 +123,9 @@ def read_chat_template(path: str | os.PathLike | None) -> str | None:
         return None
     p = Path(os.path.expanduser(str(path)))
     if not p.is_file():
-        raise ValueError(f"--chat-template / data.chat_template {str(path)!r} is not a file (a Jinja chat template).")
+        raise ValueError(
+            f"--chat-template / data.chat_template {str(path)!r} is not a file (a Jinja chat template)."
+        )
     return p.read_text()
 
 
@@ -137,18 +145,26 @@ class ChatRenderer:
     """
 
     def __init__(
-        self, tokenizer: Any, loss_on: str = "assistant", chat_template: str | None = None, template_name: str | None = None
+        self,
+        tokenizer: Any,
+        loss_on: str = "assistant",
+        chat_template: str | None = None,
+        template_name: str | None = None,
     ) -> None:
         check_loss_on(loss_on)
         self.tokenizer = tokenizer
         self.loss_on = loss_on
-        self.template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        self.template = (
+            chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        )
         tok_name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         self.name = template_name or f"the chat template of tokenizer {tok_name!r}"
         if isinstance(self.template, dict):  # several named templates: the default one
             self.template = self.template.get("default")
         if not self.template:
-            raise ValueError(f"the tokenizer {tok_name!r} has no chat template to render conversations with; {CHAT_FIX}.")
+            raise ValueError(
+                f"the tokenizer {tok_name!r} has no chat template to render conversations with; {CHAT_FIX}."
+            )
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError(
                 f"tokenizer {tok_name!r} is not a fast tokenizer: chat data needs token offsets to place the "
@@ -159,7 +175,10 @@ class ChatRenderer:
     def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.template
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=self.template,
             )
         except Exception as e:  # noqa: BLE001 - a template's own raise_exception(...) or a Jinja error
             raise ValueError(f"{self.name} failed to render a conversation ({type(e).__name__}: {e}).") from e
@@ -184,14 +203,18 @@ class ChatRenderer:
             ids, mask = self._prefix_mask(messages, assistant)
         return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
-    def _generation_mask(self, messages: Sequence[Mapping[str, str]], keep_last_only: bool) -> tuple[list[int], list[int]]:
+    def _generation_mask(
+        self, messages: Sequence[Mapping[str, str]], keep_last_only: bool
+    ) -> tuple[list[int], list[int]]:
         out = self.tokenizer.apply_chat_template(
             list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
             chat_template=self.template,
         )  # fmt: skip
         ids, mask = list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
         if not any(mask):
-            raise ValueError(f"{self.name} has {{% generation %}} blocks but marked no token of an assistant message.")
+            raise ValueError(
+                f"{self.name} has {{% generation %}} blocks but marked no token of an assistant message."
+            )
         if keep_last_only:  # the last run of ones
             end = max(i for i, x in enumerate(mask) if x) + 1
             start = end
@@ -200,7 +223,9 @@ class ChatRenderer:
             mask = [1 if start <= i < end else 0 for i in range(len(mask))]
         return ids, mask
 
-    def char_spans(self, messages: Sequence[Mapping[str, str]], assistant: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
+    def char_spans(
+        self, messages: Sequence[Mapping[str, str]], assistant: Sequence[int]
+    ) -> tuple[str, list[tuple[int, int]]]:
         """The whole rendering and, per assistant message in ``assistant``, its trained ``[start, end)``
         characters (content + end-of-turn marker), found by rendering prefixes."""
         full = self.render(messages)
@@ -230,7 +255,9 @@ class ChatRenderer:
             spans.append((start, end))
         return full, spans
 
-    def _prefix_mask(self, messages: Sequence[Mapping[str, str]], assistant: Sequence[int]) -> tuple[list[int], list[int]]:
+    def _prefix_mask(
+        self, messages: Sequence[Mapping[str, str]], assistant: Sequence[int]
+    ) -> tuple[list[int], list[int]]:
         full, spans = self.char_spans(messages, assistant)
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]

@@ -42,7 +42,10 @@ MESSAGE_FEATURES = datasets.Features(
     {MESSAGES: datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})}
 )
 CHAT_ENCODED = datasets.Features(
-    {"input_ids": datasets.List(datasets.Value("int32")), LOSS_MASK_COLUMN: datasets.List(datasets.Value("uint8"))}
+    {
+        "input_ids": datasets.List(datasets.Value("int32")),
+        LOSS_MASK_COLUMN: datasets.List(datasets.Value("uint8")),
+    }
 )
 
 
@@ -66,7 +69,9 @@ class ChatOptions:
                 f"one of: {', '.join(LONG_CONVERSATIONS)}."
             )
         if not isinstance(self.messages_field, str) or not self.messages_field:
-            raise ValueError(f"--messages-field / data.messages_field={self.messages_field!r} must be a column name.")
+            raise ValueError(
+                f"--messages-field / data.messages_field={self.messages_field!r} must be a column name."
+            )
 
     def template_path(self) -> str | None:
         t = self.chat_template
@@ -82,12 +87,16 @@ class ChatOptions:
 
     def renderer(self, tokenizer: Any) -> ChatRenderer:
         path = self.template_path()
-        return ChatRenderer(tokenizer, self.loss_on, read_chat_template(path), None if path is None else repr(path))
+        return ChatRenderer(
+            tokenizer, self.loss_on, read_chat_template(path), None if path is None else repr(path)
+        )
 
 
 def _normalize(batch: dict[str, list], indices: list[int], spec: str, field: str) -> dict[str, list]:
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-    return {MESSAGES: [conversation_of(r, field, where=f"input {spec!r}, row {i}") for r, i in zip(rows, indices)]}
+    return {
+        MESSAGES: [conversation_of(r, field, where=f"input {spec!r}, row {i}") for r, i in zip(rows, indices)]
+    }
 
 
 def load_conversations(
@@ -107,7 +116,9 @@ def load_conversations(
         if isinstance(ds, Dataset):
             kwargs["desc"] = "reading conversations"
         parts.append(ds.map(_normalize, **kwargs))
-    return combine_sources(parts, inputs, weights=weights, seed=seed, streaming=streaming, log=log, usage=usage)
+    return combine_sources(
+        parts, inputs, weights=weights, seed=seed, streaming=streaming, log=log, usage=usage
+    )
 
 
 def _encode(batch: dict[str, list], renderer: ChatRenderer) -> dict[str, list]:
@@ -119,14 +130,22 @@ def _encode(batch: dict[str, list], renderer: ChatRenderer) -> dict[str, list]:
     return {"input_ids": ids, LOSS_MASK_COLUMN: masks}
 
 
-def conversation_windows(ds: Dataset | IterableDataset, window: int, stats: PackStats) -> Iterator[list[tuple[np.ndarray, np.ndarray]]]:
+def conversation_windows(
+    ds: Dataset | IterableDataset, window: int, stats: PackStats
+) -> Iterator[list[tuple[np.ndarray, np.ndarray]]]:
     """Encoded conversations, ``window`` at a time; empty ones (no assistant message) are counted, not yielded."""
-    source = ds.with_format("numpy").iter(batch_size=window) if isinstance(ds, Dataset) else ds.iter(batch_size=window)
+    source = (
+        ds.with_format("numpy").iter(batch_size=window)
+        if isinstance(ds, Dataset)
+        else ds.iter(batch_size=window)
+    )
     for batch in source:
         convs = []
         for ids, mask in zip(batch["input_ids"], batch[LOSS_MASK_COLUMN]):
             if len(ids) == 0:
-                stats.extra["conversations_no_assistant"] = stats.extra.get("conversations_no_assistant", 0) + 1
+                stats.extra["conversations_no_assistant"] = (
+                    stats.extra.get("conversations_no_assistant", 0) + 1
+                )
                 continue
             convs.append((np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)))
         if convs:
@@ -151,7 +170,10 @@ def pack_chat_to(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     packed = work / "packed.arrow"
     max_id = -1
-    with pa.OSFile(str(packed), "wb") as sink, pa.ipc.new_stream(sink, CHAT_PACKED_FEATURES.arrow_schema) as w:
+    with (
+        pa.OSFile(str(packed), "wb") as sink,
+        pa.ipc.new_stream(sink, CHAT_PACKED_FEATURES.arrow_schema) as w,
+    ):
         for batch in pack_conversations(
             conversation_windows(encoded, window, stats), seq_len, pad_id=pad_id,
             long_conversations=options.long_conversations, split_long_conversations=options.split_long_conversations,
@@ -190,7 +212,13 @@ def prepare_chat_dataset(
     role, or a template whose assistant spans cannot be found (:class:`usp.data.chat.ChatRenderer`).
     """
     from usp.data.prepare import (
-        FORMAT_VERSION, STATS_FILE, PreparedData, _check_output, _publish, preparation_key, read_stats,
+        FORMAT_VERSION,
+        STATS_FILE,
+        PreparedData,
+        _check_output,
+        _publish,
+        preparation_key,
+        read_stats,
         tokenizer_identity,
     )  # fmt: skip
 
@@ -204,12 +232,18 @@ def prepare_chat_dataset(
     output = Path(output)
     _check_output(output, overwrite)
     t0 = time.perf_counter()
-    key = chat_preparation_key(preparation_key, inputs, tokenizer, seq_len, options, weights, seed, streaming, max_documents)
+    key = chat_preparation_key(
+        preparation_key, inputs, tokenizer, seq_len, options, weights, seed, streaming, max_documents
+    )
     usage: list[dict[str, object]] = []
     raw = load_conversations(inputs, options, weights=weights, seed=seed, streaming=streaming,
                              cache_dir=None if cache_dir is None else str(cache_dir), log=log, usage=usage)  # fmt: skip
     if max_documents is not None:
-        raw = raw.take(max_documents) if isinstance(raw, IterableDataset) else raw.select(range(min(max_documents, len(raw))))
+        raw = (
+            raw.take(max_documents)
+            if isinstance(raw, IterableDataset)
+            else raw.select(range(min(max_documents, len(raw))))
+        )
     work = temp_path(output, "work")
     work.mkdir(parents=True)
     try:
@@ -245,7 +279,10 @@ def chat_preparation_key(
 ) -> str:  # fmt: skip
     """The text format's key, extended by the chat settings and the template's text."""
     path = options.template_path()
-    chat = {**asdict(options), "template_text": read_chat_template(path) if path else getattr(tokenizer, "chat_template", None)}
+    chat = {
+        **asdict(options),
+        "template_text": read_chat_template(path) if path else getattr(tokenizer, "chat_template", None),
+    }
     return preparation_key(
         inputs, tokenizer=tokenizer, seq_len=seq_len, text_field=options.messages_field, weights=weights, seed=seed,
         streaming=streaming, shaping=None, max_documents=max_documents, chat=chat,

@@ -97,7 +97,9 @@ def pack_conversations(
             stats.tokens_in += len(ids)
             items.extend(_pieces(ids, mask, seq_len, long_conversations, split_long_conversations, stats))
         continuing = [it for it in items if it[2] > 0 or len(it[0]) == seq_len]
-        rest = sorted((it for it in items if not (it[2] > 0 or len(it[0]) == seq_len)), key=lambda it: -len(it[0]))
+        rest = sorted(
+            (it for it in items if not (it[2] > 0 or len(it[0]) == seq_len)), key=lambda it: -len(it[0])
+        )
         for it in continuing + rest:  # a continuation starts its own row (its positions continue there)
             n = len(it[0])
             i = len(free) if it[2] > 0 else bisect.bisect_left(free, (n, -1))
@@ -145,7 +147,8 @@ def _record_batch(
         [
             pa.ListArray.from_arrays(offsets, pa.array(flat_ids, pa.int32())),
             pa.ListArray.from_arrays(
-                pa.array(np.asarray(doc_offsets, dtype=np.int32)), pa.array(np.asarray(doc_lengths, dtype=np.int32))
+                pa.array(np.asarray(doc_offsets, dtype=np.int32)),
+                pa.array(np.asarray(doc_lengths, dtype=np.int32)),
             ),
             pa.array(np.asarray(first_pos, dtype=np.int64), pa.int64()),
             pa.ListArray.from_arrays(offsets, pa.array(flat_mask, pa.uint8())),
