@@ -277,3 +277,41 @@ def test_prepare_chat_end_to_end_counts_and_cli(tokenizer, tmp_path):
         prepare_chat_dataset(
             [str(data)], tokenizer=plain, seq_len=64, output=tmp_path / "o3", options=ChatOptions()
         )
+
+
+def test_loader_prepares_chats_on_the_fly_and_checks_the_rows(tmp_path):
+    from usp.config import DataConfig
+    from usp.data.loader import build_dataloaders
+
+    tok = build_tiny_tokenizer(tmp_path / "tok")
+    cfg = DataConfig(build_tiny_corpus=True, format="chat", chat_template="tiny_chatml")
+    train, _ = build_dataloaders(cfg, tokenizer=tok, seq_len=256, mesh=None, micro_batch_size=1, seed=0,
+                                 cache_dir=tmp_path / "cache")  # fmt: skip
+    row = train.dataset[int(train.sample_ids(0)[0])]
+    batch = next(iter(train))
+    starts = np.cumsum([0] + list(row["document_lengths"][:-1]))
+    mask = np.asarray(row["loss_mask"]).copy()
+    mask[starts] = 0  # a document's first token is never a target
+    assert int((batch["labels"] != IGNORE_INDEX).sum()) == int(mask.sum()) > 0
+    stats = read_stats(train_dir := next((tmp_path / "cache" / "packed").iterdir()))
+    assert str(train_dir.name).startswith("chat-seq256-") and stats["extra"]["fill_ratio"] > 0.9
+    text = DataConfig(build_tiny_corpus=True)
+    tr_text, _ = build_dataloaders(text, tokenizer=tok, seq_len=256, mesh=None, micro_batch_size=1, seed=0,
+                                   cache_dir=tmp_path / "cache_text")  # fmt: skip
+    text_rows = next((tmp_path / "cache_text" / "packed").iterdir())
+    with pytest.raises(ValueError, match="data.format=chat but the prepared data .* has no loss_mask"):
+        build_dataloaders(DataConfig(prepared_path=str(text_rows), format="chat"), tokenizer=tok, seq_len=256,
+                          mesh=None, micro_batch_size=1, seed=0, cache_dir=tmp_path / "c3")  # fmt: skip
+    with pytest.raises(ValueError, match="needs data.document_masking=true"):
+        build_dataloaders(DataConfig(prepared_path=str(train_dir), document_masking=False), tokenizer=tok,
+                          seq_len=256, mesh=None, micro_batch_size=1, seed=0, cache_dir=tmp_path / "c4")  # fmt: skip
+
+
+def test_a_step_without_targets_is_counted_by_the_guard_but_does_not_stop_the_run():
+    from usp.train.guard import StepGuard
+
+    guard = StepGuard(max_bad_steps=2, spike_factor=0)
+    for step in (1, 2, 3):
+        guard.update(step, loss=float("nan"), grad_norm=float("nan"), skipped=True, no_targets=True)
+        guard.stop_if_exhausted(None)
+    assert guard.total == 3 == guard.no_target_steps and guard.consecutive == 0

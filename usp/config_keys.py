@@ -17,6 +17,10 @@ from collections.abc import Iterable, Mapping
 # Names from neighbouring tools -> what usp calls them (matched on the last component of the key).
 FOREIGN_KEYS: dict[str, str] = {
     "gradient_accumulation_steps": "trainer.grad_accum_steps",
+    "train_on_inputs": "data.loss_on (assistant: only assistant turns are targets; all: every token)",
+    "assistant_only_loss": "data.loss_on=assistant (with data.format=chat)",
+    "completion_only_loss": "data.loss_on=assistant (with data.format=chat; prompt/completion rows)",
+    "dataset_text_field": "data.text_field (or data.messages_field with data.format=chat)",
     "grad_accum": "trainer.grad_accum_steps",
     "accumulate_grad_batches": "trainer.grad_accum_steps",
     "per_device_train_batch_size": "trainer.micro_batch_size",

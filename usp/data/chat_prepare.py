@@ -111,8 +111,11 @@ def load_conversations(
     parts = []
     for spec in inputs:
         ds = _load_one(spec, cache_dir=cache_dir, streaming=streaming, log=log)
+        columns = ds.column_names
+        if columns is None:  # a stream of unknown schema: peek at one row
+            columns = list(next(iter(ds.take(1)), {}).keys())
         kwargs: dict[str, Any] = dict(batched=True, with_indices=True, fn_kwargs={"spec": spec, "field": options.messages_field},
-                                      remove_columns=ds.column_names, features=MESSAGE_FEATURES)  # fmt: skip
+                                      remove_columns=columns, features=MESSAGE_FEATURES)  # fmt: skip
         if isinstance(ds, Dataset):
             kwargs["desc"] = "reading conversations"
         parts.append(ds.map(_normalize, **kwargs))
