@@ -254,14 +254,20 @@ def test_prepare_chat_end_to_end_counts_and_cli(tokenizer, tmp_path):
             {"prompt": "count", "completion": "4 5"}]  # fmt: skip
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import datasets
+
+    parquet = tmp_path / "chats.parquet"
+    datasets.Dataset.from_list([{"chat": CHAT[1:3]}, {"chat": CHAT[3:5]}]).to_parquet(str(parquet))
     out = tmp_path / "out"
     assert prepare_main(["--format", "chat", "--input", str(data), "--tokenizer", str(tok_dir), "--seq-len", "256",
                          "--output", str(out)]) == 0  # fmt: skip
     stats = read_stats(out)
     assert stats["documents_in"] == 3 and stats["extra"]["conversations_no_assistant"] == 1
+    out_pq = tmp_path / "out_pq"
+    assert prepare_main(["--format", "chat", "--input", str(parquet), "--messages-field", "chat", "--tokenizer",
+                         str(tok_dir), "--seq-len", "64", "--output", str(out_pq)]) == 0  # fmt: skip
+    assert read_stats(out_pq)["documents_in"] == 2
     assert stats["extra"]["chat"]["loss_on"] == "assistant" and stats["rows"] == 1
-    import datasets
-
     ds = datasets.load_from_disk(str(out))
     assert "loss_mask" in ds.column_names and sum(ds[0]["loss_mask"]) == stats["extra"]["target_tokens"] > 0
     bad = tmp_path / "bad.jsonl"

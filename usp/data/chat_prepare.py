@@ -192,7 +192,7 @@ def pack_chat_to(
 def chat_summary(stats: PackStats, output: Path | str) -> str:
     x = stats.extra
     return (
-        f"usp-prepare-data --format chat: {stats.documents_in} conversations "
+        f"usp-prepare-data --format chat: {stats.documents_in + x.get('conversations_no_assistant', 0)} conversations "
         f"({x.get('conversations_no_assistant', 0)} without an assistant message skipped, "
         f"{x.get('conversations_truncated', 0)} truncated, {x.get('conversations_dropped_long', 0)} too long dropped, "
         f"{stats.documents_split} split across rows) -> {stats.rows} rows x {stats.seq_len} tokens at {output}; "

@@ -10,6 +10,7 @@ The output loads with ``datasets.load_from_disk(output)`` (memory-mapped); every
 (exactly ``seq_len`` int32), ``document_lengths`` (summing to ``seq_len``) and ``first_position``. A summary
 (documents, tokens, dropped tail, tokens/s) is printed and saved next to the data as ``usp_prepare.json``.
 The same :func:`prepare_dataset` runs on the fly inside ``build_dataloaders`` for small corpora.
+``--format chat`` reads conversations instead (:mod:`usp.data.chat_prepare`; rows gain ``loss_mask``).
 """
 
 from __future__ import annotations
