@@ -260,23 +260,25 @@ class ChatRenderer:
     ) -> tuple[list[int], list[int]]:
         full, spans = self.char_spans(messages, assistant)
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-        mask = [0] * len(ids)
+        ids = list(enc["input_ids"])
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        starts, ends = offsets[:, 0], offsets[:, 1]  # [n] character offsets of each token
+        mask = np.zeros(len(ids), dtype=np.uint8)
         for start, end in spans:
-            inside = []
-            for j, (s, e) in enumerate(offsets):
-                if s < start < e or s < end < e:
-                    raise ValueError(
-                        f"{self.name}: an assistant span's boundary falls inside token {j} ({full[s:e]!r}), so the "
-                        f"span cannot be trained exactly; {CHAT_FIX} whose turns end on token boundaries."
-                    )
-                if start <= s and e <= end and e > s:
-                    inside.append(j)
-            if not inside or self._ids(full[start:end]) != ids[inside[0] : inside[-1] + 1]:
+            cut = np.nonzero(((starts < start) & (start < ends)) | ((starts < end) & (end < ends)))[0]
+            if cut.size:
+                j = int(cut[0])
+                raise ValueError(
+                    f"{self.name}: an assistant span's boundary falls inside token {j} "
+                    f"({full[starts[j] : ends[j]]!r}), so the span cannot be trained exactly; {CHAT_FIX} whose "
+                    "turns end on token boundaries."
+                )
+            inside = np.nonzero((starts >= start) & (ends <= end) & (ends > starts))[0]
+            first, last = (int(inside[0]), int(inside[-1])) if inside.size else (0, -1)
+            if not inside.size or self._ids(full[start:end]) != ids[first : last + 1]:
                 raise ValueError(
                     f"{self.name}: the assistant span {full[start:end][:60]!r} does not re-tokenize to the ids it has "
                     f"inside the conversation; {CHAT_FIX} whose turns tokenize independently."
                 )
-            for j in range(inside[0], inside[-1] + 1):
-                mask[j] = 1
+            mask[first : last + 1] = 1
         return ids, mask
