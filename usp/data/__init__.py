@@ -1,18 +1,26 @@
 """The long-context data pipeline: sources -> tokenized documents -> packed rows -> sharded, resumable batches.
 
-``usp-prepare-data`` (:mod:`usp.data.prepare`) writes packed rows once; :func:`build_dataloaders` serves them
+``usp-prepare-data`` (:mod:`usp.data.prepare`) writes packed rows once (``--format chat``: conversations
+with a ``loss_mask``, :mod:`usp.data.chat_prepare`); :func:`build_dataloaders` serves them
 to every rank (and prepares small corpora on the fly with the same code).
 """
 
 from usp.data.batch import IGNORE_INDEX, collate_rows, cu_seqlens_of, row_labels, row_positions
+from usp.data.chat import ChatRenderer, conversation_of
+from usp.data.chat_prepare import ChatOptions, prepare_chat_dataset
 from usp.data.loader import PackedLoader, build_dataloaders, split_rows
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
+from usp.data.pack_chat import CHAT_PACKED_FEATURES, LOSS_MASK_COLUMN, pack_conversations
 from usp.data.prepare import PreparedData, prepare_dataset, read_stats
 from usp.data.sources import is_prepared_dataset, load_text_sources
 from usp.data.tokenize import check_tokenizer, load_tokenizer, tokenize_documents
 
 __all__ = [
+    "CHAT_PACKED_FEATURES",
     "IGNORE_INDEX",
+    "LOSS_MASK_COLUMN",
+    "ChatOptions",
+    "ChatRenderer",
     "PACKED_FEATURES",
     "LengthShaping",
     "PackStats",
@@ -21,11 +29,14 @@ __all__ = [
     "build_dataloaders",
     "check_tokenizer",
     "collate_rows",
+    "conversation_of",
     "cu_seqlens_of",
     "is_prepared_dataset",
     "load_text_sources",
     "load_tokenizer",
+    "pack_conversations",
     "pack_documents",
+    "prepare_chat_dataset",
     "prepare_dataset",
     "read_stats",
     "row_labels",
