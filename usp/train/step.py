@@ -84,7 +84,7 @@ def train_step(
     num_targets = global_target_count(local_targets, group, device)
     lr = optimizer.param_groups[0]["lr"]
 
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)  # fp64 once a float64 loss is added
     for b in batches:
         loss = loss_model(
             b["input_ids"],
@@ -94,7 +94,7 @@ def train_step(
             num_targets=max(num_targets, 1),
         )
         loss.backward()
-        loss_sum += loss.detach()
+        loss_sum = loss_sum + loss.detach()  # promotes: the float64 runs of the exactness tests keep float64
     if dist.get_world_size(group) > 1:
         dist.all_reduce(loss_sum, group=group)  # shares of the global mean -> the global mean
     grad_norm = clip_grad_norm(loss_model.parameters(), grad_clip)  # no clipping when it is not finite
