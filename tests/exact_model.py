@@ -33,7 +33,9 @@ def norms_in_input_dtype(model: nn.Module) -> int:
     n = 0
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
-            assert hasattr(module, "variance_epsilon"), f"{type(module).__name__} is not a Llama-style RMSNorm"
+            assert hasattr(module, "variance_epsilon"), (
+                f"{type(module).__name__} is not a Llama-style RMSNorm"
+            )
             module.forward = types.MethodType(_rmsnorm_forward, module)
             n += 1
     return n

@@ -57,7 +57,9 @@ def reference_scale(expected: torch.Tensor) -> float:
     return float(finite.abs().max()) if finite.numel() else 0.0
 
 
-def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: float, msg: str | None = None) -> None:
+def assert_close_scaled(
+    actual: torch.Tensor, expected: torch.Tensor, tol: float, msg: str | None = None
+) -> None:
     """``torch.testing.assert_close`` with ``rtol = tol`` and ``atol = tol * max|expected|`` (finite entries).
 
     Dtypes must match (cast the reference first when comparing against float64). ``msg``: context put before
@@ -70,5 +72,7 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: float
 
 def assert_exact(actual: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
     """:func:`assert_close_scaled` at :data:`EXACT_TOL`, both sides float64."""
-    assert actual.dtype == expected.dtype == EXACT_DTYPE, f"{msg or ''} exactness runs in float64: {actual.dtype}"
+    assert actual.dtype == expected.dtype == EXACT_DTYPE, (
+        f"{msg or ''} exactness runs in float64: {actual.dtype}"
+    )
     assert_close_scaled(actual, expected, EXACT_TOL, msg)
