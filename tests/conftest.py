@@ -1,4 +1,4 @@
-"""Shared fixtures: gloo worker pools, started once per world size for the whole session."""
+"""Shared fixtures: gloo worker pools, started once per world size for the whole session; the tiny Llama."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tests.dist_pool import DistPool
+from usp.tiny import build_tiny_llama
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -26,3 +27,10 @@ def dist_pools():
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """The tiny random GQA Llama checkpoint (:func:`usp.tiny.build_tiny_llama`'s defaults: 2 layers, hidden 64,
+    4 query and 2 K/V heads), built once per session. Tests read it; one that changes files copies it first."""
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))

@@ -13,7 +13,6 @@ from tests.mesh_cache import cached_sp_mesh
 from tests.tolerance import assert_exact
 from usp.model import apply_usp, load_causal_lm
 from usp.parallel import gather_sequence, shard_sequence
-from usp.tiny import build_tiny_llama
 
 SEQ_LEN = 32
 
@@ -42,11 +41,6 @@ def usp_logits(model_dir: str, ulysses: int, ring: int, layout: str) -> dict | N
     if mesh.device_mesh.get_rank() != 0:
         return None
     return {"logits": full, "grads": grads}
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
 
 
 def _build_family(path, family: str) -> str:

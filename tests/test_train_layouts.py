@@ -19,7 +19,6 @@ from tests.tolerance import EXACT_DTYPE, assert_exact, rounding_tolerance
 from usp.config import OptimConfig
 from usp.model import load_causal_lm
 from usp.parallel import shard_sequence
-from usp.tiny import build_tiny_llama
 from usp.train.optim import build_optimizer, clip_grad_norm
 from usp.train.parallelize import parallelize
 from usp.train.step import train_step
@@ -122,11 +121,6 @@ def reference_run(model_dir: str) -> dict:
     step_loss(batches[0]).backward()
     params = dict(model.named_parameters())
     return {"losses": losses, "grad_norms": norms, "grads": {n: params[n].grad for n in GRAD_PARAMS}}
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))  # GQA: 4 query, 2 kv heads
 
 
 @pytest.fixture(scope="module")

@@ -49,11 +49,6 @@ def run_variants(model_dir: str, ulysses: int, ring: int) -> dict | None:
     return out if mesh.device_mesh.get_rank() == 0 else None
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
-
-
 def assert_same(run: dict, plain: dict, what: str) -> None:
     for key in ("losses", "grad_norms"):
         assert_exact(torch.tensor(run[key], dtype=EXACT_DTYPE), torch.tensor(plain[key], dtype=EXACT_DTYPE),
