@@ -156,7 +156,7 @@ def test_bf16_compute_close_to_the_reference(dist_pools, tiny_llama, reference):
     out = dist_pools(4).run(train_layout, tiny_llama, 2, 2, 1, "full", "full_shard", torch.bfloat16)[0]
     tol = rounding_tolerance(torch.bfloat16, MICRO_STEPS * GLOBAL_BATCH * SEQ_LEN)
     for key in ("losses", "grad_norms"):
-        torch.testing.assert_close(torch.tensor(out[key], dtype=EXACT_DTYPE), torch.tensor(reference[key]), rtol=tol,
+        torch.testing.assert_close(torch.tensor(out[key], dtype=EXACT_DTYPE), torch.tensor(reference[key], dtype=EXACT_DTYPE), rtol=tol,
                                    atol=0, msg=lambda m, key=key: f"bf16 u2r2 {key}: {m}")  # fmt: skip
     for name in GRAD_PARAMS:
         g, r = out["grads"][name], reference["grads"][name]
