@@ -1,4 +1,4 @@
-"""Shared fixtures: gloo worker pools, started once per world size for the whole session."""
+"""Shared fixtures: gloo worker pools, started once per world size for the whole session; the tiny Llama."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tests.dist_pool import DistPool
+from usp.tiny import build_tiny_llama
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -26,3 +27,23 @@ def dist_pools():
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """The tiny random GQA Llama checkpoint (:func:`usp.tiny.build_tiny_llama`'s defaults: 2 layers, hidden 64,
+    4 query and 2 K/V heads), built once per session. Tests read it; one that changes files copies it first."""
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
+
+
+@pytest.fixture
+def tiny_config() -> dict:
+    """A tiny GQA Llama's shape as a Hugging Face config dict: the planner tests' model (no checkpoint)."""
+    return {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+    }

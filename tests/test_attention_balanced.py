@@ -7,7 +7,7 @@
   on those mixtures and on others;
 - exactness (gloo): outputs and dq/dk/dv of ``usp_attention`` under ``balanced`` vs per-document float64
   attention, every (ulysses, ring) split of world 2 and 4 (8: slow), random mixtures with documents of length
-  1, shorter than a chunk and longer than a rank's part; fp32, atol = rtol = 5e-5 x the reference's max-abs;
+  1, shorter than a chunk and longer than a rank's part; float64, ``tests.tolerance.EXACT_TOL``;
 - bad input raises ``ValueError`` on every rank before any K/V moves.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from tests.mesh_cache import cached_sp_mesh
 from tests.test_attention_usp import factorizations, reference_results, run_usp_cases
-from tests.tolerance import assert_close_scaled
+from tests.tolerance import assert_exact
 from usp.attention import usp_attention
 from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
 from usp.attention.cost import ring_work
@@ -165,7 +165,7 @@ def balanced_cases(world: int, seq_len: int, seed: int) -> list[dict]:
                 lengths = random_lengths(rng, seq_len, seq_len // r)
                 hq, hkv = [(4, 4), (8, 2), (4, 1)][i % 3] if u <= 4 else (8, 2)
                 cases.append(
-                    dict(ulysses=u, ring=r, layout="balanced", causal=causal, hq=hq, hkv=hkv, dtype="float32",
+                    dict(ulysses=u, ring=r, layout="balanced", causal=causal, hq=hq, hkv=hkv, dtype="float64",
                          batch=1, seq_len=seq_len, seed=seed + i, cu_seqlens=boundaries(np.array(lengths)).tolist())
                 )  # fmt: skip
                 i += 1
@@ -180,7 +180,7 @@ def check_scaled(pool, cases: list[dict]) -> None:
         assert reports
         for results in reports:
             for what, a, b in zip(("out", "dq", "dk", "dv"), results, ref):
-                assert_close_scaled(a.double(), b, 5e-5, msg=f"{what} {case}")
+                assert_exact(a, b, f"{what} {case}")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,7 +1,8 @@
 """Document masking (cu_seqlens) across Ulysses, ring (zigzag and contiguous) and hybrid, fwd + bwd.
 
 Reference: single-process float64 attention where each token attends only inside its document (causal within
-it). Tolerance fp32 1e-5, bf16 3e-2, scaled to the reference (as in test_attention_usp).
+it). float64 cases exact (``tests.tolerance.EXACT_TOL``), every fifth in bf16 (``rounding_tolerance``), as in
+test_attention_usp.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def doc_matrix(world: int, heads: list[tuple[int, int]]) -> list[dict]:
             for causal in (True, False):
                 for cu in DOCUMENTS if causal else DOCUMENTS[:1]:
                     hq, hkv = heads[i % len(heads)]
-                    dtype = "bfloat16" if i % 5 == 4 else "float32"
+                    dtype = "bfloat16" if i % 5 == 4 else "float64"
                     cases.append(
                         dict(ulysses=u, ring=r, layout=layout, causal=causal, hq=hq, hkv=hkv, dtype=dtype,
                              batch=1, seq_len=SEQ_LEN, seed=2000 + i, cu_seqlens=cu)

@@ -1,9 +1,9 @@
 """``parallel.attn_head_chunks``: the ring runs over groups of heads in turn; exact, and its buffers shrink.
 
-- usp_attention with 2 and 4 head chunks equals single-process float64 attention (out, dq, dk, dv; fp32 1e-5
-  scaled to the reference) under u1r4, u2r2 and u4r1, with GQA, with and without documents (cu_seqlens);
+- usp_attention with 2 and 4 head chunks equals single-process attention (out, dq, dk, dv; float64,
+  ``tests.tolerance.EXACT_TOL``) under u1r4, u2r2 and u4r1, with GQA, with and without documents (cu_seqlens);
 - the measured peak of the ring's forward and backward (bf16 inputs, fp32 accumulators) falls with chunks;
-- the trainer's loss, grad norms and gradients with ``attn_head_chunks=2`` equal the plain run;
+- the trainer's loss, grad norms and gradients with ``attn_head_chunks=2`` equal the plain run (float64);
 - values that do not split the heads per rank fail with a ``ValueError`` naming the setting and what works.
 """
 
@@ -20,8 +20,7 @@ from tests.test_train_memory_run import make_config
 from tests.test_train_memory_tricks import assert_same
 from usp.attention import check_attn_head_chunks, usp_attention
 from usp.config import validate_choices
-from usp.tiny import build_tiny_llama
-from usp.train import trainer
+from usp.train.validate import validate
 
 
 def chunk_cases() -> list[dict]:
@@ -31,7 +30,7 @@ def chunk_cases() -> list[dict]:
             for cu in (None, DOCUMENTS[0]):
                 # per rank after Ulysses: 8 query heads, 4 KV heads (GQA groups of 2), or 4 and 4 (no GQA)
                 hq, hkv = (8 * u, 4 * u) if i % 2 == 0 else (4 * u, 4 * u)
-                case = dict(ulysses=u, ring=r, layout="zigzag", causal=True, hq=hq, hkv=hkv, dtype="float32",
+                case = dict(ulysses=u, ring=r, layout="zigzag", causal=True, hq=hq, hkv=hkv, dtype="float64",
                             batch=1 if cu else 2, seq_len=48, seed=3000 + i, attn_head_chunks=chunks)  # fmt: skip
                 if cu:
                     case["cu_seqlens"] = cu
@@ -74,26 +73,23 @@ def test_measured_ring_buffers_fall_with_head_chunks(dist_pools):
 
 def run_chunked_training(model_dir: str, ulysses: int, ring: int) -> dict | None:
     """Worker: two optimizer steps and the gradients of the first batch, with 1 and 2 head chunks."""
-    from usp.model import load_causal_lm
+    from tests.exact_model import load_float64
+    from tests.tolerance import EXACT_DTYPE
     from usp.train.optim import build_optimizer
     from usp.train.parallelize import parallelize
 
     mesh = cached_sp_mesh(ulysses, ring, "zigzag", 1)
     out = {}
     for chunks in (1, 2):
-        model = load_causal_lm(model_dir, dtype=torch.float32)
-        loss_model = parallelize(model, mesh, param_dtype=torch.float32, loss_chunk_size=7, attn_head_chunks=chunks)
+        model = load_float64(model_dir)
+        loss_model = parallelize(model, mesh, param_dtype=EXACT_DTYPE, reduce_dtype=EXACT_DTYPE, loss_chunk_size=7,
+                                 attn_head_chunks=chunks)  # fmt: skip
         optimizer, scheduler = build_optimizer(loss_model, OPTIM, max_steps=4)
         batches = make_batches(model.config.vocab_size)[:2]
         losses, norms, params = train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches)
         grads = {name: params[name].grad.full_tensor() for name in GRAD_PARAMS}
         out[chunks] = {"losses": losses, "grad_norms": norms, "grads": grads}
     return out if mesh.device_mesh.get_rank() == 0 else None
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))  # 4 query heads, 2 KV heads
 
 
 def test_trainer_with_head_chunks_equals_the_plain_run(dist_pools, tiny_llama):
@@ -124,6 +120,6 @@ def test_trainer_validation_checks_head_chunks_before_any_weights(tiny_llama, tm
     # tiny Llama (4 query, 2 KV heads) on Ulysses 2: 2 query and 1 KV head per rank -> only 1
     cfg = make_config(tiny_llama, str(tmp_path), ulysses_degree=2, ring_degree=1, attn_head_chunks=2)
     with pytest.raises(ValueError, match=r"parallel.attn_head_chunks=2 .* use one of \[1\]"):
-        trainer.validate(cfg, 2, cpu)
+        validate(cfg, 2, cpu)
     cfg.parallel.ulysses_degree, cfg.parallel.ring_degree = 1, 2
-    assert trainer.validate(cfg, 2, cpu)[1].attn_head_chunks == 2
+    assert validate(cfg, 2, cpu)[1].attn_head_chunks == 2

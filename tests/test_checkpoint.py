@@ -16,7 +16,7 @@ import torch
 
 import usp.train.checkpoint as ckpt_mod
 from usp.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from usp.train.trainer import rng_state
+from usp.train.rng import rng_state
 
 
 def assert_tree_equal(a, b, path: str = "") -> None:

@@ -20,14 +20,8 @@ import torch
 
 from usp.config import TrainConfig
 from usp.eval.__main__ import compose_eval_config
-from usp.tiny import build_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(build_tiny_llama(tmp_path_factory.mktemp("eval-run") / "llama"))
 
 
 # --- composition -----------------------------------------------------------------------------------------
@@ -79,14 +73,14 @@ def eval_expecting_error(cfg: TrainConfig) -> str:
 
 
 @pytest.mark.slow  # five worlds of checks, one reading the tiny corpus; ~40 s on 2 idle cores
-def test_bad_input_fails_on_every_rank_before_any_forward(dist_pools, tiny_model, tmp_path):
+def test_bad_input_fails_on_every_rank_before_any_forward(dist_pools, tiny_llama, tmp_path):
     run_dir = str(tmp_path / "run")
     cases = [
-        (_eval_cfg(tiny_model, run_dir, lengths=[100]), r"eval.lengths=\[100\].*multiple of 8"),
-        (_eval_cfg(tiny_model, run_dir, lengths=[96, 4096]), r"eval.lengths.*no document.*4096 tokens or more"),
-        (_eval_cfg(tiny_model, run_dir, inputs=[str(tmp_path / "missing.jsonl")]), r"eval.inputs=.*missing.jsonl"),
+        (_eval_cfg(tiny_llama, run_dir, lengths=[100]), r"eval.lengths=\[100\].*multiple of 8"),
+        (_eval_cfg(tiny_llama, run_dir, lengths=[96, 4096]), r"eval.lengths.*no document.*4096 tokens or more"),
+        (_eval_cfg(tiny_llama, run_dir, inputs=[str(tmp_path / "missing.jsonl")]), r"eval.inputs=.*missing.jsonl"),
         (_eval_cfg(str(tmp_path / "no-model"), run_dir), r"model.path=.*no-model"),
-        (_eval_cfg(tiny_model, run_dir, task="passkey", lengths=[32]), r"eval.lengths: 32 tokens cannot hold"),
+        (_eval_cfg(tiny_llama, run_dir, task="passkey", lengths=[32]), r"eval.lengths: 32 tokens cannot hold"),
     ]
     for cfg, pattern in cases:
         messages = dist_pools(4).run(eval_expecting_error, cfg)
@@ -130,9 +124,9 @@ def _reference_ppl_by_position(cfg: TrainConfig, export_dir: str, bucket: int) -
     return {str(k * bucket): math.exp(s / n) for k, (s, n) in sorted(sums.items())}
 
 
-def test_eval_every_logs_val_ppl_by_position(dist_pools, tiny_model, tmp_path):
+def test_eval_every_logs_val_ppl_by_position(dist_pools, tiny_llama, tmp_path):
     cfg = TrainConfig()
-    cfg.model.path, cfg.model.dtype = tiny_model, "float32"
+    cfg.model.path, cfg.model.dtype = tiny_llama, "float32"
     cfg.data.build_tiny_corpus, cfg.data.cache_dir, cfg.data.validation_fraction = True, str(tmp_path / "cache"), 0.1
     cfg.trainer.seq_len, cfg.trainer.max_steps, cfg.trainer.eval_every = 64, 2, 2
     cfg.trainer.loss_chunk_size, cfg.trainer.checkpoint_every, cfg.trainer.device = 24, 0, "cpu"
@@ -149,11 +143,11 @@ def test_eval_every_logs_val_ppl_by_position(dist_pools, tiny_model, tmp_path):
 
 
 # --- the HF export is ready for generation ---------------------------------------------------------------
-def test_export_turns_the_kv_cache_back_on(tiny_model, tmp_path):
+def test_export_turns_the_kv_cache_back_on(tiny_llama, tmp_path):
     from usp.model import load_causal_lm
     from usp.train.export import export_hf
 
-    model = load_causal_lm(tiny_model, dtype=torch.float32)  # training setting: use_cache off
+    model = load_causal_lm(tiny_llama, dtype=torch.float32)  # training setting: use_cache off
     model.generation_config.use_cache = False
     assert model.config.use_cache is False
     export_hf(model, tokenizer=None, out_dir=tmp_path / "hf")
@@ -164,12 +158,12 @@ def test_export_turns_the_kv_cache_back_on(tiny_model, tmp_path):
 
 # --- the passkey harness under torchrun --------------------------------------------------------------------
 @pytest.mark.slow
-def test_usp_eval_passkey_under_torchrun(tiny_model, tmp_path):
+def test_usp_eval_passkey_under_torchrun(tiny_llama, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", WANDB_SILENT="true")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "usp.eval",
-        "recipe=tiny", f"model.path={tiny_model}", "eval=passkey", "eval.lengths=[128,256]", "eval.micro_batch_size=2",
+        "recipe=tiny", f"model.path={tiny_llama}", "eval=passkey", "eval.lengths=[128,256]", "eval.micro_batch_size=2",
         "eval.passkey.max_new_tokens=4", "logging.wandb.mode=offline", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -192,22 +186,22 @@ def eval_worker(cfg: TrainConfig) -> dict:
     return run(cfg)["result"]
 
 
-def test_checkpoint_and_export_give_the_same_results(dist_pools, tiny_model, tmp_path):
+def test_checkpoint_and_export_give_the_same_results(dist_pools, tiny_llama, tmp_path):
     from transformers import AutoTokenizer
 
     from usp.model import load_causal_lm
     from usp.train.checkpoint import save_checkpoint
     from usp.train.export import export_hf
 
-    model = load_causal_lm(tiny_model, dtype=torch.float32)
+    model = load_causal_lm(tiny_llama, dtype=torch.float32)
     with torch.no_grad():  # "trained" weights: neither the base checkpoint's nor each other's by accident
         for p in model.parameters():
             p.mul_(1.05)
     save_checkpoint(tmp_path / "checkpoints", 3, model=model, optimizer=None, scheduler=None, keep_last=1,
-                    extra={"fingerprint": {"model_path": tiny_model, "seq_len": 64}})  # fmt: skip
-    export_hf(model, tokenizer=AutoTokenizer.from_pretrained(tiny_model), out_dir=tmp_path / "hf")
+                    extra={"fingerprint": {"model_path": tiny_llama, "seq_len": 64}})  # fmt: skip
+    export_hf(model, tokenizer=AutoTokenizer.from_pretrained(tiny_llama), out_dir=tmp_path / "hf")
     results = {}
-    for name, path in (("checkpoint", tmp_path / "checkpoints"), ("export", tmp_path / "hf"), ("base", tiny_model)):
+    for name, path in (("checkpoint", tmp_path / "checkpoints"), ("export", tmp_path / "hf"), ("base", tiny_llama)):
         cfg = _eval_cfg(str(path), str(tmp_path / name), lengths=[96], num_documents=2)
         cfg.parallel.ulysses_degree = cfg.parallel.ring_degree = 1
         cfg.parallel.node_size = None
@@ -218,12 +212,12 @@ def test_checkpoint_and_export_give_the_same_results(dist_pools, tiny_model, tmp
 
 
 @pytest.mark.slow  # four evaluations at world 4
-def test_dp_replicas_split_the_work_and_agree_with_one_replica(dist_pools, tiny_model, tmp_path):
+def test_dp_replicas_split_the_work_and_agree_with_one_replica(dist_pools, tiny_llama, tmp_path):
     """u2r1 x dp2 (documents and trials split over 2 replicas) gives what u2r2 (one replica) gives."""
     results = {}
     for name, (ulysses, ring) in {"dp2": (2, 1), "dp1": (2, 2)}.items():
         for task in ("ppl", "passkey"):
-            cfg = _eval_cfg(tiny_model, str(tmp_path / name), task=task, lengths=[128], num_documents=3)
+            cfg = _eval_cfg(tiny_llama, str(tmp_path / name), task=task, lengths=[128], num_documents=3)
             cfg.parallel.ulysses_degree, cfg.parallel.ring_degree = ulysses, ring
             cfg.eval.passkey.trials, cfg.eval.passkey.max_new_tokens = 3, 3
             results[name, task] = dist_pools(4).run(eval_worker, cfg)

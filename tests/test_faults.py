@@ -371,7 +371,7 @@ def _small_checkpoints(root: Path, steps: tuple[int, ...]):
 )
 def test_corrupted_checkpoint_is_caught(setup, tmp_path, caplog, kind):
     from usp.train.checkpoint import load_checkpoint
-    from usp.train.trainer import check_auto_resume
+    from usp.train.resume import check_auto_resume
 
     root = tmp_path / "checkpoints"
     model, opt, sched = _small_checkpoints(root, (1, 2))
@@ -404,7 +404,7 @@ def test_corrupted_newest_checkpoint_resume_falls_back_end_to_end(dist_pools, se
 
 
 def test_no_checkpoint_verifies_refuses_to_start_over_them(setup, tmp_path):
-    from usp.train.trainer import check_auto_resume
+    from usp.train.resume import check_auto_resume
 
     root = tmp_path / "checkpoints"
     _small_checkpoints(root, (1,))
@@ -436,7 +436,7 @@ def _reseal(ckpt: Path) -> None:
 @pytest.mark.parametrize("target", ["rank_0.pt", "meta.pt", "dcp/.metadata"])
 def test_crafted_pickle_is_refused_without_running(setup, tmp_path, target):
     from usp.train.checkpoint import load_checkpoint
-    from usp.train.trainer import check_auto_resume
+    from usp.train.resume import check_auto_resume
 
     root = tmp_path / "checkpoints"
     model, opt, sched = _small_checkpoints(root, (1,))

@@ -159,7 +159,7 @@ def test_launcher_store_keys_are_private_to_each_restart():
 _RESTART_SCRIPT = textwrap.dedent(
     """
     import os, sys, time, torch, torch.distributed as dist
-    from usp.train.trainer import init_distributed
+    from usp.parallel.process_group import init_distributed
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     rank = int(os.environ["RANK"])
     if attempt == 1 and rank == 0:

@@ -19,11 +19,6 @@ from usp.model import (
 from usp.tiny import build_tiny_llama
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
-
-
 def test_bad_model_dirs(tmp_path, tiny_llama):
     with pytest.raises(ValueError, match="model.path is not set"):
         check_model_dir("???")

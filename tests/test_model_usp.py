@@ -1,15 +1,18 @@
-"""apply_usp: an apply_usp'd model fed this rank's slice returns the unsharded model's logits at that slice."""
+"""apply_usp: an apply_usp'd model fed this rank's slice returns the unsharded model's logits at that slice.
+
+Logits, losses and every gradient against the unsharded model: float64, ``tests.tolerance.EXACT_TOL``.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.exact_model import load_float64
 from tests.mesh_cache import cached_sp_mesh
-from tests.tolerance import assert_close_scaled
+from tests.tolerance import assert_exact
 from usp.model import apply_usp, load_causal_lm
 from usp.parallel import gather_sequence, shard_sequence
-from usp.tiny import build_tiny_llama
 
 SEQ_LEN = 32
 
@@ -24,10 +27,10 @@ def _inputs(vocab: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 def usp_logits(model_dir: str, ulysses: int, ring: int, layout: str) -> dict | None:
     """Worker: sharded forward + backward of sum(logits * w); rank 0 returns gathered logits and grads."""
     mesh = cached_sp_mesh(ulysses, ring, layout, 1)
-    model = apply_usp(load_causal_lm(model_dir, dtype=torch.float32), mesh)
+    model = apply_usp(load_float64(model_dir), mesh)
     ids, pos = _inputs(model.config.vocab_size)
     logits = model(input_ids=shard_sequence(ids, mesh), position_ids=shard_sequence(pos, mesh)).logits
-    w = shard_sequence(torch.linspace(-1, 1, SEQ_LEN)[None, :, None], mesh)
+    w = shard_sequence(torch.linspace(-1, 1, SEQ_LEN, dtype=torch.float64)[None, :, None], mesh)
     (logits * w).sum().backward()
     full = gather_sequence(logits.detach(), mesh)
     grads = {}
@@ -38,11 +41,6 @@ def usp_logits(model_dir: str, ulysses: int, ring: int, layout: str) -> dict | N
     if mesh.device_mesh.get_rank() != 0:
         return None
     return {"logits": full, "grads": grads}
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
 
 
 def _build_family(path, family: str) -> str:
@@ -61,13 +59,13 @@ def _build_family(path, family: str) -> str:
 def test_apply_usp_other_families(dist_pools, tmp_path, family):
     model_dir = _build_family(tmp_path / family, family)
     out = dist_pools(4).run(usp_logits, model_dir, 2, 2, "zigzag")[0]
-    model = load_causal_lm(model_dir, dtype=torch.float32)
+    model = load_float64(model_dir)
     ids, pos = _inputs(model.config.vocab_size)
     logits = model(input_ids=ids, position_ids=pos).logits
-    (logits * torch.linspace(-1, 1, SEQ_LEN)[None, :, None]).sum().backward()
-    assert_close_scaled(out["logits"], logits.detach(), 1e-5)
+    (logits * torch.linspace(-1, 1, SEQ_LEN, dtype=torch.float64)[None, :, None]).sum().backward()
+    assert_exact(out["logits"], logits.detach(), "logits")
     for name, p in model.named_parameters():
-        assert_close_scaled(out["grads"][name], p.grad, 1e-4, msg=name)
+        assert_exact(out["grads"][name], p.grad, name)
 
 
 @pytest.mark.parametrize(
@@ -77,13 +75,13 @@ def test_apply_usp_other_families(dist_pools, tmp_path, family):
 )
 def test_apply_usp_logits_and_grads_match_unsharded(dist_pools, tiny_llama, ulysses, ring, layout):
     out = dist_pools(4).run(usp_logits, tiny_llama, ulysses, ring, layout)[0]
-    model = load_causal_lm(tiny_llama, dtype=torch.float32)
+    model = load_float64(tiny_llama)
     ids, pos = _inputs(model.config.vocab_size)
     logits = model(input_ids=ids, position_ids=pos).logits
-    (logits * torch.linspace(-1, 1, SEQ_LEN)[None, :, None]).sum().backward()
-    assert_close_scaled(out["logits"], logits.detach(), 1e-5)
+    (logits * torch.linspace(-1, 1, SEQ_LEN, dtype=torch.float64)[None, :, None]).sum().backward()
+    assert_exact(out["logits"], logits.detach(), "logits")
     for name, p in model.named_parameters():
-        assert_close_scaled(out["grads"][name], p.grad, 1e-4, msg=name)
+        assert_exact(out["grads"][name], p.grad, name)
 
 
 DOC_LENGTHS = (5, 11, 9, 7)  # one packed sequence of 32 tokens
@@ -108,7 +106,7 @@ def packed_loss(model_dir: str, ulysses: int, ring: int) -> dict | None:
     from usp.train.loss import ChunkedCausalLMLoss
 
     mesh = cached_sp_mesh(ulysses, ring, "zigzag", 1)
-    model = apply_usp(load_causal_lm(model_dir, dtype=torch.float32), mesh)
+    model = apply_usp(load_float64(model_dir), mesh)
     b = _packed(model.config.vocab_size)
     n = int((b["labels"] != -100).sum())
     loss = ChunkedCausalLMLoss(model, chunk_size=5)(
@@ -129,7 +127,7 @@ def packed_loss(model_dir: str, ulysses: int, ring: int) -> dict | None:
 @pytest.mark.parametrize("ulysses, ring", [(2, 2), (1, 4)], ids=["u2r2", "u1r4"])
 def test_packed_documents_do_not_leak(dist_pools, tiny_llama, ulysses, ring):
     out = dist_pools(4).run(packed_loss, tiny_llama, ulysses, ring)[0]
-    model = load_causal_lm(tiny_llama, dtype=torch.float32)
+    model = load_float64(tiny_llama)
     b = _packed(model.config.vocab_size)
     n = int((b["labels"] != -100).sum())
     total = 0.0
@@ -138,17 +136,17 @@ def test_packed_documents_do_not_leak(dist_pools, tiny_llama, ulysses, ring):
         ids = b["input_ids"][:, start : start + length]
         logits = model(input_ids=ids).logits
         total = total + torch.nn.functional.cross_entropy(
-            logits[0, :-1].float(), ids[0, 1:], reduction="sum"
+            logits[0, :-1], ids[0, 1:], reduction="sum"
         )
         start += length
     ref = total / n
     ref.backward()
-    torch.testing.assert_close(out["loss"], ref.detach(), rtol=1e-5, atol=0)
+    assert_exact(out["loss"], ref.detach(), "loss")
     for name, p in model.named_parameters():
-        assert_close_scaled(out["grads"][name], p.grad, 1e-4, msg=name)
+        assert_exact(out["grads"][name], p.grad, name)
     # and it differs from attending across documents (the test can fail)
     cross = torch.nn.functional.cross_entropy(
-        model(input_ids=b["input_ids"]).logits[0].float(), b["labels"][0], ignore_index=-100
+        model(input_ids=b["input_ids"]).logits[0], b["labels"][0], ignore_index=-100
     )
     assert abs(cross.item() - ref.item()) > 1e-3
 

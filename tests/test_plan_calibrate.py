@@ -27,14 +27,6 @@ from usp.plan.hardware import GPUS
 from usp.plan.models import load_model_spec
 from usp.plan.search import evaluate_layout
 
-TINY = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-}
 CPU = GPUS["cpu"]
 TRUE_CPU = replace(CPU, dense_efficiency=0.1, attention_efficiency=0.02, layer_overhead_s=0.03)
 
@@ -107,7 +99,7 @@ def _write_run(
     }  # fmt: skip
     (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     truth = evaluate_layout(
-        load_model_spec(TINY), TRUE_CPU, seq_len=seq_len, ulysses_degree=ulysses, ring_degree=ring,
+        load_model_spec(str(ckpt)), TRUE_CPU, seq_len=seq_len, ulysses_degree=ulysses, ring_degree=ring,
         world_size=world, node_size=world, compute_bytes=4,
     )  # fmt: skip
     dp = world // (ulysses * ring)
@@ -126,10 +118,10 @@ def _write_run(
 
 
 @pytest.fixture
-def runs(tmp_path: Path) -> list[Path]:
+def runs(tmp_path: Path, tiny_config) -> list[Path]:
     ckpt = tmp_path / "tiny-ckpt"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(TINY))
+    (ckpt / "config.json").write_text(json.dumps(tiny_config))
     layouts = [(256, 2, 1, 2), (1024, 2, 1, 2), (4096, 2, 2, 4), (2048, 1, 2, 2)]
     return [
         _write_run(tmp_path, f"run{i}", seq_len=s, ulysses=u, ring=r, world=w, ckpt=ckpt)
@@ -137,14 +129,14 @@ def runs(tmp_path: Path) -> list[Path]:
     ]
 
 
-def test_read_training_run(runs: list[Path]):
+def test_read_training_run(runs: list[Path], tiny_config):
     run = read_training_run(runs[2])
     assert (run.seq_len, run.ulysses_degree, run.ring_degree) == (4096, 2, 2)
     assert run.world_size == 4  # from tokens_per_s / tokens_per_s_per_gpu, since dp_degree=-1
     assert run.global_batch == 1
     assert run.measured_mem_gib == 0.5
     assert run.compute_bytes == 4  # model.dtype=float32
-    truth = evaluate_layout(load_model_spec(TINY), TRUE_CPU, seq_len=4096, ulysses_degree=2, ring_degree=2,
+    truth = evaluate_layout(load_model_spec(tiny_config), TRUE_CPU, seq_len=4096, ulysses_degree=2, ring_degree=2,
                             world_size=4, node_size=4, compute_bytes=4)  # fmt: skip
     assert run.measured_step_s == pytest.approx(truth.step_time_s)  # warm-up skipped, jitter cancels
 
@@ -199,12 +191,12 @@ def test_cli_calibrate_then_plan_with_it(tmp_path: Path, runs: list[Path], capsy
                for x in layouts)  # fmt: skip
 
 
-def test_read_run_with_auto_degrees_and_interpolated_model_path(tmp_path: Path, runs: list[Path]):
+def test_read_run_with_auto_degrees_and_interpolated_model_path(tmp_path: Path, runs: list[Path], tiny_config):
     # what usp-train leaves: .hydra/config.yaml unresolved (auto degrees, ${run_dir} paths) + layout.json
     run = runs[2]
     ckpt = run / "tiny-llama"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(TINY | {"num_hidden_layers": 3}))
+    (ckpt / "config.json").write_text(json.dumps(tiny_config | {"num_hidden_layers": 3}))
     cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
     cfg["model"]["path"] = "${run_dir}/tiny-llama"
     cfg["parallel"].update(ulysses_degree="auto", ring_degree="auto")

@@ -21,15 +21,6 @@ from usp.plan import (
 from usp.plan.cli import main, parse_seq_len
 from usp.plan.maxlen import max_seq_len
 
-TINY = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-}
-
 
 def test_parse_seq_len():
     assert parse_seq_len("1M") == 1_048_576
@@ -75,8 +66,8 @@ def test_overrides_name_real_config_fields():
             assert value != ""
 
 
-def test_auto_degrees_tiny_cpu_model():
-    out = auto_degrees(TINY, seq_len=256, world_size=4, node_size=4, gpu="cpu")
+def test_auto_degrees_tiny_cpu_model(tiny_config):
+    out = auto_degrees(tiny_config, seq_len=256, world_size=4, node_size=4, gpu="cpu")
     assert set(out) >= {
         "ulysses_degree",
         "ring_degree",
@@ -143,10 +134,10 @@ def test_checkpointing_suggested_when_the_user_ruled_it_out():
         )  # fmt: skip
 
 
-def test_heads_that_cannot_split(tmp_path, capsys):
+def test_heads_that_cannot_split(tmp_path, capsys, tiny_config):
     cfg = tmp_path / "config.json"
     cfg.write_text(
-        json.dumps(TINY | {"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768})
+        json.dumps(tiny_config | {"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768})
     )
     rc = main(
         [
@@ -253,14 +244,14 @@ def test_cli_explicit_device_and_bad_values(capsys):
     assert layouts and all(x["dp_degree"] == 1 and x["grad_accum_steps"] == 3 for x in layouts)
 
 
-def test_evaluate_layout_refuses_invalid_layouts():
+def test_evaluate_layout_refuses_invalid_layouts(tiny_config):
     model, device = load_model_spec("llama-3.1-8b"), get_device("h100-80g")
     kw = dict(seq_len=2**17, world_size=16, node_size=8)
     with pytest.raises(ValueError, match="span nodes"):  # Ulysses 16 over nodes of 8
         evaluate_layout(model, device, ulysses_degree=16, ring_degree=1, **kw)
     with pytest.raises(ValueError, match="does not divide the world size"):
         evaluate_layout(model, device, ulysses_degree=8, ring_degree=3, **kw)
-    twelve = load_model_spec(TINY | {"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768})
+    twelve = load_model_spec(tiny_config | {"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768})
     with pytest.raises(ValueError, match="num_attention_heads=12 is not divisible by ulysses_degree=8"):
         evaluate_layout(
             twelve, device, ulysses_degree=8, ring_degree=1, seq_len=2**12, world_size=8, node_size=8
@@ -343,18 +334,18 @@ def test_inference_that_does_not_fit(capsys):
     assert "does not fit 8 x a100-40g" in err and "more GPUs" in err
 
 
-def test_auto_degrees_keeps_what_the_user_fixed():
-    free = auto_degrees(TINY, seq_len=256, world_size=4, node_size=2, gpu="cpu")
+def test_auto_degrees_keeps_what_the_user_fixed(tiny_config):
+    free = auto_degrees(tiny_config, seq_len=256, world_size=4, node_size=2, gpu="cpu")
     other_u = 1 if free["ulysses_degree"] != 1 else 2
     for fixed in ({"ulysses_degree": other_u}, {"ring_degree": 4 // other_u}):
-        out = auto_degrees(TINY, seq_len=256, world_size=4, node_size=2, gpu="cpu", **fixed)
+        out = auto_degrees(tiny_config, seq_len=256, world_size=4, node_size=2, gpu="cpu", **fixed)
         assert all(out[k] == v for k, v in fixed.items()), (fixed, out)
         assert out["ulysses_degree"] * out["ring_degree"] * out["dp_degree"] == 4
         assert "fixed" in out["reason"]
-    modes = auto_degrees(TINY, seq_len=256, world_size=4, node_size=2, gpu="cpu",
+    modes = auto_degrees(tiny_config, seq_len=256, world_size=4, node_size=2, gpu="cpu",
                          fsdp_mode="hybrid_shard", activation_checkpointing="every_k", ac_every_k=1)  # fmt: skip
     assert (modes["fsdp_mode"], modes["activation_checkpointing"], modes["ac_every_k"]) == ("hybrid_shard", "every_k", 1)
-    f32 = auto_degrees(TINY, seq_len=256, world_size=4, node_size=2, gpu="cpu", compute_bytes=4,
+    f32 = auto_degrees(tiny_config, seq_len=256, world_size=4, node_size=2, gpu="cpu", compute_bytes=4,
                        ring_layout="contiguous", ulysses_degree=1)  # fmt: skip
     assert f32["ulysses_degree"] == 1 and f32["ring_degree"] * f32["dp_degree"] == 4
 

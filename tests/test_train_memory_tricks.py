@@ -3,8 +3,8 @@
 Loss, grad norms and every parameter's gradient with ``activation_checkpointing=offload`` and ``mlp_tiles >
 1`` (the MLPs, the q/k/v projections and the loss chunks with their RMSNorms fused in), alone and together
 (and tiles under ``full`` and ``every_k``, and with ring head chunks under u1r4), equal the plain run (no
-checkpointing, no tiles) of the same layout (fp32, rtol 1e-5, atol scaled to each gradient's max-abs), under
-u2r2 and u1r4. On one process, tiling keeps the state-dict keys and the decoder's output outside the loss.
+checkpointing, no tiles) of the same layout, under u2r2 and u1r4: float64, ``tests.tolerance.EXACT_TOL``. On
+one process, tiling keeps the state-dict keys and the decoder's output outside the loss (float64, exact too).
 Measured held bytes and step peaks (CPU profiler) fall as each setting promises.
 """
 
@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.exact_model import load_float64
 from tests.mesh_cache import cached_sp_mesh
 from tests.test_train_layouts import OPTIM, STEPS, make_batches, train_then_grads
+from tests.tolerance import EXACT_DTYPE, assert_exact
 from usp.model import load_causal_lm
 from usp.tiny import build_tiny_llama
 from usp.train.optim import build_optimizer
@@ -31,9 +33,10 @@ def run_variants(model_dir: str, ulysses: int, ring: int) -> dict | None:
     mesh = cached_sp_mesh(ulysses, ring, "zigzag", 1)
     out = {}
     for ac, tiles, chunks in VARIANTS + (HEAD_CHUNK_VARIANTS if ulysses == 1 else []):
-        model = load_causal_lm(model_dir, dtype=torch.float32)
-        loss_model = parallelize(model, mesh, param_dtype=torch.float32, loss_chunk_size=7, ac_every_k=2,
-                                 activation_checkpointing=ac, mlp_tiles=tiles, attn_head_chunks=chunks)  # fmt: skip
+        model = load_float64(model_dir)
+        loss_model = parallelize(model, mesh, param_dtype=EXACT_DTYPE, reduce_dtype=EXACT_DTYPE, loss_chunk_size=7,
+                                 ac_every_k=2, activation_checkpointing=ac, mlp_tiles=tiles,
+                                 attn_head_chunks=chunks)  # fmt: skip
         optimizer, scheduler = build_optimizer(loss_model, OPTIM, max_steps=STEPS + 2)
         batches = make_batches(model.config.vocab_size)[:TRAIN_STEPS]
         losses, norms, params = train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches)
@@ -46,18 +49,12 @@ def run_variants(model_dir: str, ulysses: int, ring: int) -> dict | None:
     return out if mesh.device_mesh.get_rank() == 0 else None
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
-
-
 def assert_same(run: dict, plain: dict, what: str) -> None:
-    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0, msg=what)
-    torch.testing.assert_close(torch.tensor(run["grad_norms"]), torch.tensor(plain["grad_norms"]), rtol=1e-5, atol=0,
-                               msg=what)  # fmt: skip
+    for key in ("losses", "grad_norms"):
+        assert_exact(torch.tensor(run[key], dtype=EXACT_DTYPE), torch.tensor(plain[key], dtype=EXACT_DTYPE),
+                     f"{what}: {key}")  # fmt: skip
     for name, ref in plain["grads"].items():
-        atol = 1e-5 * ref.abs().max().item()
-        torch.testing.assert_close(run["grads"][name], ref, rtol=1e-5, atol=atol, msg=f"{what}: {name}")
+        assert_exact(run["grads"][name], ref, f"{what}: {name}")
 
 
 @pytest.mark.parametrize("world, ulysses, ring", [
@@ -72,20 +69,20 @@ def test_offload_and_tiles_equal_the_plain_run(dist_pools, tiny_llama, world, ul
     for (ac, tiles, chunks), run in out.items():
         assert_same(run, plain, f"u{ulysses}r{ring} activation_checkpointing={ac} mlp_tiles={tiles} "
                                 f"attn_head_chunks={chunks}")  # fmt: skip
-    # the host slots: one [2 rows, S_local, h] fp32 input per layer (tiny Llama: 2 layers, hidden 64)
-    assert out[("offload", 1, 1)]["host_bytes"] == 2 * 2 * (32 // (ulysses * ring)) * 64 * 4
+    # the host slots: one [2 rows, S_local, h] float64 input per layer (tiny Llama: 2 layers, hidden 64)
+    assert out[("offload", 1, 1)]["host_bytes"] == 2 * 2 * (32 // (ulysses * ring)) * 64 * EXACT_DTYPE.itemsize
 
 
 def test_tiling_keeps_state_dict_keys_decoder_output_and_gradients(tiny_llama):
-    """One process, fp32: ``apply_sequence_tiling`` (4 tiles) leaves the state-dict keys (names and order) and
+    """One process, float64: ``apply_sequence_tiling`` (4 tiles) leaves the state-dict keys (names and order) and
     the decoder's output (what evaluation and decoding read: the final norm applied) as they were, and the
     chunked loss (final norm deferred into its chunks) gives the plain loss and every parameter's gradient."""
     from usp.train.loss import ChunkedCausalLMLoss
     from usp.train.parallelize import decoder_layers
     from usp.train.tiling import apply_sequence_tiling, deferrable_final_norm
 
-    plain = load_causal_lm(tiny_llama, dtype=torch.float32)
-    tiled = load_causal_lm(tiny_llama, dtype=torch.float32)
+    plain = load_float64(tiny_llama)
+    tiled = load_float64(tiny_llama)
     keys = list(tiled.state_dict())
     assert apply_sequence_tiling(decoder_layers(tiled), tiled.model.norm, 4) == 2 * 5 + 1
     assert list(tiled.state_dict()) == keys == list(plain.state_dict())
@@ -96,16 +93,15 @@ def test_tiling_keeps_state_dict_keys_decoder_output_and_gradients(tiny_llama):
     with torch.no_grad():
         ref = plain.get_decoder()(input_ids=ids).last_hidden_state
         out = tiled.get_decoder()(input_ids=ids).last_hidden_state
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert_exact(out, ref, "decoder output")
     losses = {}
     for name, model in (("plain", plain), ("tiled", tiled)):
         losses[name] = ChunkedCausalLMLoss(model, chunk_size=7)(ids, labels, num_targets=ids.numel())
         losses[name].backward()
-    torch.testing.assert_close(losses["tiled"], losses["plain"], rtol=1e-5, atol=0)
+    assert_exact(losses["tiled"], losses["plain"], "loss")
     grads = dict(tiled.named_parameters())
     for name, p in plain.named_parameters():
-        ref = p.grad
-        torch.testing.assert_close(grads[name].grad, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=name)
+        assert_exact(grads[name].grad, p.grad, name)
 
 
 # --- measured memory: each trick lowers what it promises (ratios; CPU allocator via the profiler) ------------

@@ -191,7 +191,7 @@ def test_auto_degrees_ask_the_planner(dist_pools, setup, tmp_path):
 def _fail_on_rank_one() -> str:
     import torch.distributed as dist
 
-    from usp.train.trainer import on_every_rank
+    from usp.parallel.agree import on_every_rank
 
     def check() -> int:
         if dist.get_rank() == 1:
@@ -266,7 +266,7 @@ def test_auto_for_one_degree_keeps_the_users_other_settings(setup, tmp_path):
     """ulysses_degree=2 ring_degree=auto: the planner keeps u=2 and the non-default fsdp / checkpointing modes
     (unconstrained, it picks u1 r1 dp4 full_shard none for this model)."""
     from usp.model import check_model_dir
-    from usp.train.trainer import resolve_layout
+    from usp.train.validate import resolve_layout
 
     cfg = make_config(setup["model"], str(tmp_path), setup["cache"], ulysses_degree=2, ring_degree="auto",
                       fsdp_mode="hybrid_shard", activation_checkpointing="every_k", ac_every_k=1, node_size=2)  # fmt: skip
@@ -283,7 +283,7 @@ def test_auto_for_one_degree_keeps_the_users_other_settings(setup, tmp_path):
 def test_auto_resume_refuses_another_runs_checkpoint(setup, tmp_path):
     """resume=auto only continues a checkpoint of the same model.path and seq_len (fingerprint in extra)."""
     from usp.train.checkpoint import save_checkpoint
-    from usp.train.trainer import check_auto_resume, run_fingerprint
+    from usp.train.resume import check_auto_resume, run_fingerprint
 
     cfg = make_config(setup["model"], str(tmp_path), setup["cache"])
     root = tmp_path / "checkpoints"
@@ -305,7 +305,7 @@ def test_auto_resume_refuses_another_runs_checkpoint(setup, tmp_path):
 
 def test_checkpoints_carry_the_run_fingerprint(setup, straight):
     from usp.train.checkpoint import read_saved_extra
-    from usp.train.trainer import run_fingerprint
+    from usp.train.resume import run_fingerprint
 
     cfg = make_config(setup["model"], f"{setup['root']}/straight", setup["cache"])
     saved = read_saved_extra(Path(setup["root"]) / "straight" / "checkpoints")
@@ -314,7 +314,7 @@ def test_checkpoints_carry_the_run_fingerprint(setup, straight):
 
 def test_dynamic_rope_under_sequence_parallelism_fails_validation(setup, tmp_path):
     """validate() (per rank, before any weights) applies the RoPE overrides and refuses dynamic scaling at sp 4."""
-    from usp.train.trainer import validate
+    from usp.train.validate import validate
 
     cfg = make_config(setup["model"], str(tmp_path), setup["cache"], ulysses_degree=2, ring_degree=2)
     cfg.model.rope_scaling = {"rope_type": "dynamic", "factor": 2.0}

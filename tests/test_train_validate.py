@@ -13,15 +13,9 @@ import pytest
 import torch
 
 from usp.config import TrainConfig
-from usp.tiny import build_tiny_llama
 from usp.train.validate import Layout, resolve_layout, validate
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(build_tiny_llama(tmp_path_factory.mktemp("validate") / "llama"))
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +44,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("parallel", CASES, ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))
-def test_validation_leaves_the_config_unchanged_and_the_layout_frozen(tiny_model, parallel):
-    cfg = make_config(tiny_model, **parallel)
+def test_validation_leaves_the_config_unchanged_and_the_layout_frozen(tiny_llama, parallel):
+    cfg = make_config(tiny_llama, **parallel)
     before = copy.deepcopy(cfg)
     _, layout = validate(cfg, 4, CPU)
     assert cfg == before  # deep equality of the dataclasses: auto stays auto, no dp or tiles written back
@@ -66,60 +60,60 @@ def test_validation_leaves_the_config_unchanged_and_the_layout_frozen(tiny_model
     assert validate(cfg, 4, CPU)[1] == layout  # nothing left over from the first call changes the second
 
 
-def test_explicit_mlp_tiles_auto_uses_the_hidden_size_rule(tiny_model):
+def test_explicit_mlp_tiles_auto_uses_the_hidden_size_rule(tiny_llama):
     # 256 tokens / (u2 x r1) = 128 local tokens, hidden_size 64: tiles of about 64 tokens -> 2
-    _, layout = validate(make_config(tiny_model, ulysses_degree=2, ring_degree=1, mlp_tiles="auto"), 2, CPU)
+    _, layout = validate(make_config(tiny_llama, ulysses_degree=2, ring_degree=1, mlp_tiles="auto"), 2, CPU)
     assert layout.mlp_tiles == 2 and layout.dp_degree == 1 and layout.reason == "set in the config"
 
 
-def test_a_degree_given_as_text_is_refused_and_the_config_kept(tiny_model):
+def test_a_degree_given_as_text_is_refused_and_the_config_kept(tiny_llama):
     """``ParallelDims`` is the one validator: a string degree is refused there (the old trainer converted it
     and wrote the integer back into the config)."""
-    cfg = make_config(tiny_model, ulysses_degree="2", ring_degree=1)
+    cfg = make_config(tiny_llama, ulysses_degree="2", ring_degree=1)
     before = copy.deepcopy(cfg)
     with pytest.raises(ValueError, match=r"parallel.ulysses_degree='2' is invalid"):
         validate(cfg, 2, CPU)
     assert cfg == before and cfg.parallel.ulysses_degree == "2"
 
 
-def test_planner_tiles_are_used_as_planned(tiny_model, monkeypatch):
+def test_planner_tiles_are_used_as_planned(tiny_llama, monkeypatch):
     """With ``auto`` degrees and ``mlp_tiles=auto`` the planner's tile count is the layout's, even where the
     hidden-size rule would choose another (here 1: 64 local tokens = hidden_size)."""
-    import usp.plan
+    import usp.plan.auto
 
     def plan(model_config, **kw):
         assert kw["mlp_tiles"] == "auto" and kw["node_size"] == 4
         return {"ulysses_degree": 2, "ring_degree": 2, "dp_degree": 1, "fsdp_mode": "full_shard",
                 "activation_checkpointing": "full", "mlp_tiles": 4, "attn_head_chunks": 1, "reason": "stub"}  # fmt: skip
 
-    monkeypatch.setattr(usp.plan, "auto_degrees", plan)
-    cfg = make_config(tiny_model, ulysses_degree="auto", ring_degree="auto", mlp_tiles="auto")
-    model_config = validate(make_config(tiny_model), 1, CPU)[0]
+    monkeypatch.setattr(usp.plan.auto, "auto_degrees", plan)  # what usp.plan.request.PlanRequest.plan_auto calls
+    cfg = make_config(tiny_llama, ulysses_degree="auto", ring_degree="auto", mlp_tiles="auto")
+    model_config = validate(make_config(tiny_llama), 1, CPU)[0]
     layout = resolve_layout(cfg, model_config, 4, CPU)
     assert layout == Layout(ulysses_degree=2, ring_degree=2, dp_degree=1, node_size=4, fsdp_mode="full_shard",
                             activation_checkpointing="full", ac_every_k=2, mlp_tiles=4, attn_head_chunks=1,
                             reason="planner: stub")  # fmt: skip
 
 
-def test_node_size_comes_from_the_setting_then_the_launcher(tiny_model, monkeypatch):
-    cfg = make_config(tiny_model, ulysses_degree=2, ring_degree=2)
+def test_node_size_comes_from_the_setting_then_the_launcher(tiny_llama, monkeypatch):
+    cfg = make_config(tiny_llama, ulysses_degree=2, ring_degree=2)
     assert validate(cfg, 4, CPU)[1].node_size == 4  # no launcher: one node
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert validate(cfg, 4, CPU)[1].node_size == 2
     cfg.parallel.node_size = 4
     assert validate(cfg, 4, CPU)[1].node_size == 4
     with pytest.raises(ValueError, match=r"ulysses_degree=4 would make Ulysses groups span nodes of 2"):
-        validate(make_config(tiny_model, ulysses_degree=4, ring_degree=1), 4, CPU)
+        validate(make_config(tiny_llama, ulysses_degree=4, ring_degree=1), 4, CPU)
 
 
 @pytest.mark.parametrize("parallel", CASES[:1] + CASES[2:], ids=["explicit", "auto", "ring-auto"])
-def test_eval_resolves_the_layout_training_gets(tiny_model, parallel):
+def test_eval_resolves_the_layout_training_gets(tiny_llama, parallel):
     """usp-eval calls the trainer's resolve_layout: the same degrees, dp, node size for the same config (the
     planner's choice included: usp-eval used to refuse auto degrees)."""
     from usp.eval import runner
 
     assert runner.resolve_layout is resolve_layout  # the same function, not a copy
-    cfg = make_config(tiny_model, **parallel)
+    cfg = make_config(tiny_llama, **parallel)
     before = copy.deepcopy(cfg)
     _, train_layout = validate(cfg, 4, CPU)
     lengths, eval_layout, _, _ = runner.prepare(cfg, 4, CPU)

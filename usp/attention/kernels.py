@@ -2,7 +2,7 @@
 
 Layout (flash-attn convention): ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA is
 handled inside the kernel, locally; nothing is expanded before communication), ``out [B, Sq, Hq, D]`` in
-``q.dtype`` and ``lse [B, Hq, Sq]`` in fp32 (natural log of the softmax denominator, scale included).
+``q.dtype`` and ``lse [B, Hq, Sq]`` in fp32, fp64 for fp64 inputs (:func:`accumulation_dtype`; natural log of the softmax denominator, scale included).
 
 Masking is described, not materialized, by the caller:
 
@@ -37,6 +37,7 @@ from usp.attention.cuda_kernels import (
 )
 from usp.attention.masks import dense_mask
 from usp.attention.segmented import (
+    accumulation_dtype,
     host_segments,
     per_segment_calls,
     segmentwise_backward,
@@ -139,14 +140,9 @@ def default_scale(head_dim: int, softmax_scale: float | None) -> float:
 # --- math reference ----------------------------------------------------------------------------------------
 
 
-def _acc_dtype(q: torch.Tensor) -> torch.dtype:
-    """fp32 accumulation, or fp64 for fp64 inputs (the float64 reference of the kernel check)."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _math_scores(q, k, scale, mask):
     group = q.size(2) // k.size(2)
-    acc = _acc_dtype(q)
+    acc = accumulation_dtype(q.dtype)
     qf = q.to(acc).transpose(1, 2)  # [B, Hq, Sq, D]
     kf = k.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, Sk, D]
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hq, Sq, Sk]
@@ -211,7 +207,7 @@ def _cpu_flash_forward(q, k, v, causal, scale, segments):
         attn_mask=mask,
         scale=scale,
     )  # out [B, Hq, Sq, D] (stored as [B, Sq, Hq, D]), lse [B, Hq, Sq]
-    return out.transpose(1, 2), lse.float()
+    return out.transpose(1, 2), lse.to(accumulation_dtype(q.dtype))
 
 
 def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, segments):
@@ -266,7 +262,7 @@ def attention_forward(
     backend: str,
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One attention block: ``(out [B, Sq, Hq, D] q.dtype, lse [B, Hq, Sq] fp32)``; see the module docstring.
+    """One attention block: ``(out [B, Sq, Hq, D] q.dtype, lse [B, Hq, Sq] fp32 or fp64)``; see the module docstring.
 
     ``backend`` must already be resolved (:func:`resolve_backend`). Rows with no allowed key get ``out = 0``,
     ``lse = -inf`` whatever the kernel does with them.

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from usp.attention.blocks import BlockSpec
 from usp.attention.comm import RingExchange, record_attention_work
-from usp.attention.kernels import attention_backward, attention_forward
+from usp.attention.kernels import accumulation_dtype, attention_backward, attention_forward
 
 _TAG_KV, _TAG_DKV, _TAG_DKV_HOME = 11, 12, 13
 
@@ -37,14 +37,14 @@ _TAG_KV, _TAG_DKV, _TAG_DKV_HOME = 11, 12, 13
 def merge_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """In place: ``(out_acc, lse_acc) <- softmax-merge of (out_acc, lse_acc) and (out, lse)``.
 
-    ``out_acc [B, S, H, D]`` and ``lse_acc [B, H, S]`` are fp32; ``-inf`` lse (rows that saw no key yet, or
+    ``out_acc [B, S, H, D]`` and ``lse_acc [B, H, S]`` are fp32 (fp64 for fp64 inputs); ``-inf`` lse (rows that saw no key yet, or
     none in this block) merge without NaN: both weights are ``exp(lse_i - lse_new) <= 1``.
     """
     new = torch.logaddexp(lse_acc, lse)
     safe = torch.where(torch.isinf(new), 0.0, new)  # rows with no key anywhere so far: weights 0, out stays 0
     w_acc = torch.exp(lse_acc - safe).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
     w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    out_acc.mul_(w_acc).add_(out.float() * w_new)
+    out_acc.mul_(w_acc).add_(out.to(out_acc.dtype) * w_new)
     lse_acc.copy_(new)
 
 
@@ -53,8 +53,9 @@ def _ring_forward(q, k, v, group, plans, softmax_scale, backend):
     [B, h, L])``. The fp32 output accumulator and the rotating K/V exist only while it runs."""
     ring = len(plans)
     b, _, hq, d = q.shape
-    out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse_acc = torch.full((b, hq, q.size(1)), float("-inf"), dtype=torch.float32, device=q.device)
+    acc = accumulation_dtype(q.dtype)  # fp32, fp64 for fp64 inputs
+    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse_acc = torch.full((b, hq, q.size(1)), float("-inf"), dtype=acc, device=q.device)
     exchange = RingExchange(group, "ring_kv", _TAG_KV) if ring > 1 else None
     kc, vc = k, v
     for step in range(ring):
@@ -83,9 +84,10 @@ def _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend
     """The ring pass of the backward for one set of heads; returns ``dq, dk, dv`` in the inputs' dtypes. The fp32
     dq accumulator and the travelling fp32 dK/dV accumulators exist only while it runs."""
     b, _, hq, d = q.shape
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    acc = accumulation_dtype(q.dtype)  # fp32, fp64 for fp64 inputs
+    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
     steps = len(plans)
     kv_exchange = dkv_exchange = home = None
     if steps > 1:
@@ -151,7 +153,7 @@ class _RingAttention(torch.autograd.Function):
         else:
             # one chunk of heads at a time, written into the full output: no full-size fp32 tensor is ever held
             out = torch.empty_like(q)
-            lse = torch.empty((q.size(0), q.size(2), q.size(1)), dtype=torch.float32, device=q.device)
+            lse = torch.empty((q.size(0), q.size(2), q.size(1)), dtype=accumulation_dtype(q.dtype), device=q.device)
             for hs, ks in chunks:
                 o, l_ = _ring_forward(_part(q, hs), _part(k, ks), _part(v, ks), group, plans, softmax_scale, backend)
                 out[:, :, hs] = o

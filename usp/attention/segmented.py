@@ -25,6 +25,14 @@ Segment = tuple[int, int, int, int]
 DENSE_MASK_MAX_ELEMENTS = 1 << 22
 """Largest block (``Sq * Sk``) that still runs with a dense mask (one call); larger ones go per segment."""
 
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``lse`` and of the out/lse merge and gradient accumulators for inputs of ``dtype``: fp32, or
+    fp64 for fp64 inputs (so a float64 run, the exactness tests' dtype, rounds nowhere to fp32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 DenseForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 DenseBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -129,7 +137,7 @@ def segmentwise_forward(
     scale: float,
     segments: list[Segment],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32)`` with one ``dense_forward`` call per group of segments.
+    """``(out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32, fp64 for fp64 inputs)`` with one ``dense_forward`` call per group of segments.
 
     ``dense_forward(q, k, v, causal, scale, inner_segments_or_None)`` runs on the group's rectangle; groups
     are at most :data:`DENSE_MASK_MAX_ELEMENTS` large when they need a mask. Rows outside every segment end
@@ -137,7 +145,7 @@ def segmentwise_forward(
     """
     b, sq, hq, _ = q.shape
     out = q.new_zeros(q.shape)
-    lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
     for (q0, q1, k0, k1), inner in group_segments(segments, DENSE_MASK_MAX_ELEMENTS):
         assert inner is not None or not causal or q1 - q0 == k1 - k0, "causal segments are square"
         o, l_seg = dense_forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal, scale, inner)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from usp.bench.maxlen_plan import Planner, choose_optim, cpu_adam_error, deepest_fitting, memory_gib
+from usp.plan.request import compute_bytes as dtype_bytes
 from usp.units import parse_seq_len
 
 BOUND_STATUSES: tuple[str, ...] = ("oom", "host_mem", "timeout", "killed")
@@ -258,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     work = Path(args.work_dir) if args.work_dir else out.parent / "maxlen-work"
     host_gib = memory_gib("MemTotal")
-    compute_bytes = 4 if dtype == "float32" else 2
+    compute_bytes = dtype_bytes(dtype)
     host_states = args.optim != "adamw"
     layers_note = "set by --num-layers" if args.num_layers not in (None, "auto") else "the model's"
     if args.num_layers not in (None, "auto") and not str(args.num_layers).isdigit():

@@ -11,13 +11,15 @@ layout fails on the login node instead of after the queue wait.
   (:func:`usp.plan.evaluate_layout`, the figure ``usp-plan`` prints; MLP tiles resolved and the states'
   place decided as the trainer does) against ``cluster.gpu``'s memory
   (``cluster.memory_gib`` when set): a note with the figure when it fits, ``ValueError`` above the device.
+  Degrees left to the planner (``auto``) are chosen here as the trainer chooses them at start-up, from the
+  same planner input (:class:`usp.plan.request.PlanRequest`): a config this refuses, the trainer refuses.
 
-Degrees left to the planner (``auto``) are chosen at start-up, where the planner keeps to layouts that fit;
-only what is fixed is checked here. A model whose ``config.json`` this machine cannot read is not estimated.
+A model whose ``config.json`` this machine cannot read is not estimated.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -70,30 +72,39 @@ def check_known_degrees(degrees: Mapping[str, Any], *, world_size: int, local_wo
 
 def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> str | None:
     """The planner's memory figure for ``cfg``'s layout: a one-line note when it fits, ``None`` when it
-    cannot be estimated (``auto`` degrees, no readable ``config.json`` at ``model.path``).
+    cannot be estimated (no readable ``config.json`` at ``model.path``). The planner's input is the trainer's
+    (:class:`usp.plan.request.PlanRequest`); with ``auto`` degrees the planner chooses them exactly as the
+    trainer will at start-up, and the note names its choice.
 
     Raises:
-        ValueError: when the estimate exceeds the device memory, with the figure, its breakdown and the fix.
+        ValueError: when the estimate exceeds the device memory (with the figure, its breakdown and the fix),
+            or, with ``auto`` degrees, when no layout fits (the trainer's start-up error).
     """
-    from usp.config import states_on_host
-    from usp.plan import evaluate_layout, get_device, load_model_spec
+    from usp.plan import load_model_spec
+    from usp.plan.request import PlanRequest
     from usp.train.tiling import resolve_mlp_tiles
 
     p, t = cfg.parallel, cfg.trainer
-    if "auto" in (p.ulysses_degree, p.ring_degree) or not (Path(cfg.model.path) / "config.json").is_file():
+    config_json = Path(cfg.model.path) / "config.json"
+    if not config_json.is_file():
         return None
-    device = get_device(cfg.cluster.gpu, memory_gib=cfg.cluster.memory_gib)
-    model = load_model_spec(cfg.model.path)
+    request = PlanRequest.from_config(cfg)
     node_size = p.node_size if p.node_size is not None else local_world_size
+    if "auto" in (p.ulysses_degree, p.ring_degree):
+        plan = request.plan_auto(
+            json.loads(config_json.read_text()), world_size=world_size, node_size=node_size, gpu=cfg.cluster.gpu,
+            memory_gib=cfg.cluster.memory_gib,
+        )  # fmt: skip
+        return (
+            f"layout: the planner picks ulysses {plan['ulysses_degree']} x ring {plan['ring_degree']} x dp "
+            f"{plan['dp_degree']}, {plan['fsdp_mode']}, activation checkpointing {plan['activation_checkpointing']} "
+            f"({plan.get('reason', '')})"
+        )
+    device = request.device(cfg.cluster.gpu, memory_gib=cfg.cluster.memory_gib)
+    model = load_model_spec(cfg.model.path)
     U, R = int(p.ulysses_degree), int(p.ring_degree)
     tiles = resolve_mlp_tiles(p.mlp_tiles, local_tokens=t.seq_len // (U * R), hidden_size=model.hidden_size)
-    est = evaluate_layout(
-        model, device, seq_len=t.seq_len, ulysses_degree=U, ring_degree=R, world_size=world_size,
-        node_size=node_size, fsdp_mode=p.fsdp_mode, activation_checkpointing=p.activation_checkpointing,
-        ac_every_k=p.ac_every_k, ring_layout=p.ring_layout, loss_chunk_size=t.loss_chunk_size,
-        offload=states_on_host(cfg.optim.name, p.cpu_offload), compute_bytes=4 if cfg.model.dtype == "float32" else 2,
-        mlp_tiles=tiles,
-    )  # fmt: skip
+    est = request.evaluate(model, device, world_size=world_size, node_size=node_size, mlp_tiles=tiles)
     layout = (
         f"ulysses {est.ulysses_degree} x ring {est.ring_degree} x dp {est.dp_degree}, {est.fsdp_mode}, "
         f"activation checkpointing {est.activation_checkpointing}, trainer.seq_len={t.seq_len}"

@@ -56,7 +56,8 @@ def predict_run(run: TrainingRun, device: DeviceSpec) -> LayoutEstimate:
     cand = Candidate(
         run.ulysses_degree, run.ring_degree, world_size=run.world_size, node_size=run.node_size,
         fsdp_mode=run.fsdp_mode, activation_checkpointing=run.activation_checkpointing, ac_every_k=run.ac_every_k,
-        mlp_tiles=run.mlp_tiles, states="cpu_offload" if run.states_on_host else "device",
+        mlp_tiles=run.mlp_tiles, attn_head_chunks=run.attn_head_chunks,
+        states="cpu_offload" if run.states_on_host else "device",
     )  # fmt: skip
     return estimate_layout(work, cand, device)
 

@@ -32,6 +32,7 @@ from usp.plan.maxlen import (
     max_seq_lens,
 )
 from usp.plan.models import PRESETS, ModelSpec, load_model_spec
+from usp.plan.request import compute_bytes
 from usp.plan.search import LayoutEstimate, plan_layouts
 from usp.units import parse_seq_len  # noqa: F401 - also usp.plan.cli.parse_seq_len, as before
 
@@ -322,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--attn-head-chunks={a!r} is invalid: use an integer >= 1 or auto.")
         default_states = "any" if args.max_seq_len else "device"
         states = STATE_PLACEMENTS if (args.states or default_states) == "any" else (args.states or "device",)
-        dtype_bytes = 4 if args.dtype == "float32" else 2
+        dtype_bytes = compute_bytes(args.dtype)
         if args.max_seq_len:
             answers = max_seq_lens(
                 model, device, world_size=world, node_size=args.gpus_per_node, ring_layout=args.ring_layout,

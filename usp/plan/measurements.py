@@ -19,9 +19,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from usp.config import states_on_host
 from usp.plan.compute import ATTN_BWD_OVER_FWD_HW
 from usp.plan.models import ModelSpec, load_model_spec
+from usp.plan.request import PlanRequest
 
 _UNITS = (
     ("_ms", 1e-3),
@@ -175,6 +175,8 @@ class TrainingRun:
     """``parallel.mlp_tiles`` as the trainer resolved it (``auto``: :func:`usp.train.tiling.resolve_mlp_tiles`)."""
     states_on_host: bool = False
     """Parameters, gradients and optimizer states in host memory (``optim.name`` / ``parallel.cpu_offload``)."""
+    attn_head_chunks: int = 1
+    """``parallel.attn_head_chunks`` of the run."""
 
 
 def _load_config(run_dir: Path) -> dict[str, Any]:
@@ -281,13 +283,12 @@ def read_training_run(
     if isinstance(tokens, (int, float)) and tokens % seq_len == 0:
         batch = int(tokens // seq_len)  # sequences per optimizer step, as measured
     mems = [r["peak_mem_gib"] for r in steady if isinstance(r.get("peak_mem_gib"), (int, float))]
-    dtype = str(cfg.get("model", {}).get("dtype", "bfloat16"))
-    tiles = par.get("mlp_tiles", 1)
+    request = PlanRequest.from_dict({**cfg, "parallel": par}, seq_len=seq_len, ulysses_degree=U, ring_degree=R)
+    tiles = request.mlp_tiles
     if tiles == "auto":
         from usp.train.tiling import resolve_mlp_tiles  # the trainer's rule for auto
 
         tiles = resolve_mlp_tiles("auto", local_tokens=seq_len // (U * R), hidden_size=model.hidden_size)
-    on_host = states_on_host(str(cfg.get("optim", {}).get("name", "adamw")), bool(par.get("cpu_offload", False)))
     return TrainingRun(
         name=str(run_dir),
         model=model,
@@ -296,14 +297,15 @@ def read_training_run(
         ring_degree=R,
         world_size=ws,
         node_size=min(node, ws),
-        fsdp_mode=str(par.get("fsdp_mode", "full_shard")),
-        activation_checkpointing=str(par.get("activation_checkpointing", "none")),
-        ac_every_k=int(par.get("ac_every_k", 2)),
+        fsdp_mode=str(request.fsdp_mode),
+        activation_checkpointing=str(request.activation_checkpointing),
+        ac_every_k=int(request.ac_every_k),
         global_batch=batch,
-        loss_chunk_size=int(trainer.get("loss_chunk_size", 4096)),
-        compute_bytes=4 if dtype in ("float32", "fp32") else 2,
+        loss_chunk_size=request.loss_chunk_size,
+        compute_bytes=request.compute_bytes,
         measured_step_s=median(r["step_time_s"] for r in steady),
         measured_mem_gib=max(mems) if mems else None,
         mlp_tiles=int(tiles),
-        states_on_host=on_host,
+        states_on_host=request.states_on_host,
+        attn_head_chunks=int(request.attn_head_chunks),
     )

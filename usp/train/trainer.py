@@ -43,11 +43,11 @@ from usp.parallel.process_group import init_distributed, resolve_device
 from usp.train.loss import IGNORE_INDEX
 from usp.train.optim import build_optimizer
 from usp.train.parallelize import decoder_layers, parallelize
-from usp.train.resume import check_auto_resume, choose_resume, run_fingerprint  # noqa: F401 - public here too
+from usp.train.resume import choose_resume, run_fingerprint
 from usp.train.rng import rng_state, seed_everything, set_rng_state
 from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
 from usp.train.step import train_step
-from usp.train.validate import Layout, build_tiny_if_asked, fsdp_cpu_offload, resolve_layout, validate  # noqa: F401
+from usp.train.validate import build_tiny_if_asked, fsdp_cpu_offload, validate
 from usp.train.watchdog import build_watchdog
 
 logger = logging.getLogger(__name__)

@@ -86,37 +86,11 @@ def fsdp_cpu_offload(cfg: TrainConfig, device: torch.device) -> bool:
     return device.type == "cuda" and states_on_host(cfg.optim.name, cfg.parallel.cpu_offload)
 
 
-def _planner_constraints(cfg: TrainConfig) -> dict[str, Any]:
-    """What the user fixed for :func:`usp.plan.auto_degrees`: a degree that is not ``auto``; ``fsdp_mode`` and
-    ``activation_checkpointing`` when they differ from their defaults (``full_shard``, ``none``: at the default
-    the planner chooses); the compute dtype, ring layout, loss chunk, MLP tiles (``auto``: the planner's
-    choice), the attention head chunks, where the states live and the host memory of the run."""
-    p, defaults = cfg.parallel, type(cfg.parallel)()
-    out: dict[str, Any] = {
-        "compute_bytes": 4 if cfg.model.dtype == "float32" else 2,
-        "ring_layout": p.ring_layout,
-        "loss_chunk_size": cfg.trainer.loss_chunk_size,
-        "mlp_tiles": p.mlp_tiles,
-        "attn_head_chunks": p.attn_head_chunks,
-        "cpu_offload": states_on_host(cfg.optim.name, p.cpu_offload),
-        "host_mem_gib": cfg.cluster.host_mem_gib,
-    }
-    for name in ("ulysses_degree", "ring_degree"):
-        value = getattr(p, name)
-        if value != "auto":
-            out[name] = value
-    if p.fsdp_mode != defaults.fsdp_mode:
-        out["fsdp_mode"] = p.fsdp_mode
-    if p.activation_checkpointing != defaults.activation_checkpointing:
-        out["activation_checkpointing"] = p.activation_checkpointing
-        out["ac_every_k"] = p.ac_every_k
-    return out
-
-
 def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device: torch.device) -> Layout:
     """``cfg.parallel`` -> the run's :class:`Layout` (``ValueError`` naming the setting and the fix).
 
-    With ``auto`` the planner keeps what the user fixed (:func:`_planner_constraints`): the other degree when
+    With ``auto`` the planner keeps what the user fixed (:meth:`usp.plan.request.PlanRequest.auto_constraints`,
+    the request ``usp-launch`` sends too): the other degree when
     only one is ``auto``, and ``fsdp_mode`` / ``activation_checkpointing`` unless they are at their defaults
     (``full_shard`` / ``none``), which leave the choice to the planner. ``trainer.seq_len`` is checked against
     the layout (:func:`usp.parallel.check_sequence_length`) before the MLP tiles are resolved for it.
@@ -131,13 +105,13 @@ def resolve_layout(cfg: TrainConfig, model_config: Any, world_size: int, device:
     }  # fmt: skip
     reason, planned_tiles = "set in the config", None
     if "auto" in (p.ulysses_degree, p.ring_degree):
-        from usp.plan import auto_degrees
+        from usp.plan.request import PlanRequest
 
         gpu = cfg.cluster.gpu if device.type == "cuda" else "cpu"
-        plan = auto_degrees(
-            model_config.to_dict(), seq_len=cfg.trainer.seq_len, world_size=world_size, node_size=node_size,
-            gpu=gpu, memory_gib=cfg.cluster.memory_gib, **_planner_constraints(cfg),
-        )  # fmt: skip
+        plan = PlanRequest.from_config(cfg).plan_auto(
+            model_config.to_dict(), world_size=world_size, node_size=node_size, gpu=gpu,
+            memory_gib=cfg.cluster.memory_gib,
+        )
         chosen.update((k, v) for k, v in plan.items() if k in chosen)
         reason, planned_tiles = f"planner: {plan.get('reason', '')}", plan.get("mlp_tiles")  # tiles: if auto
     dims = ParallelDims(

@@ -1,0 +1,48 @@
+"""The test models in float64, for the exactness tests (:data:`tests.tolerance.EXACT_TOL`).
+
+Hugging Face's ``LlamaRMSNorm`` computes in fp32 whatever its input (an upcast for bf16, a *downcast* for
+float64), so a float64 model would still round every norm to fp32 and two exact computations of it would differ
+at 1e-7. :func:`load_float64` loads the checkpoint in float64 and gives each RMSNorm instance a forward that
+computes in ``promote_types(input, fp32)``: float64 stays float64, and fp32/bf16 inputs compute exactly as
+before. Applied per instance before :func:`usp.train.parallelize.parallelize` (tiling wraps the forward it
+finds), never to the class, so other tests in the same worker process see the library's norm.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tests.tolerance import EXACT_DTYPE
+from usp.model import load_causal_lm
+
+
+def _rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``LlamaRMSNorm.forward`` computed in ``promote_types(input dtype, fp32)`` instead of fp32."""
+    input_dtype = hidden_states.dtype
+    h = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * h.to(input_dtype)
+
+
+def norms_in_input_dtype(model: nn.Module) -> int:
+    """Give every RMSNorm of ``model`` the float64-keeping forward; returns how many."""
+    n = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            assert hasattr(module, "variance_epsilon"), (
+                f"{type(module).__name__} is not a Llama-style RMSNorm"
+            )
+            module.forward = types.MethodType(_rmsnorm_forward, module)
+            n += 1
+    return n
+
+
+def load_float64(path: str | Path, **kwargs) -> nn.Module:
+    """:func:`usp.model.load_causal_lm` in float64 with every RMSNorm computing in float64."""
+    model = load_causal_lm(path, dtype=EXACT_DTYPE, **kwargs)
+    assert norms_in_input_dtype(model) > 0
+    return model
