@@ -58,17 +58,17 @@ def merge_block_(
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
-    max_elements: int = MERGE_SLICE_ELEMENTS,
+    max_elements: int | None = None,
 ) -> None:
     """In place: ``(out_acc, lse_acc) <- softmax-merge of (out_acc, lse_acc) and (out, lse)``.
 
     ``out_acc [B, S, H, D]`` and ``lse_acc [B, H, S]`` are fp32 (fp64 for fp64 inputs); ``out`` may be in the
     compute dtype. ``-inf`` lse (rows that saw no key yet, or none in this block) merge without NaN: both
-    weights are ``exp(lse_i - lse_new) <= 1``. Runs over slices of at most ``max_elements`` elements of
-    ``out``, so the temporaries are lse-sized per slice plus (a compute-dtype ``out`` cast on the CPU) one
+    weights are ``exp(lse_i - lse_new) <= 1``. Runs over slices of at most ``max_elements`` (default
+    :data:`MERGE_SLICE_ELEMENTS`) elements of ``out``, so the temporaries are lse-sized per slice plus (a compute-dtype ``out`` cast on the CPU) one
     slice: no temporary of the block's size exists.
     """
-    for rows in _row_slices(out_acc, max_elements):
+    for rows in _row_slices(out_acc, max_elements or MERGE_SLICE_ELEMENTS):
         la, lb = lse_acc[:, :, rows], lse[:, :, rows]
         new = torch.logaddexp(la, lb)  # [B, H, rows]
         safe = torch.where(torch.isinf(new), 0.0, new)  # rows with no key anywhere so far: weights 0
@@ -78,9 +78,9 @@ def merge_block_(
         la.copy_(new)
 
 
-def _add_(acc: torch.Tensor, grad: torch.Tensor, max_elements: int = MERGE_SLICE_ELEMENTS) -> None:
+def _add_(acc: torch.Tensor, grad: torch.Tensor) -> None:
     """``acc += grad`` in row slices (``[B, S, H, D]``): a compute-dtype ``grad`` is cast a slice at a time."""
-    for rows in _row_slices(acc, max_elements):
+    for rows in _row_slices(acc, MERGE_SLICE_ELEMENTS):
         acc[:, rows] += grad[:, rows]
 
 
