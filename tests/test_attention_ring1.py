@@ -259,3 +259,42 @@ def test_merge_holds_no_block_sized_temporary():
     assert mem.peak_bytes < block_fp32 / 16
     torch.testing.assert_close(out_acc.double(), want_out, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(lse_acc.double(), new, rtol=1e-6, atol=1e-6)
+
+
+# --- flash_attn on a causal diagonal with documents: the pack is q itself ------------------------------------
+
+
+@pytest.mark.parametrize("segments", [[[0, 5, 0, 5], [5, 12, 5, 12]], [[0, 12, 0, 12]]])
+def test_flash_attn_back_to_back_documents_are_packed_without_a_gather(monkeypatch, segments):
+    """Documents that tile the rows (every causal diagonal block, so every block at ring degree 1) reach the
+    varlen kernel as views of q, k, v (no gather copy) and its results come back as they are (no scatter),
+    with the values of the math kernel."""
+    import sys
+
+    from tests.test_attention_kernels import _fake_flash_attn
+    from usp.attention import cuda_kernels
+    from usp.attention.kernels import attention_backward, attention_forward
+
+    fa, iface = _fake_flash_attn()
+    monkeypatch.setitem(sys.modules, "flash_attn", fa)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)
+    segments = torch.tensor(segments)
+    qi, ki, *_ = cuda_kernels._varlen_pack(segments, torch.device("cpu"))
+    assert qi == slice(0, 12) and ki == slice(0, 12)
+    g = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(1, 12, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 12, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    kw = dict(causal=True, softmax_scale=0.3, segments=segments)
+    seen = []
+    real = fa.flash_attn_varlen_func
+    fa.flash_attn_varlen_func = lambda q_, k_, *a, **kws: seen.append((q_, k_)) or real(q_, k_, *a, **kws)
+    out, lse = attention_forward(q, k, v, backend="flash_attn", **kw)
+    assert seen[0][0].data_ptr() == q.data_ptr() and seen[0][1].data_ptr() == k.data_ptr()  # views, no gather
+    out_m, lse_m = attention_forward(q, k, v, backend="math", **kw)
+    torch.testing.assert_close(out, out_m, **F64)
+    torch.testing.assert_close(lse.double(), lse_m, rtol=1e-6, atol=1e-6)  # flash_attn's lse is fp32
+    for a, b in zip(
+        attention_backward(dout, q, k, v, out_m, lse_m, backend="flash_attn", **kw),
+        attention_backward(dout, q, k, v, out_m, lse_m, backend="math", **kw),
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # through the fp32 lse

@@ -2,16 +2,33 @@
 
 Shapes (per rank, after any Ulysses all-to-all): ``q [B, L, Hq, D]``, ``k, v [B, L, Hkv, D]`` (only the real
 KV heads travel; GQA is expanded inside the local kernel), ``out`` like ``q``; ``L = S / R`` is this ring
-rank's part in the ring layout (see :mod:`usp.attention.blocks`).
+rank's part in the ring layout (see :mod:`usp.attention.blocks`). Below, per token of the part: ``e`` bytes
+per element of the inputs, ``a`` of the accumulators (4; 8 for fp64 inputs), ``hq = Hq / C`` and
+``hkv = Hkv / C`` the heads of one head chunk (``C = 1`` without chunks).
 
-Forward, step ``t = 0 .. R-1``: post the send of the current K/V part to ring rank ``r + 1`` (and the receive
-from ``r - 1``), compute this step's block (:func:`~usp.attention.blocks.plan_ring_blocks`) while it travels,
-merge its ``(out, lse)`` into the running fp32 result, then wait. ``R - 1`` transfers of ``k`` and ``v``.
+**No ring** (ring degree 1, or documents that need only step 0): the kernel is called directly, once per
+head chunk: forward keeps its ``(out, lse)`` and backward calls its backward once and returns its ``dq, dk,
+dv``. No accumulator, no merge, no buffer. Bytes held besides the kernel's own: forward ``Hq * (D*e + a)``
+(``out`` and ``lse``, kept for backward); backward ``Hq * D*e + 2 * Hkv * D*e`` (``dq, dk, dv``), plus
+``Hq * D*e`` when the incoming gradient is not contiguous. With ``C > 1`` the full ``out``/``lse`` and ``dq, dk,
+dv`` are allocated first and one chunk's kernel result (``hq * (D*e + a)`` forward, ``(hq + 2 hkv) * D*e``
+backward) exists besides them while it is copied in; the chunks are strided views, never copies (cuDNN
+copies its chunk inside its call: it needs dense strides).
+
+**Ring**, forward, step ``t = 0 .. T-1``: post the send of the current K/V part to ring rank ``r + 1`` (and the
+receive from ``r - 1``), compute this step's block (:func:`~usp.attention.blocks.plan_ring_blocks`) while it
+travels, then wait. The first block computed initialises the accumulators (for fp32 inputs it *is* the
+accumulator), the later ones merge into them in place (:func:`merge_block_`, in row slices of at most
+:data:`MERGE_SLICE_ELEMENTS`, so no block-sized temporary). Held while it runs: the ``a``-byte output and lse
+accumulators ``hq * (D + 1) * a``, K/V current and incoming ``2 * 2 hkv * D*e``, one block's kernel output,
+and at the end the output in the inputs' dtype ``hq * D*e`` (the same tensor for fp32).
 
 Backward runs the same ring: each rank computes its block's ``dq`` (kept) and ``dk, dv`` (added to an fp32
 accumulator that travels *with* the K/V part, one hop behind it), using the merged ``out`` and ``lse`` saved by
 the forward. After the last step each accumulator is sent straight home (one hop when the ring ran all ``R``
-steps), so each rank holds the exact ``dk, dv`` of its own K/V.
+steps), so each rank holds the exact ``dk, dv`` of its own K/V. Held while it runs: the dq accumulator ``hq * D
+* a``, dK/dV accumulators current and incoming ``2 * 2 hkv * D * a``, K/V current and incoming ``2 * 2 hkv *
+D*e``, one block's kernel gradients, and at the end ``dq, dk, dv`` in the inputs' dtype.
 
 With document masking the ring may stop after ``T < R`` steps when no rank needs a later block (every rank
 computes the same ``T`` from the global ``cu_seqlens``). Bytes sent per rank: forward ``(T-1) * 2 * |kv|``;
@@ -253,22 +270,46 @@ def _part(x: torch.Tensor, heads: slice) -> torch.Tensor:
     return x[:, :, heads]
 
 
+def attention_heads_forward(q, k, v, group, plans, softmax_scale, backend, chunks):
+    """``(out, lse)`` of the ring (or, with one step, the kernel) over every group of heads in ``chunks``
+    (:func:`_head_chunks`) in turn. One group: the ring's own result. More: each group's result is written into
+    one full ``out`` (q's dtype) and ``lse``; only one group's kernel output exists besides them."""
+    if len(chunks) == 1:
+        return _ring_forward(q, k, v, group, plans, softmax_scale, backend)
+    b, n, hq, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, n), dtype=acc_dtype(q.dtype), device=q.device)
+    for hs, ks in chunks:  # the same order on every rank: the ring exchanges pair up
+        o, l_ = _ring_forward(_part(q, hs), _part(k, ks), _part(v, ks), group, plans, softmax_scale, backend)
+        out[:, :, hs] = o
+        lse[:, hs] = l_
+        del o, l_
+    return out, lse
+
+
+def attention_heads_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend, chunks):
+    """``(dq, dk, dv)`` for :func:`attention_heads_forward`, group by group in the same order, each group's
+    gradients written into full ones (only one group's kernel gradients exist besides them)."""
+    if len(chunks) == 1:
+        return _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for hs, ks in chunks:
+        g = _ring_backward(
+            _part(dout, hs), _part(q, hs), _part(k, ks), _part(v, ks), _part(out, hs), lse[:, hs], group, plans,
+            softmax_scale, backend,
+        )  # fmt: skip
+        dq[:, :, hs], dk[:, :, ks], dv[:, :, ks] = g
+        del g
+    return dq, dk, dv
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, plans, softmax_scale, backend, head_chunks):
         chunks = _head_chunks(q.size(2), k.size(2), head_chunks)
-        if head_chunks == 1:
-            out, lse = _ring_forward(q, k, v, group, plans, softmax_scale, backend)
-        else:
-            # one chunk of heads at a time, written into the full output: no full-size fp32 tensor is ever held
-            b, n, hq, _ = q.shape
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            lse = torch.empty((b, hq, n), dtype=acc_dtype(q.dtype), device=q.device)
-            for hs, ks in chunks:
-                o, l_ = _ring_forward(_part(q, hs), _part(k, ks), _part(v, ks), group, plans, softmax_scale, backend)
-                out[:, :, hs] = o
-                lse[:, hs] = l_
-                del o, l_
+        out, lse = attention_heads_forward(q, k, v, group, plans, softmax_scale, backend, chunks)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.plans, ctx.softmax_scale, ctx.backend = group, plans, softmax_scale, backend
         ctx.chunks = chunks
@@ -277,21 +318,10 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dout = dout.contiguous()
-        args = (ctx.group, ctx.plans, ctx.softmax_scale, ctx.backend)
-        if len(ctx.chunks) == 1:
-            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *args)
-        else:
-            dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-            for hs, ks in ctx.chunks:  # the same order on every rank: the ring exchanges pair up
-                g = _ring_backward(
-                    _part(dout, hs), _part(q, hs), _part(k, ks), _part(v, ks), _part(out, hs), lse[:, hs], *args
-                )
-                dq[:, :, hs], dk[:, :, ks], dv[:, :, ks] = g
-                del g
-        return dq, dk, dv, None, None, None, None, None
+        grads = attention_heads_backward(
+            dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.plans, ctx.softmax_scale, ctx.backend, ctx.chunks
+        )
+        return *grads, None, None, None, None, None
 
 
 def head_chunk_options(q_heads: int, kv_heads: int) -> list[int]:
