@@ -123,30 +123,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
         dtypes.append(dtype)
     init_distributed(torch.device("cpu"))  # one process: a world of 1
     mesh = init_sp_mesh(1, 1)
-    points = [
-        bench_point(
-            mesh,
-            seq_len=int(s),
-            dtype=dt,
-            num_heads=args.heads,
-            num_kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            iters=args.iters,
-        )  # fmt: skip
-        for s in args.seq.split(",")
-        for dt in dtypes
-    ]
+    header = f"{'seq':>7} {'dtype':>9} {'usp MiB':>9} {'sdpa MiB':>9} {'peak x':>7} {'usp s':>7} {'sdpa s':>7} {'time x':>7}"
+    if not args.json:
+        print(header, flush=True)
+    points = []
+    for s in args.seq.split(","):
+        for dt in dtypes:
+            p = bench_point(mesh, seq_len=int(s), dtype=dt, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                            head_dim=args.head_dim, iters=args.iters)  # fmt: skip
+            points.append(p)
+            if not args.json:  # one row as each point is measured
+                t = f"{p['usp_s']:>7.3f} {p['sdpa_s']:>7.3f} {p['time_ratio']:>7.2f}" if "usp_s" in p else ""
+                print(f"{p['seq_len']:>7} {p['dtype']:>9} {p['usp_peak_bytes'] / 2**20:>9.2f} "
+                      f"{p['sdpa_peak_bytes'] / 2**20:>9.2f} {p['peak_ratio']:>7.3f} {t}", flush=True)  # fmt: skip
     report = {"threads": torch.get_num_threads(), "points": points}
     if args.json:
         print(json.dumps(report))
-    else:
-        print(
-            f"{'seq':>7} {'dtype':>9} {'usp MiB':>9} {'sdpa MiB':>9} {'peak x':>7} {'usp s':>7} {'sdpa s':>7} {'time x':>7}"
-        )
-        for p in points:
-            t = f"{p['usp_s']:>7.3f} {p['sdpa_s']:>7.3f} {p['time_ratio']:>7.2f}" if "usp_s" in p else ""
-            print(f"{p['seq_len']:>7} {p['dtype']:>9} {p['usp_peak_bytes'] / 2**20:>9.2f} "
-                  f"{p['sdpa_peak_bytes'] / 2**20:>9.2f} {p['peak_ratio']:>7.3f} {t}")  # fmt: skip
     return report
 
 
