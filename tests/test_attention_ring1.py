@@ -298,3 +298,20 @@ def test_flash_attn_back_to_back_documents_are_packed_without_a_gather(monkeypat
         attention_backward(dout, q, k, v, out_m, lse_m, backend="math", **kw),
     ):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # through the fp32 lse
+
+
+def run_bench_main() -> dict:
+    from usp.bench.ring1 import main
+
+    return main(["--seq", "256", "--dtype", "float32,bfloat16", "--iters", "1", "--json"])
+
+
+def test_bench_reports_peaks_and_times(dist_pools):
+    report = dist_pools(1).run(run_bench_main)[0]
+    assert [(p["seq_len"], p["dtype"]) for p in report["points"]] == [(256, "float32"), (256, "bfloat16")]
+    for p in report["points"]:
+        assert (
+            p["peak_ratio"] == p["usp_peak_bytes"] / p["sdpa_peak_bytes"]
+            and p["usp_s"] > 0
+            and p["sdpa_s"] > 0
+        )
