@@ -58,10 +58,10 @@ class BlockSpec:
         if self.segments is None:
             sq, sk = self.q_end - self.q_start, self.k_end - self.k_start
             return sq * (sq + 1) // 2 if self.causal else sq * sk
-        q_len = self.segments[:, 1] - self.segments[:, 0]
-        k_len = self.segments[:, 3] - self.segments[:, 2]
-        per = q_len * (q_len + 1) // 2 if self.causal else q_len * k_len
-        return int(per.sum())
+        rows = self.segments.tolist()  # host ints: no tensor op per block (and none a fake-tensor mode sees)
+        if self.causal:
+            return sum((q1 - q0) * (q1 - q0 + 1) // 2 for q0, q1, _, _ in rows)
+        return sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1 in rows)
 
 
 def part_positions(

@@ -270,6 +270,8 @@ def flash_attn_forward(q, k, v, causal, scale, segments):
     if lse_p.dim() == 3:
         seq, pos = _padded_rows(segments, q.device)
         lse_p = lse_p.permute(0, 2, 1)[seq, pos].t()  # [n, max_q, Hq] -> [Nq, Hq] -> [Hq, Nq]
+    if _every_row(qi, q.size(1)):  # the pack is q itself (back-to-back documents): the kernel's own result
+        return out_p.unsqueeze(0), lse_p.float().unsqueeze(0)
     out = q.new_zeros(q.shape)
     out[0, qi] = out_p
     lse = torch.full((1, q.size(2), q.size(1)), float("-inf"), dtype=torch.float32, device=q.device)
@@ -327,13 +329,33 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, segments):
         causal=causal,
         **_FA_BWD_DEFAULTS,
     )
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq[0, qi], dk[0, ki], dv[0, ki] = dqp, dkp, dvp
+    if _every_row(qi, q.size(1)):
+        dq = dqp.unsqueeze(0)
+    else:
+        dq = torch.zeros_like(q)
+        dq[0, qi] = dqp
+    if _every_row(ki, k.size(1)):
+        return dq, dkp.unsqueeze(0), dvp.unsqueeze(0)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dk[0, ki], dv[0, ki] = dkp, dvp
     return dq, dk, dv
 
 
+def _packed_rows(spans: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
+    """The rows of ``spans`` (sorted ``[a, b)`` ranges) packed in order: a slice when they are back to back
+    (indexing with it is a view, no copy), else an index tensor on ``device`` (a gather)."""
+    if all(prev[1] == nxt[0] for prev, nxt in zip(spans, spans[1:])):
+        return slice(spans[0][0], spans[-1][1])
+    return to_device(torch.cat([torch.arange(a, b) for a, b in spans]), device)
+
+
+def _every_row(rows: slice | torch.Tensor, n: int) -> bool:
+    return isinstance(rows, slice) and rows.start == 0 and rows.stop == n
+
+
 def _varlen_pack(segments: torch.Tensor, device: torch.device):
-    """Row indices of the packed q and k, their int32 cu_seqlens and max lengths, built on the host.
+    """Rows of the packed q and k (:func:`_packed_rows`: a slice, i.e. no copy, when the documents are back to
+    back, as on a causal diagonal block), their int32 cu_seqlens and max lengths, built on the host.
 
     Segments are read as Python ints (free when on the CPU, as ring plans keep them) and the index tensors
     copied to ``device`` without blocking: no device sync per block.
@@ -341,9 +363,9 @@ def _varlen_pack(segments: torch.Tensor, device: torch.device):
     segs = host_segments(segments)
     q_len = [q1 - q0 for q0, q1, _, _ in segs]
     k_len = [k1 - k0 for _, _, k0, k1 in segs]
-    qi = torch.cat([torch.arange(q0, q1) for q0, q1, _, _ in segs])
-    ki = torch.cat([torch.arange(k0, k1) for _, _, k0, k1 in segs])
+    qi = _packed_rows([(q0, q1) for q0, q1, _, _ in segs], device)
+    ki = _packed_rows([(k0, k1) for _, _, k0, k1 in segs], device)
     cu_q = torch.tensor([0, *itertools.accumulate(q_len)], dtype=torch.int32)
     cu_k = torch.tensor([0, *itertools.accumulate(k_len)], dtype=torch.int32)
-    qi, ki, cu_q, cu_k = (to_device(t, device) for t in (qi, ki, cu_q, cu_k))
+    cu_q, cu_k = (to_device(t, device) for t in (cu_q, cu_k))
     return qi, ki, cu_q, cu_k, max(q_len), max(k_len)

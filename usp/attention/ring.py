@@ -2,16 +2,33 @@
 
 Shapes (per rank, after any Ulysses all-to-all): ``q [B, L, Hq, D]``, ``k, v [B, L, Hkv, D]`` (only the real
 KV heads travel; GQA is expanded inside the local kernel), ``out`` like ``q``; ``L = S / R`` is this ring
-rank's part in the ring layout (see :mod:`usp.attention.blocks`).
+rank's part in the ring layout (see :mod:`usp.attention.blocks`). Below, per token of the part: ``e`` bytes
+per element of the inputs, ``a`` of the accumulators (4; 8 for fp64 inputs), ``hq = Hq / C`` and
+``hkv = Hkv / C`` the heads of one head chunk (``C = 1`` without chunks).
 
-Forward, step ``t = 0 .. R-1``: post the send of the current K/V part to ring rank ``r + 1`` (and the receive
-from ``r - 1``), compute this step's block (:func:`~usp.attention.blocks.plan_ring_blocks`) while it travels,
-merge its ``(out, lse)`` into the running fp32 result, then wait. ``R - 1`` transfers of ``k`` and ``v``.
+**No ring** (ring degree 1, or documents that need only step 0): the kernel is called directly, once per
+head chunk: forward keeps its ``(out, lse)`` and backward calls its backward once and returns its ``dq, dk,
+dv``. No accumulator, no merge, no buffer. Bytes held besides the kernel's own: forward ``Hq * (D*e + a)``
+(``out`` and ``lse``, kept for backward); backward ``Hq * D*e + 2 * Hkv * D*e`` (``dq, dk, dv``), plus
+``Hq * D*e`` when the incoming gradient is not contiguous. With ``C > 1`` the full ``out``/``lse`` and ``dq, dk,
+dv`` are allocated first and one chunk's kernel result (``hq * (D*e + a)`` forward, ``(hq + 2 hkv) * D*e``
+backward) exists besides them while it is copied in; the chunks are strided views, never copies (cuDNN
+copies its chunk inside its call: it needs dense strides).
+
+**Ring**, forward, step ``t = 0 .. T-1``: post the send of the current K/V part to ring rank ``r + 1`` (and the
+receive from ``r - 1``), compute this step's block (:func:`~usp.attention.blocks.plan_ring_blocks`) while it
+travels, then wait. The first block computed initialises the accumulators (for fp32 inputs it *is* the
+accumulator), the later ones merge into them in place (:func:`merge_block_`, in row slices of at most
+:data:`MERGE_SLICE_ELEMENTS`, so no block-sized temporary). Held while it runs: the ``a``-byte output and lse
+accumulators ``hq * (D + 1) * a``, K/V current and incoming ``2 * 2 hkv * D*e``, one block's kernel output,
+and at the end the output in the inputs' dtype ``hq * D*e`` (the same tensor for fp32).
 
 Backward runs the same ring: each rank computes its block's ``dq`` (kept) and ``dk, dv`` (added to an fp32
 accumulator that travels *with* the K/V part, one hop behind it), using the merged ``out`` and ``lse`` saved by
 the forward. After the last step each accumulator is sent straight home (one hop when the ring ran all ``R``
-steps), so each rank holds the exact ``dk, dv`` of its own K/V.
+steps), so each rank holds the exact ``dk, dv`` of its own K/V. Held while it runs: the dq accumulator ``hq * D
+* a``, dK/dV accumulators current and incoming ``2 * 2 hkv * D * a``, K/V current and incoming ``2 * 2 hkv *
+D*e``, one block's kernel gradients, and at the end ``dq, dk, dv`` in the inputs' dtype.
 
 With document masking the ring may stop after ``T < R`` steps when no rank needs a later block (every rank
 computes the same ``T`` from the global ``cu_seqlens``). Bytes sent per rank: forward ``(T-1) * 2 * |kv|``;
@@ -33,30 +50,128 @@ from usp.attention.kernels import accumulation_dtype, attention_backward, attent
 
 _TAG_KV, _TAG_DKV, _TAG_DKV_HOME = 11, 12, 13
 
+MERGE_SLICE_ELEMENTS = 1 << 22
+"""Most elements of ``out`` one merge or gradient-accumulation step touches at once (16 MiB in fp32). A
+mixed-dtype in-place op (a bf16 block into an fp32 accumulator) casts its input to a temporary of the
+accumulator's dtype on the CPU; slicing the rows bounds that temporary to this many elements."""
 
-def merge_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+
+
+def _row_slices(t: torch.Tensor, max_elements: int) -> list[slice]:
+    """Slices of ``t``'s dim 1 (rows of ``[B, S, H, D]``) holding at most ``max_elements`` elements each."""
+    rows = t.size(1)
+    per_row = max(1, t.numel() // max(rows, 1))
+    step = max(1, max_elements // per_row)
+    return [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def merge_block_(
+    out_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    max_elements: int | None = None,
+) -> None:
     """In place: ``(out_acc, lse_acc) <- softmax-merge of (out_acc, lse_acc) and (out, lse)``.
 
-    ``out_acc [B, S, H, D]`` and ``lse_acc [B, H, S]`` are fp32 (fp64 for fp64 inputs); ``-inf`` lse (rows that saw no key yet, or
-    none in this block) merge without NaN: both weights are ``exp(lse_i - lse_new) <= 1``.
+    ``out_acc [B, S, H, D]`` and ``lse_acc [B, H, S]`` are fp32 (fp64 for fp64 inputs); ``out`` may be in the
+    compute dtype. ``-inf`` lse (rows that saw no key yet, or none in this block) merge without NaN: both
+    weights are ``exp(lse_i - lse_new) <= 1``. Runs over slices of at most ``max_elements`` (default
+    :data:`MERGE_SLICE_ELEMENTS`) elements of ``out``, so the temporaries are lse-sized per slice plus (a compute-dtype ``out`` cast on the CPU) one
+    slice: no temporary of the block's size exists.
     """
-    new = torch.logaddexp(lse_acc, lse)
-    safe = torch.where(torch.isinf(new), 0.0, new)  # rows with no key anywhere so far: weights 0, out stays 0
-    w_acc = torch.exp(lse_acc - safe).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
-    w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    out_acc.mul_(w_acc).add_(out.to(out_acc.dtype) * w_new)
-    lse_acc.copy_(new)
+    for rows in _row_slices(out_acc, max_elements or MERGE_SLICE_ELEMENTS):
+        la, lb = lse_acc[:, :, rows], lse[:, :, rows]
+        new = torch.logaddexp(la, lb)  # [B, H, rows]
+        safe = torch.where(torch.isinf(new), 0.0, new)  # rows with no key anywhere so far: weights 0
+        w_acc = torch.exp(la - safe).transpose(1, 2).unsqueeze(-1)  # [B, rows, H, 1]
+        w_new = torch.exp(lb - safe).transpose(1, 2).unsqueeze(-1)
+        out_acc[:, rows].mul_(w_acc).addcmul_(out[:, rows], w_new)
+        la.copy_(new)
+
+
+def _add_(acc: torch.Tensor, grad: torch.Tensor) -> None:
+    """``acc += grad`` in row slices (``[B, S, H, D]``): a compute-dtype ``grad`` is cast a slice at a time."""
+    for rows in _row_slices(acc, MERGE_SLICE_ELEMENTS):
+        acc[:, rows] += grad[:, rows]
+
+
+def _covers(sl: slice, n: int) -> bool:
+    return sl.start == 0 and sl.stop == n
+
+
+def _first_block(shape: torch.Size, rows: slice, block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``shape`` tensor of ``dtype`` initialised from the first block computed into it (rows ``rows``; the
+    other rows 0): the block itself when it covers every row in that dtype and layout, else one copy."""
+    if _covers(rows, shape[1]) and block.dtype == dtype and block.is_contiguous():
+        return block
+    if _covers(rows, shape[1]):
+        return block.to(dtype, memory_format=torch.contiguous_format)
+    acc = torch.zeros(shape, dtype=dtype, device=block.device)
+    acc[:, rows] = block
+    return acc
+
+
+def _first_lse(b: int, h: int, n: int, rows: slice, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[b, h, n]`` lse initialised from the first block's (the block's own tensor when it covers every row;
+    rows outside it ``-inf``)."""
+    if _covers(rows, n):
+        return lse.to(dtype)
+    full = torch.full((b, h, n), float("-inf"), dtype=dtype, device=lse.device)
+    full[:, :, rows] = lse
+    return full
+
+
+def _local_forward(q, k, v, spec, softmax_scale, backend):
+    """No ring (one step: ring degree 1, or documents that need no other part): the kernel's own ``(out,
+    lse)``, no accumulator, no merge. Only when the block leaves rows out (never at ring degree 1) are they
+    filled with ``out = 0``, ``lse = -inf`` around it."""
+    b, n, hq, d = q.shape
+    acc = accumulation_dtype(q.dtype)
+    if spec is None:
+        return q.new_zeros(q.shape), torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
+    qs, ks = spec.q_slice, spec.k_slice
+    o, lse = attention_forward(
+        q[:, qs], k[:, ks], v[:, ks], causal=spec.causal, softmax_scale=softmax_scale, backend=backend,
+        segments=spec.segments,
+    )  # fmt: skip
+    record_attention_work(spec.pairs() * b * hq, d, backward=False)
+    if _covers(qs, n):
+        return o, lse
+    return _first_block(q.shape, qs, o, q.dtype), _first_lse(b, hq, n, qs, lse, acc)
+
+
+def _local_backward(dout, q, k, v, out, lse, spec, softmax_scale, backend):
+    """No ring: the kernel's backward once, its ``dq, dk, dv`` returned as they are."""
+    if spec is None:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    b, n, hq, d = q.shape
+    qs, ks = spec.q_slice, spec.k_slice
+    dq, dk, dv = attention_backward(
+        dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], causal=spec.causal,
+        softmax_scale=softmax_scale, backend=backend, segments=spec.segments,
+    )  # fmt: skip
+    record_attention_work(spec.pairs() * b * hq, d, backward=True)
+    if not _covers(qs, n):
+        dq = _first_block(q.shape, qs, dq, q.dtype)
+    if not _covers(ks, k.size(1)):
+        dk, dv = _first_block(k.shape, ks, dk, k.dtype), _first_block(v.shape, ks, dv, v.dtype)
+    return dq, dk, dv
 
 
 def _ring_forward(q, k, v, group, plans, softmax_scale, backend):
-    """One ring pass over ``q [B, L, h, D]`` and its ``k, v``; returns ``(out [B, L, h, D] in q's dtype, lse fp32
-    [B, h, L])``. The fp32 output accumulator and the rotating K/V exist only while it runs."""
+    """One ring pass over ``q [B, L, h, D]`` and its ``k, v``; returns ``(out [B, L, h, D] in q's dtype, lse
+    [B, h, L] fp32)``. With one step it is :func:`_local_forward`. Otherwise the first block computed
+    initialises the fp32 output accumulator (its rows; the rest 0 / ``-inf``), later ones merge into it in place
+    (:func:`merge_block_`); it and the rotating K/V exist only while this runs."""
     ring = len(plans)
-    b, _, hq, d = q.shape
-    acc = accumulation_dtype(q.dtype)  # fp32, fp64 for fp64 inputs
-    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse_acc = torch.full((b, hq, q.size(1)), float("-inf"), dtype=acc, device=q.device)
-    exchange = RingExchange(group, "ring_kv", _TAG_KV) if ring > 1 else None
+    if ring == 1:
+        return _local_forward(q, k, v, plans[0], softmax_scale, backend)
+    b, n, hq, d = q.shape
+    acc = accumulation_dtype(q.dtype)
+    out_acc = lse_acc = None
+    exchange = RingExchange(group, "ring_kv", _TAG_KV)
     kc, vc = k, v
     for step in range(ring):
         if step + 1 < ring:
@@ -65,36 +180,44 @@ def _ring_forward(q, k, v, group, plans, softmax_scale, backend):
         if spec is not None:
             qs, ks = spec.q_slice, spec.k_slice
             o, lse = attention_forward(
-                q[:, qs],
-                kc[:, ks],
-                vc[:, ks],
-                causal=spec.causal,
-                softmax_scale=softmax_scale,
-                backend=backend,
-                segments=spec.segments,
-            )
-            merge_block_(out_acc[:, qs], lse_acc[:, :, qs], o, lse)
+                q[:, qs], kc[:, ks], vc[:, ks], causal=spec.causal, softmax_scale=softmax_scale,
+                backend=backend, segments=spec.segments,
+            )  # fmt: skip
+            if out_acc is None:
+                out_acc, lse_acc = _first_block(q.shape, qs, o, acc), _first_lse(b, hq, n, qs, lse, acc)
+            else:
+                merge_block_(out_acc[:, qs], lse_acc[:, :, qs], o, lse)
+            del o, lse
             record_attention_work(spec.pairs() * b * hq, d, backward=False)
         if step + 1 < ring:
             kc, vc = exchange.wait()
+    if out_acc is None:  # no rank computes anything (not produced by the planners): an empty attention
+        return q.new_zeros(q.shape), torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
     return out_acc.to(q.dtype), lse_acc
 
 
+def _accumulate(acc, shape, rows, grad, dtype):
+    """``acc[:, rows] += grad``; the first gradient initialises the accumulator (:func:`_first_block`)."""
+    if acc is None:
+        return _first_block(shape, rows, grad, dtype)
+    _add_(acc[:, rows], grad)
+    return acc
+
+
 def _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend):
-    """The ring pass of the backward for one set of heads; returns ``dq, dk, dv`` in the inputs' dtypes. The fp32
-    dq accumulator and the travelling fp32 dK/dV accumulators exist only while it runs."""
-    b, _, hq, d = q.shape
-    acc = accumulation_dtype(q.dtype)  # fp32, fp64 for fp64 inputs
-    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
+    """The ring pass of the backward for one set of heads; returns ``dq, dk, dv`` in the inputs' dtypes. With
+    one step it is :func:`_local_backward`. Otherwise the fp32 dq accumulator and the travelling fp32 dK/dV
+    accumulators exist only while it runs, each initialised by the first block gradient added to it."""
     steps = len(plans)
-    kv_exchange = dkv_exchange = home = None
-    if steps > 1:
-        kv_exchange = RingExchange(group, "ring_kv_bwd", _TAG_KV)
-        dkv_exchange = RingExchange(group, "ring_dkv", _TAG_DKV)
-        # after the last step the accumulator we hold belongs to ring rank r - (steps - 1): send it home
-        home = RingExchange(group, "ring_dkv", _TAG_DKV_HOME, offset=-(steps - 1))
+    if steps == 1:
+        return _local_backward(dout, q, k, v, out, lse, plans[0], softmax_scale, backend)
+    b, _, hq, d = q.shape
+    acc = accumulation_dtype(q.dtype)
+    dq_acc = dk_acc = dv_acc = None
+    kv_exchange = RingExchange(group, "ring_kv_bwd", _TAG_KV)
+    dkv_exchange = RingExchange(group, "ring_dkv", _TAG_DKV)
+    # after the last step the accumulator we hold belongs to ring rank r - (steps - 1): send it home
+    home = RingExchange(group, "ring_dkv", _TAG_DKV_HOME, offset=-(steps - 1))
     kc, vc = k, v
     for step in range(steps):
         if step + 1 < steps:
@@ -104,33 +227,29 @@ def _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend
         if spec is not None:
             qs, ks = spec.q_slice, spec.k_slice
             grads = attention_backward(
-                dout[:, qs],
-                q[:, qs],
-                kc[:, ks],
-                vc[:, ks],
-                out[:, qs],
-                lse[:, :, qs],
-                causal=spec.causal,
-                softmax_scale=softmax_scale,
-                backend=backend,
-                segments=spec.segments,
-            )
-            dq_acc[:, qs] += grads[0]
+                dout[:, qs], q[:, qs], kc[:, ks], vc[:, ks], out[:, qs], lse[:, :, qs], causal=spec.causal,
+                softmax_scale=softmax_scale, backend=backend, segments=spec.segments,
+            )  # fmt: skip
+            dq_acc = _accumulate(dq_acc, q.shape, qs, grads[0], acc)
             record_attention_work(spec.pairs() * b * hq, d, backward=True)
         if step > 0:
             dk_acc, dv_acc = dkv_exchange.wait()  # the accumulator of the K/V part we hold now
         if grads is not None:
-            dk_acc[:, ks] += grads[1]
-            dv_acc[:, ks] += grads[2]
+            dk_acc = _accumulate(dk_acc, k.shape, ks, grads[1], acc)
+            dv_acc = _accumulate(dv_acc, v.shape, ks, grads[2], acc)
+        elif dk_acc is None:  # step 0 computed nothing: start this part's accumulator at zero
+            dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
+        grads = None
         if step + 1 < steps:
             dkv_exchange.start([dk_acc, dv_acc])  # one hop behind its K/V
-        elif home is not None:
+        else:
             home.start([dk_acc, dv_acc])
         if step + 1 < steps:
             kc, vc = kv_exchange.wait()
-    if home is not None:
-        dk_acc, dv_acc = home.wait()
-    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    dk_acc, dv_acc = home.wait()
+    dq = torch.zeros_like(q) if dq_acc is None else dq_acc.to(q.dtype)
+    return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
 def _head_chunks(hq: int, hkv: int, chunks: int) -> list[tuple[slice, slice]]:
@@ -140,24 +259,53 @@ def _head_chunks(hq: int, hkv: int, chunks: int) -> list[tuple[slice, slice]]:
 
 
 def _part(x: torch.Tensor, heads: slice) -> torch.Tensor:
-    """``x[:, :, heads]`` as a contiguous tensor (a copy of one chunk; the whole tensor when one chunk)."""
-    return x if heads.start == 0 and heads.stop == x.size(2) else x[:, :, heads].contiguous()
+    """``x[:, :, heads]``: a strided view of one chunk of heads, no copy. Every kernel takes it as it takes
+    the full tensor (``[B, S, H, D]`` memory read as ``[B, H, S, D]``, last dim contiguous); cuDNN alone needs
+    dense strides and copies the chunk inside its call (``cuda_kernels._dense``), and the ring's send
+    (:class:`~usp.attention.comm.RingExchange`) copies the K/V chunk it sends, as it would any K/V."""
+    return x[:, :, heads]
+
+
+def attention_heads_forward(q, k, v, group, plans, softmax_scale, backend, chunks):
+    """``(out, lse)`` of the ring (or, with one step, the kernel) over every group of heads in ``chunks``
+    (:func:`_head_chunks`) in turn. One group: the ring's own result. More: each group's result is written into
+    one full ``out`` (q's dtype) and ``lse``; only one group's kernel output exists besides them."""
+    if len(chunks) == 1:
+        return _ring_forward(q, k, v, group, plans, softmax_scale, backend)
+    b, n, hq, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, n), dtype=accumulation_dtype(q.dtype), device=q.device)
+    for hs, ks in chunks:  # the same order on every rank: the ring exchanges pair up
+        o, l_ = _ring_forward(_part(q, hs), _part(k, ks), _part(v, ks), group, plans, softmax_scale, backend)
+        out[:, :, hs] = o
+        lse[:, hs] = l_
+        del o, l_
+    return out, lse
+
+
+def attention_heads_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend, chunks):
+    """``(dq, dk, dv)`` for :func:`attention_heads_forward`, group by group in the same order, each group's
+    gradients written into full ones (only one group's kernel gradients exist besides them)."""
+    if len(chunks) == 1:
+        return _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for hs, ks in chunks:
+        g = _ring_backward(
+            _part(dout, hs), _part(q, hs), _part(k, ks), _part(v, ks), _part(out, hs), lse[:, hs], group, plans,
+            softmax_scale, backend,
+        )  # fmt: skip
+        dq[:, :, hs], dk[:, :, ks], dv[:, :, ks] = g
+        del g
+    return dq, dk, dv
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, plans, softmax_scale, backend, head_chunks):
         chunks = _head_chunks(q.size(2), k.size(2), head_chunks)
-        if head_chunks == 1:
-            out, lse = _ring_forward(q, k, v, group, plans, softmax_scale, backend)
-        else:
-            # one chunk of heads at a time, written into the full output: no full-size fp32 tensor is ever held
-            out = torch.empty_like(q)
-            lse = torch.empty((q.size(0), q.size(2), q.size(1)), dtype=accumulation_dtype(q.dtype), device=q.device)
-            for hs, ks in chunks:
-                o, l_ = _ring_forward(_part(q, hs), _part(k, ks), _part(v, ks), group, plans, softmax_scale, backend)
-                out[:, :, hs] = o
-                lse[:, hs] = l_
+        out, lse = attention_heads_forward(q, k, v, group, plans, softmax_scale, backend, chunks)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.plans, ctx.softmax_scale, ctx.backend = group, plans, softmax_scale, backend
         ctx.chunks = chunks
@@ -166,19 +314,10 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dout = dout.contiguous()
-        args = (ctx.group, ctx.plans, ctx.softmax_scale, ctx.backend)
-        if len(ctx.chunks) == 1:
-            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *args)
-        else:
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            for hs, ks in ctx.chunks:  # the same order on every rank: the ring exchanges pair up
-                g = _ring_backward(
-                    _part(dout, hs), _part(q, hs), _part(k, ks), _part(v, ks), _part(out, hs),
-                    lse[:, hs].contiguous(), *args,
-                )  # fmt: skip
-                dq[:, :, hs], dk[:, :, ks], dv[:, :, ks] = g
-        return dq, dk, dv, None, None, None, None, None
+        grads = attention_heads_backward(
+            dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.plans, ctx.softmax_scale, ctx.backend, ctx.chunks
+        )
+        return *grads, None, None, None, None, None
 
 
 def head_chunk_options(q_heads: int, kv_heads: int) -> list[int]:
