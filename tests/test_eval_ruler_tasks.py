@@ -17,6 +17,7 @@ from usp.eval.ruler.scoring import (
     clean_prediction,
     effective_length,
     score,
+    stopped,
     string_match_all,
     string_match_part,
     summarize,
@@ -282,6 +283,8 @@ def test_match_part_and_prediction_cleaning():
     assert string_match_part("Nice", ["lyon", "marseille"]) == 0.0
     assert string_match_all("lyon", ["lyon", "marseille"]) == 0.5
     assert clean_prediction("\n\n 4817265.\n\nQuestion: what is 1234567?") == "4817265."
+    assert clean_prediction(":\n\n* 4817265\n* 4817265\n\nNext") == ":\n\n* 4817265\n* 4817265"  # ":" opens the answer
+    assert stopped("\n\n 48\n\n") and not stopped(":\n\n* 48") and not stopped("\n\n")
     assert clean_prediction("1. tamo\n2. kelu\x07") == "1. tamo\n2. kelu"
 
 

@@ -21,9 +21,11 @@ from usp.eval.chat import ChatFrame, chat_frame, render_prompt
 from usp.eval.ruler.haystack import Haystack
 from usp.eval.ruler.tasks import TASKS, Draft
 
-_RESERVE = 40
-"""The smallest haystack a prompt has (units: words, list words); a task's preferred variant (cwe's 30
-repetitions of the common words) is used when it leaves room for at least this many, else the next one."""
+_MIN_UNITS = 10
+"""The smallest haystack a prompt has (words, list words, ...)."""
+_PREFER_UNITS = 40
+"""A task's preferred variant (cwe's 30 repetitions of the common words) is used when it leaves room for this
+many haystack units; otherwise the next one (the last one down to :data:`_MIN_UNITS`)."""
 
 
 @dataclass
@@ -68,8 +70,8 @@ class PromptBuilder:
         return factory(sample_rng(self.seed, task, length, index), self.haystacks[spec.haystack])
 
     def minimum_tokens(self, task: str) -> int:
-        """Tokens of the shortest prompt ``task`` can have (its last, smallest variant; ``_RESERVE`` units)."""
-        return len(self.tokens(self._drafts(task, 0, 0)[-1](_RESERVE))[1])
+        """Tokens of the shortest prompt ``task`` can have (its last, smallest variant; ``_MIN_UNITS`` units)."""
+        return len(self.tokens(self._drafts(task, 0, 0)[-1](_MIN_UNITS))[1])
 
     def build(self, task: str, length: int, index: int) -> Sample:
         """Sample ``index`` of ``(task, length)``: at most ``length`` tokens, as close to it as the haystack's
@@ -77,7 +79,7 @@ class PromptBuilder:
         drafts = self._drafts(task, length, index)
         for variant, draft in enumerate(drafts):
             count = self._counter(draft)
-            if count(_RESERVE) <= length:
+            if count(_MIN_UNITS if variant == len(drafts) - 1 else _PREFER_UNITS) <= length:
                 n = self._fit(count, length, self._last_n.get((task, length, variant)))
                 self._last_n[task, length, variant] = n
                 d = draft(n)
@@ -104,13 +106,13 @@ class PromptBuilder:
 
     @staticmethod
     def _fit(count: Callable[[int], int], length: int, hint: int | None) -> int:
-        """The largest ``n >= _RESERVE`` with ``count(n) <= length`` (``count(_RESERVE) <= length``; ``count``
+        """The largest ``n >= _MIN_UNITS`` with ``count(n) <= length`` (``count(_MIN_UNITS) <= length``; ``count``
         grows with ``n``)."""
-        base = count(_RESERVE)
+        base = count(_MIN_UNITS)
         if hint is None:
-            probe = 4 * _RESERVE
-            per_unit = max((count(probe) - base) / (probe - _RESERVE), 1e-3)
-            hint = _RESERVE + max(0, int((length - base) / per_unit))
+            probe = 4 * _MIN_UNITS
+            per_unit = max((count(probe) - base) / (probe - _MIN_UNITS), 1e-3)
+            hint = _MIN_UNITS + max(0, int((length - base) / per_unit))
         # gallop from the hint to a bracket lo (fits) < hi (does not), then bisect
         step = max(1, hint // 64)
         if count(hint) <= length:
@@ -119,10 +121,10 @@ class PromptBuilder:
                 lo, step = hi, step * 2
                 hi = lo + step
         else:
-            hi, lo = hint, max(_RESERVE, hint - step)
-            while lo > _RESERVE and count(lo) > length:
+            hi, lo = hint, max(_MIN_UNITS, hint - step)
+            while lo > _MIN_UNITS and count(lo) > length:
                 hi, step = lo, step * 2
-                lo = max(_RESERVE, hi - step)
+                lo = max(_MIN_UNITS, hi - step)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if count(mid) <= length:

@@ -15,23 +15,29 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 STOP_STRINGS: tuple[str, ...] = ("\n\n",)
-"""An answer ends at a blank line after its first non-blank text (base models go on with a new question)."""
+"""An answer ends at a blank line after its first letter or digit (base models go on with a new question;
+the blank line after an opening ":" does not count)."""
+
+
+def _answer_start(text: str) -> int:
+    """Index of the first letter or digit (``len(text)`` when there is none)."""
+    return next((i for i, c in enumerate(text) if c.isalnum()), len(text))
 
 
 def clean_prediction(text: str, stop_strings: Sequence[str] = STOP_STRINGS) -> str:
-    """``text`` without leading blank lines, cut at the first stop string after that, non-printables dropped."""
-    text = text.lstrip()
+    """``text`` cut at the first stop string after its first letter or digit, non-printables dropped, stripped."""
+    start = _answer_start(text)
     for stop in stop_strings:
-        at = text.find(stop)
+        at = text.find(stop, start)
         if at >= 0:
             text = text[:at]
     return "".join(c for c in text if c.isprintable() or c in "\n\t").strip()
 
 
 def stopped(text: str, stop_strings: Sequence[str] = STOP_STRINGS) -> bool:
-    """Whether a partial answer already holds a stop string (after its leading blank lines)."""
-    text = text.lstrip()
-    return any(stop in text for stop in stop_strings)
+    """Whether a partial answer already holds a stop string after its first letter or digit."""
+    start = _answer_start(text)
+    return any(text.find(stop, start) >= 0 for stop in stop_strings)
 
 
 def string_match_all(prediction: str, references: Sequence[str]) -> float:
