@@ -109,12 +109,14 @@ class PromptBuilder:
         """The largest ``n >= _MIN_UNITS`` with ``count(n) <= length`` (``count(_MIN_UNITS) <= length``; ``count``
         grows with ``n``)."""
         base = count(_MIN_UNITS)
-        if hint is None:
+        if hint is None:  # a tokens-per-unit estimate: within a few percent
             probe = 4 * _MIN_UNITS
             per_unit = max((count(probe) - base) / (probe - _MIN_UNITS), 1e-3)
             hint = _MIN_UNITS + max(0, int((length - base) / per_unit))
+            step = max(1, hint // 64)
+        else:  # the previous sample's size: off by a few units
+            step = 8
         # gallop from the hint to a bracket lo (fits) < hi (does not), then bisect
-        step = max(1, hint // 64)
         if count(hint) <= length:
             lo, hi = hint, hint + step
             while count(hi) <= length:
