@@ -241,7 +241,7 @@ class ClusterConfig:
     the recipe tests use it; the launched world size is what counts at run time)."""
 
 
-EVAL_TASKS: tuple[str, ...] = ("ppl", "passkey")
+EVAL_TASKS: tuple[str, ...] = ("ppl", "passkey", "ruler")
 
 
 @dataclass
@@ -260,17 +260,43 @@ class PasskeyConfig:
     """Greedy tokens decoded for the answer (the first run of digits in them is compared)."""
 
 
+RULER_TASKS: tuple[str, ...] = (
+    "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
+    "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
+)  # fmt: skip
+
+
+@dataclass
+class RulerConfig:
+    """``eval=ruler``: RULER's synthetic tasks (retrieval, tracing, aggregation) at every evaluated length."""
+
+    tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))
+    """Tasks evaluated (default: all of :data:`RULER_TASKS`), in this order."""
+    seed: int = 0
+    """Sample ``i`` of (task ``T``, length ``L``) is drawn from ``(seed, T, L, i)``."""
+    samples: int = 10
+    """Prompts per (task, length)."""
+    haystack: str | None = None
+    """A text file or a directory of ``.txt``/``.md`` files used as the essay-like haystack (cycled when
+    shorter than a length needs); None: generated essay-like text (nothing is downloaded)."""
+    threshold: float = 0.85
+    """Effective length: the longest length up to which every length's mean score is at least ``threshold``
+    x the shortest length's mean."""
+
+
 @dataclass
 class EvalConfig:
     """``usp-eval`` (``python -m usp.eval``) and the in-training perplexity by position."""
 
     task: str = "ppl"
-    """``ppl`` (perplexity by position on long held-out documents) | ``passkey`` (retrieval accuracy)."""
+    """``ppl`` (perplexity by position on long held-out documents) | ``passkey`` (retrieval accuracy) |
+    ``ruler`` (RULER's synthetic tasks, :class:`RulerConfig`)."""
     lengths: list[int] | None = None
     """Evaluated sequence lengths in tokens; each must suit the layout (a multiple of 2 x ring x ulysses for
-    zigzag). None: ``[trainer.seq_len]`` for ppl, ``[seq_len/4, seq_len/2, seq_len, 2 seq_len]`` for passkey."""
+    zigzag). None: ``[trainer.seq_len]`` for ppl, ``[seq_len/4, seq_len/2, seq_len, 2 seq_len]`` for passkey and
+    ruler."""
     micro_batch_size: int = 1
-    """Sequences per forward (documents for ppl, trials for passkey)."""
+    """Sequences per forward (documents for ppl, trials for passkey, ruler prompts of one token length)."""
     bucket_size: int = 1024
     """Width of a position bucket for perplexity by position, in tokens."""
     inputs: list[str] = field(default_factory=list)
@@ -282,6 +308,10 @@ class EvalConfig:
     """Marked on the perplexity plot; None: the config's ``rope_scaling.original_max_position_embeddings``,
     else its ``max_position_embeddings``."""
     passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
+    chat_template: bool = False
+    """passkey, ruler: wrap each prompt in the tokenizer's chat template (instruct models: the question as the
+    user turn, the answer prefix opening the assistant turn); false: the plain prompt with its answer prefix."""
+    ruler: RulerConfig = field(default_factory=RulerConfig)
 
 
 @dataclass

@@ -7,7 +7,8 @@ Public Python entries (stable names):
 - :func:`generate` ``(model, input_ids, mesh, max_new_tokens) -> LongTensor [B, max_new_tokens]``: greedy
   decoding with the KV cache sharded over the mesh ("pass-Q"), identical on every rank (:mod:`usp.eval.decode`).
 
-Tasks: :mod:`usp.eval.ppl` (perplexity by position), :mod:`usp.eval.passkey` (passkey retrieval); outputs:
+Tasks: :mod:`usp.eval.ppl` (perplexity by position), :mod:`usp.eval.passkey` (passkey retrieval),
+:mod:`usp.eval.ruler` (RULER's synthetic tasks; prompts for instruct models: :mod:`usp.eval.chat`); outputs:
 :mod:`usp.eval.report`; the job: :mod:`usp.eval.runner`. Submodules are imported on use, so the entry point
 composes and validates its config without importing torch.
 """

@@ -4,7 +4,7 @@
         hydra.run.dir=outputs/demo
 
 ``conf/eval.yaml`` is ``conf/train.yaml`` (the same recipes and groups: a recipe's model, parallel and cluster
-settings carry over) plus Hydra's help and job name. The task is the ``eval=`` group (``ppl``, ``passkey``).
+settings carry over) plus Hydra's help and job name. The task is the ``eval=`` group (``ppl``, ``passkey``, ``ruler``).
 Hydra stays here: the composed config becomes a typed :class:`usp.config.TrainConfig` once (the training data
 settings may stay unset: evaluation reads none of them), its choices are checked, and
 :func:`usp.eval.runner.run` gets it.

@@ -32,6 +32,7 @@ the mesh decode the same input independently (identical results).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,8 @@ class DecodeResult:
     """What :func:`decode` returns: the tokens and where the time went (seconds, this rank's clock)."""
 
     tokens: torch.Tensor
-    """LongTensor ``[B, max_new_tokens]``, identical on every rank."""
+    """LongTensor ``[B, n]``, identical on every rank: ``n = max_new_tokens``, or fewer when ``stop`` ended
+    the generation early."""
     prefill_tokens: int
     """Prompt tokens (all rows) that went through the sharded prefill."""
     prefill_s: float
@@ -191,9 +193,19 @@ def _broadcast_sp(t: torch.Tensor, src_sp_rank: int, mesh: SPMesh) -> torch.Tens
 
 @torch.no_grad()
 def decode(
-    model: nn.Module, input_ids: torch.Tensor, mesh: SPMesh, max_new_tokens: int, *, keep_logits: bool = False
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    mesh: SPMesh,
+    max_new_tokens: int,
+    *,
+    keep_logits: bool = False,
+    stop: Callable[[torch.Tensor], bool] | None = None,
 ) -> DecodeResult:
-    """:func:`generate` with timings, the final cache sizes and (``keep_logits``) the logits of every step."""
+    """:func:`generate` with timings, the final cache sizes and (``keep_logits``) the logits of every step.
+
+    ``stop(tokens)``, called with the tokens generated so far (``[B, n]``, identical on every rank, so every
+    rank decides the same), ends the generation after ``n`` tokens when it returns True (EOS or a stop string
+    in every row: the caller's rule)."""
     _check_inputs(input_ids, max_new_tokens)
     backend = _model_backend(model)
     device = next(model.parameters()).device
@@ -246,6 +258,9 @@ def decode(
         token = logits.argmax(dim=-1)  # [B]
         _broadcast_sp(token, 0, mesh)  # identical already; this makes "identical on every rank" a guarantee
         out[:, i] = token
+        if stop is not None and stop(out[:, : i + 1]):
+            out = out[:, : i + 1]
+            break
         if i + 1 < max_new_tokens:
             logits = step(token[:, None], s + i)
     if device.type == "cuda":

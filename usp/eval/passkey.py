@@ -4,7 +4,9 @@ A prompt of exactly ``length`` tokens is built from token ids (so every length s
 
     [BOS] intro | filler[:before] | needle("The secret number is 48213. Remember 48213.") | filler[before:] | question
 
-``before = round(depth x filler tokens)``. The model's answer is :func:`usp.eval.decode.decode`'s greedy
+``before = round(depth x filler tokens)``. With ``eval.chat_template=true`` (instruct models) the prompt is
+the tokenizer's chat template around it (:mod:`usp.eval.chat`): the intro to the question's "What is the
+secret number?" as the user turn, "The secret number is" opening the assistant's. The model's answer is :func:`usp.eval.decode.decode`'s greedy
 continuation; a trial is correct when the first run of digits in the decoded answer equals the passkey.
 Every rank builds the same prompts (the passkey of trial ``t`` in cell ``(length, depth)`` comes from a
 ``random.Random`` seeded with ``(eval.passkey.seed, length, depth, t)``), so nothing is broadcast.
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from usp.config import EvalConfig
+from usp.eval.chat import ChatFrame, bos_ids, chat_frame
 from usp.eval.decode import decode
 from usp.eval.replicas import gather_shares, gather_timing, my_share
 from usp.parallel import SPMesh
@@ -33,6 +36,7 @@ FILLER = (
 )
 NEEDLE = " The secret number is {key}. Remember {key}."
 QUESTION = " What is the secret number? The secret number is"
+ASK, ANSWER_PREFIX = " What is the secret number?", "The secret number is"  # QUESTION's two turns (chat)
 
 
 @dataclass
@@ -53,21 +57,25 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def minimum_length(tokenizer: Any, digits: int) -> int:
-    """Tokens of a prompt with no filler at all (BOS, intro, needle, question)."""
-    key = "9" * digits
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return len(bos) + len(_ids(tokenizer, INTRO)) + len(_ids(tokenizer, NEEDLE.format(key=key))) + len(
-        _ids(tokenizer, QUESTION)
-    )
+def _frame_ids(tokenizer: Any, frame: ChatFrame | None) -> tuple[list[int], list[int]]:
+    """``(ids before the filler, ids after it)`` around ``needle`` and filler: plain or in the chat frame."""
+    if frame is None:
+        return bos_ids(tokenizer) + _ids(tokenizer, INTRO), _ids(tokenizer, QUESTION)
+    return _ids(tokenizer, frame.head + INTRO), _ids(tokenizer, ASK) + _ids(tokenizer, frame.tail + ANSWER_PREFIX)
 
 
-def build_prompt(tokenizer: Any, length: int, depth: float, key: str) -> list[int]:
-    """Token ids of one passkey prompt, exactly ``length`` long. ``ValueError`` naming ``eval.lengths`` when
-    ``length`` cannot hold the intro, needle and question."""
-    head = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + _ids(tokenizer, INTRO)
+def minimum_length(tokenizer: Any, digits: int, frame: ChatFrame | None = None) -> int:
+    """Tokens of a prompt with no filler at all (BOS or the chat frame, intro, needle, question)."""
+    head, question = _frame_ids(tokenizer, frame)
+    return len(head) + len(_ids(tokenizer, NEEDLE.format(key="9" * digits))) + len(question)
+
+
+def build_prompt(tokenizer: Any, length: int, depth: float, key: str, frame: ChatFrame | None = None) -> list[int]:
+    """Token ids of one passkey prompt, exactly ``length`` long (``frame``: the chat template's, or None for
+    the plain prompt). ``ValueError`` naming ``eval.lengths`` when ``length`` cannot hold the intro, needle
+    and question."""
+    head, question = _frame_ids(tokenizer, frame)
     needle = _ids(tokenizer, NEEDLE.format(key=key))
-    question = _ids(tokenizer, QUESTION)
     budget = length - len(head) - len(needle) - len(question)
     if budget < 0:
         raise ValueError(
@@ -85,12 +93,14 @@ def build_prompt(tokenizer: Any, length: int, depth: float, key: str) -> list[in
 def build_trials(tokenizer: Any, lengths: list[int], cfg: EvalConfig) -> list[PasskeyTrial]:
     """Every (length, depth, trial) prompt, lengths outermost. Raises ``ValueError`` for bad settings."""
     p = cfg.passkey
+    frame = chat_frame(tokenizer) if cfg.chat_template else None
     trials = []
     for length in lengths:
         for depth in p.depths:
             for t in range(p.trials):
                 key = passkey_value(p.seed, length, depth, t, p.digits)
-                trials.append(PasskeyTrial(length, depth, t, key, build_prompt(tokenizer, length, depth, key)))
+                ids = build_prompt(tokenizer, length, depth, key, frame)
+                trials.append(PasskeyTrial(length, depth, t, key, ids))
     return trials
 
 

@@ -8,7 +8,8 @@ Order (every rank runs all of it):
    resolved as for training (:func:`usp.train.validate.resolve_layout`: the same degrees, planner choice for
    ``auto`` and node size as ``usp-train`` gets for this config), the ``eval.*`` settings, every evaluated
    length against the sequence layout, heads vs Ulysses, the tokenizer, then the task's inputs (passkey
-   prompts; ppl documents read on rank 0 and broadcast);
+   prompts; ruler: every task fits the shortest length, the chat template, the haystack files; ppl documents
+   read on rank 0 and broadcast);
 3. the mesh, the model (whole on every rank, in ``model.dtype``), :func:`usp.model.apply_usp`;
 4. the task; rank 0 writes ``eval.json``, the plot, wandb, and prints a summary.
 """
@@ -97,7 +98,7 @@ def check_eval_settings(cfg: TrainConfig, layout: Layout) -> list[int]:
     ``ValueError`` naming the setting and the fix. Pure arithmetic (no files)."""
     e, p = cfg.eval, cfg.parallel
     if e.task not in EVAL_TASKS:
-        raise ValueError(f"eval.task={e.task!r} is invalid; choose eval=ppl or eval=passkey.")
+        raise ValueError(f"eval.task={e.task!r} is invalid; choose eval=ppl, eval=passkey or eval=ruler.")
     for name in ("micro_batch_size", "bucket_size", "num_documents"):
         if getattr(e, name) < 1:
             raise ValueError(f"eval.{name}={getattr(e, name)} is invalid: use an integer >= 1.")
@@ -109,6 +110,10 @@ def check_eval_settings(cfg: TrainConfig, layout: Layout) -> list[int]:
         )
     if not k.depths or any(not 0.0 <= d <= 1.0 for d in k.depths):
         raise ValueError(f"eval.passkey.depths={list(k.depths)} must be fractions in [0, 1], at least one.")
+    if e.task == "ruler":
+        from usp.eval.ruler.run import check_ruler_settings
+
+        check_ruler_settings(e)
     lengths = resolve_lengths(cfg, layout)
     m = sequence_multiple(layout.ring_degree, layout.ulysses_degree, p.ring_layout)
     bad = [x for x in lengths if x < 2 or x % m]
@@ -202,6 +207,10 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     task = cfg.eval.task
     if task == "passkey":
         trials = on_every_rank(lambda: passkey_task.build_trials(tokenizer, lengths, cfg.eval), "passkey prompts")
+    elif task == "ruler":
+        from usp.eval.ruler import run as ruler_task
+
+        builder = on_every_rank(lambda: ruler_task.prepare_ruler(tokenizer, lengths, cfg.eval), "ruler prompts")
     else:
         cache_dir = Path(cfg.data.cache_dir or run_dir / "data_cache")
         documents = on_rank0(lambda: ppl_task.read_documents(cfg, tokenizer, lengths, cache_dir), "reading eval.inputs")
@@ -217,8 +226,17 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     if rank == 0:
         logger.info("evaluating %s (%s) on %d ranks: %s; lengths %s", cfg.model.path, task, world, mesh.describe(), lengths)
+    memory = None
     if task == "passkey":
         result = passkey_task.run_passkey(model, tokenizer, mesh, trials, cfg.eval)
+    elif task == "ruler":
+        memory = ruler_task.memory_per_length(source.config, lengths, mesh, parse_dtype(cfg.model.dtype).itemsize)
+        if rank == 0:
+            for n, m in memory.items():
+                logger.info("ruler at %s tokens, per GPU (planner terms): KV cache %.3f GiB, prefill activations "
+                            "%.3f GiB, weights %.3f GiB", n, m["kv_cache_gib"], m["prefill_activations_gib"],
+                            m["weights_gib"])  # fmt: skip
+        result = ruler_task.run_ruler(model, tokenizer, mesh, builder, lengths, cfg.eval)
     else:
         result = ppl_task.run_ppl(
             model, mesh, documents, batch_size=cfg.eval.micro_batch_size, bucket_size=cfg.eval.bucket_size
@@ -235,7 +253,12 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         "timing": timing,
         "result": result,
     }
-    if rank == 0:
+    if memory is not None:
+        entry["memory_per_gpu"] = memory
+    if rank == 0 and task == "ruler":
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _report_ruler(cfg, run_dir, entry, report.write_json(run_dir, task, entry))
+    elif rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         path = report.write_json(run_dir, task, entry)
         image = run_dir / report.PLOTS[task]
@@ -249,3 +272,16 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         print(f"usp-eval: wrote {path} and {image}", flush=True)
     dist.barrier()
     return entry
+
+
+def _report_ruler(cfg: TrainConfig, run_dir: Path, entry: dict[str, Any], path: Path) -> None:
+    from usp.eval.ruler import report as ruler_report
+
+    result = entry["result"]
+    images = [run_dir / name for name in ruler_report.PLOTS]
+    ruler_report.plot_heatmap(result, images[0])
+    ruler_report.plot_by_length(result, images[1], original_context=entry["original_context_length"])
+    ruler_report.log_wandb(cfg.logging.wandb, run_dir, entry, images, dataclasses.asdict(cfg))
+    for line in ruler_report.table_lines(result):
+        print(line, flush=True)
+    print(f"usp-eval: wrote {path}, {images[0]} and {images[1]}", flush=True)

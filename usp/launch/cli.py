@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the command; run nothing")
     p.add_argument(
         "--entry", choices=tuple(commands.ENTRY_MODULES), default="train",
-        help="train: usp.train (default); eval: usp.eval (usp-eval: eval=ppl|passkey, model.path=RUN/hf)",
+        help="train: usp.train (default); eval: usp.eval (usp-eval: eval=ppl|passkey|ruler, model.path=RUN/hf)",
     )  # fmt: skip
     return p
 
