@@ -42,6 +42,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 53248,
         "vocab_size": 128256,
     },
+    # HuggingFaceTB/SmolLM2-135M(-Instruct), as usp.real builds it: 9 query / 3 KV heads (uneven Ulysses heads)
+    "smollm2-135m": {
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+    },
 }
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
