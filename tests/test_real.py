@@ -115,3 +115,25 @@ def test_smollm2_checkpoint_equals_the_gguf_model(smollm2_dir):
     torch.testing.assert_close(
         small.model.layers[1].mlp.up_proj.weight, saved.model.layers[1].mlp.up_proj.weight
     )
+
+
+def test_compare_writes_the_table_and_the_plot(tmp_path, capsys):
+    def run(name, ppls):
+        buckets = [
+            {"start": i * 1024, "end": (i + 1) * 1024 - (i == 1), "ppl": p} for i, p in enumerate(ppls)
+        ]
+        path = tmp_path / f"{name}.json"
+        path.write_text(
+            json.dumps({"ppl": {"result": {"lengths": {"2048": {"ppl": sum(ppls), "buckets": buckets}}}}})
+        )
+        return f"{name}={path}"
+
+    png = tmp_path / "curves.png"
+    assert main(["compare", run("before", [5.0, 50.0]), run("after", [4.5, 6.25]), "--length", "2048",
+                 "--plot", str(png)]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| run | 0-1K | 1-2K | all |"
+    assert lines[2:] == ["| before | 5.00 | 50.00 | 55.00 |", "| after | 4.50 | 6.25 | 10.75 |"]
+    assert png.stat().st_size > 1000
+    assert main(["compare", run("x", [1.0, 1.0]), "--length", "4096"]) == 2
+    assert "no ppl result at length 4096" in capsys.readouterr().err

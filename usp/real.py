@@ -22,6 +22,7 @@ Command line (prints the paths it built)::
 
     python -m usp.real model [--num-layers 4] [--cache-dir ~/.cache/usp]
     python -m usp.real corpus --output data/stdlib [--source DIR] [--pattern '*.py'] [--heldout-fraction 0.1]
+    python -m usp.real compare before=RUN1/eval.json after=RUN2/eval.json --length 16384 [--plot out.png]
 """
 
 from __future__ import annotations
@@ -223,6 +224,54 @@ def build_text_corpus(
     )
 
 
+def compare_ppl(
+    runs: Sequence[tuple[str, str | os.PathLike]], length: int, plot: str | os.PathLike | None = None
+) -> str:
+    """A Markdown table of perplexity by position at ``length`` for several ``usp-eval eval=ppl`` runs (``(label,
+    eval.json)`` pairs: one row per run, one column per bucket), and optionally their curves in one PNG (log
+    scale). What docs/context_extension.md shows for the before / RoPE-only / trained runs."""
+    rows, curves = [], []
+    for label, path in runs:
+        entry = json.loads(Path(path).read_text())["ppl"]["result"]["lengths"].get(str(length))
+        if entry is None:
+            raise ValueError(
+                f"{path}: no ppl result at length {length}; pass the --length the runs evaluated."
+            )
+        rows.append((label, entry))
+        curves.append(
+            (
+                label,
+                [(b["start"] + b["end"]) / 2 for b in entry["buckets"]],
+                [b["ppl"] for b in entry["buckets"]],
+            )
+        )
+    buckets = rows[0][1]["buckets"]
+    head = "| run | " + " | ".join(f"{b['start'] // 1024}-{-(-b['end'] // 1024)}K" for b in buckets) + " | all |"
+    lines = [head, "| --- " * (len(buckets) + 2) + "|"]
+    for label, entry in rows:
+        cells = " | ".join(f"{b['ppl']:.2f}" for b in entry["buckets"])
+        lines.append(f"| {label} | {cells} | {entry['ppl']:.2f} |")
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for label, xs, ys in curves:
+            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+        ax.set_yscale("log")
+        ax.set_xlabel("position (tokens)")
+        ax.set_ylabel("perplexity (log scale)")
+        ax.set_title(f"Perplexity by position at {length} tokens")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+        plt.close(fig)
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m usp.real", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -238,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--recursive", action="store_true", help="descend into subdirectories")
     c.add_argument("--min-chars", type=int, default=2000, help="skip shorter files (default 2000)")
     c.add_argument("--heldout-fraction", type=float, default=0.0, help="files held out (by name hash)")
+    k = sub.add_parser("compare", help="table (and plot) of perplexity by position of several usp-eval runs")
+    k.add_argument("runs", nargs="+", metavar="LABEL=EVAL_JSON", help="e.g. before=outputs/x/eval.json")
+    k.add_argument("--length", type=int, required=True, help="the evaluated length to compare")
+    k.add_argument("--plot", help="write the curves to this PNG")
     return p
 
 
@@ -246,6 +299,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "model":
             print(build_smollm2(args.cache_dir, num_layers=args.num_layers))
+        elif args.command == "compare":
+            bad = [r for r in args.runs if "=" not in r]
+            if bad:
+                raise ValueError(f"runs {bad}: give each as LABEL=path/to/eval.json.")
+            print(compare_ppl([tuple(r.split("=", 1)) for r in args.runs], args.length, args.plot))
         else:
             corpus = build_text_corpus(
                 args.output,
