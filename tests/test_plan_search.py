@@ -139,29 +139,16 @@ def test_heads_that_cannot_split(tmp_path, capsys, tiny_config):
     cfg.write_text(
         json.dumps(tiny_config | {"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768})
     )
-    rc = main(
-        [
-            "--model",
-            str(cfg),
-            "--seq-len",
-            "64K",
-            "--nodes",
-            "1",
-            "--gpus-per-node",
-            "8",
-            "--ulysses-degree",
-            "8",
-        ]
-    )
+    args = ["--model", str(cfg), "--seq-len", "64K", "--nodes", "1", "--gpus-per-node", "16"]
+    rc = main(args + ["--ulysses-degree", "16"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert "num_attention_heads=12 is not divisible by ulysses_degree=8" in err
-    assert "[1, 2, 4, 12]" in err  # the degrees that would split
+    assert "num_attention_heads=12 leaves a Ulysses rank without a query head at ulysses_degree=16" in err
+    assert "1..12" in err  # the degrees that would split
     spec = load_model_spec(str(cfg))
-    assert "num_key_value_heads=4" in spec.ulysses_split_error(
-        6
-    )  # 12 query heads split by 6, 4 KV heads do not
-    assert spec.ulysses_split_error(12) is None  # KV heads replicated 3x
+    assert spec.ulysses_split_error(8) is None  # uneven: 2 / 1 query heads per rank
+    assert spec.ulysses_split_error(6) is None and spec.ulysses_split_error(12) is None
+    assert (spec.q_heads_per_rank(8), spec.ulysses_head_imbalance(8)) == (2, 16 / 12)
 
 
 def test_cli_done_when_command(capsys):
@@ -252,9 +239,9 @@ def test_evaluate_layout_refuses_invalid_layouts(tiny_config):
     with pytest.raises(ValueError, match="does not divide the world size"):
         evaluate_layout(model, device, ulysses_degree=8, ring_degree=3, **kw)
     twelve = load_model_spec(tiny_config | {"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768})
-    with pytest.raises(ValueError, match="num_attention_heads=12 is not divisible by ulysses_degree=8"):
+    with pytest.raises(ValueError, match="num_attention_heads=12 leaves a Ulysses rank without a query head"):
         evaluate_layout(
-            twelve, device, ulysses_degree=8, ring_degree=1, seq_len=2**12, world_size=8, node_size=8
+            twelve, device, ulysses_degree=16, ring_degree=1, seq_len=2**12, world_size=16, node_size=16
         )
     with pytest.raises(ValueError, match="multiple of 2"):
         evaluate_layout(model, device, ulysses_degree=4, ring_degree=2, global_batch=3, **kw)

@@ -7,7 +7,8 @@ import torch
 
 from tests.mesh_cache import cached_sp_mesh
 from usp.attention import record_comm
-from usp.attention.ulysses import head_to_seq, kv_replication, kv_seq_to_head, seq_to_head
+from usp.attention.heads import ulysses_heads
+from usp.attention.ulysses import head_to_seq, kv_seq_to_head, seq_to_head
 from usp.parallel import shard_sequence
 
 
@@ -29,8 +30,9 @@ def run_all_to_all(ulysses: int, hkv: int) -> dict:
     # GQA: hkv KV heads, replicated when fewer than the degree
     kv = x[:, :, :hkv].clone()
     kv_local = shard_sequence(kv, mesh).requires_grad_()
-    rep = kv_replication(4, hkv, ulysses)
-    kv_heads = kv_seq_to_head(kv_local, group, rep, "k")
+    layout = ulysses_heads(4, hkv, ulysses)
+    rep = max(1, ulysses // hkv)  # the classic layout: each KV head sent to U / Hkv ranks
+    kv_heads = kv_seq_to_head(kv_local, group, layout, "k")
     per_rank = max(hkv, ulysses) // ulysses
     owner = u * hkv // ulysses if hkv < ulysses else u * per_rank  # the first KV head this rank's queries use
     assert torch.equal(kv_heads, kv[:, :, owner : owner + per_rank])
@@ -48,14 +50,13 @@ def test_all_to_all_world4(dist_pools, ulysses, hkv):
         assert r["kv_grad"] == [float(rep)] * hkv
 
 
-def test_kv_replication_and_errors():
-    assert kv_replication(8, 2, 4) == 2  # 2 KV heads, ulysses 4: each KV head to 2 ranks
-    assert kv_replication(4, 1, 4) == 4
-    assert kv_replication(8, 8, 4) == 1
-    assert kv_replication(32, 8, 8) == 1
-    with pytest.raises(ValueError, match=r"ulysses_degree in \[1, 2, 4, 8\]"):
-        kv_replication(8, 8, 3)
-    with pytest.raises(ValueError, match=r"ulysses_degree=4 does not fit num_heads=12, num_kv_heads=6"):
-        kv_replication(12, 6, 4)
+def test_classic_layouts_and_errors():
+    assert ulysses_heads(8, 2, 4).kv_send_index() == [0, 0, 1, 1]  # 2 KV heads, ulysses 4: each to 2 ranks
+    assert ulysses_heads(4, 1, 4).kv_send_index() == [0, 0, 0, 0]
+    assert ulysses_heads(8, 8, 4).kv_send_index() == list(range(8))
+    assert ulysses_heads(32, 8, 8).kv_send_index() == list(range(8))
+    assert ulysses_heads(8, 8, 3).q_counts == (3, 3, 2)  # uneven now works
+    with pytest.raises(ValueError, match=r"ulysses_degree in 1\.\.8"):
+        ulysses_heads(8, 8, 9)
     with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
-        kv_replication(8, 3, 1)
+        ulysses_heads(8, 3, 1)

@@ -2,6 +2,7 @@
 
 Public entry: :func:`usp_attention`. Building blocks: :mod:`.kernels` (local ``(out, lse)`` kernel interface;
 CUDA kernels in :mod:`.cuda_kernels`, document masks in :mod:`.masks`), :mod:`.ulysses` (all-to-all),
+:mod:`.heads` (which heads each Ulysses rank holds, uneven counts included),
 :mod:`.ring` (ring attention), :mod:`.blocks` (which blocks are computed), :mod:`.comm` (instrumented
 communication), :mod:`.cost` (analytic bytes and work), :mod:`.reference` (single-process ground truth).
 """

@@ -84,6 +84,25 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Te
     return out
 
 
+def all_to_all_uneven(
+    parts: list[torch.Tensor], out_shapes: list[torch.Size | tuple[int, ...]], group: dist.ProcessGroup, kind: str
+) -> list[torch.Tensor]:
+    """``all_to_all_single`` with per-rank sizes: ``parts[j]`` goes to rank ``j``; returns the tensors received,
+    the one from rank ``j`` of shape ``out_shapes[j]`` (all of ``parts``' dtype). Sends every part but this
+    rank's own (uneven Ulysses head groups, :mod:`usp.attention.heads`)."""
+    world = dist.get_world_size(group)
+    assert len(parts) == world and len(out_shapes) == world, "one part and one shape per rank"
+    me = dist.get_rank(group)
+    send = torch.cat([p.reshape(-1) for p in parts])
+    out_sizes = [int(torch.Size(s).numel()) for s in out_shapes]
+    recv = send.new_empty(sum(out_sizes))
+    dist.all_to_all_single(
+        recv, send, output_split_sizes=out_sizes, input_split_sizes=[p.numel() for p in parts], group=group
+    )
+    _record_bytes(kind, sum(nbytes(p) for j, p in enumerate(parts) if j != me))
+    return [t.view(s) for t, s in zip(torch.split(recv, out_sizes), out_shapes)]
+
+
 class RingExchange:
     """Send tensors to the next ring rank and receive same-shaped ones from the previous, asynchronously.
 

@@ -4,7 +4,9 @@ Notation: ``B`` batch, ``S`` global tokens, ``U`` ulysses, ``R`` ring, ``L = S /
 head dim, ``e`` bytes per element of q/k/v, ``Hk' = Hkv`` when ``U`` divides ``Hkv``, else ``U`` (GQA
 replication: one KV head per Ulysses rank), ``A(H) = (U - 1) / U * B * L * H * D * e`` (one all-to-all of an
 ``H``-head tensor: everything but the piece a rank keeps), ``P = B * (S / R) * (Hk' / U) * D`` (elements of one
-K or V part on the ring).
+K or V part on the ring). These are the even-head formulas; with uneven heads (``U`` not dividing them,
+:mod:`usp.attention.heads`) each rank's all-to-all sizes follow its own head counts
+(:meth:`~usp.attention.heads.UlyssesHeads.a2a_heads_sent`) and ``P`` its own K/V heads after local copies.
 
 - forward: ``A(Hq)`` (q) + ``2 A(Hk')`` (k, v) + ``A(Hq)`` (out back) + ``(R - 1) * 2 P e`` (K/V hops);
 - backward: ``A(Hq)`` (dout) + ``A(Hq)`` (dq) + ``2 A(Hk')`` (dk, dv) + ``(R - 1) * 2 P e`` (K/V hops again)
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
-from usp.attention.ulysses import kv_replication
+from usp.attention.heads import ulysses_heads
 
 
 def analytic_bytes_sent(
@@ -37,24 +39,26 @@ def analytic_bytes_sent(
     ring_degree: int,
     element_size: int,
     ring_steps: int | None = None,
+    ulysses_rank: int | None = None,
 ) -> dict[str, int]:
     """Bytes one rank sends per call: ``{"fwd": ..., "bwd": ..., "fwd_bwd": ...}`` (see the module docstring).
 
     ``ring_steps``: steps the ring runs (``R`` unless document masking lets it stop early, see
     :func:`usp.attention.blocks.ring_steps_needed`); the ring terms use it in place of ``R``.
+    ``ulysses_rank``: the rank counted when uneven heads make ranks differ; ``None``: the busiest
+    (:meth:`~usp.attention.heads.UlyssesHeads.busiest_rank`). Even heads: every rank sends the same.
     """
     u = ulysses_degree
     local = seq_len // (u * ring_degree)
     steps = ring_degree if ring_steps is None else ring_steps
-    hk = num_kv_heads * kv_replication(num_heads, num_kv_heads, u)
-
-    def a2a(heads: int) -> int:
-        return (u - 1) * batch * local * heads * head_dim * element_size // u
-
-    part = batch * (seq_len // ring_degree) * (hk // u) * head_dim
+    heads = ulysses_heads(num_heads, num_kv_heads, u)
+    rank = heads.busiest_rank() if ulysses_rank is None else ulysses_rank
+    a2a = heads.a2a_heads_sent(rank) if u > 1 else {"fwd": 0, "bwd": 0}
+    token_bytes = batch * local * head_dim * element_size
+    part = batch * (seq_len // ring_degree) * heads.local_kv_heads(rank) * head_dim
     ring_kv = (steps - 1) * 2 * part * element_size
-    fwd = 2 * a2a(num_heads) + 2 * a2a(hk) + ring_kv
-    bwd = 2 * a2a(num_heads) + 2 * a2a(hk) + ring_kv + (steps * 2 * part * 4 if steps > 1 else 0)
+    fwd = a2a["fwd"] * token_bytes + ring_kv
+    bwd = a2a["bwd"] * token_bytes + ring_kv + (steps * 2 * part * 4 if steps > 1 else 0)
     return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}
 
 

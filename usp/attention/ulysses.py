@@ -1,99 +1,122 @@
-"""Ulysses all-to-all: sequence-sharded ``[B, S/U, H, D]`` <-> head-sharded ``[B, S, H/U, D]`` over ``U`` ranks.
+"""Ulysses all-to-all: sequence-sharded ``[B, S/U, H, D]`` <-> head-sharded ``[B, S, H_j, D]`` over ``U`` ranks.
 
-``seq_to_head``: rank ``u`` sends head group ``j`` (heads ``[j*H/U, (j+1)*H/U)``) of its tokens to rank ``j``
-and concatenates what it receives in rank order along the sequence, so it ends with *all* the Ulysses group's
-tokens (in the order the ranks held them) for its own head group. ``head_to_seq`` is the exact inverse, and each
-is the other's backward. Each call sends ``(U - 1) / U`` of its input per rank.
+``seq_to_head``: rank ``u`` sends head group ``j`` (``counts[j]`` contiguous heads; ``H / U`` each by default)
+of its tokens to rank ``j`` and concatenates what it receives in rank order along the sequence, so it ends
+with *all* the Ulysses group's tokens (in the order the ranks held them) for its own head group.
+``head_to_seq`` is the exact inverse, and each is the other's backward. With even groups each call sends
+``(U - 1) / U`` of its input per rank; with uneven ones (``counts`` from :mod:`usp.attention.heads`) rank
+``u`` sends ``sum(counts[j] for j != u)`` heads of its tokens in, and ``(U - 1) * counts[u]`` heads back.
 
-GQA: K/V with ``Hkv`` heads go through the same all-to-all when ``U`` divides ``Hkv``. When ``Hkv < U`` (and
-``Hkv`` divides ``U``), each KV head is replicated ``U / Hkv`` times first, exactly enough for each rank to get
-the one KV head its query heads use; autograd sums the replicas' gradients back onto the real head.
+GQA (:func:`kv_seq_to_head`): each rank receives the KV heads its query heads read
+(:class:`usp.attention.heads.UlyssesHeads`): a KV head whose group straddles two ranks goes to both, and a
+rank whose query heads fall unevenly into its KV heads' groups repeats those KV heads locally so its kernel
+sees a uniform GQA group. Autograd sums every copy's gradient back onto the real head, forward and backward
+exact.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
-from usp.attention.comm import all_to_all
+from usp.attention.comm import all_to_all, all_to_all_uneven
+from usp.attention.heads import UlyssesHeads
 
 
-def _seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+def _even(counts: Sequence[int]) -> bool:
+    return len(set(counts)) == 1
+
+
+def _seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, kind: str, counts: Sequence[int]) -> torch.Tensor:
     u = dist.get_world_size(group)
     b, s_local, h, d = x.shape
-    x = x.reshape(b, s_local, u, h // u, d).permute(2, 0, 1, 3, 4)  # [U(dst), B, S/U, H/U, D]
-    y = all_to_all(x, group, kind)  # [U(src), B, S/U, H/U, D]
-    return y.permute(1, 0, 2, 3, 4).reshape(b, u * s_local, h // u, d)  # [B, S, H/U, D]
+    me = dist.get_rank(group)
+    if _even(counts):
+        x = x.reshape(b, s_local, u, h // u, d).permute(2, 0, 1, 3, 4)  # [U(dst), B, S/U, H/U, D]
+        y = all_to_all(x, group, kind)  # [U(src), B, S/U, H/U, D]
+    else:
+        parts = list(torch.split(x, list(counts), dim=2))  # U x [B, S/U, H_j, D]
+        y = torch.stack(all_to_all_uneven(parts, [parts[me].shape] * u, group, kind))  # [U(src), B, S/U, H_me, D]
+    return y.permute(1, 0, 2, 3, 4).reshape(b, u * s_local, counts[me], d)  # [B, S, H_me, D]
 
 
-def _head_to_seq(y: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+def _head_to_seq(y: torch.Tensor, group: dist.ProcessGroup, kind: str, counts: Sequence[int]) -> torch.Tensor:
     u = dist.get_world_size(group)
     b, s, h_local, d = y.shape
-    y = y.reshape(b, u, s // u, h_local, d).permute(1, 0, 2, 3, 4)  # [U(dst), B, S/U, H/U, D]
-    x = all_to_all(y, group, kind)  # [U(src head group), B, S/U, H/U, D]
-    return x.permute(1, 2, 0, 3, 4).reshape(b, s // u, u * h_local, d)  # [B, S/U, H, D]
+    y = y.reshape(b, u, s // u, h_local, d).permute(1, 0, 2, 3, 4)  # [U(dst), B, S/U, H_me, D]
+    if _even(counts):
+        x = all_to_all(y, group, kind)  # [U(src head group), B, S/U, H/U, D]
+        return x.permute(1, 2, 0, 3, 4).reshape(b, s // u, u * h_local, d)  # [B, S/U, H, D]
+    shapes = [(b, s // u, c, d) for c in counts]
+    parts = all_to_all_uneven(list(y.unbind(0)), shapes, group, kind)  # U x [B, S/U, H_j, D]
+    return torch.cat(parts, dim=2)  # [B, S/U, H, D]
 
 
 class _SeqToHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, kind):
-        ctx.group, ctx.kind = group, kind
-        return _seq_to_head(x, group, kind)
+    def forward(ctx, x, group, kind, counts):
+        ctx.group, ctx.kind, ctx.counts = group, kind, counts
+        return _seq_to_head(x, group, kind, counts)
 
     @staticmethod
     def backward(ctx, grad):
-        return _head_to_seq(grad, ctx.group, ctx.kind + "_grad"), None, None
+        return _head_to_seq(grad, ctx.group, ctx.kind + "_grad", ctx.counts), None, None, None
 
 
 class _HeadToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, group, kind):
-        ctx.group, ctx.kind = group, kind
-        return _head_to_seq(y, group, kind)
+    def forward(ctx, y, group, kind, counts):
+        ctx.group, ctx.kind, ctx.counts = group, kind, counts
+        return _head_to_seq(y, group, kind, counts)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_head(grad, ctx.group, ctx.kind + "_grad"), None, None
+        return _seq_to_head(grad, ctx.group, ctx.kind + "_grad", ctx.counts), None, None, None
 
 
-def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, kind: str = "ulysses") -> torch.Tensor:
-    """``[B, S/U, H, D]`` -> ``[B, S, H/U, D]`` (differentiable; ``H`` must be divisible by ``U``)."""
+def _counts(heads: int, group: dist.ProcessGroup, counts: Sequence[int] | None) -> tuple[int, ...]:
+    u = dist.get_world_size(group)
+    if counts is None:
+        assert heads % u == 0, f"{heads} heads do not split evenly over {u} ranks: pass counts"
+        return (heads // u,) * u
+    assert len(counts) == u and sum(counts) == heads, f"head counts {counts} for {heads} heads over {u} ranks"
+    return tuple(counts)
+
+
+def seq_to_head(
+    x: torch.Tensor, group: dist.ProcessGroup, kind: str = "ulysses", counts: Sequence[int] | None = None
+) -> torch.Tensor:
+    """``[B, S/U, H, D]`` -> ``[B, S, counts[u], D]`` (differentiable). ``counts``: heads per rank, contiguous
+    and in rank order, summing to ``H``; ``None`` = ``H / U`` each (``H`` divisible by ``U``)."""
     if dist.get_world_size(group) == 1:
         return x
-    return _SeqToHead.apply(x, group, kind)
+    return _SeqToHead.apply(x, group, kind, _counts(x.size(2), group, counts))
 
 
-def head_to_seq(y: torch.Tensor, group: dist.ProcessGroup, kind: str = "ulysses") -> torch.Tensor:
-    """``[B, S, H/U, D]`` -> ``[B, S/U, H, D]`` (differentiable; inverse of :func:`seq_to_head`)."""
-    if dist.get_world_size(group) == 1:
+def head_to_seq(
+    y: torch.Tensor, group: dist.ProcessGroup, kind: str = "ulysses", counts: Sequence[int] | None = None
+) -> torch.Tensor:
+    """``[B, S, counts[u], D]`` -> ``[B, S/U, H, D]`` (differentiable; inverse of :func:`seq_to_head` with the
+    same ``counts``; ``None`` = ``H / U`` each, ``H = U * y.size(2)``)."""
+    u = dist.get_world_size(group)
+    if u == 1:
         return y
-    return _HeadToSeq.apply(y, group, kind)
+    return _HeadToSeq.apply(y, group, kind, _counts(sum(counts) if counts else u * y.size(2), group, counts))
 
 
-def kv_replication(num_q_heads: int, num_kv_heads: int, ulysses_degree: int) -> int:
-    """How many copies of each KV head the Ulysses all-to-all needs (1 = none). Raises on impossible heads."""
-    u = ulysses_degree
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads} (GQA needs whole groups)."
-        )
-    if num_q_heads % u != 0 or (num_kv_heads % u != 0 and u % num_kv_heads != 0):
-        working = [
-            d
-            for d in range(1, num_q_heads + 1)
-            if num_q_heads % d == 0 and (num_kv_heads % d == 0 or d % num_kv_heads == 0)
-        ]
-        raise ValueError(
-            f"parallel.ulysses_degree={u} does not fit num_heads={num_q_heads}, num_kv_heads={num_kv_heads}: "
-            f"the query heads must split evenly over the Ulysses ranks and the KV heads must either split evenly "
-            f"or divide the degree (then they are replicated). Use ulysses_degree in {working} and put the rest "
-            f"of the sequence parallelism in parallel.ring_degree."
-        )
-    return 1 if num_kv_heads % u == 0 else u // num_kv_heads
-
-
-def kv_seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, replication: int, kind: str) -> torch.Tensor:
-    """K or V ``[B, S/U, Hkv, D]`` -> ``[B, S, max(Hkv, U)/U, D]``, replicating heads ``replication`` times."""
-    if replication > 1:
-        x = x.repeat_interleave(replication, dim=2)  # [B, S/U, U, D]; backward sums the copies
-    return seq_to_head(x, group, kind)
+def kv_seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, heads: UlyssesHeads, kind: str) -> torch.Tensor:
+    """K or V ``[B, S/U, Hkv, D]`` -> ``[B, S, heads.local_kv_heads(u), D]``: the KV heads rank ``u``'s query
+    heads read (:meth:`UlyssesHeads.kv_send_index`), then its local copies (:meth:`UlyssesHeads.kv_expand_index`)."""
+    u = dist.get_world_size(group)
+    if u == 1:
+        return x
+    send = heads.kv_send_index()
+    if send != list(range(x.size(2))):
+        x = x[:, :, send]  # [B, S/U, sum_j kv_j, D]; backward sums a straddling head's copies
+    y = seq_to_head(x, group, kind, heads.kv_counts())  # [B, S, kv_u, D]
+    expand = heads.kv_expand_index(dist.get_rank(group))
+    if expand is not None:
+        y = y[:, :, expand]  # [B, S, local_kv_u, D]: local copies for a uniform GQA group
+    return y

@@ -2,14 +2,16 @@
 
 Per rank, for ``U = ulysses_degree``, ``R = ring_degree``, ``S`` global tokens, ``L = S / (R U)`` local:
 
-1. ``q [B, L, Hq, D]`` -> ``[B, S/R, Hq/U, D]`` by the Ulysses all-to-all (K/V likewise, with
-   ``max(Hkv, U) / U`` heads after GQA replication); the rank now holds its ring rank's whole part.
+1. ``q [B, L, Hq, D]`` -> ``[B, S/R, Hq_u, D]`` by the Ulysses all-to-all (K/V likewise, with the KV heads
+   those query heads read); the rank now holds its ring rank's whole part. ``Hq_u = Hq / U`` when ``U``
+   divides the heads, else ``Hq // U`` or one more (uneven heads, :mod:`usp.attention.heads`).
 2. Ring attention over the ring group on that part (zigzag, contiguous or balanced, as ``mesh.ring_layout``;
    ``balanced`` is placed from ``cu_seqlens``, see :mod:`usp.parallel.balance`).
 3. ``out [B, S/R, Hq/U, D]`` -> ``[B, L, Hq, D]`` by the inverse all-to-all.
 
-Bytes sent per rank per call (element size ``e``, ``Hk' = max(Hkv, U)``; see :func:`usp.attention.cost.analytic_bytes_sent`):
-forward ``(U-1)/U * B*L*D*e * (2*Hq + 2*Hk')`` + ``(R-1) * 2 * B*(S/R)*(Hk'/U)*D*e``.
+Bytes sent per rank per call (element size ``e``, ``Hk' = max(Hkv, U)``, even heads; uneven ones in
+:func:`usp.attention.cost.analytic_bytes_sent`): forward ``(U-1)/U * B*L*D*e * (2*Hq + 2*Hk')`` +
+``(R-1) * 2 * B*(S/R)*(Hk'/U)*D*e``.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
+from usp.attention.heads import ulysses_heads
 from usp.attention.kernels import default_scale, resolve_backend
 from usp.attention.ring import check_head_chunks, ring_attention
-from usp.attention.ulysses import head_to_seq, kv_replication, kv_seq_to_head, seq_to_head
+from usp.attention.ulysses import head_to_seq, kv_seq_to_head, seq_to_head
 from usp.parallel import SPMesh, check_sequence_length
 
 
@@ -51,11 +54,17 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMes
 
 def check_attn_head_chunks(attn_head_chunks: int, num_heads: int, num_kv_heads: int, ulysses_degree: int) -> None:
     """``ValueError`` naming ``parallel.attn_head_chunks`` and the values that work unless it splits the heads
-    each rank holds after the Ulysses all-to-all (``Hq / U`` query heads, ``max(Hkv, U) / U`` K/V heads) into
-    equal groups of whole GQA groups. The one rule, used by :func:`usp_attention` and the trainer's checks."""
-    kv_replication(num_heads, num_kv_heads, ulysses_degree)  # the heads fit the Ulysses degree at all
-    u = ulysses_degree
-    check_head_chunks(attn_head_chunks, num_heads // u, max(num_kv_heads, u) // u)
+    every Ulysses rank holds after the all-to-all (``Hq / U`` query heads and ``max(Hkv, U) / U`` K/V heads
+    when even; each rank's own counts with uneven heads, :mod:`usp.attention.heads`) into equal groups of whole
+    GQA groups; or the heads do not fit the Ulysses degree at all. The one rule, used by
+    :func:`usp_attention` and the trainer's checks."""
+    heads = ulysses_heads(num_heads, num_kv_heads, ulysses_degree)
+    seen = set()
+    for j in range(ulysses_degree):
+        pair = (heads.q_counts[j], heads.local_kv_heads(j))
+        if pair not in seen:
+            seen.add(pair)
+            check_head_chunks(attn_head_chunks, *pair)
 
 
 _last_host_copy: tuple[weakref.ref, int, torch.Tensor] | None = None
@@ -178,8 +187,8 @@ def usp_attention(
         ``out [B, S_local, Hq, D]`` like ``q``. Differentiable w.r.t. ``q, k, v`` (exact gradients).
 
     Raises:
-        ValueError: before any communication, for shapes, heads that don't fit ``ulysses_degree`` (naming
-            degrees that work), sequence lengths that don't fit the layout, bad ``cu_seqlens`` (not covering
+        ValueError: before any communication, for shapes, heads that don't fit ``ulysses_degree`` (more
+            Ulysses ranks than query heads; naming the degrees that work), sequence lengths that don't fit the layout, bad ``cu_seqlens`` (not covering
             ``0 .. S``, batch size above 1, different on different ranks of the group), backend or
             ``attn_head_chunks``.
     """
@@ -188,7 +197,7 @@ def usp_attention(
     b, s_local, hq, d = q.shape
     seq_len = s_local * u * r
     check_sequence_length(seq_len, r, u, mesh.ring_layout)
-    replication = kv_replication(hq, k.size(2), u)
+    heads = ulysses_heads(hq, k.size(2), u)
     check_attn_head_chunks(attn_head_chunks, hq, k.size(2), u)
     kernel = resolve_backend(backend, q.device, q.dtype, head_dim=d)
     scale = default_scale(d, softmax_scale)
@@ -199,11 +208,11 @@ def usp_attention(
     plans = _cached_plans(seq_len, r, mesh.ring_rank, mesh.ring_layout, causal, cu_key)
 
     ulysses_group = mesh.ulysses_group
-    qh = seq_to_head(q, ulysses_group, "ulysses_q")  # [B, S/R, Hq/U, D]
-    kh = kv_seq_to_head(k, ulysses_group, replication, "ulysses_k")  # [B, S/R, max(Hkv, U)/U, D]
-    vh = kv_seq_to_head(v, ulysses_group, replication, "ulysses_v")
+    qh = seq_to_head(q, ulysses_group, "ulysses_q", heads.q_counts)  # [B, S/R, Hq_u, D]
+    kh = kv_seq_to_head(k, ulysses_group, heads, "ulysses_k")  # [B, S/R, Hkv_u, D], Hq_u % Hkv_u == 0
+    vh = kv_seq_to_head(v, ulysses_group, heads, "ulysses_v")
     oh = ring_attention(
         qh, kh, vh, group=mesh.ring_group, plans=plans, softmax_scale=scale, backend=kernel,
         head_chunks=attn_head_chunks,
     )
-    return head_to_seq(oh, ulysses_group, "ulysses_out")  # [B, S/(R U), Hq, D]
+    return head_to_seq(oh, ulysses_group, "ulysses_out", heads.q_counts)  # [B, S/(R U), Hq, D]

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
+from usp.attention.heads import ulysses_heads
 from usp.attention.kernels import attention_backward, attention_forward, default_scale, resolve_backend
-from usp.attention.ulysses import kv_replication
 from usp.data.doc_lengths import DocLengths, boundaries, parse_doc_lengths
 from usp.parallel import ring_rank_pairs
 from usp.parallel.balance import balanced_placement, pieces_to_positions
@@ -52,8 +52,9 @@ def rank_attention_ms(
     ``iters`` after ``warmup``.
     """
     part = seq_len // ring_degree
-    hk = num_kv_heads * kv_replication(num_heads, num_kv_heads, ulysses_degree) // ulysses_degree
-    hq = num_heads // ulysses_degree
+    split = ulysses_heads(num_heads, num_kv_heads, ulysses_degree)
+    busiest = split.busiest_rank()  # uneven heads: the rank with the most heads sets the pace
+    hq, hk = split.q_counts[busiest], split.local_kv_heads(busiest)
     every = [plan_ring_blocks(seq_len, ring_degree, r, layout, causal, cu_seqlens) for r in range(ring_degree)]
     plans = every[ring_rank][: ring_steps_needed(every)]
     g = torch.Generator().manual_seed(ring_rank)

@@ -44,25 +44,13 @@ class USPAttentionState:
 
 
 def check_heads(config: PretrainedConfig, ulysses_degree: int) -> None:
-    """``ValueError`` unless the model's heads can be split over ``ulysses_degree`` ranks.
+    """``ValueError`` unless the model's heads can be split over ``ulysses_degree`` ranks: any degree from 1
+    to the query head count (uneven counts are split as evenly as possible, :mod:`usp.attention.heads`), and
+    the query heads a multiple of the key/value heads."""
+    from usp.attention.heads import ulysses_heads
 
-    Query heads must divide evenly. Key/value heads (GQA) must divide evenly too, or be fewer than the
-    degree and divide it (each KV head is then repeated to cover the degree).
-    """
     hq = config.num_attention_heads
-    hkv = getattr(config, "num_key_value_heads", None) or hq
-    if hq % ulysses_degree != 0:
-        fits = [d for d in range(1, hq + 1) if hq % d == 0]
-        raise ValueError(
-            f"parallel.ulysses_degree={ulysses_degree} does not divide the model's {hq} attention heads "
-            f"(Ulysses splits heads over its ranks). Use a ulysses_degree in {fits} and put the rest of the "
-            f"sequence parallelism in parallel.ring_degree."
-        )
-    if hkv % ulysses_degree != 0 and ulysses_degree % hkv != 0:
-        raise ValueError(
-            f"parallel.ulysses_degree={ulysses_degree} does not fit the model's {hkv} key/value heads: it must "
-            f"divide {hkv} or be a multiple of it. Choose another ulysses_degree and raise parallel.ring_degree."
-        )
+    ulysses_heads(hq, getattr(config, "num_key_value_heads", None) or hq, ulysses_degree)
 
 
 def usp_attention_forward(

@@ -80,15 +80,14 @@ def ulysses_comm(
     """All-to-all per micro step: q, k, v in and the output back, forward and backward, on the critical path.
 
     A rank sends ``(U - 1) / U`` of its local q/k/v/out; with GQA replication (``U`` > KV heads) each KV head
-    is repeated to ``U`` heads before the exchange.
+    is repeated to ``U`` heads before the exchange. Uneven heads (``U`` not dividing them): the busiest
+    rank's sizes (:meth:`ModelSpec.ulysses_a2a_heads`).
     """
     U = ulysses_degree
     if U == 1:
         return {"ulysses_bytes": 0.0, "ulysses_s": 0.0}
     local_tokens = seq_len / (U * ring_degree)
-    kv_heads = max(model.num_kv_heads, U)
-    elems = local_tokens * (2 * model.num_heads + 2 * kv_heads) * model.head_dim
-    per_layer = 2 * elems * compute_bytes * (U - 1) / U  # forward + backward
+    per_layer = local_tokens * model.ulysses_a2a_heads(U) * model.head_dim * compute_bytes  # forward + backward
     total = per_layer * model.num_layers
     return {"ulysses_bytes": total, "ulysses_s": total / (device.intra_node_gbps * GB)}
 

@@ -148,10 +148,12 @@ def compute_time(
     else:  # the row's in-document pairs, the busiest ring rank's share of them
         share = documents.pair_fraction * documents.imbalance(ring_degree, ring_layout)
     attn_fwd_layer = attention_fwd_flops(model, seq_len, seq_len) / 2 / sp * share
+    attn_fwd_layer *= model.ulysses_head_imbalance(ulysses_degree)  # uneven heads: the busiest rank's share
     passes = 1 + ATTN_BWD_OVER_FWD_HW
     attn_flops = attn_fwd_layer * (passes * L + recompute_layers)
-    # One kernel call per ring step: S/R queries against S/R keys (half of that in zigzag steps), H/U heads.
-    heads = model.num_heads // ulysses_degree
+    # One kernel call per ring step: S/R queries against S/R keys (half of that in zigzag steps), H/U heads
+    # (the busiest rank's ceil(H/U) when uneven).
+    heads = model.q_heads_per_rank(ulysses_degree)
     block = seq_len / ring_degree
     step_flops = attention_fwd_flops(model, block, block, heads) / 2
     eff = block_efficiency(step_flops, device)

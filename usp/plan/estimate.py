@@ -200,11 +200,19 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
     )
 
 
+def head_chunk_options_all_ranks(model: ModelSpec, ulysses_degree: int) -> list[int]:
+    """Head chunk counts that split every Ulysses rank's heads (uneven heads: each rank's own counts)."""
+    heads = model.ulysses_heads(ulysses_degree)
+    ranks = {(heads.q_counts[j], heads.local_kv_heads(j)) for j in range(ulysses_degree)}
+    options = [set(head_chunk_options(q, kv)) for q, kv in ranks]
+    return sorted(set.intersection(*options))
+
+
 def head_chunk_candidates(model: ModelSpec, ulysses_degree: int) -> list[int]:
     """The ``parallel.attn_head_chunks`` the planner tries for this Ulysses degree, fewest first: those of
     :data:`HEAD_CHUNK_CANDIDATES` that split the heads per rank into whole GQA groups (the trainer's rule,
     :func:`usp.attention.ring.head_chunk_options`)."""
-    ok = head_chunk_options(model.num_heads // ulysses_degree, model.kv_heads_per_rank(ulysses_degree))
+    ok = head_chunk_options_all_ranks(model, ulysses_degree)
     return [c for c in HEAD_CHUNK_CANDIDATES if c in ok]
 
 
@@ -215,7 +223,7 @@ def head_chunks_to_try(model: ModelSpec, ulysses_degree: int, ring_degree: int, 
     if fixed is None:
         return head_chunk_candidates(model, ulysses_degree)
     U = ulysses_degree
-    if fixed != 1 and fixed not in head_chunk_options(model.num_heads // U, model.kv_heads_per_rank(U)):
+    if fixed != 1 and fixed not in head_chunk_options_all_ranks(model, U):
         return []
     return [fixed]
 

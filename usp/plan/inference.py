@@ -86,13 +86,13 @@ def estimate_inference(
     kv = kv_cache_bytes_per_gpu(model, seq_len, U, R)
     weights = model.num_params * BF16 / W
     local = seq_len / W
-    acts = local * (model.num_heads + 2 * max(model.num_kv_heads, U)) * model.head_dim * BF16
+    acts = local * (model.num_heads + 2 * model.kv_heads_per_rank(U) * U) * model.head_dim * BF16
     free = device.memory_bytes - weights - overhead_gb * GB
     capacity = max(0, math.floor(free / (kv + acts)))
     # Prefill: forward only.
     dense = 2.0 * model.matmul_params * local / (device.peak_flops * device.dense_efficiency)
     attn_flops = attention_fwd_flops(model, seq_len, seq_len) / 2 / W * causal_imbalance(R, ring_layout) * L
-    step = attention_fwd_flops(model, seq_len / R, seq_len / R, model.num_heads // U) / 2
+    step = attention_fwd_flops(model, seq_len / R, seq_len / R, model.q_heads_per_rank(U)) / 2
     attn = attn_flops / (device.peak_flops * block_efficiency(step, device))
     prefill = dense + attn
     fwd_flops_per_token = 2.0 * model.matmul_params + attention_fwd_flops(model, 1, seq_len) / 2 * L

@@ -90,7 +90,7 @@ def activation_bytes_per_token_layer(
     consumers, so the layer keeps its input (``B h``, for the q/k/v tiles) and the residual after attention
     (``B h``, for the norm + MLP tiles) instead of ``2 h (4 + 2B)``, two rsqrt and the MLP's ``4 I B``."""
     h, d, H, B = model.hidden_size, model.head_dim, model.num_heads, compute_bytes
-    kv = max(model.num_kv_heads, ulysses_degree)
+    kv = model.kv_heads_per_rank(ulysses_degree) * ulysses_degree  # max(Hkv, U) when even
     attention = (H + 2 * kv) * d * B + H * d * B * (2 if ulysses_degree > 1 else 1)
     if tiled:
         return 2 * h * B + attention + 4 * H
@@ -243,7 +243,7 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     U, R = ulysses_degree, ring_degree
     s = seq_len / (U * R) * micro_batch_size  # local tokens
     h, d, H = model.hidden_size, model.head_dim, model.num_heads
-    kv = max(model.num_kv_heads, U)
+    kv = model.kv_heads_per_rank(U) * U  # max(Hkv, U) when even
     check_mlp_tiles(mlp_tiles, s)
 
     shard = shard_degree(world_size, node_size, fsdp_mode)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from usp.attention.heads import UlyssesHeads, ulysses_heads
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-2-7b": {
         "hidden_size": 4096,
@@ -39,6 +41,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "intermediate_size": 53248,
         "vocab_size": 128256,
+    },
+    # HuggingFaceTB/SmolLM2-135M(-Instruct), as usp.real builds it: 9 query / 3 KV heads (uneven Ulysses heads)
+    "smollm2-135m": {
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
     },
 }
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -120,28 +133,43 @@ class ModelSpec:
         """Largest Ulysses degree the heads allow: the KV head count without replication, else the query heads."""
         return self.num_heads if replicate_kv else self.num_kv_heads
 
-    def ulysses_split_error(self, ulysses_degree: int) -> str | None:
-        """Why ``ulysses_degree`` cannot split the heads, or None when it can.
+    def ulysses_heads(self, ulysses_degree: int) -> UlyssesHeads:
+        """The heads each Ulysses rank holds (:mod:`usp.attention.heads`); ``ValueError`` when none can."""
+        return ulysses_heads(self.num_heads, self.num_kv_heads, ulysses_degree)
 
-        Query heads must divide evenly; KV heads either divide evenly or, with GQA, are replicated so every
-        rank gets one (``ulysses_degree`` a multiple of the KV head count).
-        """
-        u, h, kv = ulysses_degree, self.num_heads, self.num_kv_heads
-        ok = [x for x in range(1, h + 1) if h % x == 0 and (kv % x == 0 or x % kv == 0)]
-        if h % u != 0:
+    def ulysses_split_error(self, ulysses_degree: int) -> str | None:
+        """Why ``ulysses_degree`` cannot split the heads, or None when it can: any degree from 1 to the query
+        head count works (uneven counts split as evenly as possible, :mod:`usp.attention.heads`)."""
+        u, h = ulysses_degree, self.num_heads
+        if not 1 <= u <= h:
             return (
-                f"num_attention_heads={h} is not divisible by ulysses_degree={u} (degrees that split: {ok})"
+                f"num_attention_heads={h} leaves a Ulysses rank without a query head at ulysses_degree={u} "
+                f"(degrees that split: 1..{h})"
             )
-        if kv % u != 0 and u % kv != 0:
-            return (
-                f"num_key_value_heads={kv} neither divides by ulysses_degree={u} nor divides it (for GQA "
-                f"replication); degrees that split: {ok}"
-            )
+        if h % self.num_kv_heads:
+            return f"num_attention_heads={h} is not a multiple of num_key_value_heads={self.num_kv_heads}"
         return None
 
+    def q_heads_per_rank(self, ulysses_degree: int) -> int:
+        """Query heads of the busiest Ulysses rank after the all-to-all: ``ceil(Hq / U)``."""
+        return self.ulysses_heads(ulysses_degree).max_q_heads
+
     def kv_heads_per_rank(self, ulysses_degree: int) -> int:
-        """KV heads each Ulysses rank holds after the all-to-all (1 when the heads are replicated)."""
-        return max(self.num_kv_heads // ulysses_degree, 1)
+        """K/V heads the busiest Ulysses rank holds after the all-to-all (1 when the heads are replicated;
+        with uneven heads, its received KV heads and their local copies)."""
+        heads = self.ulysses_heads(ulysses_degree)
+        return heads.local_kv_heads(heads.busiest_rank())
+
+    def ulysses_head_imbalance(self, ulysses_degree: int) -> float:
+        """Attention work of the busiest Ulysses rank over the mean: ``ceil(Hq / U) * U / Hq`` (1 when even)."""
+        return self.q_heads_per_rank(ulysses_degree) * ulysses_degree / self.num_heads
+
+    def ulysses_a2a_heads(self, ulysses_degree: int) -> int:
+        """Heads (times the local tokens) the busiest rank sends in one layer's all-to-alls, forward and
+        backward: ``4 (U - 1) / U (Hq + max(Hkv, U))`` when even."""
+        heads = self.ulysses_heads(ulysses_degree)
+        sent = [heads.a2a_heads_sent(j) for j in range(ulysses_degree)]
+        return max(s["fwd"] + s["bwd"] for s in sent)
 
 
 def load_model_spec(model: str | dict[str, Any]) -> ModelSpec:
