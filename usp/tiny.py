@@ -20,6 +20,9 @@ from typing import Any
 
 from usp.atomic import write_dir, write_text
 
+TINY_MODEL_DIR = "tiny-llama"
+"""Where ``model.build_tiny`` builds the tiny model: ``<run dir>/tiny-llama`` (``conf/model/tiny.yaml``), and
+nowhere else."""
 TINY_LLAMA_DEFAULTS: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
