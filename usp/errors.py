@@ -152,16 +152,40 @@ def guarded(prog: str, fn: Callable[[], int | None], *, verbose: bool = False) -
 
 
 # --- paths that settings name -------------------------------------------------------------------------
-def path_error(setting: str, path: str | os.PathLike, err: OSError, doing: str = "cannot be written") -> ValueError:
-    """``ValueError`` naming ``setting``, ``path`` and the OS error, with the fix."""
-    hint = {
+def _hint(err: OSError) -> str:
+    return {
         errno.ENOSPC: "free space there or point it at a filesystem with room",
         errno.EFBIG: "the file size limit (ulimit -f) or the filesystem's maximum file size was reached; raise it "
         "or point it elsewhere",
         errno.EDQUOT: "the disk quota is exhausted; free space or point it elsewhere",
         errno.EROFS: "the filesystem is read-only; point it at a writable directory",
     }.get(err.errno or 0, "point it at a directory this user can write")
-    return ValueError(f"{setting}={str(path)!r} {doing}: {os_error_text(err)}; {hint} ({setting}=...).")
+
+
+def path_error(setting: str, path: str | os.PathLike, err: OSError, doing: str = "cannot be written") -> ValueError:
+    """``ValueError`` (a setting to change, exit 2) naming ``setting``, ``path`` and the OS error, with the fix."""
+    return ValueError(f"{setting}={str(path)!r} {doing}: {os_error_text(err)}; {_hint(err)} ({setting}=...).")
+
+
+class SettingPathError(OSError):
+    """An OS error while writing under a path a setting names (a disk that filled up during a checkpoint):
+    ``str()`` is the whole message, naming the setting, the path and the errno; ``errno`` is the OS error's."""
+
+    def __init__(self, setting: str, path: str | os.PathLike, err: OSError, doing: str) -> None:
+        super().__init__(err.errno, err.strerror, str(path))
+        self.message = f"{setting}={str(path)!r}: {doing} failed: {os_error_text(err)}; {_hint(err)}."
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def as_setting_path_error(err: BaseException, setting: str, path: str | os.PathLike, doing: str) -> BaseException:
+    """``err`` as a :class:`SettingPathError` when an OS error is in its chain (else ``err`` itself): the
+    errno that a wrapper (torch's zip writer: "unexpected pos") hid, with the setting and the path."""
+    os_err = find_os_error(err)
+    if os_err is None or isinstance(err, SettingPathError):
+        return err
+    return SettingPathError(setting, path, os_err, doing)
 
 
 def check_writable_dir(path: str | os.PathLike, setting: str) -> None:

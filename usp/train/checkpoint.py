@@ -70,6 +70,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from usp.atomic import fsync_dir, publish_dir
 from usp.atomic import write_file as _write_file
+from usp.errors import as_setting_path_error
 from usp.parallel.agree import dist_rank, dist_world_size, raise_if_any_failed
 from usp.parallel.agree import distributed as _distributed
 
@@ -164,8 +165,33 @@ def save_checkpoint(
 
     Collective: call on every rank (or in a single process without a process group). Returns the final path
     once the checkpoint is complete on disk. Keeps the newest ``keep_last`` complete checkpoints. Raises
-    ``RuntimeError`` on every rank if any rank failed; the previous checkpoints are then untouched.
+    ``RuntimeError`` on every rank if any rank failed; the previous checkpoints are then untouched. A failure
+    with an OS error behind it (a full disk, ``ulimit -f``, a quota) is raised as
+    :class:`usp.errors.SettingPathError` on the rank that saw it: ``trainer.checkpoint_dir``, the path and the
+    errno, however deep torch wrapped it.
     """
+    try:
+        return _save_checkpoint(
+            ckpt_root, step, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra, keep_last=keep_last
+        )
+    except Exception as e:
+        tmp = Path(ckpt_root) / f"{TMP_PREFIX}{step}"
+        failure = as_setting_path_error(e, "trainer.checkpoint_dir", ckpt_root, f"writing checkpoint step {step} ({tmp})")
+        if failure is e:
+            raise
+        raise failure from e
+
+
+def _save_checkpoint(
+    ckpt_root: str | os.PathLike,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: Optimizer | None,
+    scheduler: LRScheduler | None,
+    extra: dict[str, Any],
+    keep_last: int,
+) -> Path:
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"trainer.keep_last={keep_last!r} is invalid: keep at least 1 checkpoint (e.g. 2).")
     if not isinstance(step, int) or step < 0:
