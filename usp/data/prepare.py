@@ -35,6 +35,7 @@ from usp.atomic import publish_dir, temp_path
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
 from usp.data.sources import check_inputs, is_prepared_dataset, load_text_sources
 from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, load_tokenizer, tokenize_documents
+from usp.errors import guarded, pop_verbose
 from usp.modes import RING_LAYOUTS
 from usp.parallel import check_sequence_length
 from usp.units import parse_seq_len
@@ -397,34 +398,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """``usp-prepare-data``: a bad flag gets argparse's usage; a data error is one ``usp-prepare-data: error:``
+    line alone (:func:`usp.errors.report`; its traceback with ``--verbose``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = pop_verbose(argv)
+    args = build_parser().parse_args(argv)
+    return guarded("usp-prepare-data", lambda: _prepare(args), verbose=verbose)
+
+
+def _prepare(args: argparse.Namespace) -> int:
     try:
         check_sequence_length(args.seq_len, args.ring_degree, args.ulysses_degree, args.ring_layout)
     except ValueError as e:
-        parser.error(str(e).replace("trainer.seq_len =", "--seq-len"))
-    try:
-        shaping = LengthShaping(args.min_doc_tokens, args.long_doc_threshold, args.long_doc_factor)
-        tokenizer = load_tokenizer(args.tokenizer)
-        prepare_dataset(
-            args.input,
-            tokenizer=tokenizer,
-            seq_len=args.seq_len,
-            output=args.output,
-            text_field=args.text_field[0] if len(args.text_field) == 1 else args.text_field,
-            weights=args.weights,
-            seed=args.seed,
-            streaming=args.streaming,
-            num_proc=args.num_proc,
-            cache_dir=args.cache_dir,
-            shaping=shaping,
-            add_bos=not args.no_bos,
-            max_documents=args.max_documents,
-            overwrite=args.overwrite,
-            skip_non_text=args.skip_non_text,
-        )
-    except ValueError as e:
-        parser.error(str(e))
+        raise ValueError(str(e).replace("trainer.seq_len =", "--seq-len")) from e
+    shaping = LengthShaping(args.min_doc_tokens, args.long_doc_threshold, args.long_doc_factor)
+    tokenizer = load_tokenizer(args.tokenizer)
+    prepare_dataset(
+        args.input,
+        tokenizer=tokenizer,
+        seq_len=args.seq_len,
+        output=args.output,
+        text_field=args.text_field[0] if len(args.text_field) == 1 else args.text_field,
+        weights=args.weights,
+        seed=args.seed,
+        streaming=args.streaming,
+        num_proc=args.num_proc,
+        cache_dir=args.cache_dir,
+        shaping=shaping,
+        add_bos=not args.no_bos,
+        max_documents=args.max_documents,
+        overwrite=args.overwrite,
+        skip_non_text=args.skip_non_text,
+    )
     return 0
 
 

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from usp.config import TrainConfig
+from usp.errors import pop_verbose, report
 from usp.launch import commands, preflight
 from usp.launch.overrides import check_degrees, find_override, validate_override_syntax
 
@@ -169,6 +170,30 @@ def compose_run_config(overrides: Sequence[str], entry: str = "train") -> TrainC
         raise LaunchError(str(exc)) from exc
 
 
+def _check_dirs(overrides: Sequence[str], cfg: TrainConfig, entry: str, *, on_this_machine: bool) -> None:
+    """``hydra.run.dir`` (and for training ``trainer.checkpoint_dir``) must be writable: the trainer's own
+    start-up check (:func:`usp.errors.check_writable_dir`). For ``slurm`` the job's nodes may see other
+    filesystems than this login node: a warning instead of an error."""
+    from usp.errors import check_writable_dir
+    from usp.train.__main__ import hydra_run_dir
+
+    try:
+        run_dir = hydra_run_dir(overrides, "eval" if entry == "eval" else "train")
+    except Exception:  # noqa: BLE001 - a run dir only the job can resolve (no rendezvous id here): its own check
+        return
+    dirs = [("hydra.run.dir", run_dir)]
+    if entry == "train":
+        dirs.append(("trainer.checkpoint_dir", cfg.trainer.checkpoint_dir or str(Path(run_dir) / "checkpoints")))
+    for setting, path in dirs:
+        try:
+            check_writable_dir(path, setting)
+        except ValueError as exc:
+            if on_this_machine:
+                raise LaunchError(str(exc)) from exc
+            print(f"usp-launch: warning: {exc} (from this machine; the job's nodes may see it otherwise)",
+                  file=sys.stderr)  # fmt: skip
+
+
 def _launching(nodes: int, nproc_per_node: int, node_size: object) -> str:
     """What usp-launch is about to start, for a layout error: the world size and the node size's origin."""
     where = (f"usp-launch starts {nodes} node(s) x {nproc_per_node} process(es) per node = "
@@ -254,6 +279,8 @@ def plan_command(
     entry = getattr(args, "entry", "train")
     module = commands.ENTRY_MODULES[entry]
     cfg = None if hydra_flags else compose_run_config(overrides, entry)
+    if cfg is not None:
+        _check_dirs(overrides, cfg, entry, on_this_machine=args.mode != "slurm")
 
     if args.mode == "local":
         if args.nproc_per_node not in (None, 1):
@@ -372,6 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``usp-launch``; returns the exit status (the launched command's, or 2 on bad input)."""
     words = list(sys.argv[1:] if argv is None else argv)
     after_dashes: list[str] = []
+    tail = words[words.index("--") :] if "--" in words else []
+    head = words[: len(words) - len(tail)]
+    verbose = pop_verbose(head)  # usp-launch's own --verbose: before a literal -- (after it: the entry's words)
+    words = [*head, *tail]
     if "--" in words:
         cut = words.index("--")
         words, after_dashes = words[:cut], words[cut + 1 :]
@@ -394,9 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(shlex.join(cmd))
             return 0
         return _run(cmd)
-    except ValueError as exc:
-        print(f"usp-launch: error: {exc}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the one report of a failure (usp.errors)
+        return report("usp-launch", exc, verbose=verbose)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 
+from usp.errors import pop_verbose, report
 from usp.modes import RING_LAYOUTS
 from usp.plan.calibrate import Calibration, calibrate, format_report, read_bench_json, read_training_run
 from usp.plan.compute import DocumentWork
@@ -297,6 +298,7 @@ def _main_calibrate(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = pop_verbose(argv)
     try:
         if argv and argv[0] == "calibrate":
             return _main_calibrate(argv[1:])
@@ -379,12 +381,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if documents is not None:
                 print(format_documents(documents, layouts[0], args.ring_layout))
         return 0
-    except ValueError as e:
-        print(f"usp-plan: error: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `usp-plan ... | head`: the reader left; not an error
         sys.stdout = open(os.devnull, "w")  # keeps the interpreter's final flush quiet
         return 0
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the one report of a failure (usp.errors)
+        return report("usp-plan", e, verbose=verbose)
 
 
 if __name__ == "__main__":
