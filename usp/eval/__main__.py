@@ -28,6 +28,7 @@ from usp.train.__main__ import (
     register_configs,
     run_hydra_app,
 )
+from usp.units import expand_length_overrides
 
 CONFIG_NAME = "eval"
 
@@ -67,6 +68,7 @@ def compose_eval_config(overrides: Sequence[str] = (), *, run_dir: str | None = 
 
     check_conf_dir()
     register_configs()
+    overrides = expand_length_overrides(list(overrides))
     check_override_keys(overrides, TrainConfig, config_groups())
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()

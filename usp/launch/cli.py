@@ -232,7 +232,13 @@ def _check(
     except ValueError as exc:
         node_size = find_override(overrides, "parallel.node_size") if cfg is None else cfg.parallel.node_size
         raise LaunchError(f"{exc} ({_launching(nodes, nproc_per_node, node_size)})") from exc
-    if not train:  # the estimate is of training memory
+    if not train:  # the estimate is of training memory; usp-eval's own checks instead
+        try:
+            note = preflight.check_eval(cfg, world_size=world, local_world_size=nproc_per_node)
+        except ValueError as exc:
+            raise LaunchError(f"{exc} ({_launching(nodes, nproc_per_node, cfg.parallel.node_size)})") from exc
+        if note:
+            print(f"usp-launch: {note}", file=sys.stderr)
         return
     try:
         note = preflight.check_memory(cfg, world_size=world, local_world_size=nproc_per_node)
@@ -240,6 +246,8 @@ def _check(
         if memory:
             raise
         note = f"warning: {exc}"
+    if note is None:
+        note = preflight.memory_skipped_reason(cfg)
     if note:
         print(f"usp-launch: {note}", file=sys.stderr)
 

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from usp.config import TrainConfig, validate_choices, validate_layout
 from usp.config_keys import check_composed_keys, check_override_keys
+from usp.units import expand_length_overrides
 
 REQUEUE_EXIT_CODE = 75
 """Exit status of a run stopped by SIGTERM/SIGUSR1/SIGINT once its checkpoint is saved (the same number as
@@ -142,6 +143,7 @@ def compose_config(overrides: Sequence[str] = (), *, run_dir: str | None = None)
 
     check_conf_dir()
     register_configs()
+    overrides = expand_length_overrides(list(overrides))
     check_override_keys(overrides, TrainConfig, config_groups())
     if GlobalHydra.instance().is_initialized():  # e.g. called from inside a running Hydra app
         GlobalHydra.instance().clear()
@@ -256,6 +258,7 @@ def run_hydra_app(task: Callable[[DictConfig], None], *, config_name: str, prog:
 
     argv = sys.argv[1:]
     verbose = pop_verbose(argv)
+    argv = expand_length_overrides(argv)  # trainer.seq_len=128K, as usp-plan and usp-prepare-data take it
     sys.argv[1:] = argv
     check_conf_dir()
     register_configs()
