@@ -2,7 +2,7 @@
 
 Example (a Llama 3 checkpoint, 128K rows, long documents upsampled 2x)::
 
-    usp-prepare-data --input corpus/*.jsonl --input owner/books --weights 0.7 0.3 \\
+    usp-prepare-data --input 'corpus/*.jsonl' --input owner/books --weights 0.7 0.3 \\
         --tokenizer /ckpt/Meta-Llama-3-8B --seq-len 131072 --num-proc 16 \\
         --long-doc-threshold 32768 --long-doc-factor 2 --output /data/prepared-128k
 
@@ -258,8 +258,8 @@ def summary(stats: PackStats, output: Path | str) -> str:
         f"usp-prepare-data: {stats.documents_in} documents ({stats.documents_filtered} filtered, "
         f"{stats.documents_upsampled} upsampled copies, {stats.extra.get('documents_empty', 0)} empty skipped"
         f"{_non_text(stats)}) -> "
-        f"{stats.rows} rows x {stats.seq_len} tokens at {output}; {stats.documents_split} documents split across "
-        f"rows; {stats.tokens_dropped} tail tokens dropped ({share:.3f}%); {stats.document_tokens} tokens in "
+        f"{stats.rows} rows x {stats.seq_len} tokens at {output}; {stats.documents_split} row boundaries cut a "
+        f"document (it continues in the next row); {stats.tokens_dropped} tail tokens dropped ({share:.3f}%); {stats.document_tokens} tokens in "
         f"{stats.seconds:.1f}s = {stats.extra.get('tokens_per_s', 0.0):,.0f} tokens/s"
     )
 
@@ -349,9 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--input",
-        action="append",
+        action="extend",
+        nargs="+",
         required=True,
-        help="file, glob, saved dataset dir or hub name (owner/name[:config]); repeat for several sources",
+        help="file, glob, saved dataset dir or hub name (owner/name[:config]); several after one --input (a glob "
+        "the shell expanded) or --input repeated: one source each",
     )
     p.add_argument(
         "--text-field",
