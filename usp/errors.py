@@ -97,7 +97,8 @@ def exit_status(err: BaseException) -> int:
 
 
 def _log_files() -> list[logging.Handler]:
-    return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    return [h for h in logging.getLogger().handlers
+            if isinstance(h, logging.FileHandler) and h.baseFilename != os.devnull]  # fmt: skip
 
 
 def log_traceback(err: BaseException, prog: str) -> list[str]:

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -122,6 +123,20 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
         yield
+
+
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer, keeping this rank's own write error (with its ``__context__`` chain) before DCP
+    gathers a pickled copy of it from every rank."""
+
+    error: BaseException | None = None
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().write_data(plan, planner)
+        except BaseException as e:
+            self.error = e
+            raise
 
 
 def _first_failure(error: CheckpointException) -> str:
@@ -217,11 +232,14 @@ def _save_checkpoint(
     raise_if_any_failed(error, f"preparing checkpoint directory {tmp}")
 
     # 2. model + optimizer shards (DCP gathers errors across ranks itself and raises on every rank)
+    writer = _RecordingWriter(tmp / DCP_DIR)
     try:
         with _single_process_quiet():
-            dcp.save(_model_optim_state(model, optimizer), checkpoint_id=tmp / DCP_DIR, no_dist=not _distributed())
+            dcp.save(_model_optim_state(model, optimizer), storage_writer=writer, no_dist=not _distributed())
     except CheckpointException as e:  # raised on every rank; a BaseException, so make it an ordinary error
-        raise RuntimeError(f"writing checkpoint step {step} failed: {_first_failure(e)}") from e
+        # this rank's own error keeps its chain (the OSError behind torch's "unexpected pos"); DCP's copy of it,
+        # gathered from the ranks, was pickled without it
+        raise RuntimeError(f"writing checkpoint step {step} failed: {_first_failure(e)}") from (writer.error or e)
 
     # 3. small per-rank and global files
     error = None
