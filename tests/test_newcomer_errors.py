@@ -153,8 +153,10 @@ def test_ctrl_c_under_torchrun_checkpoints_says_one_line_and_exits_like_sigterm(
     assert 13 <= stopped_at < 400
     assert (run_dir / "checkpoints" / f"step_{stopped_at}" / "COMPLETE").is_file(), out[-3000:]
     assert f"stopped by SIGINT after step {stopped_at}" in (run_dir / "usp-train.log").read_text()
-    assert "KeyboardInterrupt" not in out, out[-3000:]
-    assert "exitcode  : 75" in out, out[-3000:]
+    assert "KeyboardInterrupt" not in out, out[-3000:]  # no rank interrupted inside a collective
+    # one line from the job (rank 0), as for SIGTERM; torchrun's own report of the signal it got is its own
+    assert out.count(f"stopped by SIGINT after step {stopped_at}: checkpoint ") == 1, out[-3000:]
+    assert "exiting with status 75" in out
 
 
 # --- row 3: usp-eval on a damaged model.safetensors -----------------------------------------------------------

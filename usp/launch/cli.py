@@ -37,6 +37,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -400,7 +401,13 @@ def _run(cmd: list[str]) -> int:
         where = "a SLURM login node" if cmd[0] in ("sbatch", "srun") else "an environment with torch installed"
         raise LaunchError(f"`{cmd[0]}` is not on PATH: run this on {where}, or use --dry-run to print the command.")
     print(f"usp-launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    return subprocess.run([exe, *cmd[1:]], env=env).returncode
+    # Ctrl-C reaches the job too (the terminal's process group), which checkpoints and exits: wait for it
+    # instead of dying first. A Python handler, not SIG_IGN: the child starts with the default again.
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        return subprocess.run([exe, *cmd[1:]], env=env).returncode
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
