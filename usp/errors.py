@@ -124,9 +124,9 @@ def report(
     """Say ``err`` once as ``<prog>: error: <one line>`` and return the exit status (:func:`exit_status`).
 
     The traceback goes to the log files (:func:`log_traceback`) and, with ``verbose``, to stderr. Under a
-    launcher (``RANK`` set) rank 0 says it at once; the other ranks wait :data:`REPORT_GRACE_S` first and then
-    say it too (a launcher that already stopped them never lets them: the reason is said once, and never
-    lost). ``record`` (e.g. torchrun's error file) gets the error on every rank.
+    launcher (``RANK`` set) only rank 0 prints it; the other ranks wait :data:`REPORT_GRACE_S` first (so rank
+    0 is the first to fail and the launcher stops them) and then only ``record`` it: ``record`` (torchrun's
+    error file, whose failure summary shows it) gets the error on every rank, so the reason is never lost.
     """
     rank = int(os.environ.get("RANK", "0") or 0)
     if rank != 0:
@@ -134,6 +134,8 @@ def report(
     if record is not None:
         record(err)
     files = log_traceback(err, prog) if not isinstance(err, ValueError) or verbose else []
+    if rank != 0:  # rank 0 says it; this rank's reason is in the launcher's error file (``record``)
+        return exit_status(err)
     line = f"{prog}: error: {one_line(err)}"
     if verbose:
         traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)

@@ -111,13 +111,14 @@ def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) ->
     )
 
 
-def memory_skipped_reason(cfg: TrainConfig) -> str:
-    """Why :func:`check_memory` gave no figure for ``cfg`` (it returned ``None``): a note for the user."""
+def memory_skipped_reason(cfg: TrainConfig) -> str | None:
+    """Why :func:`check_memory` gave no figure for ``cfg`` (it returned ``None``): a note for the user; None
+    for the tiny demo model (built at start-up, a few MiB: nothing to say)."""
     p = cfg.parallel
     if "auto" in (p.ulysses_degree, p.ring_degree):
         return "memory: not checked here: the degrees are auto (the planner picks a layout that fits at start-up)"
     if cfg.model.build_tiny:
-        return "memory: not checked here: the tiny demo model is built at start-up (model.build_tiny)"
+        return None
     return (
         f"memory: not checked here: {cfg.model.path}/config.json cannot be read on this machine (model.path), so "
         f"the planner has no model to estimate; the trainer checks the model at start-up"
