@@ -22,8 +22,10 @@ value of the wrong type or a missing ``model.path`` is reported here). The compo
 from the recipe or the command line) is then checked against the processes about to start by the trainer's
 own checks, :func:`usp.config.validate_layout` (:class:`usp.parallel.ParallelDims` and ``trainer.seq_len``),
 and its memory by the planner's estimate (:mod:`usp.launch.preflight`; ``--skip-memory-check`` lets a
-layout above the device memory through). Errors print a message naming the setting and the fix, and exit
-with status 2.
+layout above the device memory through; a skipped estimate is said, with why), or for ``--entry eval`` the
+eval's own checks (lengths, heads); ``hydra.run.dir`` and ``trainer.checkpoint_dir`` must be writable.
+Errors print one ``usp-launch: error:`` line naming the setting and the fix (:mod:`usp.errors`;
+``--verbose`` adds the traceback), and exit with status 2.
 
 Words after a literal ``--`` that are not ``key=value`` overrides (Hydra's own flags: ``-- --cfg job``,
 ``-- --help``) are passed to ``usp.train`` unchanged; the run config is then not composed, and only the
