@@ -165,7 +165,9 @@ def _hint(err: OSError) -> str:
     }.get(err.errno or 0, "point it at a directory this user can write")
 
 
-def path_error(setting: str, path: str | os.PathLike, err: OSError, doing: str = "cannot be written") -> ValueError:
+def path_error(
+    setting: str, path: str | os.PathLike, err: OSError, doing: str = "cannot be written"
+) -> ValueError:
     """``ValueError`` (a setting to change, exit 2) naming ``setting``, ``path`` and the OS error, with the fix."""
     return ValueError(f"{setting}={str(path)!r} {doing}: {os_error_text(err)}; {_hint(err)} ({setting}=...).")
 
@@ -182,7 +184,9 @@ class SettingPathError(OSError):
         return self.message
 
 
-def as_setting_path_error(err: BaseException, setting: str, path: str | os.PathLike, doing: str) -> BaseException:
+def as_setting_path_error(
+    err: BaseException, setting: str, path: str | os.PathLike, doing: str
+) -> BaseException:
     """``err`` as a :class:`SettingPathError` when an OS error is in its chain (else ``err`` itself): the
     errno that a wrapper (torch's zip writer: "unexpected pos") hid, with the setting and the path."""
     os_err = find_os_error(err)
@@ -202,7 +206,9 @@ def check_writable_dir(path: str | os.PathLike, setting: str) -> None:
             break
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"{setting}={str(path)!r}: {str(probe)!r} is a file, not a directory; choose another path.")
+        raise ValueError(
+            f"{setting}={str(path)!r}: {str(probe)!r} is a file, not a directory; choose another path."
+        )
     try:
         with tempfile.TemporaryFile(dir=probe, prefix=".usp-write-check-"):
             pass
