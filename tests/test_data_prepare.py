@@ -133,13 +133,12 @@ def test_usp_prepare_data_cli_on_jsonl(tmp_path, tokenizer, capsys):
     assert stats["documents_split"] >= 300 // seq_len
     assert not list(tmp_path.glob(".prepared.work-*"))  # the work dir is cleaned up
     # never overwrite silently; --overwrite replaces a previous output only
-    with pytest.raises(SystemExit):
-        prepare_main(["--input", str(src), "--text-field", "body", "--tokenizer", str(tok_dir), "--seq-len", "48",
-                      "--output", str(out)])  # fmt: skip
+    assert prepare_main(["--input", str(src), "--text-field", "body", "--tokenizer", str(tok_dir), "--seq-len", "48",
+                         "--output", str(out)]) == 2  # fmt: skip
     assert "already exists" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # a length that does not suit the training layout, before any work
-        prepare_main(["--input", "/missing.jsonl", "--tokenizer", str(tok_dir), "--seq-len", "30",
-                      "--ring-degree", "2", "--ulysses-degree", "2", "--output", str(tmp_path / "x")])  # fmt: skip
+    # a length that does not suit the training layout, before any work
+    assert prepare_main(["--input", "/missing.jsonl", "--tokenizer", str(tok_dir), "--seq-len", "30",
+                         "--ring-degree", "2", "--ulysses-degree", "2", "--output", str(tmp_path / "x")]) == 2  # fmt: skip
     assert "--seq-len 24 or 32" in capsys.readouterr().err
 
 

@@ -22,6 +22,9 @@ from typing import Any
 
 from usp.atomic import write_dir, write_text
 
+TINY_MODEL_DIR = "tiny-llama"
+"""Where ``model.build_tiny`` builds the tiny model: ``<run dir>/tiny-llama`` (``conf/model/tiny.yaml``), and
+nowhere else."""
 TINY_LLAMA_DEFAULTS: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -90,6 +93,11 @@ def build_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 384):
     return hf
 
 
+def is_tiny_model(config: Any) -> bool:
+    """Whether a Hugging Face config is one :func:`build_tiny_llama` wrote (or an export of one)."""
+    return bool(getattr(config, "usp_tiny", False))
+
+
 def build_tiny_llama(path: str | os.PathLike, seed: int = 0, **config_overrides: Any) -> Path:
     """Save a tiny random Llama checkpoint (+ tokenizer) at ``path`` unless one is already there.
 
@@ -113,6 +121,7 @@ def build_tiny_llama(path: str | os.PathLike, seed: int = 0, **config_overrides:
             pad_token_id=tokenizer.pad_token_id,
             **fields,
         )
+        config.usp_tiny = True  # saved in config.json and kept by the export: "the random demo model"
         torch.manual_seed(seed)
         LlamaForCausalLM(config).save_pretrained(str(tmp), safe_serialization=True)
 

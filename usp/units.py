@@ -20,3 +20,37 @@ def parse_seq_len(text: str) -> int:
     if value != int(value) or value < 1:
         raise argparse.ArgumentTypeError(f"--seq-len={text!r} is not a whole positive number of tokens.")
     return int(value)
+
+
+LENGTH_KEYS: tuple[str, ...] = (
+    "trainer.seq_len",
+    "trainer.loss_chunk_size",
+    "model.max_position_embeddings",
+    "data.long_doc_threshold",
+    "eval.lengths",
+    "eval.original_context_length",
+)
+"""Config keys that hold token counts: on the command line they take the same syntax as ``--seq-len``."""
+_LENGTH = re.compile(r"\s*\d+(?:\.\d+)?\s*[kKmMgG]\s*")
+
+
+def expand_length_overrides(overrides: list[str]) -> list[str]:
+    """``trainer.seq_len=1K`` -> ``trainer.seq_len=1024`` (and ``eval.lengths=[1K,2K]``): Hydra overrides of
+    :data:`LENGTH_KEYS` in the one length syntax, made integers before Hydra types them. Anything else, and
+    a value that is not a length, is left for Hydra (and its error)."""
+    out = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key.lstrip("+") in LENGTH_KEYS:
+            listed = value.startswith("[") and value.endswith("]")
+            parts = value[1:-1].split(",") if listed else [value]
+            if any(_LENGTH.fullmatch(x) for x in parts):
+                try:
+                    ints = [str(parse_seq_len(x)) if _LENGTH.fullmatch(x) else x.strip() for x in parts]
+                except ValueError:
+                    out.append(item)
+                    continue
+                value = f"[{','.join(ints)}]" if listed else ints[0]
+                item = f"{key}={value}"
+        out.append(item)
+    return out

@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import socket
+import sys
 import time
 from collections.abc import Sequence
 
@@ -43,8 +44,11 @@ from usp.attention.cost import analytic_bytes_sent, imbalance, ring_work
 from usp.attention.kernels import resolve_backend
 from usp.bench.balance import rank_attention_ms
 from usp.data.doc_lengths import boundaries, parse_doc_lengths
+from usp.errors import guarded, pop_verbose
+from usp.modes import ATTENTION_BACKENDS
 from usp.parallel import init_sp_mesh, sequence_multiple
 from usp.parallel.process_group import init_distributed, resolve_device
+from usp.units import parse_seq_len
 
 COLUMNS = [
     ("ulysses", "U", "{}"),
@@ -74,18 +78,28 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _lengths(text: str) -> list[int]:
+    """``1024,4K,1M`` -> token counts (:func:`usp.units.parse_seq_len`, the one length syntax)."""
+    return [parse_seq_len(x) for x in text.split(",") if x]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="usp-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4, help="gloo ranks to spawn when not launched by torchrun")
     p.add_argument("--ulysses", type=_ints, default=[1, 2, 4], help="ulysses degrees, comma-separated")
     p.add_argument("--ring", type=_ints, default=[1, 2, 4], help="ring degrees, comma-separated")
     p.add_argument("--layouts", default="zigzag,contiguous", help="ring layouts, comma-separated")
-    p.add_argument("--seq", type=_ints, default=[1024, 4096], help="global sequence lengths")
+    p.add_argument(
+        "--seq", type=_lengths, default=[1024, 4096],
+        help="global sequence lengths, comma-separated (1024, 4K, 1M; default 1024,4096)",
+    )  # fmt: skip
     p.add_argument("--heads", type=_ints, default=[8], help="query heads")
     p.add_argument("--kv-heads", type=_ints, default=[2, 8], help="KV heads")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--head-dim", type=int, default=64, help="dimension of each head (default 64)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per forward (default 1)")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="q/k/v dtype (default float32)"
+    )
     p.add_argument("--no-causal", dest="causal", action="store_false", help="non-causal attention")
     p.add_argument(
         "--doc-len",
@@ -101,9 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="pack documents drawn from SPEC (lognormal:mean=8192[,sigma=1.0][,seed=0], fixed:2048, "
         "lengths:2048,65536,2048x31, file:PATH); repeat for several mixtures; needs --batch 1",
     )
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--backend", default="auto",
+        help=f"local attention kernel, as model.attention_backend: {', '.join(ATTENTION_BACKENDS)} (default auto)",
+    )  # fmt: skip
+    p.add_argument("--iters", type=int, default=3, help="timed iterations per case (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations before them (default 1)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p
 
@@ -355,7 +372,13 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     return None
 
 
-if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
+def cli(argv: Sequence[str] | None = None) -> int:
+    """Console script ``usp-bench``: :func:`main`, its failures one ``usp-bench: error:`` line
+    (:mod:`usp.errors`; the traceback with ``--verbose``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = pop_verbose(argv)
+    return guarded("usp-bench", lambda: (main(argv), 0)[1], verbose=verbose)
 
-    record(main)()  # under torchrun, a failing rank's traceback lands in torchrun's summary
+
+if __name__ == "__main__":
+    sys.exit(cli())

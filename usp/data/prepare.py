@@ -2,7 +2,7 @@
 
 Example (a Llama 3 checkpoint, 128K rows, long documents upsampled 2x)::
 
-    usp-prepare-data --input corpus/*.jsonl --input owner/books --weights 0.7 0.3 \\
+    usp-prepare-data --input 'corpus/*.jsonl' --input owner/books --weights 0.7 0.3 \\
         --tokenizer /ckpt/Meta-Llama-3-8B --seq-len 131072 --num-proc 16 \\
         --long-doc-threshold 32768 --long-doc-factor 2 --output /data/prepared-128k
 
@@ -36,6 +36,7 @@ from usp.atomic import publish_dir, temp_path
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
 from usp.data.sources import check_inputs, is_prepared_dataset, load_text_sources
 from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, load_tokenizer, tokenize_documents
+from usp.errors import guarded, pop_verbose
 from usp.modes import DATA_FORMATS, LONG_CONVERSATIONS, LOSS_ON, RING_LAYOUTS
 from usp.parallel import check_sequence_length
 from usp.units import parse_seq_len
@@ -258,8 +259,8 @@ def summary(stats: PackStats, output: Path | str) -> str:
         f"usp-prepare-data: {stats.documents_in} documents ({stats.documents_filtered} filtered, "
         f"{stats.documents_upsampled} upsampled copies, {stats.extra.get('documents_empty', 0)} empty skipped"
         f"{_non_text(stats)}) -> "
-        f"{stats.rows} rows x {stats.seq_len} tokens at {output}; {stats.documents_split} documents split across "
-        f"rows; {stats.tokens_dropped} tail tokens dropped ({share:.3f}%); {stats.document_tokens} tokens in "
+        f"{stats.rows} rows x {stats.seq_len} tokens at {output}; {stats.documents_split} row boundaries cut a "
+        f"document (it continues in the next row); {stats.tokens_dropped} tail tokens dropped ({share:.3f}%); {stats.document_tokens} tokens in "
         f"{stats.seconds:.1f}s = {stats.extra.get('tokens_per_s', 0.0):,.0f} tokens/s"
     )
 
@@ -352,9 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--input",
-        action="append",
+        action="extend",
+        nargs="+",
         required=True,
-        help="file, glob, saved dataset dir or hub name (owner/name[:config]); repeat for several sources",
+        help="file, glob, saved dataset dir or hub name (owner/name[:config]); several after one --input (a glob "
+        "the shell expanded) or --input repeated: one source each",
     )
     p.add_argument(
         "--text-field",
@@ -410,36 +413,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """``usp-prepare-data``: a bad flag gets argparse's usage; a data error is one ``usp-prepare-data: error:``
+    line alone (:func:`usp.errors.report`; its traceback with ``--verbose``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = pop_verbose(argv)
+    args = build_parser().parse_args(argv)
+    return guarded("usp-prepare-data", lambda: _prepare(args), verbose=verbose)
+
+
+def _prepare(args: argparse.Namespace) -> int:
     try:
         check_sequence_length(args.seq_len, args.ring_degree, args.ulysses_degree, args.ring_layout)
     except ValueError as e:
-        parser.error(str(e).replace("trainer.seq_len =", "--seq-len"))
-    try:
-        shaping = LengthShaping(args.min_doc_tokens, args.long_doc_threshold, args.long_doc_factor)
-        tokenizer = load_tokenizer(args.tokenizer)
-        if args.format == "chat":
-            return _main_chat(args, tokenizer)
-        prepare_dataset(
-            args.input,
-            tokenizer=tokenizer,
-            seq_len=args.seq_len,
-            output=args.output,
-            text_field=args.text_field[0] if len(args.text_field) == 1 else args.text_field,
-            weights=args.weights,
-            seed=args.seed,
-            streaming=args.streaming,
-            num_proc=args.num_proc,
-            cache_dir=args.cache_dir,
-            shaping=shaping,
-            add_bos=not args.no_bos,
-            max_documents=args.max_documents,
-            overwrite=args.overwrite,
-            skip_non_text=args.skip_non_text,
-        )
-    except ValueError as e:
-        parser.error(str(e))
+        raise ValueError(str(e).replace("trainer.seq_len =", "--seq-len")) from e
+    shaping = LengthShaping(args.min_doc_tokens, args.long_doc_threshold, args.long_doc_factor)
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.format == "chat":
+        return _main_chat(args, tokenizer)
+    prepare_dataset(
+        args.input,
+        tokenizer=tokenizer,
+        seq_len=args.seq_len,
+        output=args.output,
+        text_field=args.text_field[0] if len(args.text_field) == 1 else args.text_field,
+        weights=args.weights,
+        seed=args.seed,
+        streaming=args.streaming,
+        num_proc=args.num_proc,
+        cache_dir=args.cache_dir,
+        shaping=shaping,
+        add_bos=not args.no_bos,
+        max_documents=args.max_documents,
+        overwrite=args.overwrite,
+        skip_non_text=args.skip_non_text,
+    )
     return 0
 
 

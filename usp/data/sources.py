@@ -56,6 +56,14 @@ _BUILDERS: dict[str, str] = {
 _COMPRESSION = (".gz", ".zst", ".bz2", ".xz")
 
 
+NON_TEXT_FIX = (
+    "Fix the data, or point the text field at the text column (usp-train / usp-eval: data.text_field=...; "
+    "usp-prepare-data: --text-field), or drop such rows: usp-prepare-data --skip-non-text (counted in its "
+    "summary), then train on its output with data=prepared data.prepared_path=..."
+)
+"""The advice for a text value that is not a string, for both entry points that read text (the trainer's
+``data=jsonl`` has no skip setting: the rows are dropped by preparing the data once)."""
+
 def _builder_for(path: str) -> str | None:
     name = path.lower()
     for ext in _COMPRESSION:
@@ -353,9 +361,7 @@ def check_text_column(
         where = _locate_row(files, builder, bad[0])
         raise ValueError(
             f"data.inputs: {spec!r}: the {text_field!r} value of {where} is of type {type(first).__name__} "
-            f"({str(first)[:60]!r}), not a string; {len(bad)} of {len(values)} rows are not text. Fix the "
-            f"data, point --text-field / data.text_field at the text column, or pass --skip-non-text to "
-            f"usp-prepare-data to drop those rows (counted in its summary)."
+            f"({str(first)[:60]!r}), not a string; {len(bad)} of {len(values)} rows are not text. {NON_TEXT_FIX}"
         )
     # the decoded strings themselves: casting a Json column to string would JSON-encode them
     texts = [v for v in values if v is None or isinstance(v, str)]
@@ -386,8 +392,7 @@ def _checked_stream(
             else:
                 raise ValueError(
                     f"data.inputs: {spec!r}: the {field!r} value of row {index} is of type {type(value).__name__} "
-                    f"({str(value)[:60]!r}), not a string. Fix the data, point --text-field / data.text_field at "
-                    f"the text column, or pass --skip-non-text to usp-prepare-data to drop such rows."
+                    f"({str(value)[:60]!r}), not a string. {NON_TEXT_FIX}"
                 )
         return {field: texts}
 

@@ -25,10 +25,10 @@ from usp.train.__main__ import (
     VERSION_BASE,
     check_conf_dir,
     config_groups,
-    fail_once,
     register_configs,
     run_hydra_app,
 )
+from usp.units import expand_length_overrides
 
 CONFIG_NAME = "eval"
 
@@ -68,6 +68,7 @@ def compose_eval_config(overrides: Sequence[str] = (), *, run_dir: str | None = 
 
     check_conf_dir()
     register_configs()
+    overrides = expand_length_overrides(list(overrides))
     check_override_keys(overrides, TrainConfig, config_groups())
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -79,21 +80,10 @@ def compose_eval_config(overrides: Sequence[str] = (), *, run_dir: str | None = 
 def _task(dcfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    try:
-        cfg = to_eval_config(dcfg, run_dir=HydraConfig.get().runtime.output_dir)
-    except ValueError as err:
-        fail_once(err, "usp-eval")
+    cfg = to_eval_config(dcfg, run_dir=HydraConfig.get().runtime.output_dir)
     from usp.eval.runner import run  # lazy: composing and validating need no torch/transformers
 
-    try:
-        run(cfg)
-    except ValueError as err:  # raised on every rank, before any forward
-        fail_once(err, "usp-eval")
-    except Exception as err:  # Hydra prints it and exits 1; torchrun's summary shows it from the error file
-        from usp.train.elastic import record_error
-
-        record_error(err)
-        raise
+    run(cfg)
 
 
 def main() -> None:

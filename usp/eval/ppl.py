@@ -24,6 +24,27 @@ from usp.eval.replicas import gather_shares, gather_timing, my_share
 from usp.parallel import SPMesh
 
 
+def inputs_setting(cfg: TrainConfig) -> str:
+    """The setting the ppl documents come from, for messages: ``eval.inputs``, ``data.inputs`` or the tiny
+    corpus (``data.build_tiny_corpus``)."""
+    return "eval.inputs" if cfg.eval.inputs else "data.inputs" if cfg.data.inputs else "data.build_tiny_corpus"
+
+
+def check_ppl_inputs(cfg: TrainConfig, model_config: Any) -> None:
+    """``ValueError`` unless eval=ppl has documents for this model: ``eval.inputs`` or ``data.inputs``; the
+    synthetic tiny corpus only for the tiny demo model (:func:`usp.tiny.is_tiny_model`), whose tokenizer it
+    was made for. Pure (reads nothing)."""
+    from usp.tiny import is_tiny_model
+
+    if cfg.eval.inputs or cfg.data.inputs or (cfg.data.build_tiny_corpus and is_tiny_model(model_config)):
+        return
+    raise ValueError(
+        f"eval=ppl needs held-out documents for model.path={cfg.model.path!r}: set eval.inputs=[/data/held-out.jsonl] "
+        "(files, dirs or hub names, as data.inputs; or data.inputs). The synthetic tiny corpus is only for the "
+        "tiny demo model; packed data (data.prepared_path) cannot be used, documents must be whole."
+    )
+
+
 def ppl_inputs(cfg: TrainConfig, cache_dir: Path) -> list[str]:
     """``eval.inputs``, else ``data.inputs``, else the tiny corpus (``data.build_tiny_corpus``) in ``cache_dir``."""
     if cfg.eval.inputs:
@@ -53,7 +74,7 @@ def read_documents(cfg: TrainConfig, tokenizer: Any, lengths: list[int], cache_d
     try:
         check_inputs(inputs, None)
     except ValueError as e:
-        raise ValueError(f"eval.inputs={inputs}: {e}") from e
+        raise ValueError(f"{inputs_setting(cfg)}={inputs}: {e}") from e
     ds = load_text_sources(inputs, text_field=cfg.data.text_field, cache_dir=cache_dir / "hf_datasets")
     want = cfg.eval.num_documents
     found: dict[int, list[list[int]]] = {length: [] for length in lengths}
@@ -73,9 +94,9 @@ def read_documents(cfg: TrainConfig, tokenizer: Any, lengths: list[int], cache_d
     short = [length for length, docs in found.items() if not docs]
     if short:
         raise ValueError(
-            f"eval.lengths={lengths}: no document in eval.inputs={inputs} has {min(short)} tokens or more (the "
-            f"longest has {longest}); a document must be at least the evaluated length. Use shorter eval.lengths "
-            f"or longer documents in eval.inputs."
+            f"eval.lengths={lengths}: no document in {inputs_setting(cfg)}={inputs} has {min(short)} tokens or more "
+            f"(the longest has {longest}); a document must be at least the evaluated length. Use shorter "
+            f"eval.lengths or longer documents (eval.inputs=[...])."
         )
     return {length: torch.tensor(docs, dtype=torch.long) for length, docs in found.items()}
 

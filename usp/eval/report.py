@@ -9,24 +9,40 @@ context length as a dashed vertical line) and ``passkey.png`` (accuracy heatmap,
 from __future__ import annotations
 
 import json
+import logging
+import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from usp.atomic import write_text
 from usp.config import WandbConfig
 
+logger = logging.getLogger(__name__)
 EVAL_JSON = "eval.json"
 PLOTS = {"ppl": "ppl_by_position.png", "passkey": "passkey.png"}
 
 
 def write_json(run_dir: Path, task: str, entry: dict[str, Any]) -> Path:
-    """Add/replace ``task``'s entry of ``<run_dir>/eval.json`` (written aside, then renamed)."""
+    """Add/replace ``task``'s entry of ``<run_dir>/eval.json`` (written aside, then renamed).
+
+    An ``eval.json`` that does not parse (a truncated copy, an edit) is never silently replaced: it is kept
+    as ``eval.json.damaged-<time>`` next to it, and a warning names both files."""
     path = run_dir / EVAL_JSON
     data: dict[str, Any] = {}
     if path.is_file():
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError:
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            aside = path.with_name(f"{EVAL_JSON}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(path, aside)
+            warning = (f"usp-eval: warning: {path} did not parse ({e}); kept it as {aside} and started a new "
+                       f"{EVAL_JSON} (the earlier entries are in the kept file)")  # fmt: skip
+            logger.warning(warning)
+            print(warning, file=sys.stderr, flush=True)
             data = {}
     data[task] = entry
     write_text(path, json.dumps(data, indent=2, default=str) + "\n")

@@ -33,6 +33,7 @@ from usp.model import (
     check_heads,
     check_model_dir,
     check_rope_for_sequence_parallel,
+    check_weight_headers,
     parse_dtype,
 )
 from usp.parallel import init_sp_mesh, sequence_multiple
@@ -181,8 +182,14 @@ def prepare(
         source.config, rope_theta=cfg.model.rope_theta, rope_scaling=cfg.model.rope_scaling,
         max_position_embeddings=cfg.model.max_position_embeddings,
     )  # fmt: skip
+    if source.checkpoint is None:
+        check_weight_headers(cfg.model.path)
     layout = resolve_layout(cfg, source.config, world, device)
     lengths = check_eval_settings(cfg, layout)
+    if cfg.eval.task == "ppl":
+        from usp.eval.ppl import check_ppl_inputs
+
+        check_ppl_inputs(cfg, source.config)
     check_heads(source.config, layout.ulysses_degree)
     check_rope_for_sequence_parallel(source.config, layout.ulysses_degree * layout.ring_degree)
     try:

@@ -22,8 +22,10 @@ value of the wrong type or a missing ``model.path`` is reported here). The compo
 from the recipe or the command line) is then checked against the processes about to start by the trainer's
 own checks, :func:`usp.config.validate_layout` (:class:`usp.parallel.ParallelDims` and ``trainer.seq_len``),
 and its memory by the planner's estimate (:mod:`usp.launch.preflight`; ``--skip-memory-check`` lets a
-layout above the device memory through). Errors print a message naming the setting and the fix, and exit
-with status 2.
+layout above the device memory through; a skipped estimate is said, with why), or for ``--entry eval`` the
+eval's own checks (lengths, heads); ``hydra.run.dir`` and ``trainer.checkpoint_dir`` must be writable.
+Errors print one ``usp-launch: error:`` line naming the setting and the fix (:mod:`usp.errors`;
+``--verbose`` adds the traceback), and exit with status 2.
 
 Words after a literal ``--`` that are not ``key=value`` overrides (Hydra's own flags: ``-- --cfg job``,
 ``-- --help``) are passed to ``usp.train`` unchanged; the run config is then not composed, and only the
@@ -37,12 +39,14 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from usp.config import TrainConfig
+from usp.errors import pop_verbose, report
 from usp.launch import commands, preflight
 from usp.launch.overrides import check_degrees, find_override, validate_override_syntax
 
@@ -169,6 +173,30 @@ def compose_run_config(overrides: Sequence[str], entry: str = "train") -> TrainC
         raise LaunchError(str(exc)) from exc
 
 
+def _check_dirs(overrides: Sequence[str], cfg: TrainConfig, entry: str, *, on_this_machine: bool) -> None:
+    """``hydra.run.dir`` (and for training ``trainer.checkpoint_dir``) must be writable: the trainer's own
+    start-up check (:func:`usp.errors.check_writable_dir`). For ``slurm`` the job's nodes may see other
+    filesystems than this login node: a warning instead of an error."""
+    from usp.errors import check_writable_dir
+    from usp.train.__main__ import hydra_run_dir
+
+    try:
+        run_dir = hydra_run_dir(overrides, "eval" if entry == "eval" else "train")
+    except Exception:  # noqa: BLE001 - a run dir only the job can resolve (no rendezvous id here): its own check
+        return
+    dirs = [("hydra.run.dir", run_dir)]
+    if entry == "train":
+        dirs.append(("trainer.checkpoint_dir", cfg.trainer.checkpoint_dir or str(Path(run_dir) / "checkpoints")))
+    for setting, path in dirs:
+        try:
+            check_writable_dir(path, setting)
+        except ValueError as exc:
+            if on_this_machine:
+                raise LaunchError(str(exc)) from exc
+            print(f"usp-launch: warning: {exc} (from this machine; the job's nodes may see it otherwise)",
+                  file=sys.stderr)  # fmt: skip
+
+
 def _launching(nodes: int, nproc_per_node: int, node_size: object) -> str:
     """What usp-launch is about to start, for a layout error: the world size and the node size's origin."""
     where = (f"usp-launch starts {nodes} node(s) x {nproc_per_node} process(es) per node = "
@@ -207,7 +235,13 @@ def _check(
     except ValueError as exc:
         node_size = find_override(overrides, "parallel.node_size") if cfg is None else cfg.parallel.node_size
         raise LaunchError(f"{exc} ({_launching(nodes, nproc_per_node, node_size)})") from exc
-    if not train:  # the estimate is of training memory
+    if not train:  # the estimate is of training memory; usp-eval's own checks instead
+        try:
+            note = preflight.check_eval(cfg, world_size=world, local_world_size=nproc_per_node)
+        except ValueError as exc:
+            raise LaunchError(f"{exc} ({_launching(nodes, nproc_per_node, cfg.parallel.node_size)})") from exc
+        if note:
+            print(f"usp-launch: {note}", file=sys.stderr)
         return
     try:
         note = preflight.check_memory(cfg, world_size=world, local_world_size=nproc_per_node)
@@ -215,6 +249,8 @@ def _check(
         if memory:
             raise
         note = f"warning: {exc}"
+    if note is None:
+        note = preflight.memory_skipped_reason(cfg)
     if note:
         print(f"usp-launch: {note}", file=sys.stderr)
 
@@ -254,6 +290,8 @@ def plan_command(
     entry = getattr(args, "entry", "train")
     module = commands.ENTRY_MODULES[entry]
     cfg = None if hydra_flags else compose_run_config(overrides, entry)
+    if cfg is not None:
+        _check_dirs(overrides, cfg, entry, on_this_machine=args.mode != "slurm")
 
     if args.mode == "local":
         if args.nproc_per_node not in (None, 1):
@@ -365,13 +403,23 @@ def _run(cmd: list[str]) -> int:
         where = "a SLURM login node" if cmd[0] in ("sbatch", "srun") else "an environment with torch installed"
         raise LaunchError(f"`{cmd[0]}` is not on PATH: run this on {where}, or use --dry-run to print the command.")
     print(f"usp-launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    return subprocess.run([exe, *cmd[1:]], env=env).returncode
+    # Ctrl-C reaches the job too (the terminal's process group), which checkpoints and exits: wait for it
+    # instead of dying first. A Python handler, not SIG_IGN: the child starts with the default again.
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        return subprocess.run([exe, *cmd[1:]], env=env).returncode
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``usp-launch``; returns the exit status (the launched command's, or 2 on bad input)."""
     words = list(sys.argv[1:] if argv is None else argv)
     after_dashes: list[str] = []
+    tail = words[words.index("--") :] if "--" in words else []
+    head = words[: len(words) - len(tail)]
+    verbose = pop_verbose(head)  # usp-launch's own --verbose: before a literal -- (after it: the entry's words)
+    words = [*head, *tail]
     if "--" in words:
         cut = words.index("--")
         words, after_dashes = words[:cut], words[cut + 1 :]
@@ -394,9 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(shlex.join(cmd))
             return 0
         return _run(cmd)
-    except ValueError as exc:
-        print(f"usp-launch: error: {exc}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the one report of a failure (usp.errors)
+        return report("usp-launch", exc, verbose=verbose)
 
 
 if __name__ == "__main__":

@@ -120,3 +120,45 @@ def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) ->
         f"that fit. "
         f"(--skip-memory-check submits anyway; cluster.memory_gib sets the usable memory.)"
     )
+
+
+def memory_skipped_reason(cfg: TrainConfig) -> str | None:
+    """Why :func:`check_memory` gave no figure for ``cfg`` (it returned ``None``): a note for the user; None
+    for the tiny demo model (built at start-up, a few MiB: nothing to say)."""
+    p = cfg.parallel
+    if "auto" in (p.ulysses_degree, p.ring_degree):
+        return "memory: not checked here: the degrees are auto (the planner picks a layout that fits at start-up)"
+    if cfg.model.build_tiny:
+        return None
+    return (
+        f"memory: not checked here: {cfg.model.path}/config.json cannot be read on this machine (model.path), so "
+        f"the planner has no model to estimate; the trainer checks the model at start-up"
+    )
+
+
+def check_eval(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> str | None:
+    """``usp-eval``'s own checks that need no weights, on the launcher's world: the evaluated lengths vs the
+    layout (:func:`usp.eval.runner.check_eval_settings`) and, where ``model.path`` is readable here, the heads
+    vs the Ulysses degree and the RoPE type (:func:`usp.model.check_heads`, the eval's checks at start-up).
+    ``ValueError`` with the eval's message; returns a note when a check was skipped (auto degrees, a
+    ``model.path`` this machine cannot read), else ``None``."""
+    from usp.eval.runner import check_eval_settings, resolve_model_source
+    from usp.model import check_heads, check_rope_for_sequence_parallel
+    from usp.train.validate import Layout
+
+    p = cfg.parallel
+    if "auto" in (p.ulysses_degree, p.ring_degree):
+        return "eval checks: the degrees are auto (chosen at start-up), so lengths and heads are checked then"
+    U, R = int(p.ulysses_degree), int(p.ring_degree)
+    layout = Layout(
+        ulysses_degree=U, ring_degree=R, dp_degree=world_size // (U * R),
+        node_size=p.node_size if p.node_size is not None else local_world_size, fsdp_mode=p.fsdp_mode,
+        activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,
+    )  # fmt: skip
+    check_eval_settings(cfg, layout)
+    if not Path(cfg.model.path).exists():
+        return f"eval checks: model.path={cfg.model.path} is not readable here, so the heads are checked at start-up"
+    source = resolve_model_source(cfg.model.path)
+    check_heads(source.config, U)
+    check_rope_for_sequence_parallel(source.config, U * R)
+    return None

@@ -75,6 +75,19 @@ def check_model_dir(path: str | os.PathLike | None) -> PretrainedConfig:
     return config
 
 
+def check_weight_headers(path: str | os.PathLike) -> None:
+    """``ValueError`` naming ``model.path`` when a ``*.safetensors`` file of ``path`` does not open (a truncated
+    or damaged header: an interrupted copy). Reads the headers only."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - SafetensorError and OSError alike: the user's file
+            raise ValueError(f"model.path={str(path)!r}: {f.name}: {_unreadable(e, 'usp')}") from e
+
+
 def apply_rope_overrides(
     config: PretrainedConfig,
     *,
@@ -159,9 +172,14 @@ def load_causal_lm(
         config, rope_theta=rope_theta, rope_scaling=rope_scaling, max_position_embeddings=max_position_embeddings
     )
     config.use_cache = False
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), config=config, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), config=config, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+        )
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError...: a damaged or incomplete file
+        if isinstance(e, ValueError) and str(e).startswith("model.path="):
+            raise
+        raise ValueError(f"model.path={str(path)!r}: {_unreadable(e, 'transformers')}") from e
     model.train()
     return model
 

@@ -88,7 +88,8 @@ class ParallelDims:
         if node is not None:
             if node < 1 or ws % node != 0:
                 raise ValueError(
-                    f"node_size={node} (LOCAL_WORLD_SIZE) does not divide the world size {ws}: every node must "
+                    f"node size {node} (parallel.node_size, or the launcher's LOCAL_WORLD_SIZE when that is unset) "
+                    f"does not divide the world size {ws}: every node must "
                     f"run the same number of ranks. Set parallel.node_size to one of {_divisors(ws)}."
                 )
             if not self.allow_cross_node_ulysses and node % self.ulysses_degree != 0:

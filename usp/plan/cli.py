@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 
+from usp.errors import pop_verbose, report
 from usp.modes import RING_LAYOUTS
 from usp.plan.calibrate import Calibration, calibrate, format_report, read_bench_json, read_training_run
 from usp.plan.compute import DocumentWork
@@ -33,7 +34,7 @@ from usp.plan.maxlen import (
 )
 from usp.plan.models import PRESETS, ModelSpec, load_model_spec
 from usp.plan.request import compute_bytes
-from usp.plan.search import LayoutEstimate, plan_layouts
+from usp.plan.search import TIE_TOLERANCE, LayoutEstimate, plan_layouts
 from usp.units import parse_seq_len  # noqa: F401 - also usp.plan.cli.parse_seq_len, as before
 
 
@@ -86,8 +87,10 @@ def build_plan_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of --seq-len: find the longest sequence that fits, with its layout and settings",
     )
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1, help="nodes of the cluster (default 1)")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=8, help="GPUs per node; Ulysses groups stay inside a node (default 8)"
+    )
     _device_args(p)
     p.add_argument(
         "--global-batch", type=int, default=None, help="sequences per optimizer step (default: dp)"
@@ -163,26 +166,79 @@ def build_calibrate_parser() -> argparse.ArgumentParser:
     return p
 
 
+def paste_overrides(
+    overrides: list[str],
+    estimate: LayoutEstimate,
+    *,
+    model: ModelSpec,
+    seq_len: int,
+    nodes: int,
+    gpus_per_node: int,
+    gpu: str | None = None,
+) -> list[str]:
+    """The layout's overrides plus everything that makes them paste onto any recipe as they are: the length
+    (with ``model.max_position_embeddings`` when it exceeds the model's own context), the batch settings
+    (``trainer.micro_batch_size``, ``trainer.grad_accum_steps``: a recipe's own accumulation would otherwise
+    multiply the step) and the cluster's size (``cluster.num_nodes``, ``cluster.gpus_per_node``: usp-launch
+    sizes the job from them)."""
+    out = list(overrides)
+    if not any(o.startswith("trainer.seq_len=") for o in out):
+        out.append(f"trainer.seq_len={seq_len}")
+    if model.max_position_embeddings and seq_len > model.max_position_embeddings:
+        out.append(f"model.max_position_embeddings={seq_len}")
+    out += ["trainer.micro_batch_size=1", f"trainer.grad_accum_steps={estimate.grad_accum_steps}",
+            f"cluster.num_nodes={nodes}", f"cluster.gpus_per_node={gpus_per_node}"]  # fmt: skip
+    if gpu in GPUS:
+        out.append(f"cluster.gpu={gpu}")
+    return out
+
+
+def _batch_note(layouts: list[LayoutEstimate], global_batch: int | None) -> str:
+    if global_batch is not None:
+        return (f"global batch: {global_batch} sequences per optimizer step (--global-batch), trainer.grad_accum_steps "
+                f"= {global_batch} / dp per row")  # fmt: skip
+    return (
+        "global batch: one sequence per dp rank, so rows with different dp take steps of different sizes; compare "
+        "tok/s/GPU, or fix the batch with --global-batch N (rows then differ in trainer.grad_accum_steps)"
+    )
+
+
 def format_table(
-    model: ModelSpec, device: DeviceSpec, seq_len: int, world: int, layouts: list[LayoutEstimate], top: int
+    model: ModelSpec,
+    device: DeviceSpec,
+    seq_len: int,
+    world: int,
+    layouts: list[LayoutEstimate],
+    top: int,
+    *,
+    nodes: int | None = None,
+    global_batch: int | None = None,
 ) -> str:
+    nodes = nodes or 1
     head = (
         f"{model.name}: {model.num_params / 1e9:.2f}B params, seq_len={seq_len}, {world} x {device.name} "
         f"({device.memory_gib:g} GiB, {device.peak_tflops:g} TFLOP/s peak); {len(layouts)} layouts fit"
     )
     cols = (
         f"{'#':>3} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<10} {'tiles':>5} {'heads':>5} {'states':<17} "
-        f"{'mem GiB':>8} {'step s':>9} {'tok/s/GPU':>10} {'MFU':>6}"
+        f"{'batch':>7} {'mem GiB':>8} {'step s':>9} {'tok/s/GPU':>10} {'MFU':>6}"
     )
-    rows = [head, cols]
+    rows = [head, _batch_note(layouts, global_batch), cols]
     for i, e in enumerate(layouts[:top], 1):
         ckpt = e.activation_checkpointing + (
             f"/{e.ac_every_k}" if e.activation_checkpointing == "every_k" else ""
         )
+        batch = f"{e.global_batch}x{e.grad_accum_steps}" if e.grad_accum_steps > 1 else f"{e.global_batch}"
         rows.append(
             f"{i:>3} {e.ulysses_degree:>7} {e.ring_degree:>5} {e.dp_degree:>4} {e.fsdp_mode:<12} {ckpt:<10} "
-            f"{e.mlp_tiles:>5} {e.attn_head_chunks:>5} {e.states:<17} {e.mem_gib_per_gpu:>8.1f} {e.step_time_s:>9.3g} {e.tokens_per_s_per_gpu:>10.4g} {e.mfu:>6.1%}"
+            f"{e.mlp_tiles:>5} {e.attn_head_chunks:>5} {e.states:<17} {batch:>7} {e.mem_gib_per_gpu:>8.1f} "
+            f"{e.step_time_s:>9.3g} {e.tokens_per_s_per_gpu:>10.4g} {e.mfu:>6.1%}"
         )
+    rows.append(
+        f"(ranked by tok/s/GPU; rows within {TIE_TOLERANCE:.0%} of each other count as a tie, and a tie goes to the "
+        "layout with fewer memory-saving tricks (checkpoint offload, MLP tiles, states on the host, head chunks), "
+        "then to the one with less memory; batch: sequences per optimizer step, x accumulation steps)"
+    )
     best = layouts[0]
     rows.append("")
     rows.append(
@@ -198,16 +254,16 @@ def format_table(
             if k.endswith("_s") and k != "ring_step_comm_s"
         )
     )
-    rows.append("Hydra overrides for the best layout:")
-    extra = [f"trainer.seq_len={seq_len}"]
-    if best.grad_accum_steps > 1:
-        extra.append(f"trainer.grad_accum_steps={best.grad_accum_steps}")
-    rows.append("  " + " ".join(best.overrides() + extra))
+    rows.append("Hydra overrides for the best layout (they paste onto any recipe):")
+    pasted = paste_overrides(best.overrides(), best, model=model, seq_len=seq_len, nodes=nodes,
+                             gpus_per_node=world // nodes, gpu=device.name)  # fmt: skip
+    rows.append("  " + " ".join(pasted))
     return "\n".join(rows)
 
 
 def format_max_seq_len(
-    model: ModelSpec, device: DeviceSpec, world: int, answers: list[MaxSeqLenEstimate], top: int
+    model: ModelSpec, device: DeviceSpec, world: int, answers: list[MaxSeqLenEstimate], top: int,
+    *, nodes: int | None = None,
 ) -> str:
     best = answers[0]
     head = (
@@ -238,8 +294,11 @@ def format_max_seq_len(
         "longest layout, seconds/step: "
         + ", ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in e.time_s.items() if k.endswith("_s"))
     )
-    rows.append("Overrides for the longest layout:")
-    rows.append("  " + " ".join(best.overrides()))
+    rows.append("Overrides for the longest layout (they paste onto any recipe):")
+    nodes = nodes or 1
+    pasted = paste_overrides(best.overrides(), e, model=model, seq_len=best.max_seq_len, nodes=nodes,
+                             gpus_per_node=world // nodes, gpu=device.name)  # fmt: skip
+    rows.append("  " + " ".join(pasted))
     return "\n".join(rows)
 
 
@@ -298,6 +357,7 @@ def _main_calibrate(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = pop_verbose(argv)
     try:
         if argv and argv[0] == "calibrate":
             return _main_calibrate(argv[1:])
@@ -307,10 +367,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = load_model_spec(args.model)
         device = _device(args)
         world = args.nodes * args.gpus_per_node
-        if (args.seq_len is None) == (not args.max_seq_len) or (args.inference and args.seq_len is None):
+        if args.seq_len is not None and args.max_seq_len:
+            raise ValueError("give --seq-len N or --max-seq-len, not both.")
+        if args.seq_len is None and (args.inference or not args.max_seq_len):
             raise ValueError(
-                "give --seq-len N (rank the layouts at that length; --inference needs it) or --max-seq-len "
-                "(find the longest length that fits), not both."
+                "give --seq-len N (rank the layouts at that length, e.g. --seq-len 128K; --inference needs it) or "
+                "--max-seq-len (find the longest length that fits)."
             )
         if args.headroom_gib is not None and args.headroom_gib < 0:
             raise ValueError(f"--headroom-gib={args.headroom_gib} must be >= 0 (GiB of device memory left free).")
@@ -335,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 json.dumps([a.to_dict() for a in answers[: args.top]], indent=2)
                 if args.json
-                else format_max_seq_len(model, device, world, answers, args.top)
+                else format_max_seq_len(model, device, world, answers, args.top, nodes=args.nodes)
             )
             return 0
         if args.inference:
@@ -376,16 +438,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             print(json.dumps([e.to_dict() for e in layouts], indent=2))
         else:
-            print(format_table(model, device, args.seq_len, world, layouts, args.top))
+            print(format_table(model, device, args.seq_len, world, layouts, args.top, nodes=args.nodes,
+                               global_batch=args.global_batch))  # fmt: skip
             if documents is not None:
                 print(format_documents(documents, layouts[0], args.ring_layout))
         return 0
-    except ValueError as e:
-        print(f"usp-plan: error: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `usp-plan ... | head`: the reader left; not an error
         sys.stdout = open(os.devnull, "w")  # keeps the interpreter's final flush quiet
         return 0
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the one report of a failure (usp.errors)
+        return report("usp-plan", e, verbose=verbose)
 
 
 if __name__ == "__main__":

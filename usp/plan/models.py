@@ -17,6 +17,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 32,
         "intermediate_size": 11008,
         "vocab_size": 32000,
+        "max_position_embeddings": 4096,
     },
     "llama-3.1-8b": {
         "hidden_size": 4096,
@@ -25,6 +26,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "intermediate_size": 14336,
         "vocab_size": 128256,
+        "max_position_embeddings": 131072,
     },
     "llama-3-70b": {
         "hidden_size": 8192,
@@ -33,6 +35,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "intermediate_size": 28672,
         "vocab_size": 128256,
+        "max_position_embeddings": 8192,
     },
     "llama-3.1-405b": {
         "hidden_size": 16384,
@@ -41,6 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "intermediate_size": 53248,
         "vocab_size": 128256,
+        "max_position_embeddings": 131072,
     },
     # HuggingFaceTB/SmolLM2-135M(-Instruct), as usp.real builds it: 9 query / 3 KV heads (uneven Ulysses heads)
     "smollm2-135m": {
@@ -70,6 +74,9 @@ class ModelSpec:
     intermediate_size: int
     vocab_size: int
     tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None
+    """The checkpoint's own context (``config.json``); None when unknown. Only the overrides the planner
+    prints read it (a longer ``trainer.seq_len`` needs ``model.max_position_embeddings``)."""
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str = "model") -> ModelSpec:
@@ -93,6 +100,7 @@ class ModelSpec:
             intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=config.get("max_position_embeddings"),
         )
 
     # --- parameter counts ---------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -30,12 +29,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from usp.config import TrainConfig, validate_choices, validate_layout
 from usp.config_keys import check_composed_keys, check_override_keys
+from usp.units import expand_length_overrides
 
 REQUEUE_EXIT_CODE = 75
-"""Exit status of a run stopped by SIGTERM/SIGUSR1 once its checkpoint is saved (the same number as
+"""Exit status of a run stopped by SIGTERM/SIGUSR1/SIGINT once its checkpoint is saved (the same number as
 ``usp.train.signals.REQUEUE_EXIT_CODE``, which this module does not import: composing needs no torch)."""
-REPORT_GRACE_S = 5.0
-"""How long ranks > 0 wait before reporting a bad setting that rank 0 reports too (see ``fail_once``)."""
 CONF_DIR: Path = Path(__file__).resolve().parents[2] / "conf"
 """The config groups (a source checkout; ``conf/recipe`` links to the top-level ``recipes/``)."""
 CONFIG_NAME = "train"
@@ -145,6 +143,7 @@ def compose_config(overrides: Sequence[str] = (), *, run_dir: str | None = None)
 
     check_conf_dir()
     register_configs()
+    overrides = expand_length_overrides(list(overrides))
     check_override_keys(overrides, TrainConfig, config_groups())
     if GlobalHydra.instance().is_initialized():  # e.g. called from inside a running Hydra app
         GlobalHydra.instance().clear()
@@ -153,48 +152,33 @@ def compose_config(overrides: Sequence[str] = (), *, run_dir: str | None = None)
     return to_train_config(cfg, run_dir=run_dir)
 
 
-def fail_once(err: ValueError, prog: str = "usp-train") -> NoReturn:
-    """A user error (a bad setting, found alike on every rank): said once, exit status 2, no traceback
-    (``usp.train`` and ``usp.eval`` under torchrun).
-
-    Rank 0 records it in its torchrun error file (``TORCHELASTIC_ERROR_FILE``: torchrun's failure summary
-    shows it as the root cause), prints it and exits at once. The other ranks wait up to
-    :data:`REPORT_GRACE_S` first, so rank 0 is the first to fail and torchrun stops them before they say it
-    again; one that is not stopped by then records and exits in turn, so the reason is never lost.
+def fail_once(err: BaseException, prog: str = "usp-train", *, verbose: bool = False) -> NoReturn:
+    """End the run on ``err``: :func:`usp.errors.report`'s one ``<prog>: error:`` line (once: rank 0 first,
+    the other ranks after :data:`usp.errors.REPORT_GRACE_S`), the traceback in rank 0's log file (stderr too
+    with ``--verbose``), and the reason in torchrun's error file (``TORCHELASTIC_ERROR_FILE``: its failure
+    summary shows it as the root cause). Exit status 2 for a bad setting, 130 for an interrupt, 1 otherwise.
     """
-    from usp.train.elastic import record_error
+    from usp.errors import one_line, report
 
-    rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:
-        time.sleep(REPORT_GRACE_S)
-    record_error(err, with_traceback=False)
-    if rank == 0:
-        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    def record(e: BaseException) -> None:
+        from usp.train.elastic import record_error
+
+        record_error(RuntimeError(one_line(e)) if not isinstance(e, ValueError) else e, with_traceback=False)
+
+    sys.exit(report(prog, err, verbose=verbose, record=record))
 
 
 def _task(dcfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    try:
-        cfg = to_train_config(dcfg, run_dir=HydraConfig.get().runtime.output_dir)
-        from usp.parallel.mesh import launched_world  # lazy: torch is not needed to compose a config
+    cfg = to_train_config(dcfg, run_dir=HydraConfig.get().runtime.output_dir)
+    from usp.parallel.mesh import launched_world  # lazy: torch is not needed to compose a config
 
-        world_size, local_world_size = launched_world()
-        validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
-    except ValueError as err:
-        fail_once(err)
+    world_size, local_world_size = launched_world()
+    validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
     from usp.train.trainer import run  # lazy: composing and validating need no torch/transformers
 
-    try:
-        result = run(cfg)
-    except ValueError as err:  # raised on every rank by the trainer's checks, before any weights or data
-        fail_once(err)
-    except Exception as err:  # Hydra prints it and exits 1; torchrun's summary shows it from the error file
-        from usp.train.elastic import record_error
-
-        record_error(err)
-        raise
+    result = run(cfg)
     if isinstance(result, dict) and result.get("preempted"):  # the reason, in torchrun's summary too
         from usp.train.elastic import record_error
 
@@ -219,28 +203,83 @@ def main() -> None:
     """Console script ``usp-train``: parse Hydra overrides from ``sys.argv`` and train.
 
     Exit status: 0 done; 2 a bad setting (the message on stderr and in torchrun's error file);
-    :data:`REQUEUE_EXIT_CODE` stopped by SIGTERM/SIGUSR1 after saving a checkpoint (requeue to continue);
-    1 anything else (its traceback, also in torchrun's error file: elastic's ``record``).
+    :data:`REQUEUE_EXIT_CODE` stopped by SIGTERM/SIGUSR1/SIGINT (Ctrl-C) after saving a checkpoint (requeue or
+    relaunch to continue); 130 interrupted before the loop could checkpoint; 1 anything else. Every failure is
+    one ``usp-train: error:`` line (:mod:`usp.errors`); its traceback is in ``<run dir>/usp-train.log``, and on
+    stderr with ``--verbose``.
     """
     from torch.distributed.elastic.multiprocessing.errors import record  # lazy: composing needs no torch
 
     record(_main)()
 
 
+HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--multirun", "-m", "--shell-completion",
+               "--run", "-r", "--package", "-p", "--resolve", "--config-path", "-cp", "--config-name", "-cn",
+               "--config-dir", "-cd", "--experimental-rerun")  # fmt: skip
+"""Hydra's own command-line flags: with one of them the app prints or inspects instead of running."""
+
+
+def hydra_run_dir(overrides: Sequence[str], config_name: str = CONFIG_NAME) -> str:
+    """``hydra.run.dir`` as the app will get it for ``overrides`` (a recipe's pin, an override, or the default
+    ``outputs/<run id>``), composed with Hydra's config but without starting the app."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=VERSION_BASE, job_name="usp"):
+        cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    return str(cfg.hydra.run.dir)
+
+
+def check_run_dir_writable(overrides: Sequence[str], config_name: str = CONFIG_NAME) -> str:
+    """Preflight of ``hydra.run.dir`` (Hydra creates it and writes ``.hydra/`` before usp runs, so an
+    unwritable one would fail inside Hydra): ``ValueError`` naming ``hydra.run.dir``, the path and the OS
+    error. Returns the run dir."""
+    from usp.errors import check_writable_dir
+
+    run_dir = hydra_run_dir(overrides, config_name)
+    check_writable_dir(run_dir, "hydra.run.dir")
+    return run_dir
+
+
 def run_hydra_app(task: Callable[[DictConfig], None], *, config_name: str, prog: str) -> None:
     """Run ``task`` as the Hydra app composing ``conf/<config_name>.yaml`` from ``sys.argv`` (the one
-    start-up of ``usp-train`` and ``usp-eval``): the override keys are checked first (a bad key is said once,
-    exit 2), and ranks > 0 write no ``.hydra/`` files or logs."""
+    start-up of ``usp-train`` and ``usp-eval``): ``--verbose`` is taken off the command line; the override keys
+    and the run dir's writability are checked first; ranks > 0 write no ``.hydra/`` files or logs; and every
+    failure of ``task`` ends in :func:`fail_once`'s one line (a bad setting: exit 2)."""
     import hydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
+    from usp.errors import pop_verbose
+
+    argv = sys.argv[1:]
+    verbose = pop_verbose(argv)
+    argv = expand_length_overrides(argv)  # trainer.seq_len=128K, as usp-plan and usp-prepare-data take it
+    sys.argv[1:] = argv
     check_conf_dir()
     register_configs()
     try:
-        check_override_keys(sys.argv[1:], TrainConfig, config_groups())
+        check_override_keys(argv, TrainConfig, config_groups())
+        if not any(a.split("=", 1)[0] in HYDRA_FLAGS for a in argv):
+            check_run_dir_writable(argv, config_name)
+    except (HydraException, OmegaConfBaseException):
+        pass  # Hydra itself reports a composition error (an unknown recipe, a bad value) with its options
     except ValueError as err:
-        fail_once(err, prog)
+        fail_once(err, prog, verbose=verbose)
     sys.argv.extend(_rank_overrides(int(os.environ.get("RANK", "0"))))
-    hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=config_name)(task)()
+
+    def guarded(dcfg: DictConfig) -> None:
+        try:
+            task(dcfg)
+        except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - the one report of every failure
+            fail_once(err, prog, verbose=verbose)
+
+    guarded.__module__, guarded.__qualname__ = task.__module__, task.__qualname__
+    hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=config_name)(guarded)()
 
 
 def _main() -> None:

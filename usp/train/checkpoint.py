@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -70,6 +71,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from usp.atomic import fsync_dir, publish_dir
 from usp.atomic import write_file as _write_file
+from usp.errors import as_setting_path_error
 from usp.parallel.agree import dist_rank, dist_world_size, raise_if_any_failed
 from usp.parallel.agree import distributed as _distributed
 
@@ -123,6 +125,20 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer, keeping this rank's own write error (with its ``__context__`` chain) before DCP
+    gathers a pickled copy of it from every rank."""
+
+    error: BaseException | None = None
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().write_data(plan, planner)
+        except BaseException as e:
+            self.error = e
+            raise
+
+
 def _first_failure(error: CheckpointException) -> str:
     for rank, (exc, _) in sorted(error.failures.items()):
         return f"rank {rank}: {type(exc).__name__}: {exc}"
@@ -164,8 +180,33 @@ def save_checkpoint(
 
     Collective: call on every rank (or in a single process without a process group). Returns the final path
     once the checkpoint is complete on disk. Keeps the newest ``keep_last`` complete checkpoints. Raises
-    ``RuntimeError`` on every rank if any rank failed; the previous checkpoints are then untouched.
+    ``RuntimeError`` on every rank if any rank failed; the previous checkpoints are then untouched. A failure
+    with an OS error behind it (a full disk, ``ulimit -f``, a quota) is raised as
+    :class:`usp.errors.SettingPathError` on the rank that saw it: ``trainer.checkpoint_dir``, the path and the
+    errno, however deep torch wrapped it.
     """
+    try:
+        return _save_checkpoint(
+            ckpt_root, step, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra, keep_last=keep_last
+        )
+    except Exception as e:
+        tmp = Path(ckpt_root) / f"{TMP_PREFIX}{step}"
+        failure = as_setting_path_error(e, "trainer.checkpoint_dir", ckpt_root, f"writing checkpoint step {step} ({tmp})")
+        if failure is e:
+            raise
+        raise failure from e
+
+
+def _save_checkpoint(
+    ckpt_root: str | os.PathLike,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: Optimizer | None,
+    scheduler: LRScheduler | None,
+    extra: dict[str, Any],
+    keep_last: int,
+) -> Path:
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"trainer.keep_last={keep_last!r} is invalid: keep at least 1 checkpoint (e.g. 2).")
     if not isinstance(step, int) or step < 0:
@@ -191,11 +232,14 @@ def save_checkpoint(
     raise_if_any_failed(error, f"preparing checkpoint directory {tmp}")
 
     # 2. model + optimizer shards (DCP gathers errors across ranks itself and raises on every rank)
+    writer = _RecordingWriter(tmp / DCP_DIR)
     try:
         with _single_process_quiet():
-            dcp.save(_model_optim_state(model, optimizer), checkpoint_id=tmp / DCP_DIR, no_dist=not _distributed())
+            dcp.save(_model_optim_state(model, optimizer), storage_writer=writer, no_dist=not _distributed())
     except CheckpointException as e:  # raised on every rank; a BaseException, so make it an ordinary error
-        raise RuntimeError(f"writing checkpoint step {step} failed: {_first_failure(e)}") from e
+        # this rank's own error keeps its chain (the OSError behind torch's "unexpected pos"); DCP's copy of it,
+        # gathered from the ranks, was pickled without it
+        raise RuntimeError(f"writing checkpoint step {step} failed: {_first_failure(e)}") from (writer.error or e)
 
     # 3. small per-rank and global files
     error = None

@@ -101,6 +101,17 @@ def check_optim_config(cfg: OptimConfig, max_steps: int) -> None:
         raise ValueError(f"trainer.max_steps={max_steps} must be >= 1.")
 
 
+def schedule_warnings(cfg: OptimConfig, max_steps: int) -> list[str]:
+    """What is legal but almost surely not meant in the schedule (the trainer logs it on rank 0)."""
+    if cfg.warmup_steps > max_steps:
+        return [
+            f"optim.warmup_steps={cfg.warmup_steps} > trainer.max_steps={max_steps}: the learning rate never "
+            f"reaches optim.lr={cfg.lr:g} and never decays (the run ends inside the warmup); set "
+            f"optim.warmup_steps below trainer.max_steps (e.g. optim.warmup_steps={max_steps // 10})."
+        ]
+    return []
+
+
 def lr_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
     """Multiplier of ``optim.lr`` for optimizer step ``step`` (0-based).
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from usp.atomic import write_text
 from usp.config import TrainConfig
+from usp.errors import check_writable_dir, path_error
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +118,11 @@ class DirLock:
         self._fd: int | None = None
 
     def acquire(self) -> DirLock:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a directory this user cannot create or write: the setting, the path, the errno
+            raise path_error(self.setting, self.directory, e) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -185,12 +189,15 @@ def claim_run_dir(cfg: TrainConfig, rank: int) -> RunDirClaim:
     """Start-up, before any other work: on rank 0 check the run dir (:func:`check_run_dir`) and the export
     target (``<run dir>/hf``), lock the run dir (and the checkpoint dir when it lies outside it), and mark the
     run dir as usp's. Other ranks do nothing (wrap the call in ``on_every_rank`` so they all raise rank 0's
-    error). Raises ``ValueError`` naming the setting and the fix."""
+    error). Raises ``ValueError`` naming the setting and the fix: ``hydra.run.dir`` and ``trainer.checkpoint_dir``
+    must be writable (:func:`usp.errors.check_writable_dir`: the path and the OS error are named)."""
     if rank != 0:
-        return RunDirClaim([])
+        return RunDirClaim([])  # the directories' checks and errors are rank 0's
     from usp.train.export import check_export_dir
 
     run_dir = Path(cfg.run_dir)
+    check_writable_dir(run_dir, "hydra.run.dir")
+    check_writable_dir(checkpoint_root(cfg), "trainer.checkpoint_dir")
     check_run_dir(run_dir)
     if cfg.trainer.export_hf:
         check_export_dir(run_dir / "hf")

@@ -1,9 +1,12 @@
-"""Preemption: SIGTERM or SIGUSR1 stops the run at the next step boundary, every rank together, after a
-checkpoint.
+"""Preemption and Ctrl-C: SIGTERM, SIGUSR1 or SIGINT stops the run at the next step boundary, every rank
+together, after a checkpoint.
 
 A cluster preempts or ends a job with a signal (SLURM: SIGTERM at preemption or the time limit, and
 ``sbatch --signal=USR1@<seconds>`` some time before the limit; torchrun forwards SIGTERM, and SIGUSR1 with
-``--signals-to-handle``, to its workers). The handler only records the signal; the training loop asks
+``--signals-to-handle``, to its workers); Ctrl-C sends SIGINT to the foreground process group, and torchrun
+forwards the SIGINT it gets to its workers too. A SIGINT is treated as SIGTERM is, rather than as Python's
+``KeyboardInterrupt`` raised inside whatever collective a rank is in (which lost the steps since the last
+checkpoint). The handler only records the signal; the training loop asks
 :meth:`StopRequest.agreed` once per optimizer step, a one-element all-reduce (MAX) on the default group,
 so every rank sees a signal that reached any of them at the same step, saves the same checkpoint and
 stops. The entry point then exits with :data:`REQUEUE_EXIT_CODE` (75).
@@ -19,14 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 REQUEUE_EXIT_CODE = 75
-"""Exit status of a run stopped by SIGTERM/SIGUSR1 once its checkpoint is saved: ``EX_TEMPFAIL``, "try
+"""Exit status of a run stopped by SIGTERM/SIGUSR1/SIGINT once its checkpoint is saved: ``EX_TEMPFAIL``, "try
 again"; ``launch/slurm.sbatch`` requeues the job, which resumes from that checkpoint."""
 
 
 class StopRequest:
-    """Records SIGTERM / SIGUSR1 while installed (a context manager; handlers restored on exit).
+    """Records SIGTERM / SIGUSR1 / SIGINT while installed (a context manager; handlers restored on exit).
 
     Installs nothing outside the main thread (Python delivers signals there only), where :meth:`agreed`
     still sees the other ranks' signals.

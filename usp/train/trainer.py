@@ -18,7 +18,7 @@ Order (every rank runs all of it; each stage is collective where it says so):
    (RNG states: :mod:`usp.train.rng`).
 5. the loop: ``grad_accum_steps`` micro-batches per optimizer step (:func:`usp.train.step.train_step`),
    metrics every step (rank 0 writes), validation every ``eval_every``, a checkpoint every
-   ``checkpoint_every`` steps and at the end, then the Hugging Face export. SIGTERM/SIGUSR1 on any rank
+   ``checkpoint_every`` steps and at the end, then the Hugging Face export. SIGTERM/SIGUSR1/SIGINT (Ctrl-C) on any rank
    stops every rank at the same step after a checkpoint (:mod:`usp.train.signals`; no export, result
    ``preempted``); a step watchdog fails a rank that stops progressing (:mod:`usp.train.watchdog`).
 """
@@ -47,7 +47,7 @@ from usp.train.resume import choose_resume, run_fingerprint
 from usp.train.rng import rng_state, seed_everything, set_rng_state
 from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
 from usp.train.step import train_step
-from usp.train.validate import build_tiny_if_asked, fsdp_cpu_offload, validate
+from usp.train.validate import build_tiny_if_asked, fsdp_cpu_offload, start_up_warnings, validate
 from usp.train.watchdog import build_watchdog
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     from usp.train.rundir import claim_run_dir
 
     rank = dist.get_rank()
-    with on_every_rank(lambda: claim_run_dir(cfg, rank), "checking the run dir (hydra.run.dir)"):
+    with on_every_rank(lambda: claim_run_dir(cfg, rank), "checking the run dir and the checkpoint dir"):
         return _train(cfg, device)
 
 
@@ -121,6 +121,9 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     on_every_rank(lambda: build_tiny_if_asked(cfg, rank), "building the tiny model (model.build_tiny)")
     model_config, layout = on_every_rank(lambda: validate(cfg, world, device), "config validation")
+    if rank == 0:
+        for warning in start_up_warnings(cfg):
+            logger.warning(warning)
     host_states = fsdp_cpu_offload(cfg, device)  # FSDP2 shards and optimizer states in host memory
     peak_flops = on_every_rank(lambda: peak_flops_per_device(cfg.cluster, device.type), "cluster settings")
     ckpt_root = checkpoint_root(cfg)
@@ -199,7 +202,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     batches = iter(train_loader)
     fingerprint = run_fingerprint(cfg)
     guard = StepGuard(cfg.trainer.max_bad_steps, cfg.trainer.loss_spike_factor)
-    guards = ExitStack()  # SIGTERM/SIGUSR1 handlers and the step watchdog, for the loop's lifetime
+    guards = ExitStack()  # SIGTERM/SIGUSR1/SIGINT handlers and the step watchdog, for the loop's lifetime
     stop = guards.enter_context(StopRequest())
     watchdog = guards.enter_context(build_watchdog(cfg.trainer, rank))
     preempted = False

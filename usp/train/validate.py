@@ -20,6 +20,7 @@ The layout comes from :func:`resolve_layout`, the one resolution of ``parallel.*
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,35 @@ class Layout:
 
 
 def build_tiny_if_asked(cfg: TrainConfig, rank: int) -> None:
-    """``model.build_tiny``: rank 0 writes a tiny random Llama at ``model.path`` if none is there (demo, tests),
-    before :func:`validate` checks that dir."""
+    """``model.build_tiny``: rank 0 writes a tiny random Llama at its own default path
+    (``<run dir>/tiny-llama``, :data:`usp.tiny.TINY_MODEL_DIR`) if none is there (demo, tests), before
+    :func:`validate` checks that dir.
+
+    A tiny model is never built anywhere else: a ``model.path`` typed by the user (``recipe=tiny
+    model.path=/ckpt/my-modle``) that does not exist is the ``ValueError`` naming it, not a random model
+    trained and exported under the typed name. One that exists is trained as it is (the tiny recipe's
+    optimizer and trainer settings are for a random model: a warning says so, on rank 0)."""
     if not cfg.model.build_tiny:
         return
+    from usp.tiny import TINY_MODEL_DIR
+
     path = Path(cfg.model.path)
+    default = Path(cfg.run_dir) / TINY_MODEL_DIR
+    if path.absolute() != default.absolute():
+        if not (path / "config.json").exists():
+            raise ValueError(
+                f"model.path={str(path)!r} does not exist or is not a Hugging Face checkpoint dir (no config.json). "
+                f"model.build_tiny builds the random demo model only at its own path ({default}); for your "
+                f"checkpoint, fix model.path (and use model=hf, docs/training.md)."
+            )
+        if rank == 0:
+            logging.getLogger(__name__).warning(
+                "model.path=%s is your checkpoint, but model.build_tiny=true (recipe=tiny or model=tiny): the tiny "
+                "recipe's optimizer (optim.lr=%g, optim.warmup_steps=%d) is meant for a random model and will "
+                "damage a trained one; use model=hf optim=finetune (docs/training.md).",
+                path, cfg.optim.lr, cfg.optim.warmup_steps,
+            )  # fmt: skip
+        return
     if rank == 0 and not (path / "config.json").exists():
         from usp.tiny import build_tiny_llama
 
@@ -175,6 +200,31 @@ def _check_trainer(cfg: TrainConfig) -> None:
             f"trainer.resume={t.resume!r} does not exist. Point it at a step_<N> checkpoint dir (or a checkpoint "
             f"root), use trainer.resume=auto (latest in the checkpoint dir, if any), or null to start fresh."
         )
+
+
+def start_up_warnings(cfg: TrainConfig) -> list[str]:
+    """What is legal but almost surely not meant (the trainer logs each line on rank 0, after :func:`validate`):
+    ``trainer.seq_len`` beyond the checkpoint's own context without a RoPE change, a warmup longer than the
+    run. Reads ``config.json`` only."""
+    from usp.train.optim import schedule_warnings
+
+    out = schedule_warnings(cfg.optim, cfg.trainer.max_steps)
+    m = cfg.model
+    own = check_model_dir(m.path)  # the checkpoint's own settings, before this run's overrides
+    context = getattr(own, "max_position_embeddings", None)
+    if context and cfg.trainer.seq_len > context and m.rope_theta is None and m.rope_scaling is None:
+        from usp.model.load import rope_settings
+
+        rope = {k: v for k, v in rope_settings(own).items() if v is not None}
+        out.append(
+            f"trainer.seq_len={cfg.trainer.seq_len} is longer than the checkpoint's own context "
+            f"(max_position_embeddings={context} in {m.path}/config.json; RoPE {rope}): positions beyond it are "
+            f"untrained. Extend the context on purpose: raise model.rope_theta (e.g. model.rope_theta="
+            f"{float(rope.get('rope_theta') or 10000.0) * 8:g}) or set model.rope_scaling={{rope_type: yarn, factor: "
+            f"{-(-cfg.trainer.seq_len // context)}, original_max_position_embeddings: {context}}}, and "
+            f"model.max_position_embeddings={cfg.trainer.seq_len} (docs/training.md)."
+        )
+    return out
 
 
 def validate(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[Any, Layout]:
