@@ -12,7 +12,7 @@ Three layers, each the smallest that lets the real code run unchanged on ``FakeT
    nothing is loaded (its own guard serves fake tensors).
 2. **torch.cuda's Python runtime** (:func:`fake_cuda_runtime`): ``current_device``, ``Stream``, ``Event``,
    ``current_stream``, ``stream``, ``synchronize`` as no-ops on device 0 (FSDP2's side streams, checkpoint
-   offload's copy stream), and ``pin_memory`` for host buffers (a plain host tensor: its bytes are what is
+   offload's copy stream, ``record_stream``), and ``pin_memory`` for host buffers (a plain host tensor: its bytes are what is
    measured).
 3. **The attention kernels' buffers** (:mod:`usp.bench.fake_kernels`): the meta kernels of torch's SDPA ops
    allocate only their outputs; the stand-ins add what the CUDA kernels allocate inside the call.
@@ -156,13 +156,14 @@ def fake_cuda_runtime() -> Iterator[None]:
         "set_device": lambda d: None,
     }  # fmt: skip
     saved = {k: getattr(torch.cuda, k) for k in patches}
-    pin = torch.Tensor.pin_memory
+    pin, record = torch.Tensor.pin_memory, torch.Tensor.record_stream
     for k, v in patches.items():
         setattr(torch.cuda, k, v)
     torch.Tensor.pin_memory = lambda self, device=None: self  # type: ignore[method-assign]
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
     try:
         yield
     finally:
         for k, v in saved.items():
             setattr(torch.cuda, k, v)
-        torch.Tensor.pin_memory = pin  # type: ignore[method-assign]
+        torch.Tensor.pin_memory, torch.Tensor.record_stream = pin, record  # type: ignore[method-assign]

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=0, help="the rank of the world this process plays")
     p.add_argument("--layers", type=int, default=None, help="cut the model to this many decoder layers")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--cases", default=None, help="a JSON file: a list of argument lists, each run in this process "
+                   "(one JSON line each); the other arguments are then ignored")
     p.add_argument("overrides", nargs="*", help="parallel.* / optim.* / trainer.* overrides (key=value)")
     return p
 
@@ -273,8 +275,11 @@ def compare(record: dict[str, Any], plan: Any) -> dict[str, Any]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
     args = build_parser().parse_args(argv)
+    if args.cases:
+        with open(args.cases) as f:
+            return [main([*case, "--json"]) for case in json.load(f)]
     cfg = build_config(args)
     world = args.nodes * args.gpus_per_node
     if not 0 <= args.rank < world:
@@ -286,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   planned(cfg, world, args.gpus_per_node, args.layers))  # fmt: skip
     rec.pop("measured")
     if args.json:
-        print(json.dumps(rec))
+        print(json.dumps(rec), flush=True)
     else:
         print(format_report(rec))
     return rec
@@ -311,14 +316,20 @@ def format_report(rec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_in_subprocess(argv: Sequence[str], timeout: float = 1800) -> dict[str, Any]:
-    """``main(argv + ['--json'])`` in a fresh Python (the fake device must load before torch); the record."""
+def run_in_subprocess(cases: Sequence[Sequence[str]], timeout: float = 1800) -> list[dict[str, Any]]:
+    """Each argument list of ``cases`` as :func:`main` with ``--json``, all in one fresh Python (the fake device
+    must load before torch); their records, in order."""
+    import tempfile
+
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    cmd = [sys.executable, "-m", "usp.bench.fake_memory", *argv, "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump([list(c) for c in cases], f)
+        f.flush()
+        cmd = [sys.executable, "-m", "usp.bench.fake_memory", "--seq-len", "0", "--cases", f.name]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
 if __name__ == "__main__":
