@@ -87,7 +87,9 @@ def build_library(cache_dir: str | os.PathLike | None = None) -> Path:
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True)
     except FileNotFoundError as e:
-        raise RuntimeError(f"the fake CUDA device needs a C++ compiler ({cmd[0]}): install g++ or set CXX") from e
+        raise RuntimeError(
+            f"the fake CUDA device needs a C++ compiler ({cmd[0]}): install g++ or set CXX"
+        ) from e
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"building the fake CUDA guard failed:\n{e.stderr[-2000:]}") from e
     tmp.replace(out)

@@ -61,7 +61,7 @@ def kernel_workspace_bytes(backend: str, *, batch: int, sq: int, sk: int, hq: in
 def _with_workspace(backend: str, fn):
     def backward(*args):
         kind = args[0] if isinstance(args[0], str) else backend
-        dout, q, k = (args[1:4] if isinstance(args[0], str) else args[:3])
+        dout, q, k = args[1:4] if isinstance(args[0], str) else args[:3]
         b, sq, hq, d = q.shape
         sk, hkv = k.size(1), k.size(2)
         if kind != "flash_attn" and kind in ("sdpa_efficient", "sdpa_cudnn"):
@@ -100,7 +100,9 @@ def fake_attention_kernels() -> Iterator[None]:
     def no_segments(fn):
         def call(*args):
             if args[-1] is not None:
-                raise ValueError("the fake flash_attn stand-in has no varlen kernel: data.document_masking=false")
+                raise ValueError(
+                    "the fake flash_attn stand-in has no varlen kernel: data.document_masking=false"
+                )
             return fn(*args)
 
         return call

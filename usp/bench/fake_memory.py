@@ -52,8 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=0, help="the rank of the world this process plays")
     p.add_argument("--layers", type=int, default=None, help="cut the model to this many decoder layers")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--cases", default=None, help="a JSON file: a list of argument lists, each run in this process "
-                   "(one JSON line each); the other arguments are then ignored")
+    p.add_argument(
+        "--cases",
+        default=None,
+        help="a JSON file: a list of argument lists, each run in this process "
+        "(one JSON line each); the other arguments are then ignored",
+    )
     p.add_argument("overrides", nargs="*", help="parallel.* / optim.* / trainer.* overrides (key=value)")
     return p
 
@@ -94,7 +98,9 @@ def _hf_config(model: str, layers: int | None, seq_len: int) -> Any:
     cfg = dict(PRESETS[model])
     if layers is not None:
         cfg["num_hidden_layers"] = layers
-    return LlamaConfig(**cfg, max_position_embeddings=seq_len, rope_theta=500000.0, attn_implementation="sdpa")
+    return LlamaConfig(
+        **cfg, max_position_embeddings=seq_len, rope_theta=500000.0, attn_implementation="sdpa"
+    )
 
 
 def _fake_model(config: Any, *, param_device: str) -> Any:
@@ -152,7 +158,9 @@ def planned(cfg: Any, world: int, node_size: int, layers: int | None) -> Any:
     )  # fmt: skip
 
 
-def fake_step(cfg: Any, *, world: int, node_size: int, rank: int = 0, layers: int | None = None) -> dict[str, Any]:
+def fake_step(
+    cfg: Any, *, world: int, node_size: int, rank: int = 0, layers: int | None = None
+) -> dict[str, Any]:
     """Run one step of ``cfg`` as ``rank`` of ``world`` on fake CUDA (module docstring); returns the record
     :func:`main` prints. Needs :func:`usp.bench.fake_cuda.preload` to have run in this process."""
     import torch
@@ -271,7 +279,10 @@ def compare(record: dict[str, Any], plan: Any) -> dict[str, Any]:
     return record | {
         "planner_gib": terms["total"],
         "planner_tensor_gib": tensor,
-        "categories": {"measured": record["measured"], "planned": {k: v for k, v in terms.items() if k != "total"}},
+        "categories": {
+            "measured": record["measured"],
+            "planned": {k: v for k, v in terms.items() if k != "total"},
+        },
     }
 
 
@@ -312,7 +323,9 @@ def format_report(rec: dict[str, Any]) -> str:
         lines.append(f"  {left}        {right}")
     lines.append(f"  {'peak (tensors)':<22} {rec['peak_gib']:8.2f}        {'tensor terms':<22} "
                  f"{rec['planner_tensor_gib']:8.2f}")  # fmt: skip
-    lines.append(f"  {'host':<22} {rec['host_gib']:8.2f}        {'planner total':<22} {rec['planner_gib']:8.2f}")
+    lines.append(
+        f"  {'host':<22} {rec['host_gib']:8.2f}        {'planner total':<22} {rec['planner_gib']:8.2f}"
+    )
     return "\n".join(lines)
 
 
