@@ -2,7 +2,8 @@
 
 Layout (flash-attn convention): ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA is
 handled inside the kernel, locally; nothing is expanded before communication), ``out [B, Sq, Hq, D]`` in
-``q.dtype`` and ``lse [B, Hq, Sq]`` in fp32 (natural log of the softmax denominator, scale included).
+``q.dtype`` and ``lse [B, Hq, Sq]`` in fp32, fp64 for fp64 inputs (``math`` and ``cpu_flash``: the float64
+reference path; natural log of the softmax denominator, scale included).
 
 Masking is described, not materialized, by the caller:
 
@@ -211,7 +212,7 @@ def _cpu_flash_forward(q, k, v, causal, scale, segments):
         attn_mask=mask,
         scale=scale,
     )  # out [B, Hq, Sq, D] (stored as [B, Sq, Hq, D]), lse [B, Hq, Sq]
-    return out.transpose(1, 2), lse.float()
+    return out.transpose(1, 2), lse.to(_acc_dtype(q))
 
 
 def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, segments):
@@ -226,7 +227,7 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, segments):
         k.transpose(1, 2),
         v.transpose(1, 2),
         out.transpose(1, 2),
-        lse.contiguous(),
+        lse.to(_acc_dtype(q)).contiguous(),  # the kernel takes fp32, fp64 for fp64 inputs
         0.0,
         causal and segments is None,
         attn_mask=mask,
@@ -266,7 +267,8 @@ def attention_forward(
     backend: str,
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One attention block: ``(out [B, Sq, Hq, D] q.dtype, lse [B, Hq, Sq] fp32)``; see the module docstring.
+    """One attention block: ``(out [B, Sq, Hq, D] q.dtype, lse [B, Hq, Sq] fp32)`` (fp64 lse for fp64 inputs);
+    see the module docstring.
 
     ``backend`` must already be resolved (:func:`resolve_backend`). Rows with no allowed key get ``out = 0``,
     ``lse = -inf`` whatever the kernel does with them.

@@ -33,29 +33,132 @@ from usp.attention.kernels import attention_backward, attention_forward
 
 _TAG_KV, _TAG_DKV, _TAG_DKV_HOME = 11, 12, 13
 
+MERGE_SLICE_ELEMENTS = 1 << 22
+"""Most elements of ``out`` one merge or gradient-accumulation step touches at once (16 MiB in fp32). A
+mixed-dtype in-place op (a bf16 block into an fp32 accumulator) casts its input to a temporary of the
+accumulator's dtype on the CPU; slicing the rows bounds that temporary to this many elements."""
 
-def merge_block_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The ring's accumulator (and lse) dtype for inputs of ``dtype``: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_slices(t: torch.Tensor, max_elements: int) -> list[slice]:
+    """Slices of ``t``'s dim 1 (rows of ``[B, S, H, D]``) holding at most ``max_elements`` elements each."""
+    rows = t.size(1)
+    per_row = max(1, t.numel() // max(rows, 1))
+    step = max(1, max_elements // per_row)
+    return [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def merge_block_(
+    out_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    max_elements: int | None = None,
+) -> None:
     """In place: ``(out_acc, lse_acc) <- softmax-merge of (out_acc, lse_acc) and (out, lse)``.
 
-    ``out_acc [B, S, H, D]`` and ``lse_acc [B, H, S]`` are fp32; ``-inf`` lse (rows that saw no key yet, or
-    none in this block) merge without NaN: both weights are ``exp(lse_i - lse_new) <= 1``.
+    ``out_acc [B, S, H, D]`` and ``lse_acc [B, H, S]`` are fp32 (fp64 for fp64 inputs); ``out`` may be in the
+    compute dtype. ``-inf`` lse (rows that saw no key yet, or none in this block) merge without NaN: both
+    weights are ``exp(lse_i - lse_new) <= 1``. Runs over slices of at most ``max_elements`` (default
+    :data:`MERGE_SLICE_ELEMENTS`) elements of ``out``, so the temporaries are lse-sized per slice plus (a compute-dtype ``out`` cast on the CPU) one
+    slice: no temporary of the block's size exists.
     """
-    new = torch.logaddexp(lse_acc, lse)
-    safe = torch.where(torch.isinf(new), 0.0, new)  # rows with no key anywhere so far: weights 0, out stays 0
-    w_acc = torch.exp(lse_acc - safe).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
-    w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    out_acc.mul_(w_acc).add_(out.float() * w_new)
-    lse_acc.copy_(new)
+    for rows in _row_slices(out_acc, max_elements or MERGE_SLICE_ELEMENTS):
+        la, lb = lse_acc[:, :, rows], lse[:, :, rows]
+        new = torch.logaddexp(la, lb)  # [B, H, rows]
+        safe = torch.where(torch.isinf(new), 0.0, new)  # rows with no key anywhere so far: weights 0
+        w_acc = torch.exp(la - safe).transpose(1, 2).unsqueeze(-1)  # [B, rows, H, 1]
+        w_new = torch.exp(lb - safe).transpose(1, 2).unsqueeze(-1)
+        out_acc[:, rows].mul_(w_acc).addcmul_(out[:, rows], w_new)
+        la.copy_(new)
+
+
+def _add_(acc: torch.Tensor, grad: torch.Tensor) -> None:
+    """``acc += grad`` in row slices (``[B, S, H, D]``): a compute-dtype ``grad`` is cast a slice at a time."""
+    for rows in _row_slices(acc, MERGE_SLICE_ELEMENTS):
+        acc[:, rows] += grad[:, rows]
+
+
+def _covers(sl: slice, n: int) -> bool:
+    return sl.start == 0 and sl.stop == n
+
+
+def _first_block(shape: torch.Size, rows: slice, block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``shape`` tensor of ``dtype`` initialised from the first block computed into it (rows ``rows``; the
+    other rows 0): the block itself when it covers every row in that dtype and layout, else one copy."""
+    if _covers(rows, shape[1]) and block.dtype == dtype and block.is_contiguous():
+        return block
+    if _covers(rows, shape[1]):
+        return block.to(dtype, memory_format=torch.contiguous_format)
+    acc = torch.zeros(shape, dtype=dtype, device=block.device)
+    acc[:, rows] = block
+    return acc
+
+
+def _first_lse(b: int, h: int, n: int, rows: slice, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[b, h, n]`` lse initialised from the first block's (the block's own tensor when it covers every row;
+    rows outside it ``-inf``)."""
+    if _covers(rows, n):
+        return lse.to(dtype)
+    full = torch.full((b, h, n), float("-inf"), dtype=dtype, device=lse.device)
+    full[:, :, rows] = lse
+    return full
+
+
+def _local_forward(q, k, v, spec, softmax_scale, backend):
+    """No ring (one step: ring degree 1, or documents that need no other part): the kernel's own ``(out,
+    lse)``, no accumulator, no merge. Only when the block leaves rows out (never at ring degree 1) are they
+    filled with ``out = 0``, ``lse = -inf`` around it."""
+    b, n, hq, d = q.shape
+    acc = acc_dtype(q.dtype)
+    if spec is None:
+        return q.new_zeros(q.shape), torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
+    qs, ks = spec.q_slice, spec.k_slice
+    o, lse = attention_forward(
+        q[:, qs], k[:, ks], v[:, ks], causal=spec.causal, softmax_scale=softmax_scale, backend=backend,
+        segments=spec.segments,
+    )  # fmt: skip
+    record_attention_work(spec.pairs() * b * hq, d, backward=False)
+    if _covers(qs, n):
+        return o, lse
+    return _first_block(q.shape, qs, o, q.dtype), _first_lse(b, hq, n, qs, lse, acc)
+
+
+def _local_backward(dout, q, k, v, out, lse, spec, softmax_scale, backend):
+    """No ring: the kernel's backward once, its ``dq, dk, dv`` returned as they are."""
+    if spec is None:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    b, n, hq, d = q.shape
+    qs, ks = spec.q_slice, spec.k_slice
+    dq, dk, dv = attention_backward(
+        dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], causal=spec.causal,
+        softmax_scale=softmax_scale, backend=backend, segments=spec.segments,
+    )  # fmt: skip
+    record_attention_work(spec.pairs() * b * hq, d, backward=True)
+    if not _covers(qs, n):
+        dq = _first_block(q.shape, qs, dq, q.dtype)
+    if not _covers(ks, k.size(1)):
+        dk, dv = _first_block(k.shape, ks, dk, k.dtype), _first_block(v.shape, ks, dv, v.dtype)
+    return dq, dk, dv
 
 
 def _ring_forward(q, k, v, group, plans, softmax_scale, backend):
-    """One ring pass over ``q [B, L, h, D]`` and its ``k, v``; returns ``(out [B, L, h, D] in q's dtype, lse fp32
-    [B, h, L])``. The fp32 output accumulator and the rotating K/V exist only while it runs."""
+    """One ring pass over ``q [B, L, h, D]`` and its ``k, v``; returns ``(out [B, L, h, D] in q's dtype, lse
+    [B, h, L] fp32)``. With one step it is :func:`_local_forward`. Otherwise the first block computed
+    initialises the fp32 output accumulator (its rows; the rest 0 / ``-inf``), later ones merge into it in place
+    (:func:`merge_block_`); it and the rotating K/V exist only while this runs."""
     ring = len(plans)
-    b, _, hq, d = q.shape
-    out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse_acc = torch.full((b, hq, q.size(1)), float("-inf"), dtype=torch.float32, device=q.device)
-    exchange = RingExchange(group, "ring_kv", _TAG_KV) if ring > 1 else None
+    if ring == 1:
+        return _local_forward(q, k, v, plans[0], softmax_scale, backend)
+    b, n, hq, d = q.shape
+    acc = acc_dtype(q.dtype)
+    out_acc = lse_acc = None
+    exchange = RingExchange(group, "ring_kv", _TAG_KV)
     kc, vc = k, v
     for step in range(ring):
         if step + 1 < ring:
@@ -64,35 +167,44 @@ def _ring_forward(q, k, v, group, plans, softmax_scale, backend):
         if spec is not None:
             qs, ks = spec.q_slice, spec.k_slice
             o, lse = attention_forward(
-                q[:, qs],
-                kc[:, ks],
-                vc[:, ks],
-                causal=spec.causal,
-                softmax_scale=softmax_scale,
-                backend=backend,
-                segments=spec.segments,
-            )
-            merge_block_(out_acc[:, qs], lse_acc[:, :, qs], o, lse)
+                q[:, qs], kc[:, ks], vc[:, ks], causal=spec.causal, softmax_scale=softmax_scale,
+                backend=backend, segments=spec.segments,
+            )  # fmt: skip
+            if out_acc is None:
+                out_acc, lse_acc = _first_block(q.shape, qs, o, acc), _first_lse(b, hq, n, qs, lse, acc)
+            else:
+                merge_block_(out_acc[:, qs], lse_acc[:, :, qs], o, lse)
+            del o, lse
             record_attention_work(spec.pairs() * b * hq, d, backward=False)
         if step + 1 < ring:
             kc, vc = exchange.wait()
+    if out_acc is None:  # no rank computes anything (not produced by the planners): an empty attention
+        return q.new_zeros(q.shape), torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
     return out_acc.to(q.dtype), lse_acc
 
 
+def _accumulate(acc, shape, rows, grad, dtype):
+    """``acc[:, rows] += grad``; the first gradient initialises the accumulator (:func:`_first_block`)."""
+    if acc is None:
+        return _first_block(shape, rows, grad, dtype)
+    _add_(acc[:, rows], grad)
+    return acc
+
+
 def _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend):
-    """The ring pass of the backward for one set of heads; returns ``dq, dk, dv`` in the inputs' dtypes. The fp32
-    dq accumulator and the travelling fp32 dK/dV accumulators exist only while it runs."""
-    b, _, hq, d = q.shape
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    """The ring pass of the backward for one set of heads; returns ``dq, dk, dv`` in the inputs' dtypes. With
+    one step it is :func:`_local_backward`. Otherwise the fp32 dq accumulator and the travelling fp32 dK/dV
+    accumulators exist only while it runs, each initialised by the first block gradient added to it."""
     steps = len(plans)
-    kv_exchange = dkv_exchange = home = None
-    if steps > 1:
-        kv_exchange = RingExchange(group, "ring_kv_bwd", _TAG_KV)
-        dkv_exchange = RingExchange(group, "ring_dkv", _TAG_DKV)
-        # after the last step the accumulator we hold belongs to ring rank r - (steps - 1): send it home
-        home = RingExchange(group, "ring_dkv", _TAG_DKV_HOME, offset=-(steps - 1))
+    if steps == 1:
+        return _local_backward(dout, q, k, v, out, lse, plans[0], softmax_scale, backend)
+    b, _, hq, d = q.shape
+    acc = acc_dtype(q.dtype)
+    dq_acc = dk_acc = dv_acc = None
+    kv_exchange = RingExchange(group, "ring_kv_bwd", _TAG_KV)
+    dkv_exchange = RingExchange(group, "ring_dkv", _TAG_DKV)
+    # after the last step the accumulator we hold belongs to ring rank r - (steps - 1): send it home
+    home = RingExchange(group, "ring_dkv", _TAG_DKV_HOME, offset=-(steps - 1))
     kc, vc = k, v
     for step in range(steps):
         if step + 1 < steps:
@@ -102,33 +214,29 @@ def _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend
         if spec is not None:
             qs, ks = spec.q_slice, spec.k_slice
             grads = attention_backward(
-                dout[:, qs],
-                q[:, qs],
-                kc[:, ks],
-                vc[:, ks],
-                out[:, qs],
-                lse[:, :, qs],
-                causal=spec.causal,
-                softmax_scale=softmax_scale,
-                backend=backend,
-                segments=spec.segments,
-            )
-            dq_acc[:, qs] += grads[0]
+                dout[:, qs], q[:, qs], kc[:, ks], vc[:, ks], out[:, qs], lse[:, :, qs], causal=spec.causal,
+                softmax_scale=softmax_scale, backend=backend, segments=spec.segments,
+            )  # fmt: skip
+            dq_acc = _accumulate(dq_acc, q.shape, qs, grads[0], acc)
             record_attention_work(spec.pairs() * b * hq, d, backward=True)
         if step > 0:
             dk_acc, dv_acc = dkv_exchange.wait()  # the accumulator of the K/V part we hold now
         if grads is not None:
-            dk_acc[:, ks] += grads[1]
-            dv_acc[:, ks] += grads[2]
+            dk_acc = _accumulate(dk_acc, k.shape, ks, grads[1], acc)
+            dv_acc = _accumulate(dv_acc, v.shape, ks, grads[2], acc)
+        elif dk_acc is None:  # step 0 computed nothing: start this part's accumulator at zero
+            dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
+        grads = None
         if step + 1 < steps:
             dkv_exchange.start([dk_acc, dv_acc])  # one hop behind its K/V
-        elif home is not None:
+        else:
             home.start([dk_acc, dv_acc])
         if step + 1 < steps:
             kc, vc = kv_exchange.wait()
-    if home is not None:
-        dk_acc, dv_acc = home.wait()
-    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    dk_acc, dv_acc = home.wait()
+    dq = torch.zeros_like(q) if dq_acc is None else dq_acc.to(q.dtype)
+    return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
 def _head_chunks(hq: int, hkv: int, chunks: int) -> list[tuple[slice, slice]]:
@@ -138,8 +246,11 @@ def _head_chunks(hq: int, hkv: int, chunks: int) -> list[tuple[slice, slice]]:
 
 
 def _part(x: torch.Tensor, heads: slice) -> torch.Tensor:
-    """``x[:, :, heads]`` as a contiguous tensor (a copy of one chunk; the whole tensor when one chunk)."""
-    return x if heads.start == 0 and heads.stop == x.size(2) else x[:, :, heads].contiguous()
+    """``x[:, :, heads]``: a strided view of one chunk of heads, no copy. Every kernel takes it as it takes
+    the full tensor (``[B, S, H, D]`` memory read as ``[B, H, S, D]``, last dim contiguous); cuDNN alone needs
+    dense strides and copies the chunk inside its call (``cuda_kernels._dense``), and the ring's send
+    (:class:`~usp.attention.comm.RingExchange`) copies the K/V chunk it sends, as it would any K/V."""
+    return x[:, :, heads]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -150,12 +261,14 @@ class _RingAttention(torch.autograd.Function):
             out, lse = _ring_forward(q, k, v, group, plans, softmax_scale, backend)
         else:
             # one chunk of heads at a time, written into the full output: no full-size fp32 tensor is ever held
-            out = torch.empty_like(q)
-            lse = torch.empty((q.size(0), q.size(2), q.size(1)), dtype=torch.float32, device=q.device)
+            b, n, hq, _ = q.shape
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty((b, hq, n), dtype=acc_dtype(q.dtype), device=q.device)
             for hs, ks in chunks:
                 o, l_ = _ring_forward(_part(q, hs), _part(k, ks), _part(v, ks), group, plans, softmax_scale, backend)
                 out[:, :, hs] = o
                 lse[:, hs] = l_
+                del o, l_
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.plans, ctx.softmax_scale, ctx.backend = group, plans, softmax_scale, backend
         ctx.chunks = chunks
@@ -169,13 +282,15 @@ class _RingAttention(torch.autograd.Function):
         if len(ctx.chunks) == 1:
             dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *args)
         else:
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             for hs, ks in ctx.chunks:  # the same order on every rank: the ring exchanges pair up
                 g = _ring_backward(
-                    _part(dout, hs), _part(q, hs), _part(k, ks), _part(v, ks), _part(out, hs),
-                    lse[:, hs].contiguous(), *args,
-                )  # fmt: skip
+                    _part(dout, hs), _part(q, hs), _part(k, ks), _part(v, ks), _part(out, hs), lse[:, hs], *args
+                )
                 dq[:, :, hs], dk[:, :, ks], dv[:, :, ks] = g
+                del g
         return dq, dk, dv, None, None, None, None, None
 
 

@@ -129,7 +129,7 @@ def segmentwise_forward(
     scale: float,
     segments: list[Segment],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32)`` with one ``dense_forward`` call per group of segments.
+    """``(out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32, fp64 for fp64)`` with one ``dense_forward`` call per group.
 
     ``dense_forward(q, k, v, causal, scale, inner_segments_or_None)`` runs on the group's rectangle; groups
     are at most :data:`DENSE_MASK_MAX_ELEMENTS` large when they need a mask. Rows outside every segment end
@@ -137,7 +137,8 @@ def segmentwise_forward(
     """
     b, sq, hq, _ = q.shape
     out = q.new_zeros(q.shape)
-    lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # the lse dtype of the kernels
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=acc, device=q.device)
     for (q0, q1, k0, k1), inner in group_segments(segments, DENSE_MASK_MAX_ELEMENTS):
         assert inner is not None or not causal or q1 - q0 == k1 - k0, "causal segments are square"
         o, l_seg = dense_forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal, scale, inner)

@@ -209,10 +209,11 @@ def head_chunk_candidates(model: ModelSpec, ulysses_degree: int) -> list[int]:
 
 
 def head_chunks_to_try(model: ModelSpec, ulysses_degree: int, ring_degree: int, fixed: int | None) -> list[int]:
-    """Head chunk counts a search tries for this pair, fewest first: :func:`head_chunk_candidates` on a ring
-    (``[1]`` without one), or ``[fixed]``; ``[]`` when the fixed count does not split the pair's heads."""
+    """Head chunk counts a search tries for this pair, fewest first: :func:`head_chunk_candidates` at every
+    ring degree (without a ring the chunks still split the kernel's own buffers), or ``[fixed]``; ``[]`` when
+    the fixed count does not split the pair's heads. ``ring_degree`` is kept for the callers."""
     if fixed is None:
-        return head_chunk_candidates(model, ulysses_degree) if ring_degree > 1 else [1]
+        return head_chunk_candidates(model, ulysses_degree)
     U = ulysses_degree
     if fixed != 1 and fixed not in head_chunk_options(model.num_heads // U, model.kv_heads_per_rank(U)):
         return []
