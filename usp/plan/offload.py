@@ -63,8 +63,8 @@ def offloaded_state_bytes(model: ModelSpec, shard: int) -> float:
     """Host bytes of one rank's states under FSDP2 CPU offload: each fp32 parameter shard and its fp32 gradient
     shard pinned (each its own block, rounded by :func:`pinned_block_bytes`), the Adam moments ``m, v`` in
     plain host memory (8 B per parameter of the shard)."""
-    h, d, I, V = model.hidden_size, model.head_dim, model.intermediate_size, model.vocab_size
-    layer = [h * model.num_heads * d] * 2 + [h * model.num_kv_heads * d] * 2 + [h * I] * 3 + [h] * 2
+    h, d, inter, V = model.hidden_size, model.head_dim, model.intermediate_size, model.vocab_size
+    layer = [h * model.num_heads * d] * 2 + [h * model.num_kv_heads * d] * 2 + [h * inter] * 3 + [h] * 2
     root = [V * h] * (1 if model.tie_word_embeddings else 2) + [h]
     pinned = sum(pinned_block_bytes(4 * math.ceil(n / shard)) for n in layer) * model.num_layers
     pinned += sum(pinned_block_bytes(4 * math.ceil(n / shard)) for n in root)
