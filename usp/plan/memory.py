@@ -260,7 +260,8 @@ def attention_kernel_bytes(work: Workload, cand: Candidate) -> float:
     copies and their gradients counted too)."""
     model, B = work.model, work.compute_bytes
     U, R = cand.ulysses_degree, cand.ring_degree
-    sq = work.seq_len / (U * R) * work.micro_batch_size  # the largest call: a ring step's whole part
+    sq = work.seq_len / R * work.micro_batch_size  # after the all-to-all: the ring part, H / U heads; the largest
+    # call is a ring step over the whole part
     hq, kv, d = model.num_heads / U, max(model.num_kv_heads, U) / U, model.head_dim
     rows = math.ceil(sq / 128) * 128
     if work.attention_backend in ("sdpa_efficient", "sdpa_cudnn"):
@@ -370,11 +371,11 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     bottom += (h * B * s if n_ckpt and activation_checkpointing != "offload" else 0.0) + in_flight + tile
     peak_bottom = (states + grads_above, layer_gathers, bottom, workspace, 0.0)
     # peak 4, the root's reduce-scatter after the whole backward: every layer's fp32 gradient shard, the
-    # root's gradients in the compute dtype (one left), their fp32 copies, FSDP2's flat reduce-scatter input
-    # and its output shard
+    # root's gradients in the compute dtype (one left), their fp32 copies (none in an fp32 run), FSDP2's flat
+    # reduce-scatter input and its output shard
     root_params = model.embedding_params + model.head_params + h
     grads_all = 0.0 if offload else 4 * model.layer_params * L / shard
-    reduce = model.vocab_size * h * B + root_params * (8 + 4 / shard)
+    reduce = model.vocab_size * h * B + root_params * ((4 if B < 4 else 0) + 4 + 4 / shard)
     peak_root = (states + grads_all, reduce, 0.0, 0.0, 0.0)
     terms = max(peak_loss, peak_layer, peak_bottom, peak_root, key=sum)
     extra = untracked_bytes(cand, device)
