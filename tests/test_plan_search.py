@@ -288,11 +288,11 @@ def test_cli_float32_costs_more_memory(capsys):
     assert len(fp32.keys() & bf16.keys()) >= 2
     for key in fp32.keys() & bf16.keys():
         # the activations, gathered copies and buffers double (the two may peak in different phases of the
-        # step, so compare the sums); the fp32 master states do not
+        # step, so compare the sums); the fp32 master states do not, and the peak is higher
         tensors = [sum(v for k, v in x[key]["memory_gib"].items() if k not in ("total", "overhead", "sharded_states"))
                    for x in (fp32, bf16)]  # fmt: skip
-        assert 1.3 < tensors[0] / tensors[1] <= 2 + 1e-9
-        assert fp32[key]["memory_gib"]["sharded_states"] >= bf16[key]["memory_gib"]["sharded_states"]
+        assert tensors[1] < tensors[0] <= 2 * tensors[1] + 1e-9
+        assert fp32[key]["mem_gib_per_gpu"] > bf16[key]["mem_gib_per_gpu"]
 
 
 def test_cli_efficiency_flags_scale_the_compute(capsys):
