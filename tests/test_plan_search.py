@@ -86,22 +86,22 @@ def test_auto_degrees_tiny_cpu_model(tiny_config):
 
 def test_auto_degrees_memory_limit_forces_checkpointing():
     # Llama-3.1-8B on 8 GPUs: 32K tokens leave room to keep every activation (none is fastest); at 256K with
-    # 50 GiB (3.75 GiB of headroom) only full checkpointing fits (44.6 GiB; every other layer would need ~100
-    # GiB); with 48 GiB it needs MLP tiles or checkpoint offload, and offload costs no compute, tiles do
+    # 40 GiB only full checkpointing fits (every other layer would need far more); with 36 GiB it needs MLP
+    # tiles or checkpoint offload, and offload costs no compute, tiles do
     cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
            "intermediate_size": 14336, "vocab_size": 128256}  # fmt: skip
     roomy = auto_degrees(cfg, seq_len=2**15, world_size=8, node_size=8, gpu="h100-80g")
-    tight = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=50)
-    tighter = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=48)
+    tight = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=40)
+    tighter = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=36)
     assert roomy["activation_checkpointing"] == "none" and "mlp_tiles" not in roomy  # a fixed count stays
     assert tight["activation_checkpointing"] == "full"
     assert tighter["activation_checkpointing"] == "offload"
     # with mlp_tiles=auto the planner may tile: here full checkpointing fits with 2 tiles
-    tiled = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=48,
+    tiled = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=36,
                          activation_checkpointing="full", mlp_tiles="auto")  # fmt: skip
     assert (tiled["activation_checkpointing"], tiled["mlp_tiles"]) == ("full", 2)
     with pytest.raises(ValueError, match="offload"):
-        auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=30)
+        auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=26)
 
 
 def test_no_layout_fits_says_why_and_what_would():
@@ -265,10 +265,12 @@ def test_cli_float32_costs_more_memory(capsys):
     fp32 = {(x["fsdp_mode"], x["activation_checkpointing"], x["mlp_tiles"]): x for x in json.loads(capsys.readouterr().out)}
     assert len(fp32.keys() & bf16.keys()) >= 2
     for key in fp32.keys() & bf16.keys():
-        # everything doubles but the norms' fp32 input copies
-        ratio = fp32[key]["memory_gib"]["activations"] / bf16[key]["memory_gib"]["activations"]
-        assert 1.5 < ratio < 2
-        assert fp32[key]["memory_gib"]["sharded_states"] == bf16[key]["memory_gib"]["sharded_states"]
+        # the activations, gathered copies and buffers double (the two may peak in different phases of the
+        # step, so compare the sums); the fp32 master states do not, and the peak is higher
+        tensors = [sum(v for k, v in x[key]["memory_gib"].items() if k not in ("total", "overhead", "sharded_states"))
+                   for x in (fp32, bf16)]  # fmt: skip
+        assert tensors[1] < tensors[0] <= 2 * tensors[1] + 1e-9
+        assert fp32[key]["mem_gib_per_gpu"] > bf16[key]["mem_gib_per_gpu"]
 
 
 def test_cli_efficiency_flags_scale_the_compute(capsys):

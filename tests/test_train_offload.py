@@ -81,3 +81,18 @@ def test_two_forwards_before_backward_use_fresh_host_buffers():
     for a, b in zip(grads(plain), grads(offloaded)):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     assert not store._busy  # every slot released once its graph is gone
+
+
+def test_slots_are_rows_of_one_arena_of_the_planned_size():
+    """The host slots are one allocation of exactly ``offload_host_bytes`` (no per-slot allocations, no
+    rounding): every slot is a row of ``store.arena``."""
+    from usp.train.offload import offload_host_bytes
+
+    _, offloaded, store = make_stacks()
+    x = torch.randn(1, TOKENS, HIDDEN, requires_grad=True)
+    run(offloaded, x, torch.tensor(0.5)).sum().backward()
+    assert store.arena is not None and store.arena.shape == (LAYERS, 1, TOKENS, HIDDEN)
+    assert store.host_bytes == offload_host_bytes(LAYERS, TOKENS, HIDDEN, 4)
+    assert store.arena.untyped_storage().nbytes() == store.host_bytes
+    base = store.arena.untyped_storage().data_ptr()
+    assert sorted(s.untyped_storage().data_ptr() for s in store._slots.values()) == [base] * LAYERS

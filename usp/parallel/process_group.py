@@ -17,12 +17,22 @@ every key with the restart count (``TORCHELASTIC_RESTART_COUNT``), so each attem
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF = "expandable_segments:True"
+"""What usp sets ``PYTORCH_CUDA_ALLOC_CONF`` to unless the user set it: CUDA's caching allocator then grows
+segments in place instead of caching fixed-size blocks per stream, so the sequence-long activations of
+different sizes, and blocks freed on FSDP2's and checkpoint offload's side streams, do not fragment device
+memory (the planner's fragmentation allowance assumes it, :mod:`usp.plan.memory`)."""
 
 STORE_PREFIX = "usp/restart_"
 """Every key of a launched job's store is under ``usp/restart_<TORCHELASTIC_RESTART_COUNT>/``."""
@@ -56,10 +66,27 @@ def launcher_store(timeout: timedelta, env: Mapping[str, str] | None = None) -> 
     return dist.PrefixStore(f"{STORE_PREFIX}{restart_count(env)}", store)
 
 
+def configure_cuda_allocator(env: MutableMapping[str, str] | None = None) -> str:
+    """Set :data:`ALLOC_CONF_VAR` to :data:`ALLOC_CONF` unless it is set (before CUDA's allocator starts: it
+    reads the variable once, at its first allocation); log which one the run uses. Returns the value."""
+    env = os.environ if env is None else env
+    if env is os.environ and torch.cuda.is_initialized():
+        log.warning("CUDA was initialised before usp could set %s: the allocator keeps its settings", ALLOC_CONF_VAR)
+    if ALLOC_CONF_VAR in env:
+        log.info("%s=%s (set by the user; usp's default is %s)", ALLOC_CONF_VAR, env[ALLOC_CONF_VAR], ALLOC_CONF)
+    else:
+        env[ALLOC_CONF_VAR] = ALLOC_CONF
+        log.info("%s=%s (set by usp: unset before; set it to choose another)", ALLOC_CONF_VAR, ALLOC_CONF)
+    return env[ALLOC_CONF_VAR]
+
+
 def resolve_device(setting: str) -> torch.device:
-    """``trainer.device``: ``auto`` -> this rank's CUDA device if there is one, else CPU."""
+    """``trainer.device``: ``auto`` -> this rank's CUDA device if there is one, else CPU. Configures CUDA's
+    allocator first (:func:`configure_cuda_allocator`): this is where a job first touches CUDA."""
     if setting not in ("auto", "cuda", "cpu"):
         raise ValueError(f"trainer.device={setting!r} is invalid; choose auto, cuda or cpu.")
+    if setting != "cpu":
+        configure_cuda_allocator()
     if setting == "cuda" and not torch.cuda.is_available():
         raise ValueError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto.")
     if setting == "cpu" or not torch.cuda.is_available():

@@ -116,7 +116,7 @@ def build_plan_parser() -> argparse.ArgumentParser:
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="model.dtype"
     )
     p.add_argument(
-        "--overhead-frac", type=float, default=0.08, help="allocator margin on top of the estimate"
+        "--overhead-frac", type=float, default=0.05, help="allocator fragmentation allowance (fraction of the tensor peak)"
     )
     p.add_argument("--calibration", default=None, help="JSON written by 'usp-plan calibrate --out'")
     p.add_argument("--host-mem-gib", type=float, default=None, help="host RAM per node, GiB (cluster.host_mem_gib)")

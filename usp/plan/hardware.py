@@ -10,7 +10,7 @@ Host side (checkpoint and optimizer offload, :mod:`usp.plan.offload`): ``host_li
 to host memory per direction (Gen4 x16: 32 GB/s raw, ~25 achieved; Gen5 x16: 64 GB/s raw, ~50 achieved),
 ``host_mem_gib`` the RAM of one node and ``host_mem_gbps`` the node's DRAM bandwidth a bandwidth-bound host
 kernel (the CPU Adam step) sustains. Defaults are the vendor's 8-GPU server: DGX A100 (2 x EPYC 7742, 1 TiB,
-16 channels of DDR4-3200 = 410 GB/s peak), DGX H100 / H200 (2 x Xeon 8480C, 2 TiB, 16 channels of DDR5-4800 =
+16 channels of DDR4-3200 = 410 GB/s peak), DGX H100 / H200 (2 x Xeon 8480C, 1.9 TB, 16 channels of DDR5-4800 =
 614 GB/s peak), DGX B200 (2 x Xeon 8570, 2 TiB (4 TiB option), DDR5-5600 = 717 GB/s peak); the sustained figure
 assumed is half the peak. A job on some GPUs of such a server has the whole server's RAM; give
 ``cluster.host_mem_gib`` (``--host-mem-gib``) for a smaller machine.
@@ -53,8 +53,10 @@ class DeviceSpec:
     an output merge)."""
     layer_overhead_s: float = 0.0
     """Fixed time per decoder layer per micro step (kernel launches, Python); matters on CPU only."""
-    reserved_gib: float = 1.0
-    """Memory the job cannot use (CUDA context, communicator buffers)."""
+    reserved_gib: float = 0.6
+    """Memory the job cannot use and no tensor tracker sees, besides NCCL (:func:`usp.plan.memory.untracked_bytes`):
+    the CUDA context (about 0.5 GiB with CUDA 12's lazy module loading) and the cuBLAS / cuBLASLt workspaces
+    (32 MiB each on Hopper, torch's defaults)."""
     host_link_gbps: float = 25.0
     """Per-GPU, per-direction bandwidth to host memory (PCIe), GB/s: checkpoint and optimizer offload."""
     host_mem_gib: float = 1024.0
@@ -76,7 +78,10 @@ class DeviceSpec:
         return HEADROOM_FRAC * self.memory_gib
 
 
-_GEN5_NODE = dict(host_link_gbps=50.0, host_mem_gib=2048.0, host_mem_gbps=300.0)  # DGX H100 / H200
+NODE_HOST_BYTES_8X_H100 = 1.9e12
+"""Host RAM of an 8 x H100 / H200 server as shipped (DGX H100: 2 TB nominal, about 1.9 TB usable by the OS:
+1.9e12 bytes, not 2 TiB); ``cluster.host_mem_gib`` (``--host-mem-gib``) sets another per cluster."""
+_GEN5_NODE = dict(host_link_gbps=50.0, host_mem_gib=NODE_HOST_BYTES_8X_H100 / GIB, host_mem_gbps=300.0)
 GPUS: dict[str, DeviceSpec] = {
     "a100-40g": DeviceSpec("a100-40g", 40.0, 312.0, 300.0, 25.0, 1.555),
     "a100-80g": DeviceSpec("a100-80g", 80.0, 312.0, 300.0, 25.0, 2.039),

@@ -44,8 +44,11 @@ class Workload:
     """``parallel.ring_layout``: how the sequence is placed on the ring (its multiple and its balance)."""
     documents: DocumentWork | None = None
     """Packed documents (``--doc-lengths``): attention is costed over them; ``None``: one causal sequence."""
-    overhead_frac: float = 0.08
-    """Allocator margin added on top of the device estimate."""
+    overhead_frac: float = 0.05
+    """Allocator fragmentation allowance, a fraction of the tensor peak (:data:`usp.plan.memory.FRAGMENTATION_FRAC`)."""
+    attention_backend: str = "flash_attn"
+    """The CUDA attention kernel whose backward buffers are counted (``model.attention_backend``; ``auto``
+    picks flash_attn, or torch's flash kernel with the same buffers)."""
     headroom_gib: float | None = None
     """Device memory a layout must leave free; ``None``: :attr:`DeviceSpec.default_headroom_gib`."""
 

@@ -117,7 +117,7 @@ def max_seq_lens(
     mlp_tiles: int | None = None,
     attn_head_chunks: int | None = None,
     loss_chunk_sizes: tuple[int, ...] = (TRAINER_LOSS_CHUNK,),
-    overhead_frac: float = 0.08,
+    overhead_frac: float = 0.05,
     compute_bytes: int = 2,
     headroom_gib: float | None = None,
     seq_multiple: int = SEQ_MULTIPLE,

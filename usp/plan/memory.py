@@ -43,6 +43,7 @@ device between uses.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from usp.modes import AC_MODES
@@ -52,6 +53,16 @@ from usp.plan.layout import Candidate, Workload
 from usp.plan.models import ModelSpec
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master param + fp32 grad + Adam m and v
+FRAGMENTATION_FRAC = 0.05
+"""Allocator fragmentation allowance on top of the tensor peak, with ``expandable_segments:True`` (which usp
+sets, :func:`usp.parallel.process_group.configure_cuda_allocator`): segments grow in place, so what is lost
+is the rounding of blocks and the blocks cached on side streams."""
+NCCL_GIB_PER_GROUP = 0.5
+"""Device memory of one NCCL communicator (a process group that runs collectives), GiB: NCCL's channel buffers
+(``NCCL_BUFFSIZE`` 4 MiB per channel, per peer and direction, ``NCCL_MAX_NCHANNELS`` up to 32 on H100
+NVLink: 2 x 32 x 4 MiB = 256 MiB for a ring's two peers) plus its proxy and NVLink SHARP (NVLS) buffers on
+NVSwitch systems; NCCL's environment-variable documentation. A planning figure, to be checked against
+``torch.cuda.mem_get_info`` around the first collectives on a GPU (``scripts/gpu_check.sh``)."""
 OFFLOAD_DEVICE_CHECKPOINTS = 2  # checkpoint offload: the layer input in flight + the one in use
 
 
@@ -160,16 +171,17 @@ def training_memory(
     ac_every_k: int = 2,
     micro_batch_size: int = 1,
     loss_chunk_size: int = 4096,
-    overhead_frac: float = 0.08,
+    overhead_frac: float = FRAGMENTATION_FRAC,
     offload: bool = False,
     compute_bytes: int = ACT_BYTES,
     mlp_tiles: int = 1,
     attn_head_chunks: int = 1,
+    attention_backend: str = "flash_attn",
 ) -> MemoryBreakdown:
     """:func:`peak_memory` of this workload and layout; ``offload`` puts the sharded states on the host."""
     work = Workload(
         model, seq_len, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes,
-        loss_chunk_size=loss_chunk_size, overhead_frac=overhead_frac,
+        loss_chunk_size=loss_chunk_size, overhead_frac=overhead_frac, attention_backend=attention_backend,
     )  # fmt: skip
     cand = Candidate(
         ulysses_degree, ring_degree, world_size=world_size, node_size=node_size, fsdp_mode=fsdp_mode,
@@ -227,12 +239,50 @@ def shard_degree(world_size: int, node_size: int, fsdp_mode: str) -> int:
     raise ValueError(f"parallel.fsdp_mode={fsdp_mode!r} is invalid; choose full_shard or hybrid_shard.")
 
 
+def untracked_bytes(cand: Candidate, device: DeviceSpec) -> dict[str, float]:
+    """Device memory no tensor tracker sees, per rank: ``context`` (CUDA context and cuBLAS workspaces,
+    :attr:`DeviceSpec.reserved_gib`) and ``nccl`` (:data:`NCCL_GIB_PER_GROUP` for each process group usp runs
+    collectives on: FSDP's (two under HSDP), the Ulysses group when ``U > 1``, the ring group when ``R > 1``;
+    none in a world of one)."""
+    groups = 0
+    if cand.world_size > 1:
+        groups += 2 if cand.fsdp_mode == "hybrid_shard" and cand.world_size > cand.node_size else 1
+        groups += (cand.ulysses_degree > 1) + (cand.ring_degree > 1)
+    nccl = groups * NCCL_GIB_PER_GROUP * GIB if device.name != "cpu" else 0.0
+    return {"context": device.reserved_gib * GIB, "nccl": nccl}
+
+
+def attention_kernel_bytes(work: Workload, cand: Candidate) -> float:
+    """What the attention backward kernel allocates inside the call for one rank's local block, divided by the
+    head chunks (:func:`usp.bench.fake_kernels.kernel_workspace_bytes` lists the sources): flash-attn and
+    torch's flash ``softmax_d`` and fp32 ``dq_accum`` plus, under GQA, ``dK/dV`` expanded to the query heads;
+    mem-efficient and cuDNN an fp32 ``dQ`` accumulator and row sums (their K/V are expanded by usp: the
+    copies and their gradients counted too)."""
+    model, B = work.model, work.compute_bytes
+    U, R = cand.ulysses_degree, cand.ring_degree
+    sq = work.seq_len / R * work.micro_batch_size  # after the all-to-all: the ring part, H / U heads; the largest
+    # call is a ring step over the whole part
+    hq, kv, d = model.num_heads / U, max(model.num_kv_heads, U) / U, model.head_dim
+    rows = math.ceil(sq / 128) * 128
+    if work.attention_backend in ("sdpa_efficient", "sdpa_cudnn"):
+        expanded = 4 * sq * hq * d * B if kv < hq else 0.0  # K/V copies and their gradients at Hq heads
+        ws = 4 * hq * sq + 4 * sq * hq * d + expanded
+    else:
+        ws = 4 * hq * rows + 4 * rows * hq * math.ceil(d / 32) * 32
+        if kv < hq:
+            ws += 2 * sq * hq * d * B
+    return ws / cand.attn_head_chunks
+
+
 def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBreakdown:
-    """Peak bytes per rank on the device. ``offload`` moves the sharded states to host memory (FSDP2 CPU
-    offload); ``activation_checkpointing=offload`` keeps the layer inputs there; ``mlp_tiles`` runs the MLPs
-    and norms in tiles (module docstring); ``attn_head_chunks`` runs the ring over that many groups of heads
-    in turn, dividing its K/V, dK/dV and fp32 accumulator buffers by it; ``compute_bytes`` is 2 for bf16 compute, 4 for an fp32 run. Host
-    bytes: :func:`usp.plan.offload.host_memory`."""
+    """Peak bytes per rank on the device: the larger of the step's two peaks (module docstring), plus what no
+    tracker sees (:func:`untracked_bytes`) and :attr:`Workload.overhead_frac` of the tensors for allocator
+    fragmentation (with ``expandable_segments``, which usp sets). ``offload`` moves the sharded states to host
+    memory (FSDP2 CPU offload); ``activation_checkpointing=offload`` keeps the layer inputs there;
+    ``mlp_tiles`` runs the MLPs and norms in tiles; ``attn_head_chunks`` runs the attention over that many
+    groups of heads in turn, dividing the kernel's buffers (and on a ring its K/V, dK/dV and fp32
+    accumulators) by it; ``compute_bytes`` is 2 for bf16 compute, 4 for an fp32 run. Host bytes:
+    :func:`usp.plan.offload.host_memory`."""
     model, seq_len, micro_batch_size, compute_bytes = work.model, work.seq_len, work.micro_batch_size, work.compute_bytes
     loss_chunk_size, overhead_frac = work.loss_chunk_size, work.overhead_frac
     world_size, node_size, fsdp_mode, offload = cand.world_size, cand.node_size, cand.fsdp_mode, cand.states_on_host
@@ -241,39 +291,54 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     ulysses_degree, ring_degree = cand.ulysses_degree, cand.ring_degree
     B = compute_bytes
     U, R = ulysses_degree, ring_degree
+    L = model.num_layers
     s = seq_len / (U * R) * micro_batch_size  # local tokens
     h, d, H = model.hidden_size, model.head_dim, model.num_heads
     kv = model.kv_heads_per_rank(U) * U  # max(Hkv, U) when even
     check_mlp_tiles(mlp_tiles, s)
+    tiled = mlp_tiles > 1
 
     shard = shard_degree(world_size, node_size, fsdp_mode)
-    states = device_states_bytes(model, shard, offload=offload)
-    # Through every layer's backward (on one rank without offload the parameters are used where they live:
-    # nothing is gathered): the current layer and the prefetched one in bf16, plus one fp32 unsharded gradient
-    # waiting for reduction; and the root unit (embedding, final norm, LM head), which FSDP2 does not reshard
-    # after forward and reduce-scatters only after the whole backward: its bf16 parameters and the LM head's
-    # gradient (the loss's backward runs first; tied or not, a [vocab, h] gradient). The root's own reduction
-    # at the end (its fp32 gradient copy) comes when the layers' activations are gone.
-    root = (model.embedding_params + model.head_params + h) * B + model.vocab_size * h * B
-    gathered = 0.0 if world_size == 1 and not offload else root + model.layer_params * (2 * B + 4)
+    # fp32 parameters and Adam moments; the fp32 gradient shards come into being during the backward, after
+    # both peaks (and with gradient accumulation they live from the first micro step: counted then)
+    dp = world_size // (U * R)
+    accumulating = work.global_batch is not None and work.global_batch > dp
+    states = device_states_bytes(model, shard, offload=offload) * (16 if accumulating else 12) / 16
+    # FSDP2's compute copies: the root unit (embedding, final norm, LM head) is gathered in the compute dtype
+    # for the forward and kept until the end of the backward; one decoder layer at a time is gathered (two
+    # through the backward: the current one and the prefetched one); the LM head's [V, h] gradient in the compute
+    # dtype, from the loss's backward to the root's reduce-scatter at the end. A world of one casts as well (an
+    # fp32 run does not: the parameters are used where they live).
+    casts = world_size > 1 or offload or B < 4
+    root = (model.embedding_params + model.head_params + h) * B if casts else 0.0
+    layer = model.layer_params * B if casts else 0.0
+    head_grad = model.vocab_size * h * B
 
-    mlp = mlp_bytes_per_token(model, B) * s
-    per_layer = activation_bytes_per_token_layer(model, U, B, tiled=mlp_tiles > 1) * s
-    n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
+    per_layer = activation_bytes_per_token_layer(model, U, B, tiled=tiled) * s
+    n_ckpt = checkpointed_layers(L, activation_checkpointing, ac_every_k)
     held = held_activation_bytes(
         model, seq_len=seq_len, ulysses_degree=U, ring_degree=R, activation_checkpointing=activation_checkpointing,
         ac_every_k=ac_every_k, mlp_tiles=mlp_tiles, micro_batch_size=micro_batch_size, compute_bytes=B,
     )  # fmt: skip
+    # the top layer's backward comes first: its full activations (held, or recomputed from its checkpoint)
+    # replace what it held; the layers below still hold theirs
+    top_checkpointed = checkpointed_layers(L, activation_checkpointing, ac_every_k) > 0 and (
+        activation_checkpointing != "every_k" or (L - 1) % ac_every_k == 0
+    )
+    if top_checkpointed:
+        top_held = 0.0 if activation_checkpointing == "offload" else h * B * s
+        top_full = per_layer - (h * B * s if tiled and activation_checkpointing != "offload" else 0.0)
+    else:
+        top_held = top_full = 0.0
     # checkpoint offload: the input being copied out (forward) or prefetched (backward) and the one in use
     in_flight = min(n_ckpt, OFFLOAD_DEVICE_CHECKPOINTS) * h * s * B if activation_checkpointing == "offload" else 0
-    # the recomputed layer's saved tensors; under tiles its input (kept by the q/k/v tiles) is the checkpoint's,
-    # already counted among the held or in-flight inputs
-    recompute = (per_layer - (h * B * s if mlp_tiles > 1 else 0.0)) if n_ckpt else 0.0
-    tile = mlp / mlp_tiles if mlp_tiles > 1 else 0.0  # one MLP tile in flight (forward, or its recompute)
-    activations = held["layers"] + held["rotary"] + in_flight + recompute + tile
+    tile = mlp_bytes_per_token(model, B) * s / mlp_tiles if tiled else 0.0
+    layer_acts = held["layers"] + held["rotary"]
 
     qkv = s * (H + 2 * kv) * d * B
-    workspace = qkv  # dq, dk, dv of the layer in backward
+    workspace = qkv + attention_kernel_bytes(work, cand)  # dq, dk, dv of the layer + the kernel's buffers
+    if attn_head_chunks > 1:
+        workspace += qkv / attn_head_chunks  # one chunk's gradients before they are written into dq, dk, dv
     if U > 1:
         workspace += qkv  # all-to-all send and receive buffers live together
     if R > 1:
@@ -283,12 +348,36 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
         # parallel.attn_head_chunks they exist for one group of heads at a time.
         workspace += (2 * block + 2 * block_fp32 + s * H * d * 4) / attn_head_chunks
 
+    # peak 1, the loss's backward: one checkpointed chunk of the cross-entropy at its peak (log-softmax backward:
+    # the fp32 log-probabilities it saved, their gradient and the gradient it returns, 3 x 4 B per logit), what
+    # the final norm and the loss keep, every layer's held activations, the prefetched top layer
     chunk = min(loss_chunk_size, s)
-    # One checkpointed chunk of the cross-entropy at its peak (log-softmax backward): the fp32 log-probabilities it
-    # saved, their gradient and the gradient it returns, 3 x 4 B per logit; plus what the final norm and the loss
-    # keep (with tiles the final norm runs inside the chunks: the pre-norm hidden only).
     loss = chunk * model.vocab_size * 12 + held["final_norm"]
-
-    subtotal = states + gathered + activations + workspace + loss
-    overhead = overhead_frac * subtotal + device.reserved_gib * GIB
-    return MemoryBreakdown(states, gathered, activations, workspace, loss, overhead)
+    peak_loss = (states, root + layer + head_grad, layer_acts + in_flight, 0.0, loss)
+    # peak 2, the top layer's backward: its full activations, the attention backward's buffers, two layers
+    # gathered and the layer's gradients in the compute dtype
+    acts = layer_acts - top_held + top_full + in_flight + tile
+    layer_gathers = root + head_grad + 2 * layer + model.layer_params * B
+    # inside a layer's backward the larger of the attention backward's buffers and the MLP backward's (with
+    # its recomputed activations still alive): the gradients of the down projection's input, of silu(gate), of
+    # up and of gate (one tile of them under tiles)
+    mlp_backward = 4 * model.intermediate_size * B * s / mlp_tiles
+    workspace = max(workspace, mlp_backward)
+    peak_layer = (states, layer_gathers, acts, workspace, 0.0)
+    # peak 3, the bottom layer's backward: the layers above have freed their activations but left their fp32
+    # gradient shards (on the device unless the states are offloaded); the bottom layer's full activations
+    grads_above = 0.0 if offload else 4 * model.layer_params * (L - 1) / shard
+    bottom = held["rotary"] + per_layer - (h * B * s if tiled and n_ckpt and activation_checkpointing != "offload" else 0.0)
+    bottom += (h * B * s if n_ckpt and activation_checkpointing != "offload" else 0.0) + in_flight + tile
+    peak_bottom = (states + grads_above, layer_gathers, bottom, workspace, 0.0)
+    # peak 4, the root's reduce-scatter after the whole backward: every layer's fp32 gradient shard, the
+    # root's gradients in the compute dtype (one left), their fp32 copies (none in an fp32 run), FSDP2's flat
+    # reduce-scatter input and its output shard
+    root_params = model.embedding_params + model.head_params + h
+    grads_all = 0.0 if offload else 4 * model.layer_params * L / shard
+    reduce = model.vocab_size * h * B + root_params * ((4 if B < 4 else 0) + 4 + 4 / shard)
+    peak_root = (states + grads_all, reduce, 0.0, 0.0, 0.0)
+    terms = max(peak_loss, peak_layer, peak_bottom, peak_root, key=sum)
+    extra = untracked_bytes(cand, device)
+    overhead = overhead_frac * sum(terms) + extra["context"] + extra["nccl"]
+    return MemoryBreakdown(*terms, overhead)

@@ -4,11 +4,13 @@ Three things can live in host memory (``B`` the compute dtype's size, ``s`` loca
 ``shard`` the FSDP shard degree):
 
 - checkpoint offload (``parallel.activation_checkpointing=offload``): every layer's input, ``L x s x h x B``
-  per rank, in pinned memory. Each is copied out after its layer's forward and back before its recompute;
+  per rank, in one pinned arena of exactly those bytes (:class:`usp.train.offload.HostCheckpointStore`). Each is copied out after its layer's forward and back before its recompute;
   a copy overlaps the compute of a neighbouring layer (the next layer's forward; the current layer's recompute
   and backward), so per layer and direction only ``max(0, copy - compute)`` adds to the step;
 - offloaded states (FSDP2 CPU offload: ``optim.name=deepspeed_cpu_adam`` or ``adamw_cpu_offload``, or
-  ``parallel.cpu_offload=true``): the fp32 parameter, gradient and Adam moments, 16 B per parameter shard.
+  ``parallel.cpu_offload=true``): the fp32 parameter, gradient and Adam moments, 16 B per parameter shard,
+  the parameter and gradient shards pinned one block each, as torch's caching host allocator rounds them
+  (:func:`offloaded_state_bytes`).
   Every micro step copies the fp32 parameter shard in for the forward and the backward all-gathers and the
   gradient shard out, behind compute like the all-gathers themselves; then the optimizer steps on the host,
   which nothing overlaps (the next forward needs the parameters).
@@ -24,9 +26,11 @@ operating system, the data loader and the Python processes keep the rest).
 
 from __future__ import annotations
 
+import math
+
 from usp.plan.hardware import GB, GIB, DeviceSpec
 from usp.plan.layout import Candidate, Workload
-from usp.plan.memory import STATE_BYTES_PER_PARAM, checkpointed_layers, shard_degree
+from usp.plan.memory import checkpointed_layers, shard_degree
 from usp.plan.models import ModelSpec
 
 HOST_USABLE_FRAC = 0.85
@@ -44,9 +48,27 @@ def host_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
         n = checkpointed_layers(model.num_layers, cand.activation_checkpointing)
         ckpt = n * s * model.hidden_size * work.compute_bytes
     shard = shard_degree(cand.world_size, cand.node_size, cand.fsdp_mode)
-    states = model.num_params * (STATE_BYTES_PER_PARAM if cand.states_on_host else 0) / shard
+    states = offloaded_state_bytes(model, shard) if cand.states_on_host else 0.0
     rank = ckpt + states
     return {"checkpoints": ckpt, "states": states, "rank": rank, "node": rank * min(cand.node_size, cand.world_size)}
+
+
+def pinned_block_bytes(nbytes: float) -> float:
+    """What torch's caching host allocator takes for one pinned allocation: ``nbytes`` rounded up to a power
+    of two (``CachingHostAllocator``); FSDP2's CPU offload pins every parameter shard and gradient this way."""
+    return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 0 else 0.0
+
+
+def offloaded_state_bytes(model: ModelSpec, shard: int) -> float:
+    """Host bytes of one rank's states under FSDP2 CPU offload: each fp32 parameter shard and its fp32 gradient
+    shard pinned (each its own block, rounded by :func:`pinned_block_bytes`), the Adam moments ``m, v`` in
+    plain host memory (8 B per parameter of the shard)."""
+    h, d, inter, V = model.hidden_size, model.head_dim, model.intermediate_size, model.vocab_size
+    layer = [h * model.num_heads * d] * 2 + [h * model.num_kv_heads * d] * 2 + [h * inter] * 3 + [h] * 2
+    root = [V * h] * (1 if model.tie_word_embeddings else 2) + [h]
+    pinned = sum(pinned_block_bytes(4 * math.ceil(n / shard)) for n in layer) * model.num_layers
+    pinned += sum(pinned_block_bytes(4 * math.ceil(n / shard)) for n in root)
+    return 2 * pinned + 8 * model.num_params / shard
 
 
 def usable_host_bytes(device: DeviceSpec) -> float:

@@ -14,7 +14,9 @@ device:
 
 The device therefore holds at most two layer inputs for backward (the one in use and the one prefetched)
 instead of ``L``. Host memory: one slot per layer, ``L x B x S_local x h x bytes`` per rank, allocated at the
-first step and reused (:func:`offload_host_bytes`; checked before the run by :func:`check_host_memory`). On a
+first step and reused: one arena of exactly those bytes, pinned on CUDA by registering its pages
+(``cudaHostRegister``) rather than through torch's caching host allocator, which would round it up to a power
+of two (:func:`offload_host_bytes`; checked before the run by :func:`check_host_memory`). On a
 CPU device the same code runs with plain copies (no streams, no pinning): it is exact, and the slots are
 allocated once, outside later steps' allocations, so measured step memory falls as on a GPU.
 
@@ -58,8 +60,10 @@ class _Packed:
 class HostCheckpointStore:
     """Host slots for the checkpointed inputs of decoder layers, with asynchronous copies out and prefetch back.
 
-    ``device``: the compute device. Use :meth:`hooks` around a layer's checkpointed forward. ``host_bytes`` is
-    what the slots hold (grows to ``L x`` one layer input at the first step, then stays).
+    ``device``: the compute device. Use :meth:`hooks` around a layer's checkpointed forward. The slots are the
+    rows of one host arena (``arena``, ``[num_layers, *layer input shape]``, pinned on CUDA at exactly its
+    bytes), allocated at the first step and reused; ``host_bytes`` is its size, what
+    :func:`offload_host_bytes` plans.
     """
 
     def __init__(self, device: torch.device | str):
@@ -71,22 +75,48 @@ class HostCheckpointStore:
         self._busy: dict[int, int] = {}  # layer -> index of the live packed tensor using the slot
         self._live: dict[int, weakref.ref[_Packed]] = {}  # pack index -> packed tensor (for prefetch)
         self._counter = itertools.count()
+        self.num_layers = 0  # set by apply_offload_checkpointing: the arena's slot count
+        self.arena: torch.Tensor | None = None  # [num_layers, *layer input shape], the slots are its rows
         self.host_bytes = 0
 
     # --- host buffers -----------------------------------------------------------------------------------
     def _host_buffer(self, layer: int, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The layer's slot (allocated or resized on demand), or a one-off buffer while the slot is in use."""
-        slot = self._slots.get(layer)
+        """The layer's slot (a slice of the arena), or a one-off buffer while the slot is in use."""
         if layer in self._busy:  # two forwards of this layer before its backward: do not overwrite
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda), -1
+        slot = self._slots.get(layer)
         if slot is None or slot.shape != t.shape or slot.dtype != t.dtype:
-            if slot is not None:
-                self.host_bytes -= slot.numel() * slot.element_size()
-            slot = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
-            self._slots[layer] = slot
-            self.host_bytes += slot.numel() * slot.element_size()
+            slot = self._arena_slot(layer, t)
         self._gens[layer] = self._gens.get(layer, 0) + 1
         return slot, self._gens[layer]
+
+    def _arena_slot(self, layer: int, t: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s slot in the arena: one host buffer of ``num_layers`` slots of ``t``'s shape,
+        allocated once (again only when the layer input's shape or dtype changes) at exactly its bytes."""
+        slots = max(self.num_layers, layer + 1)
+        arena = self.arena
+        if arena is None or arena.shape[1:] != t.shape or arena.dtype != t.dtype or arena.size(0) < slots:
+            self._slots.clear()
+            self.arena = arena = None  # the old arena goes before the new one comes
+            arena = self._allocate_arena((slots, *t.shape), t.dtype)
+            self.arena = arena
+            self.host_bytes = arena.numel() * arena.element_size()
+        self._slots[layer] = arena[layer]
+        return arena[layer]
+
+    def _allocate_arena(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor of exactly ``shape``: on CUDA pinned by registering its own pages
+        (``cudaHostRegister``), not through torch's caching host allocator, which rounds every block up to a
+        power of two (up to 2x the bytes); unregistered when the tensor is freed."""
+        arena = torch.empty(shape, dtype=dtype)
+        if self.cuda and torch.cuda.is_available():
+            ptr, nbytes = arena.data_ptr(), arena.numel() * arena.element_size()
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the {nbytes / GIB:.2f} GiB offload arena failed ({err})")
+            weakref.finalize(arena, cudart.cudaHostUnregister, ptr)  # slots are views: they keep it alive
+        return arena
 
     # --- hooks ------------------------------------------------------------------------------------------
     def _pack(self, layer: int, t: torch.Tensor) -> Any:
@@ -154,6 +184,8 @@ def apply_offload_checkpointing(layers: Iterable[nn.Module], store: HostCheckpoi
     ``__call__``) still gather the parameters before the forward and again before the backward's recompute.
     """
     n = 0
+    layers = list(layers)
+    store.num_layers = len(layers)
     for i, layer in enumerate(layers):
         inner = layer.forward
 

@@ -1,0 +1,352 @@
+"""One optimizer step of the real training code on a fake CUDA device, its memory tracked by torch's own tracker.
+
+``python -m usp.bench.fake_memory --model llama-3.1-8b --gpu h100-80g --nodes N --gpus-per-node G
+--seq-len S [parallel.* / optim.* / trainer.* overrides]`` runs, as rank ``--rank`` (default 0) of the full
+world of ``N x G`` ranks, what ``usp-train`` runs for one step: the Hugging Face Llama built from the preset's
+config (``--layers`` cuts it), :func:`usp.train.parallelize.parallelize` (USP attention, tiles, activation
+checkpointing and checkpoint offload, the chunked loss, FSDP2 with CPU offload where the optimizer asks for it),
+the optimizer, a forward, a backward and the optimizer step; all on ``FakeTensorMode`` CUDA tensors
+(:mod:`usp.bench.fake_cuda`, no memory is touched) with torch's fake process group
+(``torch.testing._internal.distributed.fake_pg``, ``torch.distributed._tools.fake_collectives``). The attention
+kernels allocate what the CUDA kernels allocate (:mod:`usp.bench.fake_kernels`). The optimizer states exist
+before the measured step (as in every step after the first). The peak is
+``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``'s, by category and by module.
+
+It prints the measured peak per category next to the planner's terms (:func:`usp.plan.memory.peak_memory` for
+the same settings); ``--json`` prints one object with the stable fields ``peak_gib`` (the fake-CUDA peak of the
+step, tensors only), ``planner_gib`` (the planner's figure, everything it counts: tensors plus the CUDA context,
+NCCL, workspaces and the fragmentation allowance no tracker sees), ``planner_tensor_gib`` (the planner's tensor
+terms alone, what ``peak_gib`` is compared with), ``categories`` (``measured``: GiB per tracker category at the
+peak; ``planned``: GiB per planner term) and ``host_gib`` (host bytes of the rank: pinned checkpoints and
+offloaded states). Not emulated: document masking (``data.document_masking=false`` is what is measured) and
+DeepSpeed's CPU Adam (its host states are torch AdamW's: the same ``m, v``).
+
+The first run compiles a small C++ library (``g++``, a few seconds, cached). Each run needs a fresh process
+(:func:`usp.bench.fake_cuda.preload`); :func:`run_in_subprocess` starts one.
+
+    python -m usp.bench.fake_memory --model llama-3.1-8b --gpu h100-80g --nodes 1 --gpus-per-node 1 \
+        --seq-len 512K parallel.activation_checkpointing=offload parallel.mlp_tiles=auto --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+GIB = 1024**3
+PLAN_TERMS = ("sharded_states", "gathered_params", "activations", "attention_workspace", "loss_buffer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m usp.bench.fake_memory", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b", help="a preset of usp.plan.models.PRESETS")
+    p.add_argument("--gpu", default="h100-80g", help="the planner's device (usp.plan.hardware.GPUS)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--seq-len", required=True, help="tokens per sequence (512K, 4M, 65536)")
+    p.add_argument("--rank", type=int, default=0, help="the rank of the world this process plays")
+    p.add_argument("--layers", type=int, default=None, help="cut the model to this many decoder layers")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--cases",
+        default=None,
+        help="a JSON file: a list of argument lists, each run in this process "
+        "(one JSON line each); the other arguments are then ignored",
+    )
+    p.add_argument("overrides", nargs="*", help="parallel.* / optim.* / trainer.* overrides (key=value)")
+    return p
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """The run's :class:`usp.config.TrainConfig` from the overrides; degrees default to Ulysses over the node
+    and the ring across nodes."""
+    from omegaconf import OmegaConf
+
+    from usp.config import TrainConfig
+    from usp.units import parse_seq_len
+
+    bad = [o for o in args.overrides if "=" not in o or o.split(".")[0] not in ("parallel", "optim", "trainer",
+                                                                              "model", "data")]  # fmt: skip
+    if bad:
+        raise ValueError(f"overrides {bad} are not parallel.*, optim.*, trainer.* or model.* key=value pairs")
+    base = OmegaConf.structured(TrainConfig)
+    world = args.nodes * args.gpus_per_node
+    keys = {o.split("=", 1)[0] for o in args.overrides}
+    defaults = [f"model.path={args.model}", f"trainer.seq_len={parse_seq_len(args.seq_len)}",
+                "data.document_masking=false", f"cluster.gpu={args.gpu}",
+                f"cluster.gpus_per_node={args.gpus_per_node}", f"cluster.num_nodes={args.nodes}"]  # fmt: skip
+    if "parallel.ulysses_degree" not in keys:
+        defaults.append(f"parallel.ulysses_degree={min(args.gpus_per_node, world)}")
+    if "parallel.ring_degree" not in keys:
+        defaults.append(f"parallel.ring_degree={max(1, world // args.gpus_per_node)}")
+    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(defaults + list(args.overrides)))
+    return OmegaConf.to_object(merged)
+
+
+def _hf_config(model: str, layers: int | None, seq_len: int) -> Any:
+    from transformers import LlamaConfig
+
+    from usp.plan.models import PRESETS
+
+    if model not in PRESETS:
+        raise ValueError(f"--model={model!r} is not a preset; choose one of {sorted(PRESETS)}")
+    cfg = dict(PRESETS[model])
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    return LlamaConfig(
+        **cfg, max_position_embeddings=seq_len, rope_theta=500000.0, attn_implementation="sdpa"
+    )
+
+
+def _fake_model(config: Any, *, param_device: str) -> Any:
+    """The HF model from its config with fp32 parameters on fake ``param_device`` (built on meta, then every
+    parameter and buffer replaced by an empty fake tensor: no initialisation runs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    made: dict[int, torch.nn.Parameter] = {}
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                if id(p) not in made:
+                    t = torch.empty(p.shape, dtype=p.dtype, device=param_device)
+                    made[id(p)] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+                m._parameters[name] = made[id(p)]
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="cuda")
+    return model
+
+
+def _local(t: Any) -> Any:
+    return getattr(t, "_local_tensor", t)
+
+
+def planned(cfg: Any, world: int, node_size: int, layers: int | None) -> Any:
+    """The planner's :class:`usp.plan.memory.MemoryBreakdown` for this run."""
+    from dataclasses import replace
+
+    from usp.config import states_on_host
+    from usp.plan.hardware import get_device
+    from usp.plan.memory import training_memory
+    from usp.plan.models import load_model_spec
+
+    spec = load_model_spec(cfg.model.path)
+    if layers is not None:
+        spec = replace(spec, num_layers=layers)
+    p = cfg.parallel
+    tiles = p.mlp_tiles
+    if tiles == "auto":
+        from usp.train.tiling import resolve_mlp_tiles
+
+        tiles = resolve_mlp_tiles("auto", local_tokens=cfg.trainer.seq_len // (p.ulysses_degree * p.ring_degree),
+                                  hidden_size=spec.hidden_size)  # fmt: skip
+    return training_memory(
+        spec, get_device(cfg.cluster.gpu), seq_len=cfg.trainer.seq_len, ulysses_degree=p.ulysses_degree,
+        ring_degree=p.ring_degree, world_size=world, node_size=node_size, fsdp_mode=p.fsdp_mode,
+        activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,
+        micro_batch_size=cfg.trainer.micro_batch_size, loss_chunk_size=cfg.trainer.loss_chunk_size,
+        offload=states_on_host(cfg.optim.name, p.cpu_offload), mlp_tiles=int(tiles),
+        attn_head_chunks=p.attn_head_chunks, attention_backend=cfg.model.attention_backend,
+    )  # fmt: skip
+
+
+def fake_step(
+    cfg: Any, *, world: int, node_size: int, rank: int = 0, layers: int | None = None
+) -> dict[str, Any]:
+    """Run one step of ``cfg`` as ``rank`` of ``world`` on fake CUDA (module docstring); returns the record
+    :func:`main` prints. Needs :func:`usp.bench.fake_cuda.preload` to have run in this process."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._tools.fake_collectives  # noqa: F401  (fake collectives under FakeTensorMode)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from usp.bench.fake_cuda import fake_cuda_runtime
+    from usp.bench.fake_kernels import fake_attention_kernels
+    from usp.config import states_on_host
+    from usp.model import parse_dtype
+    from usp.parallel import init_sp_mesh
+    from usp.train.optim import build_optimizer
+    from usp.train.parallelize import parallelize
+    from usp.train.tiling import resolve_mlp_tiles
+
+    p, t = cfg.parallel, cfg.trainer
+    U, R = int(p.ulysses_degree), int(p.ring_degree)
+    seq = t.seq_len
+    local = seq // (U * R)
+    hf = _hf_config(cfg.model.path, layers, seq)
+    tiles = resolve_mlp_tiles(p.mlp_tiles, local_tokens=local, hidden_size=hf.hidden_size)
+    on_host = states_on_host(cfg.optim.name, p.cpu_offload)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = init_sp_mesh(U, R, node_size=node_size, ring_layout=p.ring_layout, device_type="cuda")
+        with FakeTensorMode(allow_non_fake_inputs=True), fake_cuda_runtime(), fake_attention_kernels():
+            model = _fake_model(hf, param_device="cuda")
+            loss_model = parallelize(
+                model, mesh, attention_backend=cfg.model.attention_backend, fsdp_mode=p.fsdp_mode,
+                node_size=node_size, activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,
+                param_dtype=parse_dtype(cfg.model.dtype), reduce_dtype=parse_dtype(p.reduce_dtype, "parallel.reduce_dtype"),
+                loss_chunk_size=t.loss_chunk_size, cpu_offload=on_host, mlp_tiles=tiles,
+                attn_head_chunks=p.attn_head_chunks,
+            )  # fmt: skip
+            optim_cfg = cfg.optim
+            if optim_cfg.name == "deepspeed_cpu_adam":  # its host m, v are torch AdamW's bytes (docstring)
+                from dataclasses import replace
+
+                optim_cfg = replace(optim_cfg, name="adamw_cpu_offload")
+            optimizer, _ = build_optimizer(loss_model, optim_cfg, max_steps=t.max_steps)
+            for q in loss_model.parameters():  # states as after the first step
+                q.grad = torch.zeros_like(q)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            B = t.micro_batch_size
+            ids = torch.zeros(B, local, dtype=torch.long, device="cuda")
+            pos = torch.arange(local, device="cuda").expand(B, local)
+            tracker = FSDPMemTracker(loss_model)
+            tracker.track_inputs((ids, pos))
+            with tracker:
+                for st in optimizer.state.values():
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor) and _local(v).numel() > 1:
+                            tracker._update_and_maybe_create_winfos(_local(v), _FSDPRefType.OPT)
+                loss = loss_model(ids, ids, position_ids=pos, num_targets=B * seq)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            peak = tracker.get_tracker_snapshot("peak")
+            host = _host_bytes(loss_model, optimizer)
+        cuda = next((v for d, v in peak.items() if d.type == "cuda"), {})
+        modules = _module_peaks(tracker)
+    finally:
+        dist.destroy_process_group()
+    measured = {getattr(k, "value", str(k)): v / GIB for k, v in cuda.items() if k != "Total"}
+    return {
+        "seq_len": seq, "world_size": world, "rank": rank, "ulysses_degree": U, "ring_degree": R,
+        "activation_checkpointing": p.activation_checkpointing, "mlp_tiles": tiles,
+        "attn_head_chunks": p.attn_head_chunks, "states_on_host": on_host, "layers": hf.num_hidden_layers,
+        "attention_backend": cfg.model.attention_backend, "peak_gib": cuda.get("Total", 0) / GIB,
+        "measured": measured, "host_gib": host / GIB, "modules": modules,
+    }  # fmt: skip
+
+
+def _host_bytes(loss_model: Any, optimizer: Any) -> int:
+    """Host bytes this rank holds: offload slots, and with states on the host the fp32 shards and Adam
+    moments (FSDP2's pinned parameter shards, their gradients' host copies)."""
+    store = getattr(loss_model, "offload_store", None)
+    n = 0 if store is None else store.host_bytes
+    for q in loss_model.parameters():
+        loc = _local(q)
+        if loc.device.type == "cpu":
+            n += 2 * loc.numel() * loc.element_size()  # the shard and its gradient's host copy
+    for st in optimizer.state.values():
+        for v in st.values():
+            loc = _local(v)
+            if hasattr(loc, "device") and loc.device.type == "cpu" and loc.numel() > 1:
+                n += loc.numel() * loc.element_size()
+    return n
+
+
+def _module_peaks(tracker: Any, depth: int = 4) -> dict[str, float]:
+    """GiB at each tracked module's forward and backward peaks (modules up to ``depth`` dots deep)."""
+    out: dict[str, float] = {}
+    for stats in tracker.memory_tracking.values():
+        fqn = stats.mod_fqn
+        if fqn.count(".") > depth:
+            continue
+        best = 0
+        for snaps in stats.snapshots.values():
+            for snap in snaps:
+                for dev, per in snap.items():
+                    if dev.type == "cuda":
+                        best = max(best, per.get("Total", 0))
+        out[fqn] = round(best / GIB, 3)
+    return out
+
+
+def compare(record: dict[str, Any], plan: Any) -> dict[str, Any]:
+    """Add the planner's figures to a :func:`fake_step` record (the stable ``--json`` fields)."""
+    terms = plan.as_gib()
+    tensor = sum(terms[k] for k in PLAN_TERMS)
+    return record | {
+        "planner_gib": terms["total"],
+        "planner_tensor_gib": tensor,
+        "categories": {
+            "measured": record["measured"],
+            "planned": {k: v for k, v in terms.items() if k != "total"},
+        },
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+    args = build_parser().parse_args(argv)
+    if args.cases:
+        with open(args.cases) as f:
+            return [main([*case, "--json"]) for case in json.load(f)]
+    cfg = build_config(args)
+    world = args.nodes * args.gpus_per_node
+    if not 0 <= args.rank < world:
+        raise ValueError(f"--rank={args.rank} is outside the world of {world} ranks")
+    from usp.bench.fake_cuda import preload
+
+    preload()
+    rec = compare(fake_step(cfg, world=world, node_size=args.gpus_per_node, rank=args.rank, layers=args.layers),
+                  planned(cfg, world, args.gpus_per_node, args.layers))  # fmt: skip
+    rec.pop("measured")
+    if args.json:
+        print(json.dumps(rec), flush=True)
+    else:
+        print(format_report(rec))
+    return rec
+
+
+def format_report(rec: dict[str, Any]) -> str:
+    lines = [
+        f"fake-CUDA step: seq_len={rec['seq_len']} rank {rec['rank']} of {rec['world_size']} "
+        f"(ulysses {rec['ulysses_degree']}, ring {rec['ring_degree']}), {rec['layers']} layers, "
+        f"checkpointing={rec['activation_checkpointing']}, mlp_tiles={rec['mlp_tiles']}",
+        "  measured at the peak (GiB)            planner (GiB)",
+    ]
+    meas = sorted(rec["categories"]["measured"].items(), key=lambda kv: -kv[1])
+    plan = list(rec["categories"]["planned"].items())
+    for i in range(max(len(meas), len(plan))):
+        left = f"{meas[i][0]:<22} {meas[i][1]:8.2f}" if i < len(meas) else " " * 31
+        right = f"{plan[i][0]:<22} {plan[i][1]:8.2f}" if i < len(plan) else ""
+        lines.append(f"  {left}        {right}")
+    lines.append(f"  {'peak (tensors)':<22} {rec['peak_gib']:8.2f}        {'tensor terms':<22} "
+                 f"{rec['planner_tensor_gib']:8.2f}")  # fmt: skip
+    lines.append(
+        f"  {'host':<22} {rec['host_gib']:8.2f}        {'planner total':<22} {rec['planner_gib']:8.2f}"
+    )
+    return "\n".join(lines)
+
+
+def run_in_subprocess(cases: Sequence[Sequence[str]], timeout: float = 1800) -> list[dict[str, Any]]:
+    """Each argument list of ``cases`` as :func:`main` with ``--json``, all in one fresh Python (the fake device
+    must load before torch); their records, in order."""
+    import tempfile
+
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump([list(c) for c in cases], f)
+        f.flush()
+        cmd = [sys.executable, "-m", "usp.bench.fake_memory", "--seq-len", "0", "--cases", f.name]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+if __name__ == "__main__":
+    from usp.bench.fake_cuda import preload as _preload
+
+    _preload()  # before torch is imported (usp.bench.fake_cuda imports only the standard library)
+    main()
