@@ -24,9 +24,9 @@ class Block(nn.Module):
         return x + torch.tanh(self.lin(x)) * scale  # scale: a shared keyword tensor, like RoPE's cos/sin
 
 
-def make_stacks() -> tuple[nn.ModuleList, nn.ModuleList, HostCheckpointStore]:
+def make_stacks(dtype: torch.dtype = torch.float32) -> tuple[nn.ModuleList, nn.ModuleList, HostCheckpointStore]:
     torch.manual_seed(0)
-    plain = nn.ModuleList(Block() for _ in range(LAYERS)).to(EXACT_DTYPE)
+    plain = nn.ModuleList(Block() for _ in range(LAYERS)).to(dtype)
     offloaded = copy.deepcopy(plain)
     store = HostCheckpointStore("cpu")
     assert apply_offload_checkpointing(offloaded, store) == LAYERS
@@ -44,7 +44,7 @@ def grads(layers: nn.ModuleList) -> list[torch.Tensor]:
 
 
 def test_gradients_exact_and_prefetch_walks_backward_one_layer_ahead():
-    plain, offloaded, store = make_stacks()
+    plain, offloaded, store = make_stacks(EXACT_DTYPE)
     scale = torch.full((TOKENS, 1), 0.5, dtype=EXACT_DTYPE)
     x0 = torch.randn(TOKENS, HIDDEN, dtype=EXACT_DTYPE)
     xa, xb = x0.clone().requires_grad_(), x0.clone().requires_grad_()
@@ -72,7 +72,7 @@ def test_gradients_exact_and_prefetch_walks_backward_one_layer_ahead():
 
 def test_two_forwards_before_backward_use_fresh_host_buffers():
     """Gradient accumulation without a backward in between: the second forward must not overwrite the slots."""
-    plain, offloaded, store = make_stacks()
+    plain, offloaded, store = make_stacks(EXACT_DTYPE)
     scale = torch.full((TOKENS, 1), 0.5, dtype=EXACT_DTYPE)
     x1, x2 = torch.randn(TOKENS, HIDDEN, dtype=EXACT_DTYPE), torch.randn(TOKENS, HIDDEN, dtype=EXACT_DTYPE)
     (run(plain, x1.requires_grad_(), scale).sum() + run(plain, x2.requires_grad_(), scale).square().sum()).backward()
