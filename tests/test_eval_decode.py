@@ -1,8 +1,8 @@
 """usp.eval.token_losses and usp.eval.generate under u2r2, u4r1, u1r4 vs the single-process model.
 
-token_losses: equal to the unsharded model's per-token cross-entropy (fp32). generate: the same tokens as
-transformers' greedy ``generate`` (and the same logits at fp32 tolerance), for a tiny MHA Llama and GQA/MQA
-configs, including the decode corner cases: a prompt shorter than the layout (every shard empty at first,
+token_losses: equal to the unsharded model's per-token cross-entropy. generate: the same tokens as
+transformers' greedy ``generate`` and the same logits, for a tiny MHA Llama and GQA/MQA configs (all float64
+on both sides, ``tests.tolerance.EXACT_TOL``), including the decode corner cases: a prompt shorter than the layout (every shard empty at first,
 then one-token shards), and generations longer than the prefill so appended tokens outnumber prefill ones.
 """
 
@@ -12,8 +12,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from tests.exact_model import load_float64
 from tests.mesh_cache import cached_sp_mesh
-from usp.model import apply_usp, load_causal_lm
+from tests.tolerance import EXACT_DTYPE, assert_exact
+from usp.model import apply_usp
 from usp.tiny import build_tiny_llama
 
 LAYOUTS = [(2, 2, "zigzag"), (4, 1, "zigzag"), (1, 4, "zigzag")]
@@ -35,7 +37,7 @@ def eval_worker(model_dir: str, ulysses: int, ring: int, layout: str, dp: int = 
     from usp.eval.decode import decode
 
     mesh = cached_sp_mesh(ulysses, ring, layout, dp)
-    model = apply_usp(load_causal_lm(model_dir, dtype=torch.float32).eval(), mesh)
+    model = apply_usp(load_float64(model_dir).eval(), mesh)
     vocab = model.config.vocab_size
     out = {"losses": token_losses(model, _ids(vocab, 2, SEQ_LEN, 0), mesh), "decode": []}
     for i, (length, new) in enumerate(PROMPTS):
@@ -55,7 +57,7 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 def _reference(model_dir: str) -> dict:
-    model = load_causal_lm(model_dir, dtype=torch.float32).eval()
+    model = load_float64(model_dir).eval()
     vocab = model.config.vocab_size
     ids = _ids(vocab, 2, SEQ_LEN, 0)
     with torch.no_grad():
@@ -67,9 +69,12 @@ def _reference(model_dir: str) -> dict:
     for i, (length, new) in enumerate(PROMPTS):
         prompt = _ids(vocab, 2, length, 10 + i)
         cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
-                           output_logits=True, return_dict_in_generate=True)
+                           return_dict_in_generate=True)
         g = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=cfg)
-        decodes.append({"tokens": g.sequences[:, length:], "logits": torch.stack(g.logits, dim=1).float()})
+        # generate hands its logits out in fp32: the float64 ones are one forward over prompt + new tokens
+        with torch.no_grad():
+            logits = model(input_ids=g.sequences[:, :-1]).logits[:, length - 1 :]  # [B, new, V]
+        decodes.append({"tokens": g.sequences[:, length:], "logits": logits})
     return {"losses": losses, "decode": decodes}
 
 
@@ -88,36 +93,35 @@ def test_generate_with_dp_replicas_and_contiguous_layout(dist_pools, models, uly
 
 def _check_against_reference(per_rank: list[dict], model_dir: str) -> None:
     ref = _reference(model_dir)
-    tol = 1e-5 * float(ref["losses"].abs().max())
     for rank, got in enumerate(per_rank):
-        assert got["losses"].dtype == torch.float32 and got["losses"].shape == (2, SEQ_LEN)
-        torch.testing.assert_close(got["losses"][:, :-1], ref["losses"], rtol=1e-5, atol=tol, msg=f"rank {rank}")
-        assert torch.equal(got["losses"][:, -1], torch.zeros(2))  # no next token
+        assert got["losses"].dtype == EXACT_DTYPE and got["losses"].shape == (2, SEQ_LEN)
+        assert_exact(got["losses"][:, :-1], ref["losses"], f"rank {rank}: token losses")
+        assert torch.equal(got["losses"][:, -1], torch.zeros(2, dtype=EXACT_DTYPE))  # no next token
         for (length, new), mine, theirs in zip(PROMPTS, got["decode"], ref["decode"]):
             where = f"rank {rank}, prompt {length}, {new} new"
             assert mine["tokens"].dtype == torch.long and mine["tokens"].shape == (2, new), where
             assert torch.equal(mine["tokens"], theirs["tokens"]), where
-            scale = float(theirs["logits"].abs().max())
-            torch.testing.assert_close(mine["logits"], theirs["logits"], rtol=1e-5, atol=1e-5 * scale, msg=where)
+            assert_exact(mine["logits"], theirs["logits"], f"{where}: logits")
             assert torch.equal(mine["tokens"], per_rank[0]["decode"][PROMPTS.index((length, new))]["tokens"])
             total = length + new - 1  # the last new token is never fed back
             assert sum(mine["kv"]) == total and max(mine["kv"]) - min(mine["kv"]) <= 1, (where, mine["kv"])
 
 
 def merge_worker() -> dict:
-    """Worker: merge_partials where some ranks hold no key (lse = -inf) vs one softmax over all keys."""
+    """Worker: merge_partials where some ranks hold no key (lse = -inf) vs one softmax over all keys (float64)."""
     import torch.distributed as dist
 
     from usp.eval.decode import merge_partials
 
     mesh = cached_sp_mesh(2, 2, "zigzag", 1)
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(2, 1, 4, 8, generator=g)
-    keys = [torch.randn(2, n, 4, 8, generator=g) for n in (0, 1, 5, 0)]  # sp ranks 0 and 3 hold nothing
-    vals = [torch.randn(2, n, 4, 8, generator=g) for n in (0, 1, 5, 0)]
+    f64 = {"generator": g, "dtype": EXACT_DTYPE}
+    q = torch.randn(2, 1, 4, 8, **f64)
+    keys = [torch.randn(2, n, 4, 8, **f64) for n in (0, 1, 5, 0)]  # sp ranks 0 and 3 hold nothing
+    vals = [torch.randn(2, n, 4, 8, **f64) for n in (0, 1, 5, 0)]
     r = mesh.sp_rank
     if keys[r].size(1) == 0:
-        out, lse = torch.zeros(2, 1, 4, 8), torch.full((2, 4, 1), float("-inf"))
+        out, lse = torch.zeros(2, 1, 4, 8, dtype=EXACT_DTYPE), torch.full((2, 4, 1), float("-inf"), dtype=EXACT_DTYPE)
     else:
         s = torch.einsum("bqhd,bkhd->bhqk", q, keys[r]) / 8**0.5
         lse = torch.logsumexp(s, -1)
@@ -132,7 +136,7 @@ def test_merge_with_empty_shards_is_exact(dist_pools):
     results = dist_pools(4).run(merge_worker)
     for r in results:
         assert torch.isfinite(r["merged"]).all()
-        torch.testing.assert_close(r["merged"], r["ref"], rtol=1e-5, atol=1e-6)
+        assert_exact(r["merged"], r["ref"], f"rank {r['rank']}: merged attention")
         assert torch.equal(r["merged"], results[0]["merged"])  # bitwise the same on every rank
 
 

@@ -3,8 +3,8 @@
 Rows of tiny chats (ChatML with the tiny tokenizer's ``<s>``/``</s>``) are packed best-fit with their
 ``loss_mask`` and trained for one step with grad accumulation 2 under u2r2, u1r4, u4r1 (balanced layout) and
 dp2 x u1r2; the step's loss, gradient norm and EVERY parameter's gradient must equal a plain single-process
-transformers model run document by document, loss = sum of target-token CE / number of targets (float64;
-rtol 1e-6 because transformers' RMSNorm computes in fp32). The second step's rows hold three targets only, so
+transformers model run document by document, loss = sum of target-token CE / number of targets (float64,
+RMSNorm too: ``tests.exact_model``; ``tests.tolerance.EXACT_TOL``). The second step's rows hold three targets only, so
 some sp rank's shard holds none; a third step has no target at all and must be skipped on every rank (no
 optimizer step, a NaN loss, no division by zero).
 """
@@ -19,19 +19,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests.exact_model import load_float64
 from tests.mesh_cache import cached_sp_mesh
-from tests.tolerance import assert_close_scaled
+from tests.tolerance import EXACT_DTYPE, assert_exact
 from usp.data.batch import IGNORE_INDEX, collate_rows
 from usp.data.chat_prepare import MESSAGES, ChatOptions, _encode
 from usp.data.pack import PackStats
 from usp.data.pack_chat import pack_conversations
-from usp.model import load_causal_lm
 from usp.tiny import _chat, build_tiny_llama
 from usp.train.parallelize import parallelize
 from usp.train.step import train_step
 
 SEQ_LEN = 64
-TOL = 1e-6  # float64, but transformers' LlamaRMSNorm rounds through fp32 (~6e-8); a wrong weighting is ~1e-2
 
 
 class CaptureGrads(torch.optim.Optimizer):
@@ -81,7 +80,7 @@ def steps_for(dp: int) -> list[list[list[int]]]:
 
 def sft_worker(model_dir: str, rows: list[dict], ulysses: int, ring: int, dp: int) -> dict | None:
     mesh = cached_sp_mesh(ulysses, ring, "balanced", dp)
-    model = load_causal_lm(model_dir, dtype=torch.float64)
+    model = load_float64(model_dir)
     loss_model = parallelize(
         model,
         mesh,
@@ -138,7 +137,7 @@ def setup(tmp_path_factory) -> dict:
 
     model_dir = str(build_tiny_llama(tmp_path_factory.mktemp("sft_exact") / "llama"))
     rows = make_rows(AutoTokenizer.from_pretrained(model_dir))
-    model = load_causal_lm(model_dir, dtype=torch.float64)
+    model = load_float64(model_dir)
     refs = {}
     for dp in (1, 2):
         refs[dp] = [reference_step(model, [rows[i] for m in step for i in m]) for step in steps_for(dp)]
@@ -165,14 +164,12 @@ def test_sft_loss_and_every_gradient_match_one_process(dist_pools, setup, world,
     for k, (step, ref) in enumerate(zip(got["steps"][:2], refs[:2])):
         assert step["num_targets"] == ref["count"] > 0
         assert math.isfinite(step["loss"])
-        torch.testing.assert_close(
-            step["loss"], ref["loss"], rtol=TOL, atol=0, msg=lambda m, k=k: f"step {k} loss: {m}"
-        )
-        torch.testing.assert_close(step["grad_norm"], ref["grad_norm"], rtol=TOL, atol=0,
-                                   msg=lambda m, k=k: f"step {k} grad norm: {m}")  # fmt: skip
+        for key in ("loss", "grad_norm"):
+            assert_exact(torch.tensor([step[key]], dtype=EXACT_DTYPE), torch.tensor([ref[key]], dtype=EXACT_DTYPE),
+                         f"step {k} {key}")  # fmt: skip
         assert set(step["grads"]) == set(ref["grads"])
         for name, g in ref["grads"].items():
-            assert_close_scaled(step["grads"][name], g, TOL, msg=f"step {k} {name}")
+            assert_exact(step["grads"][name], g, f"step {k} {name}")
     empty = got["steps"][2]
     assert (
         math.isnan(empty["loss"]) and empty["num_targets"] == 0 == refs[2]["count"] and empty["grads"] == {}

@@ -1,5 +1,6 @@
 """``usp.train.offload.HostCheckpointStore`` on plain modules (one process, CPU): exact gradients, the prefetch
-order of backward, O(1) layer inputs back on the device, two forwards before one backward."""
+order of backward, O(1) layer inputs back on the device, two forwards before one backward. float64, and the
+gradients equal the plain stack's at ``tests.tolerance.EXACT_TOL``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 import torch
 from torch import nn
 
+from tests.tolerance import EXACT_DTYPE, assert_exact
 from usp.train.offload import HostCheckpointStore, apply_offload_checkpointing
 
 LAYERS, TOKENS, HIDDEN = 4, 64, 16
@@ -22,9 +24,9 @@ class Block(nn.Module):
         return x + torch.tanh(self.lin(x)) * scale  # scale: a shared keyword tensor, like RoPE's cos/sin
 
 
-def make_stacks() -> tuple[nn.ModuleList, nn.ModuleList, HostCheckpointStore]:
+def make_stacks(dtype: torch.dtype = torch.float32) -> tuple[nn.ModuleList, nn.ModuleList, HostCheckpointStore]:
     torch.manual_seed(0)
-    plain = nn.ModuleList(Block() for _ in range(LAYERS))
+    plain = nn.ModuleList(Block() for _ in range(LAYERS)).to(dtype)
     offloaded = copy.deepcopy(plain)
     store = HostCheckpointStore("cpu")
     assert apply_offload_checkpointing(offloaded, store) == LAYERS
@@ -42,9 +44,9 @@ def grads(layers: nn.ModuleList) -> list[torch.Tensor]:
 
 
 def test_gradients_exact_and_prefetch_walks_backward_one_layer_ahead():
-    plain, offloaded, store = make_stacks()
-    scale = torch.full((TOKENS, 1), 0.5)
-    x0 = torch.randn(TOKENS, HIDDEN)
+    plain, offloaded, store = make_stacks(EXACT_DTYPE)
+    scale = torch.full((TOKENS, 1), 0.5, dtype=EXACT_DTYPE)
+    x0 = torch.randn(TOKENS, HIDDEN, dtype=EXACT_DTYPE)
     xa, xb = x0.clone().requires_grad_(), x0.clone().requires_grad_()
     run(plain, xa, scale).square().sum().backward()
 
@@ -59,27 +61,27 @@ def test_gradients_exact_and_prefetch_walks_backward_one_layer_ahead():
 
     store._fetch = spy
     out = run(offloaded, xb, scale)
-    assert store.host_bytes == LAYERS * TOKENS * HIDDEN * 4  # one fp32 slot per layer
+    assert store.host_bytes == LAYERS * TOKENS * HIDDEN * EXACT_DTYPE.itemsize  # one slot per layer
     out.square().sum().backward()
     assert fetched == [3, 2, 2, 1, 1, 0, 0]  # each layer fetched when needed or one layer ahead, in reverse
     assert max(on_device) <= 2  # the layer in use and the prefetched one
-    for a, b in zip(grads(plain), grads(offloaded)):
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
-    torch.testing.assert_close(xb.grad, xa.grad, rtol=0, atol=0)
+    for i, (a, b) in enumerate(zip(grads(plain), grads(offloaded))):
+        assert_exact(b, a, f"parameter {i}")
+    assert_exact(xb.grad, xa.grad, "input")
 
 
 def test_two_forwards_before_backward_use_fresh_host_buffers():
     """Gradient accumulation without a backward in between: the second forward must not overwrite the slots."""
-    plain, offloaded, store = make_stacks()
-    scale = torch.full((TOKENS, 1), 0.5)
-    x1, x2 = torch.randn(TOKENS, HIDDEN), torch.randn(TOKENS, HIDDEN)
+    plain, offloaded, store = make_stacks(EXACT_DTYPE)
+    scale = torch.full((TOKENS, 1), 0.5, dtype=EXACT_DTYPE)
+    x1, x2 = torch.randn(TOKENS, HIDDEN, dtype=EXACT_DTYPE), torch.randn(TOKENS, HIDDEN, dtype=EXACT_DTYPE)
     (run(plain, x1.requires_grad_(), scale).sum() + run(plain, x2.requires_grad_(), scale).square().sum()).backward()
     y1, y2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
     loss = run(offloaded, y1, scale).sum() + run(offloaded, y2, scale).square().sum()
-    assert store.host_bytes == LAYERS * TOKENS * HIDDEN * 4  # the slots; the second forward used one-off buffers
+    assert store.host_bytes == LAYERS * TOKENS * HIDDEN * EXACT_DTYPE.itemsize  # slots; 2nd forward: one-off buffers
     loss.backward()
-    for a, b in zip(grads(plain), grads(offloaded)):
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    for i, (a, b) in enumerate(zip(grads(plain), grads(offloaded))):
+        assert_exact(b, a, f"parameter {i}")
     assert not store._busy  # every slot released once its graph is gone
 
 

@@ -115,16 +115,17 @@ class ShardedKVCache:
             self._append(layer, key.transpose(1, 2), value.transpose(1, 2))  # [B, 1, Hkv, D]
         b, _, hq, d = q.shape
         n = self.used[layer]
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 merge; a float64 model (tests) stays float64
         if n == 0:  # no key here yet: contributes nothing to the merge
-            out = torch.zeros(b, 1, hq, d, dtype=torch.float32, device=q.device)
-            lse = torch.full((b, hq, 1), float("-inf"), dtype=torch.float32, device=q.device)
+            out = torch.zeros(b, 1, hq, d, dtype=acc, device=q.device)
+            lse = torch.full((b, hq, 1), float("-inf"), dtype=acc, device=q.device)
         else:
             scale = d**-0.5 if scaling is None else float(scaling)
             kernel = resolve_backend(self.backend, q.device, q.dtype, head_dim=d)
             # every key held is at or before the query's position: no mask
             kc, vc = self.k[layer][:, :n], self.v[layer][:, :n]  # [B, n, Hkv, D]
             out, lse = attention_forward(q, kc, vc, causal=False, softmax_scale=scale, backend=kernel)
-        merged = merge_partials(out.float(), lse.float(), self.mesh)
+        merged = merge_partials(out.to(acc), lse.to(acc), self.mesh)
         return merged.to(query.dtype)  # [B, 1, Hq, D]
 
 
@@ -182,7 +183,8 @@ def _owner_of_last(seq_len: int, mesh: SPMesh) -> tuple[int, int]:
 
 
 def _logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    return model.get_output_embeddings()(hidden).float()  # [B, V]
+    logits = model.get_output_embeddings()(hidden)  # [B, V]
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or float64 for a float64 model
 
 
 def _broadcast_sp(t: torch.Tensor, src_sp_rank: int, mesh: SPMesh) -> torch.Tensor:
@@ -228,7 +230,8 @@ def decode(
         if prefix == s:
             owner, index = _owner_of_last(prefix, mesh)
             vocab = model.get_output_embeddings().weight.size(0)
-            logits = torch.empty(b, vocab, dtype=torch.float32, device=device)
+            dtype = torch.promote_types(model.get_output_embeddings().weight.dtype, torch.float32)
+            logits = torch.empty(b, vocab, dtype=dtype, device=device)
             if mesh.sp_rank == owner:
                 logits.copy_(_logits(model, hidden[:, index]))
             _broadcast_sp(logits, owner, mesh)

@@ -43,10 +43,11 @@ def _local_losses(
     head = model.get_output_embeddings()
     b, s, h = hidden.shape
     flat_h, flat_y = hidden.reshape(b * s, h), labels.reshape(b * s)  # [B*S_local, H], [B*S_local]
-    out = torch.empty(b * s, dtype=torch.float32, device=hidden.device)
+    acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32; a float64 model (the tests) stays float64
+    out = torch.empty(b * s, dtype=acc, device=hidden.device)
     for start in range(0, b * s, chunk_size):
         end = min(start + chunk_size, b * s)
-        logits = head(flat_h[start:end]).float()  # [chunk, V], log-softmax in fp32
+        logits = head(flat_h[start:end]).to(acc)  # [chunk, V], log-softmax in fp32
         out[start:end] = F.cross_entropy(logits, flat_y[start:end], ignore_index=IGNORE_INDEX, reduction="none")
     return out.reshape(b, s)
 
@@ -65,7 +66,7 @@ def token_losses(
         chunk_size: tokens per ``lm_head`` chunk (at most ``[chunk, vocab]`` fp32 logits exist at once).
 
     Returns:
-        float32 ``[B, S]``: ``out[b, t] = -log p(input_ids[b, t + 1] | input_ids[b, :t + 1])`` for ``t < S - 1``;
+        float32 ``[B, S]`` (float64 for a float64 model): ``out[b, t] = -log p(input_ids[b, t + 1] | input_ids[b, :t + 1])`` for ``t < S - 1``;
         the last column is 0 (no next token; what ``cross_entropy(ignore_index=...)`` gives there). The same
         tensor on every rank (one all-gather of ``B x S`` floats over the sp group).
 
