@@ -108,7 +108,6 @@ def test_restricting_the_tricks_never_lengthens():
         plan_layouts(LLAMA8, H100, seq_len=plain.max_seq_len + 2 * plain.granularity, **kw)
 
 
-@pytest.mark.xfail(reason="by-hand terms of the one-peak memory model; to rederive for the four peaks of issue 23", strict=False)
 def test_headroom_keeps_the_best_layout_off_the_limit():
     # 8B at 128K on 2 x 8 H100: keeping every activation needs 76.3 GiB, within 4 GiB of the 80
     none = evaluate_layout(LLAMA8, H100, seq_len=2**17, ulysses_degree=8, ring_degree=2, world_size=16, node_size=8)
@@ -119,7 +118,6 @@ def test_headroom_keeps_the_best_layout_off_the_limit():
         assert e.mem_gib_per_gpu <= 80 - 6.0
 
 
-@pytest.mark.xfail(reason="by-hand terms of the one-peak memory model; to rederive for the four peaks of issue 23", strict=False)
 def test_tricks_only_when_needed():
     # 8K on 8 GPUs: everything fits plainly, nothing is offloaded or tiled (from 16K on, tiles=2 lets pure data
     # parallelism fit without checkpointing, which the model finds faster than Ulysses: tiles when faster)
@@ -159,7 +157,6 @@ def test_host_memory_and_offload_time_by_hand():
     assert t["host_adam_s"] == pytest.approx(LLAMA8.num_params * HOST_ADAM_BYTES_PER_PARAM / (300 * GB))
 
 
-@pytest.mark.xfail(reason="by-hand terms of the one-peak memory model; to rederive for the four peaks of issue 23", strict=False)
 def test_offload_terms_in_the_device_memory_by_hand():
     from usp.plan.memory import training_memory
 
