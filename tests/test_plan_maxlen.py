@@ -199,10 +199,14 @@ def test_offload_terms_in_the_device_memory_by_hand():
     tiled_layer = 16_384 + 12_288 + 16_384 + 128
     mlp = 4 * 14336 * 2 * s
     # full: the peak is the top layer's backward: 31 checkpoints below it, its recomputed activations (which
-    # replace its own checkpoint), the MLP backward's four gradients of [s, 14336] (14 GiB, more than the
-    # attention backward's buffers)
+    # replace its own checkpoint), and the attention backward's buffers: dq, dk, dv of the layer and the
+    # all-to-all's buffers (2 x 131,072 x 48 x 128 x 2 B), flash's fp32 softmax_d and dq_accum and the dK/dV
+    # expanded to the 4 query heads of the rank over the whole 1M-token sequence: 7.02 GiB, more than the MLP
+    # backward's two gradients of [s, 14336] beside the one that replaces the product (2 x 14336 x 2 B x s = 7 GiB)
     assert full.activations == 31 * layer_input + untiled * s + rotary
-    assert full.attention_workspace == mlp
+    qkv = s * 48 * 128 * 2
+    kernel = 4 * 4 * S + 4 * S * 4 * 128 + 2 * S * 4 * 128 * 2
+    assert full.attention_workspace == 2 * qkv + kernel > mlp / 2
     assert full.sharded_states == 12 * LLAMA8.num_params / 8  # no gradient shard yet
     # offload: 2 inputs on the device (the one in flight, the one in use) instead of 31; the peak moves to the
     # bottom layer's backward, where the 31 layers above have left their fp32 gradient shards
