@@ -108,23 +108,41 @@ def test_restricting_the_tricks_never_lengthens():
         plan_layouts(LLAMA8, H100, seq_len=plain.max_seq_len + 2 * plain.granularity, **kw)
 
 
-@pytest.mark.xfail(reason="by-hand terms of the one-peak memory model; to rederive for the four peaks of issue 23", strict=False)
 def test_headroom_keeps_the_best_layout_off_the_limit():
-    # 8B at 128K on 2 x 8 H100: keeping every activation needs 76.3 GiB, within 4 GiB of the 80
-    none = evaluate_layout(LLAMA8, H100, seq_len=2**17, ulysses_degree=8, ring_degree=2, world_size=16, node_size=8)
-    assert 76 < none.mem_gib_per_gpu < 77 and not none.fits and none.headroom_gib == pytest.approx(6.0)
-    assert evaluate_layout(LLAMA8, H100, seq_len=2**17, ulysses_degree=8, ring_degree=2, world_size=16,
+    # 8B at 144K on 2 x 8 H100 (Ulysses 8, ring 2: 9216 local tokens) keeping every activation: the peak is the
+    # loss's backward, by hand
+    S, s, V, h = 147_456, 9216, 128_256, 4096
+    layer_params = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    root_params = 2 * V * h + h
+    states = 12 * LLAMA8.num_params / 16  # fp32 parameters, Adam m and v, over 16 ranks (no gradients yet)
+    gathered = 2 * root_params + 2 * layer_params + 2 * V * h  # bf16 root, the prefetched top layer, head grad
+    # per layer and token: 2 norms 2 x 4096 x (4 + 2 x 2), q/k/v (32 + 16) x 128 x 2, the output and the
+    # all-to-all's copy 2 x 32 x 128 x 2, lse and rsqrt 4 x 32 + 8, MLP 4 x 14336 x 2
+    per_token_layer = 2 * 4096 * 8 + 48 * 128 * 2 + 2 * 32 * 128 * 2 + 136 + 4 * 14336 * 2
+    assert per_token_layer == 209_032
+    acts = 32 * per_token_layer * s + 2 * 128 * 2 * s  # + rotary cos, sin
+    loss = 4096 * V * 12 + h * (4 + 2 * 2) * s  # one fp32 loss chunk x 3 buffers; what the final norm keeps
+    tensors = states + gathered + acts + loss
+    # 5% fragmentation, CUDA context + cuBLAS 0.6 GiB, NCCL 0.5 GiB for each of FSDP's, Ulysses' and ring's groups
+    expected = (1.05 * tensors + (0.6 + 3 * 0.5) * GIB) / GIB
+    assert 76 < expected < 79  # within the 6 GiB headroom of the 80
+    none = evaluate_layout(LLAMA8, H100, seq_len=S, ulysses_degree=8, ring_degree=2, world_size=16, node_size=8)
+    assert none.mem_gib_per_gpu == pytest.approx(expected, rel=1e-9)
+    assert not none.fits and none.headroom_gib == pytest.approx(6.0)
+    assert evaluate_layout(LLAMA8, H100, seq_len=S, ulysses_degree=8, ring_degree=2, world_size=16,
                            node_size=8, headroom_gib=0).fits  # fmt: skip
-    for e in plan_layouts(LLAMA8, H100, seq_len=2**17, world_size=16, node_size=8):
+    for e in plan_layouts(LLAMA8, H100, seq_len=S, world_size=16, node_size=8):
         assert e.mem_gib_per_gpu <= 80 - 6.0
 
 
-@pytest.mark.xfail(reason="by-hand terms of the one-peak memory model; to rederive for the four peaks of issue 23", strict=False)
 def test_tricks_only_when_needed():
-    # 8K on 8 GPUs: everything fits plainly, nothing is offloaded or tiled (from 16K on, tiles=2 lets pure data
-    # parallelism fit without checkpointing, which the model finds faster than Ulysses: tiles when faster)
+    # 8K on 8 GPUs: everything fits plainly, nothing is offloaded, tiled or chunked: the overrides name the
+    # layout and the checkpointing only
     best = plan_layouts(LLAMA8, H100, seq_len=2**13, world_size=8, node_size=8)[0]
-    assert best.tricks == 0 and best.overrides()[-1].startswith("parallel.activation_checkpointing")
+    assert best.tricks == 0 and best.activation_checkpointing != "offload"
+    tricks = ("parallel.mlp_tiles", "parallel.attn_head_chunks", "optim.name")
+    assert not [o for o in best.overrides() if o.startswith(tricks)]
+    assert best.overrides()[4].startswith("parallel.activation_checkpointing")
     # 1M on 8 GPUs does not fit plainly; the planner offloads the checkpoints (free in time here) and tiles
     best = plan_layouts(LLAMA8, H100, seq_len=2**20, world_size=8, node_size=8)[0]
     assert best.activation_checkpointing == "offload" and best.tricks >= 1
@@ -159,33 +177,53 @@ def test_host_memory_and_offload_time_by_hand():
     assert t["host_adam_s"] == pytest.approx(LLAMA8.num_params * HOST_ADAM_BYTES_PER_PARAM / (300 * GB))
 
 
-@pytest.mark.xfail(reason="by-hand terms of the one-peak memory model; to rederive for the four peaks of issue 23", strict=False)
 def test_offload_terms_in_the_device_memory_by_hand():
-    from usp.plan.memory import training_memory
+    from usp.plan.memory import held_activation_bytes, training_memory
 
     S, U = 2**20, 8
-    s = S // U
+    s = S // U  # 131,072 local tokens
     kw = dict(seq_len=S, ulysses_degree=U, ring_degree=1, world_size=8, node_size=8, overhead_frac=0.0)
     full = training_memory(LLAMA8, H100, activation_checkpointing="full", **kw)
     off = training_memory(LLAMA8, H100, activation_checkpointing="offload", **kw)
     tiled = training_memory(LLAMA8, H100, activation_checkpointing="offload", mlp_tiles=8, **kw)
     opt = training_memory(LLAMA8, H100, activation_checkpointing="offload", offload=True, **kw)
-    layer_input = s * 4096 * 2
-    # offload keeps 2 layer inputs on the device instead of 32
-    assert full.activations - off.activations == 30 * layer_input
-    # tiles: every norm is recomputed by its consumers, so the recomputed layer keeps the residual after
-    # attention (4096 x 2 B; its input, kept by the q/k/v tiles, is the checkpoint's, counted above) instead of
-    # 65,536 + 8 (fp32 copies, normalized inputs and outputs, rsqrt) and nothing of its MLP instead of 4 x 14336
-    # x 2 = 114,688; one MLP tile (1/8 of that) is in flight. Per token: 209,032 -> 36,992 (the q, k, v, out,
-    # o_proj input 28,672 and the lse 128 stay)
-    assert 8_192 + 28_672 + 128 == 36_992
+    layer_input = s * 4096 * 2  # 1 GiB
+    layer_params = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    rotary = 2 * 128 * 2 * s
+    # one layer's full activations per token, untiled: 2 norms 2 x 4096 x (4 + 2 x 2), q/k/v (32 + 16) x 128 x 2,
+    # output + all-to-all copy 2 x 32 x 128 x 2, lse + rsqrt 4 x 32 + 8, MLP 4 x 14336 x 2
+    untiled = 65_536 + 12_288 + 16_384 + 136 + 114_688
+    assert untiled == 209_032
+    # tiled: the layer input and the residual after attention (2 x 4096 x 2 B) instead of the norms, no rsqrt,
+    # nothing of the MLP (one tile of its 4 x 14336 x 2 B in flight)
+    tiled_layer = 16_384 + 12_288 + 16_384 + 128
     mlp = 4 * 14336 * 2 * s
-    assert off.activations - tiled.activations == (209_032 - 36_992) * s - mlp / 8
+    # full: the peak is the top layer's backward: 31 checkpoints below it, its recomputed activations (which
+    # replace its own checkpoint), and the attention backward's buffers: dq, dk, dv of the layer and the
+    # all-to-all's buffers (2 x 131,072 x 48 x 128 x 2 B), flash's fp32 softmax_d and dq_accum and the dK/dV
+    # expanded to the 4 query heads of the rank over the whole 1M-token sequence: 7.02 GiB, more than the MLP
+    # backward's two gradients of [s, 14336] beside the one that replaces the product (2 x 14336 x 2 B x s = 7 GiB)
+    assert full.activations == 31 * layer_input + untiled * s + rotary
+    qkv = s * 48 * 128 * 2
+    kernel = 4 * 4 * S + 4 * S * 4 * 128 + 2 * S * 4 * 128 * 2
+    assert full.attention_workspace == 2 * qkv + kernel > mlp / 2
+    assert full.sharded_states == 12 * LLAMA8.num_params / 8  # no gradient shard yet
+    # offload: 2 inputs on the device (the one in flight, the one in use) instead of 31; the peak moves to the
+    # bottom layer's backward, where the 31 layers above have left their fp32 gradient shards
+    assert off.activations == 2 * layer_input + untiled * s + rotary
+    assert full.activations - off.activations == 29 * layer_input
+    assert off.sharded_states == 12 * LLAMA8.num_params / 8 + 4 * layer_params * 31 / 8
+    # tiles: the bottom layer's tiled activations, one MLP tile; the attention backward's buffers now exceed
+    # one tile of the MLP backward
+    assert tiled.activations == 2 * layer_input + tiled_layer * s + mlp / 8 + rotary
+    assert tiled.attention_workspace > mlp / 8
     # the loss keeps the pre-norm hidden (4096 x 2 B per token; the final norm runs inside its chunks) instead
     # of the final norm's 4096 x (4 + 2 + 2)
-    assert off.loss_buffer - tiled.loss_buffer == (8 - 2) * 4096 * s
-    # states offloaded: none of the 16 B per parameter shard stays on the device
-    assert opt.sharded_states == 0 and off.sharded_states == 16 * LLAMA8.num_params / 8
+    held = {t: held_activation_bytes(LLAMA8, seq_len=S, ulysses_degree=U, ring_degree=1,
+                                     activation_checkpointing="offload", mlp_tiles=t) for t in (1, 8)}  # fmt: skip
+    assert held[1]["final_norm"] - held[8]["final_norm"] == (8 - 2) * 4096 * s
+    # states offloaded: none of the 16 B per parameter shard stays on the device, nor the gradient shards
+    assert opt.sharded_states == 0 and opt.activations == off.activations
     with pytest.raises(ValueError, match="parallel.mlp_tiles=3 does not divide"):
         training_memory(LLAMA8, H100, activation_checkpointing="full", mlp_tiles=3, **kw)
 

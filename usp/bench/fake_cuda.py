@@ -144,6 +144,29 @@ class _Event:
         return True
 
 
+_CUDA_KEY_LIBS: list = []
+_CUDA_KEY_OPS = ("silu_backward",)
+"""Ops whose only kernel a CPU-only build offers the CUDA key is their ``CompositeImplicitAutograd`` one (the
+CPU and CUDA kernels sit on the structured ``.grad_input`` variant): on a fake CUDA tensor it would run above
+``FakeTensorMode`` as a pointwise decomposition, allocating temporaries a CUDA build's one fused kernel does
+not (``silu_backward``: sigmoid, ``1 - sigmoid``, ... about 2 extra ``[s, I]`` per MLP). A CUDA-key
+placeholder sends them to the fake mode, which runs their meta kernel (the output only); never called."""
+
+
+def _register_cuda_keys() -> None:
+    import torch
+
+    if _CUDA_KEY_LIBS or torch.cuda._is_compiled() and torch.version.cuda:
+        return
+    def never(*args):
+        raise AssertionError("a fake-CUDA placeholder kernel ran outside FakeTensorMode")
+
+    lib = torch.library.Library("aten", "IMPL")
+    for op in _CUDA_KEY_OPS:
+        lib.impl(op, never, "CUDA")
+    _CUDA_KEY_LIBS.append(lib)
+
+
 @contextlib.contextmanager
 def fake_cuda_runtime() -> Iterator[None]:
     """torch.cuda's Python runtime as no-ops on one device, and host pinning as plain host memory (module
@@ -163,6 +186,7 @@ def fake_cuda_runtime() -> Iterator[None]:
         setattr(torch.cuda, k, v)
     torch.Tensor.pin_memory = lambda self, device=None: self  # type: ignore[method-assign]
     torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
+    _register_cuda_keys()
     try:
         yield
     finally:

@@ -98,9 +98,8 @@ def _hf_config(model: str, layers: int | None, seq_len: int) -> Any:
     cfg = dict(PRESETS[model])
     if layers is not None:
         cfg["num_hidden_layers"] = layers
-    return LlamaConfig(
-        **cfg, max_position_embeddings=seq_len, rope_theta=500000.0, attn_implementation="sdpa"
-    )
+    cfg["max_position_embeddings"] = seq_len  # (the presets carry the checkpoint's own)
+    return LlamaConfig(**cfg, rope_theta=500000.0, attn_implementation="sdpa")
 
 
 def _fake_model(config: Any, *, param_device: str) -> Any:

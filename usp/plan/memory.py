@@ -359,9 +359,10 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     acts = layer_acts - top_held + top_full + in_flight + tile
     layer_gathers = root + head_grad + 2 * layer + model.layer_params * B
     # inside a layer's backward the larger of the attention backward's buffers and the MLP backward's (with
-    # its recomputed activations still alive): the gradients of the down projection's input, of silu(gate), of
-    # up and of gate (one tile of them under tiles)
-    mlp_backward = 4 * model.intermediate_size * B * s / mlp_tiles
+    # its recomputed activations still alive): at the product's backward, the gradient of the down
+    # projection's input replaces the product it saved, and the gradients of silu(gate) and of up come on
+    # top (one tile of them under tiles); silu_backward then writes its output in place of what it frees
+    mlp_backward = 2 * model.intermediate_size * B * s / mlp_tiles
     workspace = max(workspace, mlp_backward)
     peak_layer = (states, layer_gathers, acts, workspace, 0.0)
     # peak 3, the bottom layer's backward: the layers above have freed their activations but left their fp32
