@@ -39,7 +39,7 @@ def test_groups_world16_node8_ulysses4_ring2_dp2():
         (dict(world_size=8, ulysses_degree=2, ring_degree=2, dp_degree=3), "parallel.dp_degree=3"),
         (dict(world_size=16, ulysses_degree=16, ring_degree=1, node_size=8), "span nodes"),
         (dict(world_size=12, ulysses_degree=4, ring_degree=1, node_size=6), "span nodes"),
-        (dict(world_size=8, ulysses_degree=1, ring_degree=1, node_size=3), "node_size=3"),
+        (dict(world_size=8, ulysses_degree=1, ring_degree=1, node_size=3), "Set parallel.node_size to one of"),
     ],
 )
 def test_bad_degrees_raise(kwargs, match):

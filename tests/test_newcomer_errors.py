@@ -68,7 +68,12 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 # --- the shared mechanism --------------------------------------------------------------------------------
-def test_one_line_names_the_os_error_a_wrapper_hid(capsys, tmp_path):
+def test_one_line_names_the_os_error_a_wrapper_hid(capsys, tmp_path, monkeypatch):
+    import usp.errors
+
+    # no log file here (an earlier test in this process may have left a run's file handler on the root logger,
+    # and then the line names that file instead of --verbose)
+    monkeypatch.setattr(usp.errors, "_log_files", lambda: [])
     try:
         try:
             raise OSError(27, "File too large")

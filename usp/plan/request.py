@@ -23,12 +23,14 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from usp.config import ParallelConfig, states_on_host
+from usp.plan.auto import auto_degrees
+from usp.plan.estimate import LayoutEstimate
 from usp.plan.hardware import DeviceSpec, get_device
 from usp.plan.models import ModelSpec
+from usp.plan.search import evaluate_layout
 
 if TYPE_CHECKING:
     from usp.config import TrainConfig
-    from usp.plan.estimate import LayoutEstimate
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 
@@ -134,8 +136,6 @@ class PlanRequest:
         memory_gib: float | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """:func:`usp.plan.auto_degrees` for this request (``ValueError`` when no layout fits)."""
-        from usp.plan.auto import auto_degrees
-
         return auto_degrees(model_config, world_size=world_size, node_size=node_size, gpu=gpu, memory_gib=memory_gib,
                             **self.auto_constraints())  # fmt: skip
 
@@ -150,8 +150,6 @@ class PlanRequest:
     ) -> LayoutEstimate:  # fmt: skip
         """:func:`usp.plan.evaluate_layout` of this request's fixed layout on ``device`` (:meth:`device`); ``mlp_tiles``: the resolved tile count
         (the trainer's rule resolves ``auto`` for fixed degrees)."""
-        from usp.plan.search import evaluate_layout
-
         assert "auto" not in (self.ulysses_degree, self.ring_degree), "evaluate() needs fixed degrees"
         return evaluate_layout(
             model, device, seq_len=self.seq_len, ulysses_degree=int(self.ulysses_degree),
