@@ -79,14 +79,14 @@ def test_a_degree_given_as_text_is_refused_and_the_config_kept(tiny_llama):
 def test_planner_tiles_are_used_as_planned(tiny_llama, monkeypatch):
     """With ``auto`` degrees and ``mlp_tiles=auto`` the planner's tile count is the layout's, even where the
     hidden-size rule would choose another (here 1: 64 local tokens = hidden_size)."""
-    import usp.plan.auto
+    import usp.plan.request
 
     def plan(model_config, **kw):
         assert kw["mlp_tiles"] == "auto" and kw["node_size"] == 4
         return {"ulysses_degree": 2, "ring_degree": 2, "dp_degree": 1, "fsdp_mode": "full_shard",
                 "activation_checkpointing": "full", "mlp_tiles": 4, "attn_head_chunks": 1, "reason": "stub"}  # fmt: skip
 
-    monkeypatch.setattr(usp.plan.auto, "auto_degrees", plan)  # what usp.plan.request.PlanRequest.plan_auto calls
+    monkeypatch.setattr(usp.plan.request, "auto_degrees", plan)  # what PlanRequest.plan_auto calls
     cfg = make_config(tiny_llama, ulysses_degree="auto", ring_degree="auto", mlp_tiles="auto")
     model_config = validate(make_config(tiny_llama), 1, CPU)[0]
     layout = resolve_layout(cfg, model_config, 4, CPU)
