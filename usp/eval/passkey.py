@@ -26,7 +26,7 @@ from torch import nn
 from usp.config import EvalConfig
 from usp.eval.chat import ChatFrame, bos_ids, chat_frame
 from usp.eval.decode import decode
-from usp.eval.replicas import gather_shares, gather_timing, my_share
+from usp.eval.replicas import decode_timing, gather_shares, gather_timing, my_share
 from usp.parallel import SPMesh
 
 INTRO = "A secret number is hidden in this text. Remember it."
@@ -158,13 +158,5 @@ def run_passkey(
         "cells": cells,
         "accuracy": sum(r["correct"] for r in results) / max(1, len(results)),
         "trials": results,
-        "timing": {
-            "prefill_tokens": prefill_tokens,
-            "prefill_s": prefill_s,
-            "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s > 0 else None,
-            "decode_tokens": decode_tokens,
-            "decode_s": decode_s,
-            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
-            "wall_s": time.perf_counter() - t0,
-        },
+        "timing": decode_timing(prefill_tokens, prefill_s, decode_tokens, decode_s, t0),
     }

@@ -7,6 +7,7 @@ passkey trials) on its own, and the per-replica results are gathered over the dp
 
 from __future__ import annotations
 
+import time
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -40,3 +41,17 @@ def gather_timing(seconds: float, tokens: int, mesh: SPMesh) -> tuple[float, int
     every: list[Any] = [None] * mesh.dp_degree
     dist.all_gather_object(every, (seconds, tokens), group=mesh.dp_group)
     return max(s for s, _ in every), sum(n for _, n in every)
+
+
+def decode_timing(prefill_tokens: int, prefill_s: float, decode_tokens: int, decode_s: float, t0: float) -> dict:
+    """The ``timing`` entry of a generation eval (passkey, ruler): tokens, seconds and tokens/s of the sharded
+    prefill and the decode, and the wall time since ``t0`` (``time.perf_counter()``)."""
+    return {
+        "prefill_tokens": prefill_tokens,
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s > 0 else None,
+        "decode_tokens": decode_tokens,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
+        "wall_s": time.perf_counter() - t0,
+    }

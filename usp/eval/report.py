@@ -104,10 +104,11 @@ def plot_passkey(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def log_wandb(cfg: WandbConfig, run_dir: Path, task: str, entry: dict[str, Any], image: Path, config: dict) -> None:
-    """One wandb run per evaluation: a table of buckets (ppl) or cells (passkey), the plot, the summary."""
+def start_wandb_run(cfg: WandbConfig, run_dir: Path, task: str, config: dict) -> tuple[Any, Any] | None:
+    """``(wandb, run)`` for one evaluation ``task`` (tags ``eval``, ``task``; job type ``eval-<task>``), or
+    ``None`` when ``logging.wandb.mode=disabled``. ``ImportError`` naming the fix without the package."""
     if cfg.mode == "disabled":
-        return
+        return None
     try:
         import wandb
     except ImportError as err:
@@ -115,8 +116,17 @@ def log_wandb(cfg: WandbConfig, run_dir: Path, task: str, entry: dict[str, Any],
             f"logging.wandb.mode={cfg.mode} needs the wandb package: pip install 'usp[wandb]', or set "
             "logging.wandb.mode=disabled."
         ) from err
-    run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, tags=[*cfg.tags, "eval", task] or None,
+    run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, tags=[*cfg.tags, "eval", task],
                      mode=cfg.mode, dir=str(run_dir), job_type=f"eval-{task}", config=config)  # fmt: skip
+    return wandb, run
+
+
+def log_wandb(cfg: WandbConfig, run_dir: Path, task: str, entry: dict[str, Any], image: Path, config: dict) -> None:
+    """One wandb run per evaluation: a table of buckets (ppl) or cells (passkey), the plot, the summary."""
+    started = start_wandb_run(cfg, run_dir, task, config)
+    if started is None:
+        return
+    wandb, run = started
     result = entry["result"]
     if task == "ppl":
         table = wandb.Table(columns=["length", "start", "end", "tokens", "loss", "ppl"])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from usp.config import WandbConfig
+from usp.eval.report import start_wandb_run
 
 PLOTS = ("ruler.png", "ruler_by_length.png")
 
@@ -98,17 +99,10 @@ def table_lines(result: dict[str, Any]) -> list[str]:
 def log_wandb(
     cfg: WandbConfig, run_dir: Path, entry: dict[str, Any], images: list[Path], config: dict
 ) -> None:
-    if cfg.mode == "disabled":
+    started = start_wandb_run(cfg, run_dir, "ruler", config)
+    if started is None:
         return
-    try:
-        import wandb
-    except ImportError as err:
-        raise ImportError(
-            f"logging.wandb.mode={cfg.mode} needs the wandb package: pip install 'usp[wandb]', or set "
-            "logging.wandb.mode=disabled."
-        ) from err
-    run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, tags=[*cfg.tags, "eval", "ruler"],
-                     mode=cfg.mode, dir=str(run_dir), job_type="eval-ruler", config=config)  # fmt: skip
+    wandb, run = started
     result = entry["result"]
     scores = wandb.Table(columns=["task", "length", "score"])
     for task, row in result["tasks"].items():

@@ -23,7 +23,7 @@ from usp.config import RULER_TASKS, EvalConfig
 from usp.eval.chat import stop_token_ids
 from usp.eval.decode import decode
 from usp.eval.footprint import eval_memory_per_gpu
-from usp.eval.replicas import gather_shares, gather_timing, my_share
+from usp.eval.replicas import decode_timing, gather_shares, gather_timing, my_share
 from usp.eval.ruler.fit import PromptBuilder, Sample
 from usp.eval.ruler.scoring import clean_prediction, effective_length, score, stopped, summarize
 from usp.eval.ruler.tasks import TASKS
@@ -171,16 +171,7 @@ def run_ruler(
         "threshold": cfg.ruler.threshold,
         "threshold_score": bar,
         "trials": results,
-        "timing": {
-            "prompt_build_s": build_s,
-            "prefill_tokens": prefill_tokens,
-            "prefill_s": prefill_s,
-            "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s > 0 else None,
-            "decode_tokens": decode_tokens,
-            "decode_s": decode_s,
-            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
-            "wall_s": time.perf_counter() - t0,
-        },
+        "timing": {"prompt_build_s": build_s, **decode_timing(prefill_tokens, prefill_s, decode_tokens, decode_s, t0)},
     }
 
 
