@@ -15,6 +15,20 @@ RingLayout = Literal["zigzag", "contiguous", "balanced"]
 document boundaries so every ring rank does the same attention work (zigzag without them)."""
 RING_LAYOUTS: tuple[str, ...] = get_args(RingLayout)
 
+
+def check_ring_layout(ring_layout: object, setting: str = "parallel.ring_layout") -> None:
+    """``ValueError`` naming ``setting`` unless ``ring_layout`` is one of :data:`RING_LAYOUTS`."""
+    if ring_layout not in RING_LAYOUTS:
+        raise ValueError(f"{setting}={ring_layout!r} is invalid; choose one of {', '.join(RING_LAYOUTS)}.")
+
+
+def chunks_per_ring_rank(ring_layout: str) -> int:
+    """Sequence chunks each ring rank holds: 1 for ``contiguous``, 2 for ``zigzag`` and ``balanced`` (which
+    cut the sequence into ``2 x ring_degree`` chunks). The sequence must divide into
+    ``chunks_per_ring_rank x ring_degree x ulysses_degree`` equal parts."""
+    check_ring_layout(ring_layout)
+    return 1 if ring_layout == "contiguous" else 2
+
 FsdpMode = Literal["full_shard", "hybrid_shard"]
 """``parallel.fsdp_mode``: shard over every rank, or shard inside a node and replicate across nodes."""
 FSDP_MODES: tuple[str, ...] = get_args(FsdpMode)

@@ -1,9 +1,22 @@
-"""Token counts on the command line: ``131072``, ``128K``, ``1M`` (binary multiples), one parser for every tool."""
+"""Units, defined once: token counts on the command line (``131072``, ``128K``, ``1M``: binary multiples, one
+parser for every tool), bytes per GiB, the divisors of a count."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
+
+GIB = 1024**3
+"""Bytes per GiB: every memory figure usp prints is in GiB (binary)."""
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n >= 1``, ascending."""
+    if n < 1:
+        raise ValueError(f"divisors of {n}: need n >= 1")
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 

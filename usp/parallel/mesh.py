@@ -27,13 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from usp.modes import RING_LAYOUTS, RingLayout
+from usp.modes import RING_LAYOUTS, RingLayout, chunks_per_ring_rank
+from usp.units import divisors as _divisors
 
 MESH_AXES: tuple[str, str, str] = ("dp", "ring", "ulysses")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -264,9 +261,7 @@ class SPMesh:
 
 
 def sequence_multiple(ring_degree: int, ulysses_degree: int, ring_layout: str) -> int:
-    if ring_layout not in RING_LAYOUTS:
-        raise ValueError(f"ring_layout={ring_layout!r} is invalid; choose one of {RING_LAYOUTS}.")
-    return (1 if ring_layout == "contiguous" else 2) * ring_degree * ulysses_degree
+    return chunks_per_ring_rank(ring_layout) * ring_degree * ulysses_degree
 
 
 def launched_world(env: Mapping[str, str] | None = None) -> tuple[int, int | None]:
@@ -278,6 +273,14 @@ def launched_world(env: Mapping[str, str] | None = None) -> tuple[int, int | Non
     env = os.environ if env is None else env
     local = env.get("LOCAL_WORLD_SIZE")
     return int(env.get("WORLD_SIZE", "1")), (int(local) if local else None)
+
+
+def resolve_node_size(node_size: int | None, world_size: int, env: Mapping[str, str] | None = None) -> int:
+    """Ranks per node, the one fallback rule: ``parallel.node_size`` when set, else the launcher's
+    ``LOCAL_WORLD_SIZE`` (:func:`launched_world`), else ``world_size`` (one node)."""
+    if node_size is not None:
+        return int(node_size)
+    return launched_world(env)[1] or world_size
 
 
 def group_options_with_timeout(timeout: timedelta | None) -> Any:

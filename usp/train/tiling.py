@@ -34,14 +34,13 @@ inside the root's, with ``lm_head``). Tiling is exact: each token's result depen
 weight gradients are sums over tiles (and, for the input norm, over its three consumers): in fp32 equal to
 the untiled sums up to summation order.
 
-``auto`` (:func:`resolve_mlp_tiles`): tiles of about ``hidden_size`` tokens (a tile's ``[tile, I]`` tensors
+``auto`` (:func:`usp.mlp_tiles.resolve_mlp_tiles`): tiles of about ``hidden_size`` tokens (a tile's ``[tile, I]`` tensors
 then take about as much memory as one MLP weight), i.e. the smallest divisor of the local tokens that is
 at least ``ceil(local_tokens / hidden_size)``; 1 when the local sequence is no longer than ``hidden_size``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -50,38 +49,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from usp.mlp_tiles import resolve_mlp_tiles  # noqa: F401  (the rule, defined in usp.mlp_tiles)
 from usp.train.deepspeed_parts import import_deepspeed_part
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def resolve_mlp_tiles(setting: Any, *, local_tokens: int, hidden_size: int) -> int:
-    """``parallel.mlp_tiles`` -> a tile count that divides ``local_tokens`` (``ValueError`` naming what works).
-
-    ``local_tokens``: tokens per rank per sequence (``trainer.seq_len / (ulysses x ring)``). ``auto``: the
-    module docstring's rule, the one used with explicit degrees; when the planner chooses the degrees, its own
-    tile count is used instead (:func:`usp.train.validate.resolve_layout`).
-    """
-    if local_tokens < 1:
-        raise ValueError(f"local tokens per rank must be >= 1 (got {local_tokens})")
-    divisors = _divisors(local_tokens)
-    if setting == "auto":
-        want = math.ceil(local_tokens / hidden_size)
-        return next(d for d in divisors if d >= want)
-    if isinstance(setting, str) and setting.isdigit():
-        setting = int(setting)
-    shown = ", ".join(str(d) for d in divisors[:12]) + (", ..." if len(divisors) > 12 else "")
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
-        raise ValueError(f"parallel.mlp_tiles={setting!r} is invalid: use an integer >= 1 (1 = off) or auto.")
-    if local_tokens % setting != 0:
-        raise ValueError(
-            f"parallel.mlp_tiles={setting} does not divide the {local_tokens} local tokens per rank "
-            f"(trainer.seq_len / (ulysses_degree x ring_degree)); use one of its divisors ({shown}) or auto."
-        )
-    return setting
 
 
 def _require_tiled_mlp() -> Any:

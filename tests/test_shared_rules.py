@@ -1,0 +1,43 @@
+"""The small rules every layer shares, each defined once (usp.units, usp.modes, usp.mlp_tiles, usp.parallel.mesh)."""
+
+from __future__ import annotations
+
+import pytest
+
+from usp.mlp_tiles import check_mlp_tiles_setting, resolve_mlp_tiles
+from usp.modes import RING_LAYOUTS, check_ring_layout, chunks_per_ring_rank
+from usp.parallel.mesh import resolve_node_size, sequence_multiple
+from usp.units import GIB, divisors
+
+
+def test_divisors_match_brute_force() -> None:
+    for n in range(1, 200):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    with pytest.raises(ValueError):
+        divisors(0)
+    assert GIB == 2**30
+
+
+def test_ring_layout_rule() -> None:
+    assert [chunks_per_ring_rank(x) for x in ("contiguous", "zigzag", "balanced")] == [1, 2, 2]
+    assert set(RING_LAYOUTS) == {"contiguous", "zigzag", "balanced"}
+    with pytest.raises(ValueError, match="parallel.ring_layout='ring'"):
+        check_ring_layout("ring")
+    assert sequence_multiple(4, 2, "zigzag") == 16 and sequence_multiple(4, 2, "contiguous") == 8
+
+
+def test_mlp_tiles_rule() -> None:
+    assert resolve_mlp_tiles("auto", local_tokens=96, hidden_size=64) == 2
+    assert resolve_mlp_tiles("auto", local_tokens=64, hidden_size=64) == 1
+    assert resolve_mlp_tiles("4", local_tokens=96, hidden_size=64) == 4
+    with pytest.raises(ValueError, match="does not divide the 96 local tokens"):
+        resolve_mlp_tiles(5, local_tokens=96, hidden_size=64)
+    for bad in (0, -1, True, 1.5, "x"):
+        with pytest.raises(ValueError, match="parallel.mlp_tiles"):
+            check_mlp_tiles_setting(bad)
+
+
+def test_node_size_fallback() -> None:
+    assert resolve_node_size(4, 16, env={"LOCAL_WORLD_SIZE": "8"}) == 4
+    assert resolve_node_size(None, 16, env={"LOCAL_WORLD_SIZE": "8"}) == 8
+    assert resolve_node_size(None, 16, env={}) == 16
