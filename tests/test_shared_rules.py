@@ -41,3 +41,13 @@ def test_node_size_fallback() -> None:
     assert resolve_node_size(4, 16, env={"LOCAL_WORLD_SIZE": "8"}) == 4
     assert resolve_node_size(None, 16, env={"LOCAL_WORLD_SIZE": "8"}) == 8
     assert resolve_node_size(None, 16, env={}) == 16
+
+
+def test_head_dim_fallback() -> None:
+    from types import SimpleNamespace
+
+    from usp.plan.models import head_dim_of
+
+    assert head_dim_of({"hidden_size": 4096, "num_attention_heads": 32}) == 128
+    assert head_dim_of({"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 64}) == 64
+    assert head_dim_of(SimpleNamespace(hidden_size=576, num_attention_heads=9, head_dim=None)) == 64

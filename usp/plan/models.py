@@ -9,6 +9,14 @@ from typing import Any
 
 from usp.attention.heads import UlyssesHeads, ulysses_heads
 
+
+def head_dim_of(config: Any) -> int:
+    """A Hugging Face config's attention head size (a config object or its ``config.json`` dict): ``head_dim``
+    when set, else ``hidden_size / num_attention_heads``. The one fallback rule."""
+    get = config.get if isinstance(config, dict) else (lambda key: getattr(config, key, None))
+    return int(get("head_dim") or int(get("hidden_size")) // int(get("num_attention_heads")))
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-2-7b": {
         "hidden_size": 4096,
@@ -89,7 +97,7 @@ class ModelSpec:
         hidden = int(config["hidden_size"])
         if heads % kv != 0:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}.")
-        head_dim = config.get("head_dim") or hidden // heads
+        head_dim = head_dim_of(config)
         return cls(
             name=name,
             hidden_size=hidden,
