@@ -12,8 +12,9 @@ import pytest
 from hydra.errors import MissingConfigException
 
 from usp.config import TrainConfig, validate_choices, validate_layout
+from usp.config.compose import compose_config, run_id
 from usp.parallel.mesh import launched_world
-from usp.train.__main__ import _run_id, compose_config, main
+from usp.train.__main__ import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,14 +151,14 @@ def test_run_id_is_shared_by_all_ranks_or_refused(monkeypatch):
     for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    assert _run_id() == "slurm-4242"
+    assert run_id() == "slurm-4242"
     monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
-    assert _run_id() == "torchrun-abc"
+    assert run_id() == "torchrun-abc"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(ValueError, match="hydra.run.dir="):
-        _run_id()
+        run_id()
 
 
 def test_run_id_prefers_the_rendezvous_id_inside_a_slurm_allocation(monkeypatch):
@@ -165,11 +166,11 @@ def test_run_id_prefers_the_rendezvous_id_inside_a_slurm_allocation(monkeypatch)
     srun torchrun --rdzv-id $SLURM_JOB_ID keeps slurm-<job id>; no torchrun id -> the job id."""
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a9c")
-    assert _run_id() == "torchrun-3f2a9c"
+    assert run_id() == "torchrun-3f2a9c"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4242")
-    assert _run_id() == "slurm-4242"
+    assert run_id() == "slurm-4242"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    assert _run_id() == "slurm-4242"
+    assert run_id() == "slurm-4242"
 
 
 def test_main_hands_the_typed_config_to_the_trainer(tmp_path, monkeypatch):
@@ -227,12 +228,12 @@ def test_conf_recipe_link_points_at_recipes():
 
 def test_valid_values_match_the_modules_that_implement_them():
     """The entry point's checks accept exactly what the trainer, mesh and kernels implement."""
-    from usp import config
+    from usp import modes
     from usp.attention import kernels
     from usp.parallel import mesh
     from usp.train import parallelize
 
-    assert set(config.FSDP_MODES) == set(parallelize.FSDP_MODES)
-    assert set(config.AC_MODES) == set(parallelize.AC_MODES)
-    assert set(config.RING_LAYOUTS) == set(mesh.RING_LAYOUTS)
-    assert set(config.ATTENTION_BACKENDS) == set(kernels.BACKENDS)
+    assert set(modes.FSDP_MODES) == set(parallelize.FSDP_MODES)
+    assert set(modes.AC_MODES) == set(parallelize.AC_MODES)
+    assert set(modes.RING_LAYOUTS) == set(mesh.RING_LAYOUTS)
+    assert set(modes.ATTENTION_BACKENDS) == set(kernels.BACKENDS)

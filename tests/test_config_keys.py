@@ -1,4 +1,4 @@
-"""Every override lands on a schema field or fails, naming the real key (usp.config_keys)."""
+"""Every override lands on a schema field or fails, naming the real key (usp.config.keys)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from usp.config import TrainConfig
-from usp.config_keys import FOREIGN_KEYS, check_composed_keys, schema_keys
-from usp.train.__main__ import compose_config
+from usp.config.compose import compose_config
+from usp.config.keys import FOREIGN_KEYS, check_composed_keys, schema_keys
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ import torch
 from tests.test_train_run import fp32_run_tolerance
 from tests.tolerance import assert_close_scaled
 from usp.config import TrainConfig
-from usp.eval.__main__ import compose_eval_config
+from usp.config.compose import compose_eval_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 
 from usp.config import WandbConfig
+from usp.config.compose import run_id
 from usp.data.prepare import main as prepare_main
 from usp.data.sources import load_text_sources
 from usp.launch import cli, commands
 from usp.tiny import build_tiny_tokenizer
-from usp.train.__main__ import REQUEUE_EXIT_CODE, _run_id
+from usp.train.__main__ import REQUEUE_EXIT_CODE
 from usp.train.elastic import launcher_store
 from usp.train.signals import StopRequest
 from usp.train.watchdog import WARMUP_STEPS, StepWatchdog
@@ -262,12 +263,12 @@ def test_wandb_resumes_the_run_of_the_run_dir(tmp_path, monkeypatch):
 
 
 def test_run_name_names_the_run_dir():
-    assert _run_id("ctx128k") == "ctx128k"
+    assert run_id("ctx128k") == "ctx128k"
     with pytest.raises(ValueError, match="run_name='../x' is invalid"):
-        _run_id("../x")
+        run_id("../x")
     from hydra import compose, initialize_config_dir
 
-    from usp.train.__main__ import CONF_DIR, register_configs
+    from usp.config.compose import CONF_DIR, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -189,7 +189,7 @@ def test_default_run_dir_under_the_slurm_launchers_is_the_job_ids(monkeypatch):
     torchrun uses --rdzv-id $SLURM_JOB_ID, so torchrun's TORCHELASTIC_RUN_ID and SLURM_JOB_ID are the same."""
     from omegaconf import OmegaConf
 
-    from usp.train.__main__ import register_configs
+    from usp.config.compose import register_configs
 
     register_configs()  # the ${usp_run_id:} resolver behind conf/train.yaml's default run dir
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
@@ -488,7 +488,7 @@ def test_module_entry_out_of_process(monkeypatch):
 
 def test_launcher_overrides_are_valid_run_config_keys(tmp_path):
     """What the launchers add (--cpu pinning) composes into the trainer's typed config."""
-    from usp.train.__main__ import compose_config
+    from usp.config.compose import compose_config
 
     overrides = commands.with_defaults(["recipe=tiny"], commands.cpu_defaults())
     assert overrides == ["trainer.device=cpu", "parallel.backend=gloo", "recipe=tiny"]

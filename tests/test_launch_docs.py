@@ -46,7 +46,7 @@ def test_doc_command_works_as_written(words, monkeypatch, capsys):
         argv = words[1:] if "--dry-run" in words else [*words[1:], "--dry-run"]
         assert cli.main(argv) == 0, capsys.readouterr().err
         return
-    from usp.train.__main__ import compose_config
+    from usp.config.compose import compose_config
 
     start = max(words.index(m) for m in MARKERS if m in words) + 1
     overrides = [w for w in words[start:] if not w.startswith("-") and "=" in w]

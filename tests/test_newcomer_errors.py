@@ -112,7 +112,7 @@ def test_writable_check_names_the_setting_the_path_and_the_errno(unwritable, tmp
 
 # --- row 1: a typed model.path never becomes a random tiny model -------------------------------------------
 def test_a_mistyped_model_path_is_an_error_not_a_random_model(tmp_path):
-    from usp.train.__main__ import compose_config
+    from usp.config.compose import compose_config
     from usp.train.validate import build_tiny_if_asked
 
     typo = tmp_path / "smollm2-135m-instruc"
@@ -168,7 +168,7 @@ def test_ctrl_c_under_torchrun_checkpoints_says_one_line_and_exits_like_sigterm(
 def test_eval_on_a_truncated_safetensors_names_model_path(tmp_path):
     import shutil
 
-    from usp.eval.__main__ import compose_eval_config
+    from usp.config.compose import compose_eval_config
     from usp.eval.runner import prepare
     from usp.model import load_causal_lm
 
@@ -237,7 +237,7 @@ def test_a_full_disk_during_a_save_is_one_line_with_errno_and_path_also_in_the_l
 def test_ppl_on_a_real_model_needs_eval_inputs(tmp_path, tiny_dir):
     from transformers import LlamaConfig
 
-    from usp.eval.__main__ import compose_eval_config
+    from usp.config.compose import compose_eval_config
     from usp.eval.ppl import check_ppl_inputs
     from usp.model import check_model_dir
 

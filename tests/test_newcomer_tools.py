@@ -24,7 +24,7 @@ def short_context_model(tmp_path_factory) -> Path:
 
 # --- row 7: your own small checkpoint ----------------------------------------------------------------------
 def test_model_hf_and_optim_finetune_train_your_own_checkpoint(tmp_path, short_context_model):
-    from usp.train.__main__ import compose_config
+    from usp.config.compose import compose_config
     from usp.train.validate import build_tiny_if_asked, start_up_warnings
 
     cfg = compose_config([*ONE_RANK, "model=hf", "optim=finetune", f"model.path={short_context_model}",
@@ -45,7 +45,7 @@ def test_model_hf_and_optim_finetune_train_your_own_checkpoint(tmp_path, short_c
 
 # --- row 10: a sequence longer than the checkpoint's own context --------------------------------------------
 def test_seq_len_beyond_the_checkpoints_context_warns_with_its_rope(tmp_path, short_context_model):
-    from usp.train.__main__ import compose_config
+    from usp.config.compose import compose_config
     from usp.train.validate import start_up_warnings
 
     base = [
@@ -146,8 +146,7 @@ def test_a_skipped_memory_check_says_so_and_why(capsys):
 
 # --- row 13: one length syntax ------------------------------------------------------------------------------
 def test_lengths_take_the_same_syntax_everywhere(tmp_path):
-    from usp.eval.__main__ import compose_eval_config
-    from usp.train.__main__ import compose_config
+    from usp.config.compose import compose_config, compose_eval_config
     from usp.units import expand_length_overrides
 
     cfg = compose_config(["recipe=tiny", "trainer.seq_len=1K", "model.max_position_embeddings=4K"])
@@ -183,16 +182,16 @@ def test_demo_figures_match_between_readme_and_the_recipe():
     demo = re.search(r"the demo takes about (\d+) s", readme)
     header = re.search(r"About (\d+) s on 2 cores", recipe)
     assert demo and header and demo.group(1) == header.group(1), (demo, header)
-    from usp.train.__main__ import compose_config
+    from usp.config.compose import compose_config
 
     layout = compose_config(["recipe=tiny"]).parallel.ring_layout
     assert f"ring 2 ({layout} layout)" in recipe
 
 
 def test_launch_docs_quote_the_memory_figure_usp_launch_prints(tmp_path):
+    from usp.config.compose import compose_config
     from usp.launch import preflight
     from usp.plan.models import PRESETS
-    from usp.train.__main__ import compose_config
 
     (tmp_path / "config.json").write_text(json.dumps({**PRESETS["llama-3.1-8b"], "model_type": "llama"}))
     cfg = compose_config(["recipe=llama31_8b_128k", f"model.path={tmp_path}", "data.prepared_path=/d"])

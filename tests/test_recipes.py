@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from usp.config import states_on_host, validate_layout
-from usp.train.__main__ import compose_config
+from usp.config.compose import compose_config
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))

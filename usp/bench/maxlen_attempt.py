@@ -3,7 +3,7 @@
 
 A fresh process per length: an out-of-memory error can leave the CUDA caching allocator fragmented, so a
 later, shorter attempt in the same process could fail where a fresh one fits. The attempt is the product's
-own run: the trainer's config composed from Hydra overrides (:func:`usp.train.__main__.compose_config`, then
+own run: the trainer's config composed from Hydra overrides (:func:`usp.config.compose.compose_config`, then
 :func:`usp.config.validate_layout`) and :func:`usp.train.trainer.run` (validation, data preparation, sharded
 model, weights from the checkpoint, the training loop, ``metrics.jsonl``). Two things are changed, both
 outside the measured steps:
@@ -66,8 +66,8 @@ def _inject_fail_above(limit: int) -> None:
 def run_attempt(spec: dict[str, Any]) -> dict[str, Any]:
     """Compose, validate and train as ``spec`` says; returns ``{"records", "layout"}`` (raises on failure)."""
     from usp.config import validate_layout
+    from usp.config.compose import compose_config
     from usp.train import checkpoint, trainer
-    from usp.train.__main__ import compose_config
 
     cfg = compose_config(spec["overrides"], run_dir=spec["run_dir"])
     validate_layout(cfg, world_size=1, local_world_size=1)

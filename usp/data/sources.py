@@ -38,6 +38,8 @@ import datasets
 import numpy as np
 from datasets import Dataset, IterableDataset
 
+from usp.config import text_fields_per_input
+
 TEXT_COLUMN = "text"
 logger = logging.getLogger(__name__)
 _SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
@@ -88,21 +90,6 @@ def _is_saved_dataset(path: Path) -> bool:
 
 def _is_saved_dataset_dict(path: Path) -> bool:
     return path.is_dir() and (path / "dataset_dict.json").exists()
-
-
-def text_fields_per_input(text_field: str | Sequence[str], inputs: Sequence[str]) -> list[str]:
-    """One text column name per input: a single name applies to all; a list needs one entry per input."""
-    if isinstance(text_field, str):
-        return [text_field] * len(inputs)
-    fields = list(text_field)
-    if len(fields) == 1:
-        return fields * len(inputs)
-    if len(fields) != len(inputs) or not all(isinstance(f, str) and f for f in fields):
-        raise ValueError(
-            f"--text-field / data.text_field={fields} has {len(fields)} entries for {len(inputs)} inputs: give one "
-            "column name for all inputs, or one per input in the same order."
-        )
-    return fields
 
 
 def is_prepared_dataset(path: str | os.PathLike) -> bool:

@@ -17,7 +17,7 @@ Without ``--nodes`` / ``--gpus-per-node``, the run config's ``cluster.num_nodes`
 
 Before anything runs, the overrides are parsed with Hydra's override parser
 (:mod:`usp.launch.overrides`) and composed once into the trainer's run config (the same composition
-``usp.train`` does, :func:`usp.train.__main__.compose_config`, so an unknown recipe, a misspelled key, a
+``usp.train`` does, :func:`usp.config.compose.compose_run_config`, so an unknown recipe, a misspelled key, a
 value of the wrong type or a missing ``model.path`` is reported here). The composed layout (``parallel.*``,
 from the recipe or the command line) is then checked against the processes about to start by the trainer's
 own checks, :func:`usp.config.validate_layout` (:class:`usp.parallel.ParallelDims` and ``trainer.seq_len``),
@@ -161,12 +161,10 @@ def compose_run_config(overrides: Sequence[str], entry: str = "train") -> TrainC
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from usp.train.__main__ import compose_config
+    from usp.config.compose import compose_run_config as compose
 
-    if entry == "eval":
-        from usp.eval.__main__ import compose_eval_config as compose_config
     try:
-        return compose_config(list(overrides))
+        return compose(list(overrides), config_name="eval" if entry == "eval" else "train")
     except (HydraException, OmegaConfBaseException) as exc:
         raise LaunchError(f"the overrides do not compose into a run config: {_one_line_hydra_error(exc)}") from exc
     except ValueError as exc:
@@ -177,8 +175,8 @@ def _check_dirs(overrides: Sequence[str], cfg: TrainConfig, entry: str, *, on_th
     """``hydra.run.dir`` (and for training ``trainer.checkpoint_dir``) must be writable: the trainer's own
     start-up check (:func:`usp.errors.check_writable_dir`). For ``slurm`` the job's nodes may see other
     filesystems than this login node: a warning instead of an error."""
+    from usp.config.compose import hydra_run_dir
     from usp.errors import check_writable_dir
-    from usp.train.__main__ import hydra_run_dir
 
     try:
         run_dir = hydra_run_dir(overrides, "eval" if entry == "eval" else "train")
