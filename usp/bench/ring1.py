@@ -4,7 +4,7 @@ Without a ring ``usp_attention`` calls the local kernel directly (:mod:`usp.atte
 backward should cost what torch's ``scaled_dot_product_attention(..., enable_gqa=True)`` costs on the same
 ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` (passed to SDPA as ``[B, H, S, D]`` views of the same memory),
 which on the CPU runs the same CPU flash kernel. For each point it reports the peak bytes of one forward +
-backward (:func:`usp.train.memory.track_memory`, the CPU profiler's allocation events; deterministic), the
+backward (:func:`usp.bench.track_memory.track_memory`, the CPU profiler's allocation events; deterministic), the
 ratio usp / SDPA, and the median wall time of ``--iters`` forward + backward passes of each, run alternately.
 
 Run::
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from usp.attention import usp_attention
 from usp.parallel import SPMesh, init_sp_mesh
 from usp.parallel.process_group import init_distributed
-from usp.train.memory import track_memory
+from usp.bench.track_memory import track_memory
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
