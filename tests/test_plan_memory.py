@@ -192,8 +192,8 @@ def _measure_step(activation_checkpointing: str, mlp_tiles: int) -> tuple[int, i
     pieces (:mod:`usp.train.tiling`, :mod:`usp.train.offload`, checkpointing, the chunked loss), fp32 on CPU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from usp.train.loss import ChunkedCausalLMLoss
     from usp.bench.track_memory import track_memory
+    from usp.train.loss import ChunkedCausalLMLoss
     from usp.train.offload import HostCheckpointStore
     from usp.train.parallelize import apply_activation_checkpointing, decoder_layers
     from usp.train.tiling import apply_sequence_tiling

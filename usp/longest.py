@@ -31,11 +31,13 @@ class Longest:
     stopped: Stopped
 
 
-def _down(x: float, unit: int) -> int:
+def floor_multiple(x: float, unit: int) -> int:
+    """``x`` rounded down to a multiple of ``unit``, at least ``unit``."""
     return max(unit, int(x) // unit * unit)
 
 
-def _up(x: float, unit: int) -> int:
+def ceil_multiple(x: float, unit: int) -> int:
+    """``x`` rounded up to a multiple of ``unit``."""
     return -(-math.ceil(x) // unit) * unit
 
 
@@ -54,7 +56,7 @@ def search_longest(
     top = limit // unit * unit
     lo: int | None = None  # the longest pass
     hi: int | None = None  # the shortest failure
-    s = min(_down(start, unit), top)
+    s = min(floor_multiple(start, unit), top)
     verdict = passes(s)
     if verdict is None:
         return Longest(None, "interrupted")
@@ -63,7 +65,7 @@ def search_longest(
         while hi is None:  # grow
             if lo >= top:
                 return Longest(lo, "limit")
-            nxt = min(_up(lo * factor, unit), top)
+            nxt = min(ceil_multiple(lo * factor, unit), top)
             verdict = passes(nxt)
             if verdict is None:
                 return Longest(lo, "interrupted")
@@ -73,13 +75,13 @@ def search_longest(
         while lo is None:  # shrink
             if hi <= unit:
                 return Longest(None, "nothing_fits")
-            nxt = min(_down(hi / factor, unit), hi - unit)
+            nxt = min(floor_multiple(hi / factor, unit), hi - unit)
             verdict = passes(nxt)
             if verdict is None:
                 return Longest(None, "interrupted")
             lo, hi = (nxt, hi) if verdict else (None, nxt)
     while hi - lo > unit:  # bisect
-        mid = _down((lo + hi) // 2, unit)
+        mid = floor_multiple((lo + hi) // 2, unit)
         verdict = passes(mid)
         if verdict is None:
             return Longest(lo, "interrupted")

@@ -39,9 +39,9 @@ LOSS_CHUNK = 1024  # trainer.loss_chunk_size of every variant
 
 
 def measure(model_dir: str, *, seq_len: int, ac: str, tiles: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    from usp.bench.track_memory import track_memory
     from usp.model import load_causal_lm
     from usp.parallel import init_sp_mesh
-    from usp.bench.track_memory import track_memory
     from usp.train.parallelize import parallelize
 
     mesh = init_sp_mesh(1, 1, device_type=device.type)

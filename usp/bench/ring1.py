@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from usp.attention import usp_attention
+from usp.bench.track_memory import track_memory
 from usp.parallel import SPMesh, init_sp_mesh
 from usp.parallel.process_group import init_distributed
-from usp.bench.track_memory import track_memory
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
