@@ -45,7 +45,7 @@ def test_head_chunks_match_single_process_attention(dist_pools):
 
 def ring_peaks(chunks_list: list[int]) -> dict[int, dict[str, int]] | None:
     """Worker (u1r4): peak bytes of one bf16 usp_attention forward, and of its backward, per chunk count."""
-    from usp.train.memory import track_memory
+    from usp.bench.track_memory import track_memory
 
     mesh = cached_sp_mesh(1, 4, "zigzag")
     g = torch.Generator().manual_seed(0)

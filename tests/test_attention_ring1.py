@@ -212,7 +212,7 @@ def test_ring1_peak_bytes_match_torch_sdpa(dist_pools, dtype):
 
 def chunk_peaks(chunks: int) -> dict:
     """Worker (world 1, bf16, S = 1024, 8 query / 8 KV heads): peaks of forward and backward."""
-    from usp.train.memory import track_memory
+    from usp.bench.track_memory import track_memory
 
     mesh = cached_sp_mesh(1, 1)
     g = torch.Generator().manual_seed(0)
@@ -239,7 +239,7 @@ def test_ring1_head_chunks_add_one_chunk_of_outputs_not_copies(dist_pools):
 
 
 def test_merge_holds_no_block_sized_temporary():
-    from usp.train.memory import track_memory
+    from usp.bench.track_memory import track_memory
 
     b, s, h, d = 1, 4096, 8, 64
     g = torch.Generator().manual_seed(0)

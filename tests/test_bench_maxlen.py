@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from usp.bench.maxlen import Attempt, attempt_from, choose_optim, deepest_fitting, search, table
 from usp.bench.maxlen import main as maxlen_main
-from usp.bench.maxlen_attempt import classify
-from usp.bench.maxlen_setup import model_fields
+from usp.bench.maxlen.attempt import classify
+from usp.bench.maxlen.planner import choose_optim, deepest_fitting
+from usp.bench.maxlen.search import Attempt, attempt_from, search, table
+from usp.bench.maxlen.setup import model_fields
 from usp.plan import load_model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +170,7 @@ def test_descendants_include_other_sessions():
     compilers of a JIT build did that and outlived the attempt)."""
     import signal
 
-    from usp.bench.maxlen_attempt import _descendants
+    from usp.bench.maxlen.attempt import _descendants
 
     proc = subprocess.Popen(["bash", "-c", "setsid sleep 60 & sleep 60"], start_new_session=True)
 

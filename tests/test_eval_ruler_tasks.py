@@ -200,7 +200,7 @@ def test_essay_haystack_is_deterministic_and_endless():
 
 def test_chat_template_wraps_ruler_and_passkey_prompts(tokenizer):
     from usp.eval.chat import chat_frame
-    from usp.eval.passkey import ANSWER_PREFIX, build_prompt, minimum_length
+    from usp.eval.passkey import ANSWER_PREFIX, build_prompt
 
     tokenizer.chat_template = CHAT
     try:
@@ -215,7 +215,7 @@ def test_chat_template_wraps_ruler_and_passkey_prompts(tokenizer):
         frame = chat_frame(tokenizer)
         ids = build_prompt(tokenizer, 300, 0.5, "48213", frame)
         text = tokenizer.decode(ids)
-        assert len(ids) == 300 and minimum_length(tokenizer, 5, frame) < 300
+        assert len(ids) == 300
         assert text.startswith("<|user|>A secret number") and text.endswith(
             f"?</s><|assistant|>{ANSWER_PREFIX}"
         )

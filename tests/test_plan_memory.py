@@ -179,7 +179,7 @@ def test_checkpointing_never_predicts_more_memory():
         assert m["full"] < m["none"], key
 
 
-# --- the planner's terms against the memory a training step measurably takes (CPU, usp.train.memory) ---------
+# --- the planner's terms against the memory a training step measurably takes (CPU, usp.bench.track_memory) ---------
 MEASURED_SHAPE = dict(
     hidden_size=128, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
     num_hidden_layers=3, vocab_size=128,
@@ -192,8 +192,8 @@ def _measure_step(activation_checkpointing: str, mlp_tiles: int) -> tuple[int, i
     pieces (:mod:`usp.train.tiling`, :mod:`usp.train.offload`, checkpointing, the chunked loss), fp32 on CPU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from usp.bench.track_memory import track_memory
     from usp.train.loss import ChunkedCausalLMLoss
-    from usp.train.memory import track_memory
     from usp.train.offload import HostCheckpointStore
     from usp.train.parallelize import apply_activation_checkpointing, decoder_layers
     from usp.train.tiling import apply_sequence_tiling

@@ -1,4 +1,4 @@
-"""``usp.train.memory.track_memory`` against allocations of known size (CPU; the CUDA path when available)."""
+"""``usp.bench.track_memory.track_memory`` against allocations of known size (CPU; the CUDA path when available)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from usp.train.memory import track_memory
+from usp.bench.track_memory import track_memory
 
 MIB = 1 << 20
 SLACK = 64 << 10  # the profiler's own small allocations (scalars, shapes) inside the block

@@ -115,7 +115,7 @@ def measure_variants(model_dir: str) -> dict:
     """Worker (world 1): forward and backward of one fp32 sequence per variant, after a warm-up step (which
     allocates the offload slots); returns held bytes and the step's peak (forward, or forward's net plus the
     backward's peak)."""
-    from usp.train.memory import track_memory
+    from usp.bench.track_memory import track_memory
 
     mesh = cached_sp_mesh(1, 1, "zigzag", 1)
     out = {}

@@ -10,7 +10,7 @@ from usp.tiny import build_tiny_llama
 
 
 def _throughput(argv: list[str]) -> list[dict]:
-    from usp.train.throughput import main
+    from usp.bench.throughput import main
 
     return main(argv)
 

@@ -118,11 +118,6 @@ class UlyssesHeads:
         return max(range(self.ulysses_degree), key=lambda j: (self.q_counts[j], self.local_kv_heads(j), -j))
 
 
-def working_ulysses_degrees(num_heads: int) -> list[int]:
-    """The Ulysses degrees any head layout allows: 1 to ``num_heads`` (every rank needs a query head)."""
-    return list(range(1, num_heads + 1))
-
-
 @lru_cache(maxsize=256)
 def ulysses_heads(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> UlyssesHeads:
     """The head layout of ``ulysses_degree`` ranks for a model with ``num_heads`` query and ``num_kv_heads``

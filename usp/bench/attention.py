@@ -43,12 +43,12 @@ from usp.attention import record_comm, usp_attention
 from usp.attention.cost import analytic_bytes_sent, imbalance, ring_work
 from usp.attention.kernels import resolve_backend
 from usp.bench.balance import rank_attention_ms
+from usp.bench.flags import comma_ints, comma_lengths, comma_ring_layouts
 from usp.data.doc_lengths import boundaries, parse_doc_lengths
 from usp.errors import guarded, pop_verbose
 from usp.modes import ATTENTION_BACKENDS
 from usp.parallel import init_sp_mesh, sequence_multiple
 from usp.parallel.process_group import init_distributed, resolve_device
-from usp.units import parse_seq_len
 
 COLUMNS = [
     ("ulysses", "U", "{}"),
@@ -74,27 +74,18 @@ COLUMNS = [
 ]
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _lengths(text: str) -> list[int]:
-    """``1024,4K,1M`` -> token counts (:func:`usp.units.parse_seq_len`, the one length syntax)."""
-    return [parse_seq_len(x) for x in text.split(",") if x]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="usp-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4, help="gloo ranks to spawn when not launched by torchrun")
-    p.add_argument("--ulysses", type=_ints, default=[1, 2, 4], help="ulysses degrees, comma-separated")
-    p.add_argument("--ring", type=_ints, default=[1, 2, 4], help="ring degrees, comma-separated")
-    p.add_argument("--layouts", default="zigzag,contiguous", help="ring layouts, comma-separated")
+    p.add_argument("--ulysses", type=comma_ints, default=[1, 2, 4], help="ulysses degrees, comma-separated")
+    p.add_argument("--ring", type=comma_ints, default=[1, 2, 4], help="ring degrees, comma-separated")
+    p.add_argument("--layouts", type=comma_ring_layouts, default="zigzag,contiguous", help="ring layouts, comma-separated")
     p.add_argument(
-        "--seq", type=_lengths, default=[1024, 4096],
+        "--seq", type=comma_lengths, default=[1024, 4096],
         help="global sequence lengths, comma-separated (1024, 4K, 1M; default 1024,4096)",
     )  # fmt: skip
-    p.add_argument("--heads", type=_ints, default=[8], help="query heads")
-    p.add_argument("--kv-heads", type=_ints, default=[2, 8], help="KV heads")
+    p.add_argument("--heads", type=comma_ints, default=[8], help="query heads")
+    p.add_argument("--kv-heads", type=comma_ints, default=[2, 8], help="KV heads")
     p.add_argument("--head-dim", type=int, default=64, help="dimension of each head (default 64)")
     p.add_argument("--batch", type=int, default=1, help="sequences per forward (default 1)")
     p.add_argument(
@@ -270,11 +261,11 @@ def run_grid(args: argparse.Namespace) -> dict:
     records, skipped, meshes = [], [], {}
     specs = [parse_doc_lengths(s) for s in args.doc_lengths] or [None]
     grid = itertools.product(
-        args.ulysses, args.ring, args.layouts.split(","), args.seq, args.heads, args.kv_heads, specs
+        args.ulysses, args.ring, args.layouts, args.seq, args.heads, args.kv_heads, specs
     )
     for u, r, layout, seq_len, hq, hkv, spec in grid:
         point = dict(ulysses=u, ring=r, layout=layout, seq_len=seq_len, num_heads=hq, num_kv_heads=hkv)
-        if r == 1 and layout != args.layouts.split(",")[0]:
+        if r == 1 and layout != args.layouts[0]:
             continue  # the layout only matters with a ring
         why = None
         if world % (u * r):

@@ -23,6 +23,7 @@ import torch
 from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
 from usp.attention.heads import ulysses_heads
 from usp.attention.kernels import attention_backward, attention_forward, default_scale, resolve_backend
+from usp.bench.flags import comma_ints, comma_ring_layouts
 from usp.data.doc_lengths import DocLengths, boundaries, parse_doc_lengths
 from usp.parallel import ring_rank_pairs
 from usp.parallel.balance import balanced_placement, pieces_to_positions
@@ -164,9 +165,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     """``python -m usp.bench.balance``: per-rank attention time of each layout on document mixtures (CPU)."""
     p = argparse.ArgumentParser(prog="python -m usp.bench.balance", description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=16384)
-    p.add_argument("--ring", default="4,8", help="ring degrees, comma-separated")
-    p.add_argument("--ulysses", default="1", help="ulysses degrees, comma-separated (heads are divided)")
-    p.add_argument("--layouts", default="zigzag,contiguous,balanced")
+    p.add_argument("--ring", type=comma_ints, default="4,8", help="ring degrees, comma-separated")
+    p.add_argument("--ulysses", type=comma_ints, default="1", help="ulysses degrees, comma-separated (heads are divided)")
+    p.add_argument("--layouts", type=comma_ring_layouts, default="zigzag,contiguous,balanced")
     p.add_argument("--doc-lengths", action="append", required=True, metavar="SPEC")
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--kv-heads", type=int, default=1)
@@ -180,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     records = []
     if args.placement:
         for spec in specs:
-            for r in (int(x) for x in args.ring.split(",")):
+            for r in args.ring:
                 rec = placement_cost(args.seq, r, spec)
                 print(
                     f"{spec.text:<40} S={args.seq} R={r} docs={rec['num_docs']}: placement "
@@ -191,10 +192,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 records.append(rec)
         return records
     for spec in specs:
-        for r in (int(x) for x in args.ring.split(",")):
-            for u in (int(x) for x in args.ulysses.split(",")):
+        for r in args.ring:
+            for u in args.ulysses:
                 found = measure_layouts(
-                    seq_len=args.seq, ring_degree=r, ulysses_degree=u, layouts=args.layouts.split(","), spec=spec,
+                    seq_len=args.seq, ring_degree=r, ulysses_degree=u, layouts=args.layouts, spec=spec,
                     num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, iters=args.iters,
                 )  # fmt: skip
                 for rec in found:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from usp.bench.flags import comma_ints
 from usp.parallel.process_group import init_distributed
 
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m usp.bench.decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", default="u2r2,u4r1,u1r4")
-    p.add_argument("--prompt-lengths", default="256,1024")
+    p.add_argument("--prompt-lengths", type=comma_ints, default="256,1024")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--model", default=None, help="a local HF checkpoint (default: a tiny random Llama)")
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     for ulysses, ring in _layouts(args.layouts):
         mesh = init_sp_mesh(ulysses, ring, dp_degree=dist.get_world_size() // (ulysses * ring))
         model = apply_usp(load_causal_lm(model_dir, dtype=torch.float32).eval(), mesh)
-        for length in (int(x) for x in args.prompt_lengths.split(",")):
+        for length in args.prompt_lengths:
             ids = torch.randint(3, model.config.vocab_size, (args.batch, length),
                                 generator=torch.Generator().manual_seed(length))  # fmt: skip
             ref_losses, ref_tokens, ref_logits = _reference(ref_model, ids, args.new_tokens)

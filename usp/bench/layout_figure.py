@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from usp.bench.flags import comma_ring_layouts
 from usp.data.doc_lengths import boundaries, parse_doc_lengths
 from usp.parallel import ring_pieces, ring_rank_pairs
 
@@ -63,14 +64,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--ring", type=int, default=4)
     p.add_argument("--doc-lengths", action="append", default=None, metavar="SPEC")
-    p.add_argument("--layouts", default="zigzag,balanced")
+    p.add_argument("--layouts", type=comma_ring_layouts, default="zigzag,balanced")
     args = p.parse_args(argv)
     draw(
         args.out,
         seq_len=args.seq,
         ring_degree=args.ring,
         mixtures=args.doc_lengths or DEFAULT_MIXTURES,
-        layouts=args.layouts.split(","),
+        layouts=args.layouts,
     )
 
 

@@ -2,7 +2,7 @@
 
 For each ``(activation_checkpointing, mlp_tiles)`` variant: a random Llama (``--hidden``, ``--intermediate``,
 ``--layers``, GQA 4 query / 2 KV heads) runs a warm-up step, then one forward and one backward of one
-``--seq-len`` sequence under :func:`usp.train.memory.track_memory`. Prints and writes (``--out``) one JSON
+``--seq-len`` sequence under :func:`usp.bench.track_memory.track_memory`. Prints and writes (``--out``) one JSON
 object per variant: ``held_mib`` (bytes saved for backward on the device), ``peak_mib`` (the step's peak
 allocated above its start: max of the forward's peak and the forward's net plus the backward's peak),
 ``host_mib`` (offload slots), ``fwd_bwd_s`` (wall time with the profiler on: relative figures only), and what
@@ -39,9 +39,9 @@ LOSS_CHUNK = 1024  # trainer.loss_chunk_size of every variant
 
 
 def measure(model_dir: str, *, seq_len: int, ac: str, tiles: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    from usp.bench.track_memory import track_memory
     from usp.model import load_causal_lm
     from usp.parallel import init_sp_mesh
-    from usp.train.memory import track_memory
     from usp.train.parallelize import parallelize
 
     mesh = init_sp_mesh(1, 1, device_type=device.type)

@@ -4,7 +4,7 @@ Without a ring ``usp_attention`` calls the local kernel directly (:mod:`usp.atte
 backward should cost what torch's ``scaled_dot_product_attention(..., enable_gqa=True)`` costs on the same
 ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` (passed to SDPA as ``[B, H, S, D]`` views of the same memory),
 which on the CPU runs the same CPU flash kernel. For each point it reports the peak bytes of one forward +
-backward (:func:`usp.train.memory.track_memory`, the CPU profiler's allocation events; deterministic), the
+backward (:func:`usp.bench.track_memory.track_memory`, the CPU profiler's allocation events; deterministic), the
 ratio usp / SDPA, and the median wall time of ``--iters`` forward + backward passes of each, run alternately.
 
 Run::
@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from usp.attention import usp_attention
+from usp.bench.flags import comma_ints
+from usp.bench.track_memory import track_memory
 from usp.parallel import SPMesh, init_sp_mesh
 from usp.parallel.process_group import init_distributed
-from usp.train.memory import track_memory
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -101,7 +102,7 @@ def bench_point(mesh: SPMesh, *, seq_len: int, dtype: torch.dtype, num_heads: in
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m usp.bench.ring1", description=__doc__.split("\n")[0])
-    p.add_argument("--seq", default="4096,16384", help="comma-separated sequence lengths")
+    p.add_argument("--seq", type=comma_ints, default="4096,16384", help="comma-separated sequence lengths")
     p.add_argument("--dtype", default="float32,bfloat16", help="comma-separated dtypes")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
@@ -127,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not args.json:
         print(header, flush=True)
     points = []
-    for s in args.seq.split(","):
+    for s in args.seq:
         for dt in dtypes:
             p = bench_point(mesh, seq_len=int(s), dtype=dt, num_heads=args.heads, num_kv_heads=args.kv_heads,
                             head_dim=args.head_dim, iters=args.iters)  # fmt: skip

@@ -64,12 +64,6 @@ def _frame_ids(tokenizer: Any, frame: ChatFrame | None) -> tuple[list[int], list
     return _ids(tokenizer, frame.head + INTRO), _ids(tokenizer, ASK) + _ids(tokenizer, frame.tail + ANSWER_PREFIX)
 
 
-def minimum_length(tokenizer: Any, digits: int, frame: ChatFrame | None = None) -> int:
-    """Tokens of a prompt with no filler at all (BOS or the chat frame, intro, needle, question)."""
-    head, question = _frame_ids(tokenizer, frame)
-    return len(head) + len(_ids(tokenizer, NEEDLE.format(key="9" * digits))) + len(question)
-
-
 def build_prompt(tokenizer: Any, length: int, depth: float, key: str, frame: ChatFrame | None = None) -> list[int]:
     """Token ids of one passkey prompt, exactly ``length`` long (``frame``: the chat template's, or None for
     the plain prompt). ``ValueError`` naming ``eval.lengths`` when ``length`` cannot hold the intro, needle

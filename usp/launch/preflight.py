@@ -39,6 +39,14 @@ def check_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int) ->
     validate_layout(cfg, world_size=world_size, local_world_size=local_world_size)
 
 
+def _node_size(setting: object, *, world_size: int, local_world_size: int) -> int:
+    """The trainer's node-size rule (:func:`usp.parallel.mesh.resolve_node_size`) with the
+    ``LOCAL_WORLD_SIZE`` the launcher will export (``local_world_size``)."""
+    from usp.parallel.mesh import resolve_node_size
+
+    return resolve_node_size(setting, world_size, env={"LOCAL_WORLD_SIZE": str(local_world_size)})
+
+
 def _integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -65,7 +73,9 @@ def check_known_degrees(degrees: Mapping[str, Any], *, world_size: int, local_wo
         ulysses_degree=ulysses if _integer(ulysses) else 1,
         ring_degree=ring if _integer(ring) else 1,
         dp_degree=dp if _integer(dp) and _integer(ulysses) and _integer(ring) else -1,
-        node_size=node if _integer(node) else local_world_size,
+        node_size=_node_size(
+            node if _integer(node) else None, world_size=world_size, local_world_size=local_world_size
+        ),
         allow_cross_node_ulysses=cross not in (None, False),
     )
 
@@ -80,16 +90,16 @@ def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) ->
         ValueError: when the estimate exceeds the device memory (with the figure, its breakdown and the fix),
             or, with ``auto`` degrees, when no layout fits (the trainer's start-up error).
     """
+    from usp.mlp_tiles import resolve_mlp_tiles
     from usp.plan import load_model_spec
     from usp.plan.request import PlanRequest
-    from usp.train.tiling import resolve_mlp_tiles
 
     p, t = cfg.parallel, cfg.trainer
     config_json = Path(cfg.model.path) / "config.json"
     if not config_json.is_file():
         return None
     request = PlanRequest.from_config(cfg)
-    node_size = p.node_size if p.node_size is not None else local_world_size
+    node_size = _node_size(p.node_size, world_size=world_size, local_world_size=local_world_size)
     if "auto" in (p.ulysses_degree, p.ring_degree):
         plan = request.plan_auto(
             json.loads(config_json.read_text()), world_size=world_size, node_size=node_size, gpu=cfg.cluster.gpu,
@@ -152,7 +162,8 @@ def check_eval(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> s
     U, R = int(p.ulysses_degree), int(p.ring_degree)
     layout = Layout(
         ulysses_degree=U, ring_degree=R, dp_degree=world_size // (U * R),
-        node_size=p.node_size if p.node_size is not None else local_world_size, fsdp_mode=p.fsdp_mode,
+        node_size=_node_size(p.node_size, world_size=world_size, local_world_size=local_world_size),
+        fsdp_mode=p.fsdp_mode,
         activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,
     )  # fmt: skip
     check_eval_settings(cfg, layout)

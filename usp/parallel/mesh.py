@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from usp.modes import RING_LAYOUTS, RingLayout, chunks_per_ring_rank
+from usp.modes import RING_LAYOUTS, RingLayout, check_ring_layout, chunks_per_ring_rank  # noqa: F401
 from usp.units import divisors as _divisors
 
 MESH_AXES: tuple[str, str, str] = ("dp", "ring", "ulysses")
@@ -152,8 +152,7 @@ class SPMesh:
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.ring_layout not in RING_LAYOUTS:
-            raise ValueError(f"ring_layout={self.ring_layout!r} is invalid; choose one of {RING_LAYOUTS}.")
+        check_ring_layout(self.ring_layout)
         names = self.device_mesh.mesh_dim_names
         assert names == MESH_AXES, f"SPMesh needs a DeviceMesh with axes {MESH_AXES}, got {names}"
         if not self._flat:
@@ -326,18 +325,15 @@ def init_sp_mesh(
             "init_sp_mesh needs torch.distributed to be initialized first "
             "(torch.distributed.init_process_group(backend='nccl' or 'gloo'))."
         )
-    if node_size is None:
-        node_size = launched_world()[1]
     dims = ParallelDims(
         world_size=dist.get_world_size(),
         ulysses_degree=ulysses_degree,
         ring_degree=ring_degree,
         dp_degree=dp_degree,
-        node_size=node_size,
+        node_size=node_size if node_size is not None else launched_world()[1],
         allow_cross_node_ulysses=allow_cross_node_ulysses,
     )
-    if ring_layout not in RING_LAYOUTS:
-        raise ValueError(f"ring_layout={ring_layout!r} is invalid; choose one of {RING_LAYOUTS}.")
+    check_ring_layout(ring_layout)
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     options = group_options_with_timeout(timeout)

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from usp.modes import chunks_per_ring_rank
 from usp.parallel.balance import check_boundaries, pieces_to_positions, ring_pieces
-from usp.parallel.mesh import RING_LAYOUTS, SPMesh, sequence_multiple
+from usp.parallel.mesh import SPMesh, sequence_multiple
 
 
 def check_sequence_length(seq_len: int, ring_degree: int, ulysses_degree: int, ring_layout: str) -> None:
@@ -33,7 +34,8 @@ def check_sequence_length(seq_len: int, ring_degree: int, ulysses_degree: int, r
         lower = (seq_len // m) * m
         upper = lower + m
         nearest = [x for x in (lower, upper) if x > 0]
-        why = "ring_degree x ulysses_degree" if ring_layout == "contiguous" else "2 x ring_degree x ulysses_degree"
+        chunks = chunks_per_ring_rank(ring_layout)
+        why = "ring_degree x ulysses_degree" if chunks == 1 else f"{chunks} x ring_degree x ulysses_degree"
         raise ValueError(
             f"sequence length {seq_len} is not divisible by {m} (= {why} for the {ring_layout} layout with "
             f"ring_degree={ring_degree}, ulysses_degree={ulysses_degree}). Use trainer.seq_len = "
@@ -57,8 +59,6 @@ def local_token_indices(
     """
     check_sequence_length(seq_len, ring_degree, ulysses_degree, ring_layout)
     assert 0 <= ring_rank < ring_degree and 0 <= ulysses_rank < ulysses_degree
-    if ring_layout not in RING_LAYOUTS:
-        raise ValueError(f"ring_layout={ring_layout!r} is invalid; choose one of {RING_LAYOUTS}.")
     pieces = ring_pieces(seq_len, ring_degree, ring_layout, cu_seqlens)[ring_rank]
     part = pieces_to_positions(pieces)
     n = part.size // ulysses_degree

@@ -12,7 +12,6 @@
 - :mod:`usp.train.resume`, :mod:`usp.train.rundir`, :mod:`usp.train.guard`, :mod:`usp.train.signals`,
   :mod:`usp.train.watchdog`, :mod:`usp.train.elastic` - faults: resume, run dirs, bad steps, preemption, hangs;
 - :mod:`usp.train.metrics` - metrics.jsonl, wandb, MFU;
-- :mod:`usp.train.throughput` - step throughput on random weights.
 
 Submodules are imported on use (``from usp.train.trainer import run``), so ``python -m usp.train`` composes
 and validates its config without importing torch.

@@ -1,207 +1,31 @@
-"""The longest sequence one device trains, measured: ``python -m usp.bench.maxlen``.
-
-Each tried length is one run of the trainer (:mod:`usp.bench.maxlen_attempt`, a fresh process with its own
-timeout) of ``--steps`` steps of a model with random weights (``--model``: a preset of
-:data:`usp.plan.models.PRESETS`, default Llama-3.1-8B; ``--tiny``: the tiny Llama on the CPU) on one rank,
-with ``parallel.activation_checkpointing=offload``, ``parallel.mlp_tiles`` (``auto``: the trainer's rule)
-and the optimizer step on the host (``optim.name=deepspeed_cpu_adam``; ``adamw_cpu_offload`` when DeepSpeed's
-CPU Adam does not build). For every length it reports the outcome (``ok``, ``oom``, ``host_mem``, ``timeout``,
-``killed``, ``error``), the last step's time, tokens/s and MFU (the trainer's own figures, FLOPs from
-:func:`usp.train.metrics.training_flops`), peak allocated and reserved GiB over the steps, and the planner's
-prediction for the same settings (:func:`usp.plan.evaluate_layout`).
-
-Search (:func:`search`): from the planner's longest length for these settings without its headroom
-(:func:`usp.plan.max_seq_len`, rounded down to ``--granularity``; capped so one attempt's predicted time
-fits ``--attempt-timeout``), up by ``x --factor`` while attempts succeed, or down by ``/ --factor`` until one
-does, then bisection to one granule. An attempt that fails for memory or time bounds the answer from above;
-the answer is the longest length that trained. The whole search stops at ``--budget`` seconds of wall clock
-(setup included) and writes what it has. Host memory is checked before each attempt with the planner's host
-terms (offloaded states, pinned layer inputs) against this machine's RAM: an attempt that would not fit is
-recorded as ``host_mem`` and not run (a host out-of-memory kill could take the whole machine down).
-
-    python -m usp.bench.maxlen --out bench_results/maxlen/maxlen.json           # on a GPU, ~8 minutes
-    python -m usp.bench.maxlen --tiny --start 2048 --granularity 256 --out /tmp/maxlen.json   # CPU, < 1 min
-"""
+"""``python -m usp.bench.maxlen``: the command line, the setup and the search driving one trainer run per
+length (the tool is described in :mod:`usp.bench.maxlen`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from usp.bench.maxlen_plan import Planner, choose_optim, cpu_adam_error, deepest_fitting, memory_gib
+from usp.bench.maxlen.planner import Planner, choose_optim, cpu_adam_error, deepest_fitting, memory_gib
+from usp.bench.maxlen.search import Attempt, attempt_from, fmt_cell, search, table
+from usp.longest import floor_multiple as round_down
 from usp.plan.request import compute_bytes as dtype_bytes
 from usp.units import parse_seq_len
 
-BOUND_STATUSES: tuple[str, ...] = ("oom", "host_mem", "timeout", "killed")
-"""Outcomes that bound the answer from above (a longer sequence would fail too); ``error`` and ``budget`` stop
-the search instead."""
 OPTIM_CHOICES: tuple[str, ...] = ("auto", "deepspeed_cpu_adam", "adamw_cpu_offload", "adamw")
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Attempt:
-    """One tried length and what it measured (``None`` where it did not get that far)."""
-
-    seq_len: int
-    status: str
-    mlp_tiles: int | None = None
-    wall_s: float = 0.0
-    step_time_s: float | None = None
-    tokens_per_s: float | None = None
-    mfu: float | None = None
-    peak_mem_gib: float | None = None
-    peak_mem_reserved_gib: float | None = None
-    error: str | None = None
-    planner: dict[str, Any] = field(default_factory=dict)
-    """:func:`usp.plan.evaluate_layout` at this length: ``mem_gib_per_gpu``, ``host_mem_gib_per_node``,
-    ``step_time_s``, ``mfu``, ``fits`` (with the planner's default headroom)."""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-
-def round_down(x: float, g: int) -> int:
-    return max(g, int(x) // g * g)
-
-
-def round_up(x: float, g: int) -> int:
-    return -(-int(math.ceil(x)) // g) * g
-
-
-def search(try_len: Callable[[int], Attempt], *, start: int, granularity: int, max_len: int, factor: float = 1.25,
-           time_left: Callable[[], bool] = lambda: True) -> tuple[int | None, str, list[Attempt]]:  # fmt: skip
-    """The longest length (a multiple of ``granularity``, at most ``max_len``) for which ``try_len`` succeeds,
-    assuming success is monotone (shorter fits when longer does).
-
-    Returns ``(longest ok or None, why it stopped, attempts in order)``; why: ``converged`` (the longest ok and
-    the shortest failure are one granule apart), ``limit`` (``max_len`` trained), ``nothing_fits`` (the
-    smallest length failed), ``budget`` (``time_left()`` said stop, or an attempt was cut by the budget),
-    ``error`` (an attempt failed for another reason than memory or time).
-    """
-    g = granularity
-    top = round_down(max_len, g)
-    attempts: list[Attempt] = []
-    lo: int | None = None  # longest ok
-    hi: int | None = None  # shortest failure
-
-    def run(s: int) -> str:
-        if not time_left():
-            return "budget"
-        a = try_len(s)
-        attempts.append(a)
-        return "ok" if a.ok else "bound" if a.status in BOUND_STATUSES else a.status
-
-    s = min(round_down(start, g), top)
-    outcome = run(s)
-    if outcome == "ok":
-        lo = s
-        while hi is None:
-            if lo >= top:
-                return lo, "limit", attempts
-            nxt = min(round_up(lo * factor, g), top)
-            outcome = run(nxt)
-            if outcome == "ok":
-                lo = nxt
-            elif outcome == "bound":
-                hi = nxt
-            else:
-                return lo, outcome, attempts
-    elif outcome == "bound":
-        hi = s
-        while lo is None:
-            if hi <= g:
-                return None, "nothing_fits", attempts
-            nxt = min(round_down(hi / factor, g), hi - g)
-            outcome = run(nxt)
-            if outcome == "ok":
-                lo = nxt
-            elif outcome == "bound":
-                hi = nxt
-            else:
-                return None, outcome, attempts
-    else:
-        return None, outcome, attempts
-    while hi - lo > g:
-        mid = round_down((lo + hi) // 2, g)
-        outcome = run(mid)
-        if outcome == "ok":
-            lo = mid
-        elif outcome == "bound":
-            hi = mid
-        else:
-            return lo, outcome, attempts
-    return lo, "converged", attempts
-
-
-# --- the measurement --------------------------------------------------------------------------------------
-def attempt_overrides(seq_len: int, *, model_dir: Path, corpus: Path, cache_dir: Path, dtype: str, optim: str,
-                      mlp_tiles: str, loss_chunk_size: int, steps: int, max_position: int, cpu: bool) -> list[str]:  # fmt: skip
-    """The trainer's Hydra overrides for one attempt: one rank, offload checkpointing, the tile setting, the
-    optimizer; one document-unmasked row of ``seq_len`` tokens (dense causal attention, as the planner
-    assumes); no evaluation, export, resume or watchdog."""
-    return [
-        f"model.path={model_dir}", f"model.dtype={dtype}", f"model.max_position_embeddings={max(seq_len, max_position)}",
-        "data=jsonl", f"data.inputs=['{corpus}']", "data.document_masking=false", f"data.cache_dir={cache_dir}",
-        "data.num_proc=1", "parallel=single", "parallel.activation_checkpointing=offload",
-        f"parallel.mlp_tiles={mlp_tiles}", "optim=adamw", f"optim.name={optim}", "optim.warmup_steps=0",
-        "trainer=long_context", f"trainer.seq_len={seq_len}", f"trainer.max_steps={steps}",
-        f"trainer.loss_chunk_size={loss_chunk_size}", "trainer.checkpoint_every=0", "trainer.export_hf=false",
-        "trainer.resume=null", f"trainer.device={'cpu' if cpu else 'cuda'}", "trainer.watchdog_factor=0",
-        "trainer.watchdog_minutes=0", "logging.progress_bar=false",
-    ]  # fmt: skip
-
-
-def attempt_from(result: dict[str, Any], planner: dict[str, Any]) -> Attempt:
-    """An :class:`Attempt` from :func:`usp.bench.maxlen_attempt.launch`'s result: the last step's time,
-    tokens/s and MFU (the first may include warm-up), the peaks over all steps."""
-    recs = result.get("records") or []
-    last = recs[-1] if recs else {}
-
-    def peak(key: str) -> float | None:
-        values = [r[key] for r in recs if r.get(key) is not None]
-        return max(values) if values else None
-
-    return Attempt(
-        seq_len=int(result["seq_len"]), status=result["status"], mlp_tiles=(result.get("layout") or {}).get("mlp_tiles"),
-        wall_s=round(float(result.get("wall_s", 0.0)), 1), step_time_s=last.get("step_time_s"),
-        tokens_per_s=last.get("tokens_per_s"), mfu=last.get("mfu"), peak_mem_gib=peak("peak_mem_gib"),
-        peak_mem_reserved_gib=peak("peak_mem_reserved_gib"), error=result.get("error"), planner=planner,
-    )  # fmt: skip
-
-
-def _fmt(x: Any, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def table(attempts: Sequence[Attempt]) -> str:
-    """The attempts, longest first, as a Markdown table (measured, then the planner's figures)."""
-    head = ("| seq_len | status | tiles | step s | tokens/s | MFU | peak alloc GiB | peak reserved GiB | planner GiB "
-            "| planner step s | planner MFU | wall s |")  # fmt: skip
-    rows = [head, "|" + " --- |" * (head.count("|") - 1)]
-    for a in sorted(attempts, key=lambda a: -a.seq_len):
-        p = a.planner
-        rows.append(
-            f"| {a.seq_len} | {a.status} | {_fmt(a.mlp_tiles, 'd')} | {_fmt(a.step_time_s, '.2f')} | "
-            f"{_fmt(a.tokens_per_s, '.0f')} | {_fmt(None if a.mfu is None else 100 * a.mfu, '.1f')}"
-            f"{'%' if a.mfu is not None else ''} | {_fmt(a.peak_mem_gib, '.2f')} | {_fmt(a.peak_mem_reserved_gib, '.2f')} | "
-            f"{_fmt(p.get('mem_gib_per_gpu'), '.2f')} | {_fmt(p.get('step_time_s'), '.2f')} | "
-            f"{_fmt(None if p.get('mfu') is None else 100 * p['mfu'], '.1f')} | {a.wall_s:.0f} |"
-        )  # fmt: skip
-    return "\n".join(rows)
+ROOT = Path(__file__).resolve().parents[3]
+DESCRIPTION = "The longest sequence one device trains, measured: one trainer run per length."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m usp.bench.maxlen", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m usp.bench.maxlen", description=DESCRIPTION)
     p.add_argument("--model", default="llama-3.1-8b", help="a preset name or a config.json / checkpoint dir")
     p.add_argument("--tiny", action="store_true", help="the tiny Llama on the CPU, fp32, 256-token granules")
     p.add_argument(
@@ -244,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from usp.bench.maxlen_attempt import launch
-    from usp.bench.maxlen_setup import model_fields, write_corpus
+    from usp.bench.maxlen.attempt import attempt_overrides, launch
+    from usp.bench.maxlen.setup import model_fields, write_corpus
     from usp.train.metrics import gpu_from_device_name
 
     args = build_parser().parse_args(argv)
@@ -285,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
 
     setup = subprocess.run(  # in a child: this process never holds a CUDA context
-        [sys.executable, "-m", "usp.bench.maxlen_setup", "--model", model, "--out", str(model_dir), "--dtype", dtype]
+        [sys.executable, "-m", "usp.bench.maxlen.setup", "--model", model, "--out", str(model_dir), "--dtype", dtype]
         + ([] if num_layers is None else ["--num-layers", str(num_layers)]),
         capture_output=True, text=True, check=True, cwd=ROOT, timeout=args.budget,
     )  # fmt: skip
@@ -374,11 +198,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(table(attempts))
     summary = "none trained" if found is None else (
         f"{best} tokens (step {found.step_time_s:.2f} s, {found.tokens_per_s:.0f} tokens/s, MFU {100 * found.mfu:.1f}%, "
-        f"peak {_fmt(found.peak_mem_gib, '.2f')} GiB allocated, {_fmt(found.peak_mem_reserved_gib, '.2f')} reserved)")  # fmt: skip
+        f"peak {fmt_cell(found.peak_mem_gib, '.2f')} GiB allocated, {fmt_cell(found.peak_mem_reserved_gib, '.2f')} reserved)")  # fmt: skip
     print(f"longest trained: {summary}; next longer: {limited_by}; planner: {planned} ({raw} without headroom); stopped: {stopped} after "
           f"{len(attempts)} attempt(s), {report['elapsed_s']:.0f} s; report {out}", flush=True)  # fmt: skip
     return report
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""Training-step throughput of a model shape, with random weights: ``python -m usp.train.throughput``.
+"""Training-step throughput of a model shape, with random weights: ``python -m usp.bench.throughput``.
 
 Runs the trainer's own step (``parallelize`` -> USP attention, activation checkpointing, FSDP2; chunked loss;
 AdamW) on random tokens, so it needs no checkpoint and no data: the weights come from a config (a preset name
@@ -8,12 +8,13 @@ initialised randomly on the device after sharding. Prints one JSON line per sequ
     {"seq_len", "layout", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gib",
      "step_time_s", "loss"}
 
-``--find-max`` then grows the sequence (doubling, then bisecting in steps of ``--granularity``) until a step
-runs out of device memory, and reports the longest that fit. Only on one rank (an OOM on one of several ranks
+``--find-max`` then grows the sequence (doubling, then bisecting in steps of ``--granularity``:
+:func:`usp.longest.longest_passing`) until a step runs out of device memory, and reports the longest that
+fit (``usp.bench.maxlen`` searches the same way with a whole trainer run per length). Only on one rank (an OOM on one of several ranks
 would leave the others in a collective).
 
-    python -m usp.train.throughput --model llama-3.1-8b --seq-len 32768 131072 --ac full --find-max
-    torchrun --nproc-per-node 8 -m usp.train.throughput --model llama-3.1-8b --ulysses 8 --seq-len 131072
+    python -m usp.bench.throughput --model llama-3.1-8b --seq-len 32768 131072 --ac full --find-max
+    torchrun --nproc-per-node 8 -m usp.bench.throughput --model llama-3.1-8b --ulysses 8 --seq-len 131072
 """
 
 from __future__ import annotations
@@ -29,16 +30,18 @@ import torch
 import torch.distributed as dist
 
 from usp.config import ClusterConfig, OptimConfig, states_on_host
+from usp.longest import longest_passing
 from usp.model import apply_rope_overrides, build_empty_causal_lm, parse_dtype
 from usp.model.load import materialize_empty
 from usp.modes import AC_MODES, OPTIMIZERS
 from usp.parallel import init_sp_mesh, shard_sequence
 from usp.parallel.process_group import init_distributed, resolve_device
+from usp.plan.models import head_dim_of
 from usp.train.metrics import count_dense_params, peak_flops_per_device, training_flops
 from usp.train.optim import build_optimizer
 from usp.train.parallelize import parallelize
 from usp.train.step import train_step
-from usp.units import parse_seq_len
+from usp.units import GIB, parse_seq_len
 
 
 def hf_config(model: str, *, rope_theta: float | None = None, max_position_embeddings: int | None = None) -> Any:
@@ -101,8 +104,8 @@ def measure(
     world = dist.get_world_size()
     tokens = seq_len * mesh.dp_degree
     flops = training_flops(**flops_per_token_args, document_lengths=[[seq_len]] * mesh.dp_degree)
-    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+    peak_mem = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
+    reserved = torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda" else None
     return {
         "seq_len": seq_len,
         "layout": mesh.describe(),
@@ -118,7 +121,7 @@ def measure(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m usp.train.throughput", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m usp.bench.throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b", help="preset name or config.json / checkpoint dir")
     p.add_argument("--seq-len", type=parse_seq_len, nargs="+", default=[32768, 131072])
     p.add_argument("--ulysses", type=int, default=1)
@@ -161,7 +164,7 @@ def _main(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
         "dense_params": count_dense_params(model),
         "num_layers": config.num_hidden_layers,
         "num_heads": config.num_attention_heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "head_dim": head_dim_of(config),
     }
     loss_model = parallelize(
         model, mesh, attention_backend=args.backend, activation_checkpointing=args.ac,
@@ -201,25 +204,16 @@ def _fits(loss_model: Any, optimizer: Any, mesh: Any, seq_len: int, kw: dict[str
 
 
 def _find_max(loss_model: Any, optimizer: Any, mesh: Any, args: argparse.Namespace, kw: dict[str, Any]) -> int:
+    """The longest multiple of ``--granularity`` (and of the layout's sequence multiple) up to
+    ``--max-seq-len`` whose step fits (:func:`usp.longest.longest_passing`: doubling from the longest
+    ``--seq-len``, which already ran, then bisection)."""
     unit = math.lcm(args.granularity, mesh.sequence_multiple())
-    good = max(unit, (max(args.seq_len) // unit) * unit)
-    bad = None
-    while bad is None:  # double until a step does not fit
-        trial = good * 2
-        if trial > args.max_seq_len:
-            return good
-        if _fits(loss_model, optimizer, mesh, trial, kw):
-            good = trial
-        else:
-            bad = trial
-    while bad - good > unit:  # bisect in whole units
-        mid = (good + bad) // 2 // unit * unit
-        if _fits(loss_model, optimizer, mesh, mid, kw):
-            good = mid
-        else:
-            bad = mid
-    return good
+    measured = max(args.seq_len)
 
+    def fits(seq_len: int) -> bool:  # shorter than a length that ran: fits (memory grows with the sequence)
+        return seq_len <= measured or _fits(loss_model, optimizer, mesh, seq_len, kw)
+
+    return longest_passing(fits, start=max(unit, measured // unit * unit), unit=unit, limit=args.max_seq_len)
 
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record

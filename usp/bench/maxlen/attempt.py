@@ -1,5 +1,5 @@
 """One attempt of the longest-sequence search, in a process of its own:
-``python -m usp.bench.maxlen_attempt SPEC.json``.
+``python -m usp.bench.maxlen.attempt SPEC.json``.
 
 A fresh process per length: an out-of-memory error can leave the CUDA caching allocator fragmented, so a
 later, shorter attempt in the same process could fail where a fresh one fits. The attempt is the product's
@@ -11,8 +11,9 @@ outside the measured steps:
 - the final checkpoint is not written (``usp.train.checkpoint.save_checkpoint`` replaced by a no-op in this
   process; with ``trainer.export_hf=false``): for Llama-3.1-8B it would write 96 GB of weights and optimizer
   states after the step;
-- ``fail_above`` (tests only): a training step with more tokens raises ``torch.OutOfMemoryError`` as a real
-  one would, so the search logic can be checked on CPU against a known limit.
+- ``fail_above`` (tests only): a forward of more tokens raises ``torch.OutOfMemoryError`` as a real step would
+  (a global module forward pre-hook on the token embedding, ``torch.nn.modules.module``'s public hook: the
+  trainer's step is not replaced), so the search logic can be checked on CPU against a known limit.
 
 The spec (JSON) holds ``seq_len``, ``overrides``, ``run_dir``, ``result`` (where to write the outcome) and
 ``fail_above`` (or null). The result (JSON): ``seq_len``, ``status`` (``ok``, ``oom``, ``host_mem`` or
@@ -44,23 +45,34 @@ def classify(err: BaseException) -> str:
     return "error"
 
 
-def _inject_fail_above(limit: int) -> None:
-    """Make every training step of more than ``limit`` tokens raise ``torch.OutOfMemoryError``."""
+def _inject_fail_above(limit: int) -> Any:
+    """Make every forward of more than ``limit`` tokens (the input ids the token embedding sees; the attempt
+    runs on one rank) raise ``torch.OutOfMemoryError``. Returns the hook's handle."""
     import torch
+    from torch.nn.modules.module import register_module_forward_pre_hook
 
-    from usp.train import trainer
+    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if isinstance(module, torch.nn.Embedding) and args and args[0].numel() > limit:
+            raise torch.OutOfMemoryError(f"injected by fail_above={limit}: a step of {args[0].numel()} tokens")
 
-    real_step = trainer.train_step
+    return register_module_forward_pre_hook(hook)
 
-    def step(*args: Any, **kwargs: Any) -> Any:
-        micro = args[3] if len(args) > 3 else kwargs["micro_batches"]
-        mesh = kwargs.get("mesh")
-        tokens = sum(b["input_ids"].numel() for b in micro) * (mesh.sp_degree if mesh is not None else 1)
-        if tokens > limit:
-            raise torch.OutOfMemoryError(f"injected by fail_above={limit}: a step of {tokens} tokens")
-        return real_step(*args, **kwargs)
 
-    trainer.train_step = step
+def attempt_overrides(seq_len: int, *, model_dir: Path, corpus: Path, cache_dir: Path, dtype: str, optim: str,
+                      mlp_tiles: str, loss_chunk_size: int, steps: int, max_position: int, cpu: bool) -> list[str]:  # fmt: skip
+    """The trainer's Hydra overrides for one attempt: one rank, offload checkpointing, the tile setting, the
+    optimizer; one document-unmasked row of ``seq_len`` tokens (dense causal attention, as the planner
+    assumes); no evaluation, export, resume or watchdog."""
+    return [
+        f"model.path={model_dir}", f"model.dtype={dtype}", f"model.max_position_embeddings={max(seq_len, max_position)}",
+        "data=jsonl", f"data.inputs=['{corpus}']", "data.document_masking=false", f"data.cache_dir={cache_dir}",
+        "data.num_proc=1", "parallel=single", "parallel.activation_checkpointing=offload",
+        f"parallel.mlp_tiles={mlp_tiles}", "optim=adamw", f"optim.name={optim}", "optim.warmup_steps=0",
+        "trainer=long_context", f"trainer.seq_len={seq_len}", f"trainer.max_steps={steps}",
+        f"trainer.loss_chunk_size={loss_chunk_size}", "trainer.checkpoint_every=0", "trainer.export_hf=false",
+        "trainer.resume=null", f"trainer.device={'cpu' if cpu else 'cuda'}", "trainer.watchdog_factor=0",
+        "trainer.watchdog_minutes=0", "logging.progress_bar=false",
+    ]  # fmt: skip
 
 
 def run_attempt(spec: dict[str, Any]) -> dict[str, Any]:
@@ -108,12 +120,12 @@ def launch(spec: dict[str, Any], *, timeout_s: float, log_path: str | os.PathLik
     result.unlink(missing_ok=True)
     spec_path = result.with_name(result.name.replace(".result.json", "") + ".spec.json")
     spec_path.write_text(json.dumps(spec, indent=1))
-    root = str(Path(__file__).resolve().parents[2])  # the checkout that holds this usp package
+    root = str(Path(__file__).resolve().parents[3])  # the checkout that holds this usp package
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     start = time.perf_counter()
     timed_out = False
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "usp.bench.maxlen_attempt", str(spec_path)], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "usp.bench.maxlen.attempt", str(spec_path)], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=root)  # fmt: skip
         try:
             rc = proc.wait(timeout=timeout_s)

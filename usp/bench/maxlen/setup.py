@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from usp.plan.models import PRESETS
+from usp.units import GIB
 
 MARKER = "usp_random_checkpoint.json"
 """Written last into a finished checkpoint dir: the fields it was made from (a rerun with the same ones reuses it)."""
-SHARD_BYTES = 4 * 1024**3
+SHARD_BYTES = 4 * GIB
 
 
 def model_fields(model: str, *, num_layers: int | None = None) -> dict[str, Any]:
@@ -141,7 +142,7 @@ def device_info() -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"cuda": False, "name": "cpu", "memory_gib": None}
     props = torch.cuda.get_device_properties(0)
-    return {"cuda": True, "name": props.name, "memory_gib": props.total_memory / 1024**3}
+    return {"cuda": True, "name": props.name, "memory_gib": props.total_memory / GIB}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import time
 
-    p = argparse.ArgumentParser(prog="python -m usp.bench.maxlen_setup", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m usp.bench.maxlen.setup", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="'tiny', a preset name, or a config.json / checkpoint dir")
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--out", required=True, help="the checkpoint dir to write (reused when it matches)")

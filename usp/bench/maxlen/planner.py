@@ -11,7 +11,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-GIB = 1024**3
+from usp.mlp_tiles import resolve_mlp_tiles
+from usp.units import GIB
 
 
 def memory_gib(key: str) -> float:
@@ -36,9 +37,7 @@ class Planner:
         self.mlp_tiles, self.loss_chunk_size, self.compute_bytes = mlp_tiles, loss_chunk_size, compute_bytes
 
     def tiles(self, seq_len: int) -> int:
-        """The tile count the trainer will use at ``seq_len`` (its own rule, :func:`usp.train.tiling.resolve_mlp_tiles`)."""
-        from usp.train.tiling import resolve_mlp_tiles
-
+        """The tile count the trainer will use at ``seq_len`` (its own rule, :func:`usp.mlp_tiles.resolve_mlp_tiles`)."""
         return resolve_mlp_tiles(self.mlp_tiles, local_tokens=seq_len, hidden_size=self.spec.hidden_size)
 
     def estimate(self, seq_len: int, host_states: bool) -> Any:
