@@ -297,7 +297,7 @@ def test_auto_for_one_degree_keeps_the_users_other_settings(setup, tmp_path):
 
 def test_auto_resume_refuses_another_runs_checkpoint(setup, tmp_path):
     """resume=auto only continues a checkpoint of the same model.path and seq_len (fingerprint in extra)."""
-    from usp.train.checkpoint import save_checkpoint
+    from usp.checkpoint import save_checkpoint
     from usp.train.resume import check_auto_resume, run_fingerprint
 
     cfg = make_config(setup["model"], str(tmp_path), setup["cache"])
@@ -319,7 +319,7 @@ def test_auto_resume_refuses_another_runs_checkpoint(setup, tmp_path):
 
 
 def test_checkpoints_carry_the_run_fingerprint(setup, straight):
-    from usp.train.checkpoint import read_saved_extra
+    from usp.checkpoint import read_saved_extra
     from usp.train.resume import run_fingerprint
 
     cfg = make_config(setup["model"], f"{setup['root']}/straight", setup["cache"])

@@ -57,7 +57,7 @@ class ModelSource:
 def resolve_model_source(path: str) -> ModelSource:
     """``model.path`` -> :class:`ModelSource`. A training checkpoint (``step_N`` or a checkpoints dir) takes
     its architecture and tokenizer from the base model recorded in it. ``ValueError`` naming ``model.path``."""
-    from usp.train.checkpoint import is_complete_checkpoint, latest_checkpoint, read_saved_extra
+    from usp.checkpoint import is_complete_checkpoint, latest_checkpoint, read_saved_extra
 
     p = Path(path)
     is_ckpt = p.is_dir() and not (p / "config.json").exists() and (
@@ -138,7 +138,7 @@ def load_model(source: ModelSource, cfg: TrainConfig, device: torch.device) -> t
     if source.checkpoint is None:
         model = load_causal_lm(source.config_dir, dtype=dtype, config=source.config)
     else:
-        from usp.train.checkpoint import load_checkpoint
+        from usp.checkpoint import load_checkpoint
 
         model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, attn_implementation="sdpa")
         try:

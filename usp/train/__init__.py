@@ -5,9 +5,8 @@
 - :mod:`usp.train.parallelize` - the recipe: ``apply_usp``, activation checkpointing, FSDP2 / HSDP;
 - :mod:`usp.train.optim` - AdamW, warmup + cosine, global-norm clipping;
 - :mod:`usp.train.step` - one optimizer step over micro-batches (``train_step``);
-- :mod:`usp.train.checkpoint` (save, load; names and queries in :mod:`usp.train.checkpoint_layout`, checksums in
-  :mod:`usp.train.checkpoint_integrity`, the pickle-free reader in :mod:`usp.train.checkpoint_reader`),
-  :mod:`usp.train.export` - checkpoints and the Hugging Face export; :mod:`usp.train.rng` - the RNG states they carry;
+- :mod:`usp.train.export` - the Hugging Face export (checkpoints themselves: :mod:`usp.checkpoint`, a lower
+  layer that ``usp.eval`` reads too); :mod:`usp.train.rng` - the RNG states a checkpoint carries;
 - :mod:`usp.train.tiling`, :mod:`usp.train.offload` - sequence tiles and checkpoint offload (docs/memory.md);
 - :mod:`usp.train.resume`, :mod:`usp.train.rundir`, :mod:`usp.train.guard`, :mod:`usp.train.signals`,
   :mod:`usp.train.watchdog`, :mod:`usp.train.elastic` - faults: resume, run dirs, bad steps, preemption, hangs;

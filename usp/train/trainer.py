@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from usp.checkpoint import load_checkpoint, save_checkpoint
 from usp.config import TrainConfig
 from usp.model import build_empty_causal_lm, load_sharded_weights, parse_dtype, weight_devices
 from usp.parallel import SPMesh, init_sp_mesh
@@ -104,7 +105,6 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from usp.data import build_dataloaders
-    from usp.train.checkpoint import load_checkpoint, save_checkpoint
     from usp.train.export import export_hf
     from usp.train.guard import StepGuard, check_finite_weights
     from usp.train.metrics import (
