@@ -80,9 +80,9 @@ def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) ->
         ValueError: when the estimate exceeds the device memory (with the figure, its breakdown and the fix),
             or, with ``auto`` degrees, when no layout fits (the trainer's start-up error).
     """
+    from usp.mlp_tiles import resolve_mlp_tiles
     from usp.plan import load_model_spec
     from usp.plan.request import PlanRequest
-    from usp.train.tiling import resolve_mlp_tiles
 
     p, t = cfg.parallel, cfg.trainer
     config_json = Path(cfg.model.path) / "config.json"
@@ -144,13 +144,13 @@ def check_eval(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> s
     ``model.path`` this machine cannot read), else ``None``."""
     from usp.eval.runner import check_eval_settings, resolve_model_source
     from usp.model import check_heads, check_rope_for_sequence_parallel
-    from usp.train.validate import Layout
+    from usp.startup import ResolvedDegrees
 
     p = cfg.parallel
     if "auto" in (p.ulysses_degree, p.ring_degree):
         return "eval checks: the degrees are auto (chosen at start-up), so lengths and heads are checked then"
     U, R = int(p.ulysses_degree), int(p.ring_degree)
-    layout = Layout(
+    layout = ResolvedDegrees(
         ulysses_degree=U, ring_degree=R, dp_degree=world_size // (U * R),
         node_size=p.node_size if p.node_size is not None else local_world_size, fsdp_mode=p.fsdp_mode,
         activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,

@@ -1,6 +1,7 @@
 """Training: ``run(cfg)`` (:mod:`usp.train.trainer`) and its parts.
 
-- :mod:`usp.train.validate` - the run resolved and checked once, before any weights or data (``Layout``);
+- :mod:`usp.train.checks` - the trainer's start-up checks, once, before any weights or data (the degrees
+  themselves: :mod:`usp.startup`);
 - :mod:`usp.train.loss` - chunked, token-weighted cross-entropy (``ChunkedCausalLMLoss``);
 - :mod:`usp.train.parallelize` - the recipe: ``apply_usp``, activation checkpointing, FSDP2 / HSDP;
 - :mod:`usp.train.optim` - AdamW, warmup + cosine, global-norm clipping;

@@ -6,10 +6,10 @@ Order (every rank runs all of it; each stage is collective where it says so):
    launcher's store from torchrun, else a one-process world; nccl on CUDA, gloo on CPU. Only a group created
    here is destroyed here.
 2. the run dir, checked and locked on rank 0 (:mod:`usp.train.rundir`); the tiny model built if asked.
-3. validation and resolution, once, before any weights or data (:func:`usp.train.validate.validate`): the
+3. validation and resolution, once, before any weights or data (:func:`usp.train.checks.check_training_run`): the
    config's own rules, the model dir (``model.path``), the degrees (or the planner's choice for ``auto``) against the
    world, sequence length vs layout, heads vs Ulysses, the MLP tiles, optimizer and trainer settings, the
-   resume path. The result is a frozen :class:`~usp.train.validate.Layout` that every later stage reads; the
+   resume path. The result is a frozen :class:`usp.startup.ResolvedDegrees` that every later stage reads; the
    config is never changed. A ``ValueError`` on any rank is raised on every rank (one all_gather of short
    strings, :func:`usp.parallel.agree.on_every_rank`), so no rank is left waiting in a collective.
 4. mesh, tokenizer, data loaders; the model built empty (meta device), then
@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from contextlib import ExitStack
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +37,11 @@ import torch.distributed as dist
 from usp.checkpoint import load_checkpoint, save_checkpoint
 from usp.config import TrainConfig
 from usp.model import build_empty_causal_lm, load_sharded_weights, parse_dtype, weight_devices
-from usp.parallel import SPMesh, init_sp_mesh
+from usp.parallel import SPMesh
 from usp.parallel.agree import on_every_rank
-from usp.parallel.process_group import init_distributed, resolve_device
+from usp.plan.models import head_dim_of
+from usp.startup import build_mesh, run_in_process_group
+from usp.train.checks import build_tiny_if_asked, check_training_run, fsdp_cpu_offload, start_up_warnings
 from usp.train.loss import IGNORE_INDEX
 from usp.train.optim import build_optimizer
 from usp.train.parallelize import decoder_layers, parallelize
@@ -48,7 +49,6 @@ from usp.train.resume import choose_resume, run_fingerprint
 from usp.train.rng import rng_state, seed_everything, set_rng_state
 from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
 from usp.train.step import train_step
-from usp.train.validate import build_tiny_if_asked, fsdp_cpu_offload, start_up_warnings, validate
 from usp.train.watchdog import build_watchdog
 
 logger = logging.getLogger(__name__)
@@ -79,16 +79,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
     Raises ``ValueError`` on every rank, before loading weights or data, for bad settings.
     """
-    device = resolve_device(cfg.trainer.device)
-    created = init_distributed(
-        device, cfg.parallel.backend, timeout_minutes=cfg.parallel.timeout_minutes,
-        cpu_offload=fsdp_cpu_offload(cfg, device),
-    )  # fmt: skip
-    try:
-        return _run(cfg, device)
-    finally:
-        if created:
-            dist.destroy_process_group()
+    return run_in_process_group(cfg, _run, cpu_offload=lambda device: fsdp_cpu_offload(cfg, device))
 
 
 def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
@@ -120,7 +111,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(cfg.run_dir)
     on_every_rank(lambda: build_tiny_if_asked(cfg, rank), "building the tiny model (model.build_tiny)")
-    model_config, layout = on_every_rank(lambda: validate(cfg, world, device), "config validation")
+    model_config, layout = on_every_rank(lambda: check_training_run(cfg, world, device), "config validation")
     if rank == 0:
         for warning in start_up_warnings(cfg):
             logger.warning(warning)
@@ -130,11 +121,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     resume_from = choose_resume(cfg, ckpt_root)  # verified; never another run's checkpoints
     seed_everything(cfg.trainer.seed)
 
-    mesh = init_sp_mesh(
-        layout.ulysses_degree, layout.ring_degree, dp_degree=layout.dp_degree, node_size=layout.node_size,
-        ring_layout=cfg.parallel.ring_layout, allow_cross_node_ulysses=cfg.parallel.allow_cross_node_ulysses,
-        device_type=device.type, timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
-    )  # fmt: skip
+    mesh = build_mesh(cfg, layout, device)
     tokenizer = on_every_rank(
         lambda: AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True), "loading the tokenizer"
     )
@@ -178,7 +165,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
 
     hf_config = model.config
     layers = len(decoder_layers(model))
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    head_dim = head_dim_of(hf_config)
     layout_info = {**mesh.describe(), **dataclasses.asdict(layout)}
     metrics = MetricsLogger(
         run_dir, rank=rank, world_size=world, peak_flops=peak_flops, wandb_cfg=cfg.logging.wandb,
