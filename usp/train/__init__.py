@@ -11,7 +11,9 @@
 - :mod:`usp.train.tiling`, :mod:`usp.train.offload` - sequence tiles and checkpoint offload (docs/memory.md);
 - :mod:`usp.train.resume`, :mod:`usp.train.rundir`, :mod:`usp.train.guard`, :mod:`usp.train.signals`,
   :mod:`usp.train.watchdog`, :mod:`usp.train.elastic` - faults: resume, run dirs, bad steps, preemption, hangs;
-- :mod:`usp.train.metrics` - metrics.jsonl, wandb, MFU;
+- :mod:`usp.train.metrics` - the per-step logger (metrics.jsonl, wandb, progress bar); :mod:`usp.train.flops` -
+  model FLOPs and attention balance; :mod:`usp.train.peak_flops` - peak FLOP/s and MFU;
+  :mod:`usp.train.peak_memory` - memory probes; :mod:`usp.train.metrics_file`, :mod:`usp.train.wandb_run`;
 - :mod:`usp.train.throughput` - step throughput on random weights.
 
 Submodules are imported on use (``from usp.train.trainer import run``), so ``python -m usp.train`` composes

@@ -42,9 +42,12 @@ from usp.parallel.agree import on_every_rank
 from usp.plan.models import head_dim_of
 from usp.startup import build_mesh, run_in_process_group
 from usp.train.checks import build_tiny_if_asked, check_training_run, fsdp_cpu_offload, start_up_warnings
+from usp.train.flops import attention_work_imbalance, count_dense_params, training_flops
 from usp.train.loss import IGNORE_INDEX
+from usp.train.metrics import MetricsLogger
 from usp.train.optim import build_optimizer
 from usp.train.parallelize import decoder_layers, parallelize
+from usp.train.peak_flops import peak_flops_per_device
 from usp.train.resume import choose_resume, run_fingerprint
 from usp.train.rng import rng_state, seed_everything, set_rng_state
 from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
@@ -98,13 +101,6 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     from usp.data import build_dataloaders
     from usp.train.export import export_hf
     from usp.train.guard import StepGuard, check_finite_weights
-    from usp.train.metrics import (
-        MetricsLogger,
-        attention_work_imbalance,
-        count_dense_params,
-        peak_flops_per_device,
-        training_flops,
-    )
     from usp.train.optim import reapply_schedule
     from usp.train.rundir import checkpoint_root
 
