@@ -233,7 +233,6 @@ def test_timeout_minutes_reaches_init_process_group(monkeypatch):
     import torch.distributed as dist
 
     from usp.parallel import process_group
-    from usp.train import trainer
 
     calls: list[dict] = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
@@ -241,15 +240,15 @@ def test_timeout_minutes_reaches_init_process_group(monkeypatch):
     monkeypatch.setattr(process_group, "launcher_store", lambda timeout: dist.HashStore())  # no TCPStore on a port
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    assert trainer.init_distributed(torch.device("cpu"), timeout_minutes=90)
+    assert process_group.init_distributed(torch.device("cpu"), timeout_minutes=90)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert trainer.init_distributed(torch.device("cpu"))
+    assert process_group.init_distributed(torch.device("cpu"))
     assert [c["timeout"] for c in calls] == [timedelta(minutes=90), timedelta(minutes=60)]
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append({"backend": a[0]}))
-    trainer.init_distributed(torch.device("cuda", 0), cpu_offload=True)  # CPU shards need gloo next to nccl
-    trainer.init_distributed(torch.device("cuda", 0))
+    process_group.init_distributed(torch.device("cuda", 0), cpu_offload=True)  # CPU shards need gloo next to nccl
+    process_group.init_distributed(torch.device("cuda", 0))
     assert [c["backend"] for c in calls[2:]] == ["cpu:gloo,cuda:nccl", "nccl"]
     cfg = TrainConfig()
     assert cfg.parallel.timeout_minutes == 60
