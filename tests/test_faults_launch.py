@@ -26,9 +26,9 @@ from usp.config import WandbConfig
 from usp.data.prepare import main as prepare_main
 from usp.data.sources import load_text_sources
 from usp.launch import cli, commands
+from usp.parallel.process_group import launcher_store
 from usp.tiny import build_tiny_tokenizer
 from usp.train.__main__ import REQUEUE_EXIT_CODE, _run_id
-from usp.train.elastic import launcher_store
 from usp.train.signals import StopRequest
 from usp.train.watchdog import WARMUP_STEPS, StepWatchdog
 
