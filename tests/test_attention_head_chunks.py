@@ -20,7 +20,7 @@ from tests.test_train_memory_run import make_config
 from tests.test_train_memory_tricks import assert_same
 from usp.attention import check_attn_head_chunks, usp_attention
 from usp.config import validate_choices
-from usp.train.validate import validate
+from usp.train.checks import check_training_run
 
 
 def chunk_cases() -> list[dict]:
@@ -120,6 +120,6 @@ def test_trainer_validation_checks_head_chunks_before_any_weights(tiny_llama, tm
     # tiny Llama (4 query, 2 KV heads) on Ulysses 2: 2 query and 1 KV head per rank -> only 1
     cfg = make_config(tiny_llama, str(tmp_path), ulysses_degree=2, ring_degree=1, attn_head_chunks=2)
     with pytest.raises(ValueError, match=r"parallel.attn_head_chunks=2 .* use one of \[1\]"):
-        validate(cfg, 2, cpu)
+        check_training_run(cfg, 2, cpu)
     cfg.parallel.ulysses_degree, cfg.parallel.ring_degree = 1, 2
-    assert validate(cfg, 2, cpu)[1].attn_head_chunks == 2
+    assert check_training_run(cfg, 2, cpu)[1].attn_head_chunks == 2

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-import usp.train.checkpoint as ckpt_mod
-from usp.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+import usp.checkpoint.save as ckpt_save
+from usp.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from usp.train.rng import rng_state
 
 
@@ -123,7 +123,7 @@ def test_bad_paths_raise_value_error(tmp_path):
     root = tmp_path / "ckpt"
     first = _save(root, 1, model, opt, sched)
     second = _save(root, 2, model, opt, sched)
-    (second / ckpt_mod.COMPLETE_MARKER).unlink()
+    (second / ckpt_save.COMPLETE_MARKER).unlink()
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         load_checkpoint(second, **kw)
     assert latest_checkpoint(root) == first
@@ -149,7 +149,7 @@ def test_failure_mid_save_keeps_previous(tmp_path, monkeypatch, where):
     def boom(*args, **kwargs):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ckpt_mod, "_write_file" if where == "rank_file" else "publish_dir", boom)
+    monkeypatch.setattr(ckpt_save, "write_file" if where == "rank_file" else "publish_dir", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         _save(root, 2, model, opt, sched)
     monkeypatch.undo()
@@ -166,7 +166,7 @@ def test_failure_mid_save_keeps_previous(tmp_path, monkeypatch, where):
 _KILL_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
-    import usp.train.checkpoint as c
+    import usp.checkpoint.save as c
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())

@@ -21,8 +21,8 @@ from tests.exact_model import norms_in_input_dtype
 from tests.mesh_cache import cached_sp_mesh
 from tests.test_checkpoint import assert_tree_equal
 from tests.tolerance import EXACT_DTYPE, assert_exact
+from usp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from usp.tiny import build_tiny_llama
-from usp.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 BATCH, SEQ = 2, 16
 
@@ -143,7 +143,7 @@ def test_hsdp_checkpoint_loads_into_plain_model(dist_pools, tiny_dir, tmp_path):
 
 
 def _failing_rank_mid_save(model_dir: str, root: str, bad_rank: int) -> dict:
-    import usp.train.checkpoint as c
+    import usp.checkpoint.save as c
 
     model, opt, sched = _setup(model_dir, sharded=True, perturb=False)
     _step(model, opt, sched, 0)
@@ -151,18 +151,18 @@ def _failing_rank_mid_save(model_dir: str, root: str, bad_rank: int) -> dict:
     good_state = _full_state(model, opt)
     _step(model, opt, sched, 1)
 
-    original = c._write_file
+    original = c.write_file
     if _rank() == bad_rank:
         def boom(*args, **kwargs):
             raise OSError("disk full (simulated)")
-        c._write_file = boom
+        c.write_file = boom
     error = None
     try:
         save_checkpoint(root, 2, model=model, optimizer=opt, scheduler=sched, extra={}, keep_last=1)
     except RuntimeError as e:
         error = str(e)
     finally:
-        c._write_file = original
+        c.write_file = original
     latest = latest_checkpoint(root)
     dist.barrier()
     fresh, fresh_opt, fresh_sched = _setup(model_dir, sharded=True, perturb=True)

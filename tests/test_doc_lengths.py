@@ -15,7 +15,7 @@ from usp.plan.cli import main as plan_main
 from usp.plan.compute import DocumentWork, compute_time
 from usp.plan.hardware import get_device
 from usp.plan.models import load_model_spec
-from usp.train.metrics import attention_work_imbalance
+from usp.train.flops import attention_work_imbalance
 
 
 @pytest.mark.parametrize(

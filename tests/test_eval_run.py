@@ -194,8 +194,8 @@ def eval_worker(cfg: TrainConfig) -> dict:
 def test_checkpoint_and_export_give_the_same_results(dist_pools, tiny_llama, tmp_path):
     from transformers import AutoTokenizer
 
+    from usp.checkpoint import save_checkpoint
     from usp.model import load_causal_lm
-    from usp.train.checkpoint import save_checkpoint
     from usp.train.export import export_hf
 
     model = load_causal_lm(tiny_llama, dtype=torch.float32)

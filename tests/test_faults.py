@@ -351,7 +351,7 @@ def _corrupt(ckpt: Path, kind: str) -> str:
 
 
 def _small_checkpoints(root: Path, steps: tuple[int, ...]):
-    from usp.train.checkpoint import save_checkpoint
+    from usp.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
@@ -370,7 +370,7 @@ def _small_checkpoints(root: Path, steps: tuple[int, ...]):
     "kind", ["truncated_distcp", "empty_metadata", "truncated_meta", "empty_rank_file", "overwritten_256_bytes"]
 )
 def test_corrupted_checkpoint_is_caught(setup, tmp_path, caplog, kind):
-    from usp.train.checkpoint import load_checkpoint
+    from usp.checkpoint import load_checkpoint
     from usp.train.resume import check_auto_resume
 
     root = tmp_path / "checkpoints"
@@ -435,7 +435,7 @@ def _reseal(ckpt: Path) -> None:
 
 @pytest.mark.parametrize("target", ["rank_0.pt", "meta.pt", "dcp/.metadata"])
 def test_crafted_pickle_is_refused_without_running(setup, tmp_path, target):
-    from usp.train.checkpoint import load_checkpoint
+    from usp.checkpoint import load_checkpoint
     from usp.train.resume import check_auto_resume
 
     root = tmp_path / "checkpoints"
@@ -470,20 +470,20 @@ def test_metadata_unpickler_admits_dcp_metadata_only(tmp_path):
 
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from usp.train.checkpoint import SafeFileSystemReader, _MetadataUnpickler
+    from usp.checkpoint.reader import MetadataUnpickler, SafeFileSystemReader
 
     _small_checkpoints(tmp_path / "c", (1,))
     real = SafeFileSystemReader(tmp_path / "c" / "step_1" / "dcp").read_metadata()
     assert real.state_dict_metadata  # a real DCP .metadata loads
     for payload in (_Construct(FileSystemWriter, str(tmp_path / "w")), _Construct(os.system, "true")):
         with pytest.raises(pickle.UnpicklingError, match="is not allowed"):
-            _MetadataUnpickler(io.BytesIO(pickle.dumps(payload))).load()
+            MetadataUnpickler(io.BytesIO(pickle.dumps(payload))).load()
 
 
 def test_extra_that_is_not_plain_data_is_refused_at_save(tmp_path):
     import numpy as np
 
-    from usp.train.checkpoint import save_checkpoint
+    from usp.checkpoint import save_checkpoint
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(TypeError, match=r"extra\['rng'\] is a numpy.ndarray"):

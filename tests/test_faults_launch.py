@@ -27,9 +27,9 @@ from usp.config.compose import run_id
 from usp.data.prepare import main as prepare_main
 from usp.data.sources import load_text_sources
 from usp.launch import cli, commands
+from usp.parallel.process_group import launcher_store
 from usp.tiny import build_tiny_tokenizer
 from usp.train.__main__ import REQUEUE_EXIT_CODE
-from usp.train.elastic import launcher_store
 from usp.train.signals import StopRequest
 from usp.train.watchdog import WARMUP_STEPS, StepWatchdog
 
@@ -251,14 +251,14 @@ def test_signal_to_one_rank_checkpoints_all_and_the_relaunch_matches(tmp_path, r
 
 
 def test_wandb_resumes_the_run_of_the_run_dir(tmp_path, monkeypatch):
-    from usp.train import metrics
+    from usp.train import wandb_run
 
     calls: list[dict] = []
     fake = type(sys)("wandb")
     fake.init = lambda **kw: calls.append(kw)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     for run_dir in (tmp_path / "a", tmp_path / "a", tmp_path / "b"):
-        metrics._init_wandb(WandbConfig(mode="offline"), run_dir, {}, {})
+        wandb_run.init_wandb(WandbConfig(mode="offline"), run_dir, {}, {})
     assert calls[0]["resume"] == "allow" and calls[0]["id"] == calls[1]["id"] != calls[2]["id"]
 
 

@@ -19,7 +19,8 @@ import torch
 from transformers import LlamaConfig
 
 from usp.launch import cli, commands
-from usp.train.validate import Layout, validate
+from usp.startup import ResolvedDegrees
+from usp.train.checks import check_training_run
 
 WORLD = 8
 
@@ -58,11 +59,11 @@ def overrides(model_dir: str, memory_gib: float, **parallel) -> list[str]:
     ]  # fmt: skip
 
 
-def trainer_layout(argv: list[str]) -> Layout | None:
+def trainer_layout(argv: list[str]) -> ResolvedDegrees | None:
     """The trainer's start-up checks on the config ``usp.train`` composes from ``argv`` (on CUDA ranks)."""
     cfg = cli.compose_run_config(argv)
     try:
-        return validate(cfg, WORLD, torch.device("cuda"))[1]
+        return check_training_run(cfg, WORLD, torch.device("cuda"))[1]
     except ValueError:
         return None
 
@@ -75,7 +76,7 @@ def launcher(capsys, argv: list[str]) -> tuple[bool, str]:
     return rc == 0, err
 
 
-def pinned(layout: Layout) -> dict:
+def pinned(layout: ResolvedDegrees) -> dict:
     """``layout`` as fixed settings."""
     return dict(
         ulysses_degree=layout.ulysses_degree, ring_degree=layout.ring_degree, fsdp_mode=layout.fsdp_mode,
@@ -92,7 +93,7 @@ def smallest_memory(model_dir: str, **parallel) -> float:
     def accepted(mem: float) -> bool:
         cfg.cluster.memory_gib = mem
         try:
-            validate(cfg, WORLD, torch.device("cuda"))
+            check_training_run(cfg, WORLD, torch.device("cuda"))
         except ValueError:
             return False
         return True

@@ -9,14 +9,9 @@ import math
 import pytest
 
 from usp.config import ClusterConfig, WandbConfig
-from usp.train.metrics import (
-    METRIC_FIELDS,
-    PEAK_TFLOPS,
-    MetricsLogger,
-    count_dense_params,
-    peak_flops_per_device,
-    training_flops,
-)
+from usp.train.flops import count_dense_params, training_flops
+from usp.train.metrics import METRIC_FIELDS, MetricsLogger
+from usp.train.peak_flops import PEAK_TFLOPS, peak_flops_per_device
 
 DISABLED = WandbConfig(mode="disabled")
 

@@ -113,7 +113,7 @@ def test_writable_check_names_the_setting_the_path_and_the_errno(unwritable, tmp
 # --- row 1: a typed model.path never becomes a random tiny model -------------------------------------------
 def test_a_mistyped_model_path_is_an_error_not_a_random_model(tmp_path):
     from usp.config.compose import compose_config
-    from usp.train.validate import build_tiny_if_asked
+    from usp.train.checks import build_tiny_if_asked
 
     typo = tmp_path / "smollm2-135m-instruc"
     cfg = compose_config([*ONE_RANK, f"model.path={typo}"], run_dir=str(tmp_path / "run"))

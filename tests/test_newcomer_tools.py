@@ -25,7 +25,7 @@ def short_context_model(tmp_path_factory) -> Path:
 # --- row 7: your own small checkpoint ----------------------------------------------------------------------
 def test_model_hf_and_optim_finetune_train_your_own_checkpoint(tmp_path, short_context_model):
     from usp.config.compose import compose_config
-    from usp.train.validate import build_tiny_if_asked, start_up_warnings
+    from usp.train.checks import build_tiny_if_asked, start_up_warnings
 
     cfg = compose_config([*ONE_RANK, "model=hf", "optim=finetune", f"model.path={short_context_model}",
                           "trainer.seq_len=256", "trainer.max_steps=4"], run_dir=str(tmp_path))  # fmt: skip
@@ -46,7 +46,7 @@ def test_model_hf_and_optim_finetune_train_your_own_checkpoint(tmp_path, short_c
 # --- row 10: a sequence longer than the checkpoint's own context --------------------------------------------
 def test_seq_len_beyond_the_checkpoints_context_warns_with_its_rope(tmp_path, short_context_model):
     from usp.config.compose import compose_config
-    from usp.train.validate import start_up_warnings
+    from usp.train.checks import start_up_warnings
 
     base = [
         *ONE_RANK,

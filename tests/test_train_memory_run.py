@@ -24,7 +24,7 @@ from tests.test_train_run import make_config as train_run_config
 from tests.tolerance import EXACT_DTYPE, assert_close_scaled, assert_exact
 from usp.config import TrainConfig, validate_choices
 from usp.tiny import build_tiny_llama
-from usp.train import offload, trainer
+from usp.train import checks, offload
 from usp.train.offload import check_host_memory
 from usp.train.tiling import resolve_mlp_tiles
 
@@ -87,30 +87,30 @@ def test_trainer_validation_catches_them_before_any_weights(model_dir, tmp_path,
     # local tokens: 64 / (u2 x r1) = 32; 5 does not divide it
     cfg = make_config(model_dir, str(tmp_path), ulysses_degree=2, ring_degree=1, mlp_tiles=5)
     with pytest.raises(ValueError, match=r"parallel.mlp_tiles=5 does not divide the 32 local tokens"):
-        trainer.validate(cfg, 2, cpu)
+        checks.check_training_run(cfg, 2, cpu)
     cfg.parallel.mlp_tiles = "auto"
-    assert trainer.validate(cfg, 2, cpu)[1].mlp_tiles == 1  # 32 local tokens <= hidden 64: off
+    assert checks.check_training_run(cfg, 2, cpu)[1].mlp_tiles == 1  # 32 local tokens <= hidden 64: off
     cfg.parallel.mlp_tiles, cfg.parallel.activation_checkpointing = 4, "offload"
-    assert trainer.validate(cfg, 2, cpu)[1].mlp_tiles == 4
+    assert checks.check_training_run(cfg, 2, cpu)[1].mlp_tiles == 4
     monkeypatch.setattr(offload, "available_host_bytes", lambda: 1000)
     with pytest.raises(ValueError, match=r"activation_checkpointing=offload needs 0.00 GiB .* only 0.00 GiB"):
-        trainer.validate(cfg, 2, cpu)
+        checks.check_training_run(cfg, 2, cpu)
     monkeypatch.undo()
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed: import raises ImportError
     monkeypatch.setitem(sys.modules, "deepspeed.runtime.sequence_parallel.ulysses_sp", None)
     monkeypatch.setitem(sys.modules, "deepspeed.ops.adam", None)
     with pytest.raises(ValueError, match=r"parallel.mlp_tiles > 1 uses DeepSpeed's TiledMLP.*parallel.mlp_tiles=1"):
-        trainer.validate(cfg, 2, cpu)
+        checks.check_training_run(cfg, 2, cpu)
     cfg.parallel.mlp_tiles, cfg.optim.name = 1, "deepspeed_cpu_adam"
     with pytest.raises(ValueError, match=r"optim.name=deepspeed_cpu_adam uses DeepSpeed's DeepSpeedCPUAdam.*adamw_cpu_offload"):
-        trainer.validate(cfg, 2, cpu)
+        checks.check_training_run(cfg, 2, cpu)
     monkeypatch.undo()
     import deepspeed
 
     monkeypatch.setattr(deepspeed, "__version__", "0.16.4")  # too old: the interfaces used were not checked there
     cfg.parallel.mlp_tiles, cfg.optim.name = 4, "adamw"
     with pytest.raises(ValueError, match=r"checked against deepspeed>=0.19.8, but 0.16.4 is installed"):
-        trainer.validate(cfg, 2, cpu)
+        checks.check_training_run(cfg, 2, cpu)
 
 
 def test_host_states_rule():
@@ -118,13 +118,13 @@ def test_host_states_rule():
 
     cfg = make_config("/m", "/r")
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert not trainer.fsdp_cpu_offload(cfg, cuda)
+    assert not checks.fsdp_cpu_offload(cfg, cuda)
     for name in ("adamw_cpu_offload", "deepspeed_cpu_adam"):
         cfg.optim.name = name
-        assert states_on_host(name, False) and trainer.fsdp_cpu_offload(cfg, cuda)
-        assert not trainer.fsdp_cpu_offload(cfg, cpu)  # host memory already
+        assert states_on_host(name, False) and checks.fsdp_cpu_offload(cfg, cuda)
+        assert not checks.fsdp_cpu_offload(cfg, cpu)  # host memory already
     cfg.optim.name, cfg.parallel.cpu_offload = "adamw", True
-    assert trainer.fsdp_cpu_offload(cfg, cuda)
+    assert checks.fsdp_cpu_offload(cfg, cuda)
 
 
 # --- resume and export (world 2, u2) ------------------------------------------------------------------

@@ -233,7 +233,6 @@ def test_timeout_minutes_reaches_init_process_group(monkeypatch):
     import torch.distributed as dist
 
     from usp.parallel import process_group
-    from usp.train import trainer
 
     calls: list[dict] = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
@@ -241,15 +240,15 @@ def test_timeout_minutes_reaches_init_process_group(monkeypatch):
     monkeypatch.setattr(process_group, "launcher_store", lambda timeout: dist.HashStore())  # no TCPStore on a port
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    assert trainer.init_distributed(torch.device("cpu"), timeout_minutes=90)
+    assert process_group.init_distributed(torch.device("cpu"), timeout_minutes=90)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert trainer.init_distributed(torch.device("cpu"))
+    assert process_group.init_distributed(torch.device("cpu"))
     assert [c["timeout"] for c in calls] == [timedelta(minutes=90), timedelta(minutes=60)]
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append({"backend": a[0]}))
-    trainer.init_distributed(torch.device("cuda", 0), cpu_offload=True)  # CPU shards need gloo next to nccl
-    trainer.init_distributed(torch.device("cuda", 0))
+    process_group.init_distributed(torch.device("cuda", 0), cpu_offload=True)  # CPU shards need gloo next to nccl
+    process_group.init_distributed(torch.device("cuda", 0))
     assert [c["backend"] for c in calls[2:]] == ["cpu:gloo,cuda:nccl", "nccl"]
     cfg = TrainConfig()
     assert cfg.parallel.timeout_minutes == 60
@@ -261,6 +260,7 @@ def test_timeout_minutes_reaches_init_process_group(monkeypatch):
 
 
 def test_run_passes_timeout_minutes(monkeypatch, tmp_path):
+    from usp.startup import shell
     from usp.train import trainer
 
     seen: dict = {}
@@ -269,7 +269,7 @@ def test_run_passes_timeout_minutes(monkeypatch, tmp_path):
         seen["timeout_minutes"] = timeout_minutes
         return False
 
-    monkeypatch.setattr(trainer, "init_distributed", fake_init)
+    monkeypatch.setattr(shell, "init_distributed", fake_init)
     monkeypatch.setattr(trainer, "_run", lambda cfg, device: {"ok": True})
     cfg = make_config("/m", str(tmp_path), str(tmp_path))
     cfg.parallel.timeout_minutes = 123
@@ -281,23 +281,23 @@ def test_auto_for_one_degree_keeps_the_users_other_settings(setup, tmp_path):
     """ulysses_degree=2 ring_degree=auto: the planner keeps u=2 and the non-default fsdp / checkpointing modes
     (unconstrained, it picks u1 r1 dp4 full_shard none for this model)."""
     from usp.model import check_model_dir
-    from usp.train.validate import resolve_layout
+    from usp.startup import resolve_degrees
 
     cfg = make_config(setup["model"], str(tmp_path), setup["cache"], ulysses_degree=2, ring_degree="auto",
                       fsdp_mode="hybrid_shard", activation_checkpointing="every_k", ac_every_k=1, node_size=2)  # fmt: skip
-    layout = resolve_layout(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
+    layout = resolve_degrees(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
     assert layout.ulysses_degree == 2 and layout.ring_degree * layout.dp_degree == 2
     assert (layout.fsdp_mode, layout.activation_checkpointing, layout.ac_every_k) == ("hybrid_shard", "every_k", 1)
     assert layout.reason.startswith("planner:") and "fixed" in layout.reason
     cfg.parallel.ulysses_degree, cfg.parallel.ring_degree = "auto", 2
     cfg.parallel.fsdp_mode, cfg.parallel.activation_checkpointing = "full_shard", "none"  # defaults: planner's
-    layout = resolve_layout(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
+    layout = resolve_degrees(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
     assert layout.ring_degree == 2 and layout.ulysses_degree * layout.dp_degree == 2
 
 
 def test_auto_resume_refuses_another_runs_checkpoint(setup, tmp_path):
     """resume=auto only continues a checkpoint of the same model.path and seq_len (fingerprint in extra)."""
-    from usp.train.checkpoint import save_checkpoint
+    from usp.checkpoint import save_checkpoint
     from usp.train.resume import check_auto_resume, run_fingerprint
 
     cfg = make_config(setup["model"], str(tmp_path), setup["cache"])
@@ -319,7 +319,7 @@ def test_auto_resume_refuses_another_runs_checkpoint(setup, tmp_path):
 
 
 def test_checkpoints_carry_the_run_fingerprint(setup, straight):
-    from usp.train.checkpoint import read_saved_extra
+    from usp.checkpoint import read_saved_extra
     from usp.train.resume import run_fingerprint
 
     cfg = make_config(setup["model"], f"{setup['root']}/straight", setup["cache"])
@@ -328,13 +328,13 @@ def test_checkpoints_carry_the_run_fingerprint(setup, straight):
 
 
 def test_dynamic_rope_under_sequence_parallelism_fails_validation(setup, tmp_path):
-    """validate() (per rank, before any weights) applies the RoPE overrides and refuses dynamic scaling at sp 4."""
-    from usp.train.validate import validate
+    """check_training_run() (per rank, before any weights) applies the RoPE overrides and refuses dynamic scaling at sp 4."""
+    from usp.train.checks import check_training_run
 
     cfg = make_config(setup["model"], str(tmp_path), setup["cache"], ulysses_degree=2, ring_degree=2)
     cfg.model.rope_scaling = {"rope_type": "dynamic", "factor": 2.0}
     with pytest.raises(ValueError, match="model.rope_scaling: rope_type='dynamic'"):
-        validate(cfg, 4, torch.device("cpu"))
+        check_training_run(cfg, 4, torch.device("cpu"))
     cfg.parallel.ulysses_degree = cfg.parallel.ring_degree = 1
-    _, layout = validate(cfg, 1, torch.device("cpu"))
+    _, layout = check_training_run(cfg, 1, torch.device("cpu"))
     assert layout.ulysses_degree == 1

@@ -1,4 +1,4 @@
-"""The run is resolved once (:func:`usp.train.validate.validate`): a frozen layout, the config never changed,
+"""The run is resolved once (:func:`usp.train.checks.check_training_run`): a frozen layout, the config never changed,
 the same layout for usp-train and usp-eval, the node size from the launcher, the planner's MLP tiles as is.
 
 Pure: no process group, no weights (only the tiny model's config and tokenizer are read).
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from usp.config import TrainConfig
-from usp.train.validate import Layout, resolve_layout, validate
+from usp.startup import ResolvedDegrees, resolve_degrees
+from usp.train.checks import check_training_run
 
 CPU = torch.device("cpu")
 
@@ -47,7 +48,7 @@ CASES = [
 def test_validation_leaves_the_config_unchanged_and_the_layout_frozen(tiny_llama, parallel):
     cfg = make_config(tiny_llama, **parallel)
     before = copy.deepcopy(cfg)
-    _, layout = validate(cfg, 4, CPU)
+    _, layout = check_training_run(cfg, 4, CPU)
     assert cfg == before  # deep equality of the dataclasses: auto stays auto, no dp or tiles written back
     assert dataclasses.asdict(cfg) == dataclasses.asdict(before)
     assert all(isinstance(getattr(layout, f), int) for f in (
@@ -57,12 +58,12 @@ def test_validation_leaves_the_config_unchanged_and_the_layout_frozen(tiny_llama
         layout.mlp_tiles = 8  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         layout.dp_degree = 1  # type: ignore[misc]
-    assert validate(cfg, 4, CPU)[1] == layout  # nothing left over from the first call changes the second
+    assert check_training_run(cfg, 4, CPU)[1] == layout  # nothing left over from the first call changes the second
 
 
 def test_explicit_mlp_tiles_auto_uses_the_hidden_size_rule(tiny_llama):
     # 256 tokens / (u2 x r1) = 128 local tokens, hidden_size 64: tiles of about 64 tokens -> 2
-    _, layout = validate(make_config(tiny_llama, ulysses_degree=2, ring_degree=1, mlp_tiles="auto"), 2, CPU)
+    _, layout = check_training_run(make_config(tiny_llama, ulysses_degree=2, ring_degree=1, mlp_tiles="auto"), 2, CPU)
     assert layout.mlp_tiles == 2 and layout.dp_degree == 1 and layout.reason == "set in the config"
 
 
@@ -72,7 +73,7 @@ def test_a_degree_given_as_text_is_refused_and_the_config_kept(tiny_llama):
     cfg = make_config(tiny_llama, ulysses_degree="2", ring_degree=1)
     before = copy.deepcopy(cfg)
     with pytest.raises(ValueError, match=r"parallel.ulysses_degree='2' is invalid"):
-        validate(cfg, 2, CPU)
+        check_training_run(cfg, 2, CPU)
     assert cfg == before and cfg.parallel.ulysses_degree == "2"
 
 
@@ -88,34 +89,34 @@ def test_planner_tiles_are_used_as_planned(tiny_llama, monkeypatch):
 
     monkeypatch.setattr(usp.plan.request, "auto_degrees", plan)  # what PlanRequest.plan_auto calls
     cfg = make_config(tiny_llama, ulysses_degree="auto", ring_degree="auto", mlp_tiles="auto")
-    model_config = validate(make_config(tiny_llama), 1, CPU)[0]
-    layout = resolve_layout(cfg, model_config, 4, CPU)
-    assert layout == Layout(ulysses_degree=2, ring_degree=2, dp_degree=1, node_size=4, fsdp_mode="full_shard",
+    model_config = check_training_run(make_config(tiny_llama), 1, CPU)[0]
+    layout = resolve_degrees(cfg, model_config, 4, CPU)
+    assert layout == ResolvedDegrees(ulysses_degree=2, ring_degree=2, dp_degree=1, node_size=4, fsdp_mode="full_shard",
                             activation_checkpointing="full", ac_every_k=2, mlp_tiles=4, attn_head_chunks=1,
                             reason="planner: stub")  # fmt: skip
 
 
 def test_node_size_comes_from_the_setting_then_the_launcher(tiny_llama, monkeypatch):
     cfg = make_config(tiny_llama, ulysses_degree=2, ring_degree=2)
-    assert validate(cfg, 4, CPU)[1].node_size == 4  # no launcher: one node
+    assert check_training_run(cfg, 4, CPU)[1].node_size == 4  # no launcher: one node
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert validate(cfg, 4, CPU)[1].node_size == 2
+    assert check_training_run(cfg, 4, CPU)[1].node_size == 2
     cfg.parallel.node_size = 4
-    assert validate(cfg, 4, CPU)[1].node_size == 4
+    assert check_training_run(cfg, 4, CPU)[1].node_size == 4
     with pytest.raises(ValueError, match=r"ulysses_degree=4 would make Ulysses groups span nodes of 2"):
-        validate(make_config(tiny_llama, ulysses_degree=4, ring_degree=1), 4, CPU)
+        check_training_run(make_config(tiny_llama, ulysses_degree=4, ring_degree=1), 4, CPU)
 
 
 @pytest.mark.parametrize("parallel", CASES[:1] + CASES[2:], ids=["explicit", "auto", "ring-auto"])
 def test_eval_resolves_the_layout_training_gets(tiny_llama, parallel):
-    """usp-eval calls the trainer's resolve_layout: the same degrees, dp, node size for the same config (the
+    """usp-eval calls the trainer's resolve_degrees: the same degrees, dp, node size for the same config (the
     planner's choice included: usp-eval used to refuse auto degrees)."""
     from usp.eval import runner
 
-    assert runner.resolve_layout is resolve_layout  # the same function, not a copy
+    assert runner.resolve_degrees is resolve_degrees  # the same function, not a copy
     cfg = make_config(tiny_llama, **parallel)
     before = copy.deepcopy(cfg)
-    _, train_layout = validate(cfg, 4, CPU)
+    _, train_layout = check_training_run(cfg, 4, CPU)
     lengths, eval_layout, _, _ = runner.prepare(cfg, 4, CPU)
     assert eval_layout == train_layout and lengths == [cfg.trainer.seq_len]
     assert cfg == before

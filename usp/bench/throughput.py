@@ -37,9 +37,10 @@ from usp.modes import AC_MODES, OPTIMIZERS
 from usp.parallel import init_sp_mesh, shard_sequence
 from usp.parallel.process_group import init_distributed, resolve_device
 from usp.plan.models import head_dim_of
-from usp.train.metrics import count_dense_params, peak_flops_per_device, training_flops
+from usp.train.flops import count_dense_params, training_flops
 from usp.train.optim import build_optimizer
 from usp.train.parallelize import parallelize
+from usp.train.peak_flops import peak_flops_per_device
 from usp.train.step import train_step
 from usp.units import GIB, parse_seq_len
 

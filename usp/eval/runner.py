@@ -5,7 +5,7 @@ Order (every rank runs all of it):
 1. process group (as the trainer: reuse, ``env://`` from torchrun, or one process); nccl on CUDA, gloo on CPU;
 2. checks, before any weight is read or any forward runs, shared by every rank (an error on one rank is
    raised on all, no rank left waiting): ``model.path`` (an HF dir or a training checkpoint), the layout
-   resolved as for training (:func:`usp.train.validate.resolve_layout`: the same degrees, planner choice for
+   resolved as for training (:func:`usp.startup.resolve_degrees`: the same degrees, planner choice for
    ``auto`` and node size as ``usp-train`` gets for this config), the ``eval.*`` settings, every evaluated
    length against the sequence layout, heads vs Ulysses, the tokenizer, then the task's inputs (passkey
    prompts; ruler: every task fits the shortest length, the chat template, the haystack files; ppl documents
@@ -20,26 +20,29 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from usp.checkpoint import is_complete_checkpoint, latest_checkpoint, load_checkpoint, read_saved_extra
 from usp.config import EVAL_TASKS, TrainConfig
 from usp.model import (
     apply_rope_overrides,
-    check_heads,
     check_model_dir,
-    check_rope_for_sequence_parallel,
     check_weight_headers,
     parse_dtype,
 )
-from usp.parallel import init_sp_mesh, sequence_multiple
+from usp.parallel import sequence_multiple
 from usp.parallel.agree import on_every_rank, on_rank0
-from usp.parallel.process_group import init_distributed, resolve_device
-from usp.train.validate import Layout, resolve_layout
+from usp.startup import (
+    ResolvedDegrees,
+    build_mesh,
+    check_model_for_degrees,
+    resolve_degrees,
+    run_in_process_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +60,6 @@ class ModelSource:
 def resolve_model_source(path: str) -> ModelSource:
     """``model.path`` -> :class:`ModelSource`. A training checkpoint (``step_N`` or a checkpoints dir) takes
     its architecture and tokenizer from the base model recorded in it. ``ValueError`` naming ``model.path``."""
-    from usp.train.checkpoint import is_complete_checkpoint, latest_checkpoint, read_saved_extra
-
     p = Path(path)
     is_ckpt = p.is_dir() and not (p / "config.json").exists() and (
         is_complete_checkpoint(p) or latest_checkpoint(p) is not None
@@ -80,7 +81,7 @@ def resolve_model_source(path: str) -> ModelSource:
     return ModelSource(Path(base), ckpt, config)
 
 
-def resolve_lengths(cfg: TrainConfig, layout: Layout | None = None) -> list[int]:
+def resolve_lengths(cfg: TrainConfig, layout: ResolvedDegrees | None = None) -> list[int]:
     """``eval.lengths``, or the default for the task (from ``trainer.seq_len``), rounded to the layout
     (``layout``: the resolved one; without it, the config's explicit degrees)."""
     if cfg.eval.lengths:
@@ -94,7 +95,7 @@ def resolve_lengths(cfg: TrainConfig, layout: Layout | None = None) -> list[int]
     return sorted({max(m, (x // m) * m) for x in (s // 4, s // 2, s, 2 * s)})
 
 
-def check_eval_settings(cfg: TrainConfig, layout: Layout) -> list[int]:
+def check_eval_settings(cfg: TrainConfig, layout: ResolvedDegrees) -> list[int]:
     """Every ``eval.*`` setting and the evaluated lengths vs the resolved ``layout``; returns the lengths.
     ``ValueError`` naming the setting and the fix. Pure arithmetic (no files)."""
     e, p = cfg.eval, cfg.parallel
@@ -138,8 +139,6 @@ def load_model(source: ModelSource, cfg: TrainConfig, device: torch.device) -> t
     if source.checkpoint is None:
         model = load_causal_lm(source.config_dir, dtype=dtype, config=source.config)
     else:
-        from usp.train.checkpoint import load_checkpoint
-
         model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, attn_implementation="sdpa")
         try:
             load_checkpoint(source.checkpoint, model=model, optimizer=None, scheduler=None)
@@ -161,20 +160,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
     Raises ``ValueError`` on every rank, before reading weights or running a forward, for bad settings.
     """
-    device = resolve_device(cfg.trainer.device)
-    created = init_distributed(device, cfg.parallel.backend, timeout_minutes=cfg.parallel.timeout_minutes)
-    try:
-        return _run(cfg, device)
-    finally:
-        if created:
-            dist.destroy_process_group()
+    return run_in_process_group(cfg, _run)
 
 
 def prepare(
     cfg: TrainConfig, world: int, device: torch.device
-) -> tuple[list[int], Layout, ModelSource, Any]:
+) -> tuple[list[int], ResolvedDegrees, ModelSource, Any]:
     """Every check before the model is read: ``(lengths, layout, source, tokenizer)``; ``ValueError`` naming
-    the setting. The layout is :func:`usp.train.validate.resolve_layout`'s, as for training this config."""
+    the setting. The layout is :func:`usp.startup.resolve_degrees`'s, as for training this config."""
     from transformers import AutoTokenizer
 
     source = resolve_model_source(cfg.model.path)
@@ -184,14 +177,13 @@ def prepare(
     )  # fmt: skip
     if source.checkpoint is None:
         check_weight_headers(cfg.model.path)
-    layout = resolve_layout(cfg, source.config, world, device)
+    layout = resolve_degrees(cfg, source.config, world, device)
     lengths = check_eval_settings(cfg, layout)
     if cfg.eval.task == "ppl":
         from usp.eval.ppl import check_ppl_inputs
 
         check_ppl_inputs(cfg, source.config)
-    check_heads(source.config, layout.ulysses_degree)
-    check_rope_for_sequence_parallel(source.config, layout.ulysses_degree * layout.ring_degree)
+    check_model_for_degrees(source.config, layout)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.config_dir), local_files_only=True)
     except (OSError, ValueError) as e:
@@ -222,11 +214,7 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         cache_dir = Path(cfg.data.cache_dir or run_dir / "data_cache")
         documents = on_rank0(lambda: ppl_task.read_documents(cfg, tokenizer, lengths, cache_dir), "reading eval.inputs")
 
-    mesh = init_sp_mesh(
-        layout.ulysses_degree, layout.ring_degree, dp_degree=layout.dp_degree, node_size=layout.node_size,
-        ring_layout=cfg.parallel.ring_layout, allow_cross_node_ulysses=cfg.parallel.allow_cross_node_ulysses,
-        device_type=device.type, timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
-    )  # fmt: skip
+    mesh = build_mesh(cfg, layout, device)
     t0 = time.perf_counter()
     model = on_every_rank(lambda: load_model(source, cfg, device), "loading the model (model.path)")
     apply_usp(model, mesh, backend=cfg.model.attention_backend)

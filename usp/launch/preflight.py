@@ -154,13 +154,13 @@ def check_eval(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> s
     ``model.path`` this machine cannot read), else ``None``."""
     from usp.eval.runner import check_eval_settings, resolve_model_source
     from usp.model import check_heads, check_rope_for_sequence_parallel
-    from usp.train.validate import Layout
+    from usp.startup import ResolvedDegrees
 
     p = cfg.parallel
     if "auto" in (p.ulysses_degree, p.ring_degree):
         return "eval checks: the degrees are auto (chosen at start-up), so lengths and heads are checked then"
     U, R = int(p.ulysses_degree), int(p.ring_degree)
-    layout = Layout(
+    layout = ResolvedDegrees(
         ulysses_degree=U, ring_degree=R, dp_degree=world_size // (U * R),
         node_size=_node_size(p.node_size, world_size=world_size, local_world_size=local_world_size),
         fsdp_mode=p.fsdp_mode,

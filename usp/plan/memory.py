@@ -193,7 +193,7 @@ def training_memory(
 
 def held_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
     """Bytes autograd keeps on the device at the end of a training forward, per rank (what
-    :func:`usp.train.memory.track_memory` measures as held bytes): ``layers`` (every saved activation of the
+    :func:`usp.bench.track_memory.track_memory` measures as held bytes): ``layers`` (every saved activation of the
     layers that are not checkpointed, the input of those that are, nothing of the inputs ``offload`` moved to
     the host), ``rotary`` (cos and sin) and ``final_norm`` (what the final norm and the loss keep: with tiles
     only the pre-norm hidden, ``B h`` per token); ``total`` their sum."""

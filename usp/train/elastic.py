@@ -1,6 +1,6 @@
 """What the trainer takes from torchrun (``torch.distributed.elastic``): error files. (The rendezvous store per
 restart, :func:`launcher_store`, lives with the rest of the process-group setup in
-:mod:`usp.parallel.process_group`; it is re-exported here.)
+:mod:`usp.parallel.process_group`.)
 
 **Error files.** torchrun gives each worker ``TORCHELASTIC_ERROR_FILE`` and prints the content of the first
 failing rank's file in its failure summary. :func:`record_error` writes it (the same JSON as
@@ -15,8 +15,6 @@ import os
 import time
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-from usp.parallel.process_group import STORE_PREFIX, launcher_store, restart_count  # noqa: F401 - public here too
 
 
 def record_error(error: BaseException, *, with_traceback: bool = True) -> None:

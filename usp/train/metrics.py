@@ -1,18 +1,8 @@
-"""Throughput and utilisation metrics: FLOP counting, MFU, ``metrics.jsonl``, wandb and the progress bar.
+"""The per-step metrics logger (:class:`MetricsLogger`): ``metrics.jsonl``, ``layout.json``, wandb and the progress bar.
 
-FLOPs of one forward + backward over a batch of packed sequences (what :func:`training_flops` returns)::
-
-    6 * dense_params * tokens  +  12 * L * Hq * D * sum_i s_i^2   (attention term halved when causal)
-
-``dense_params`` is every parameter except the input embedding table (a lookup, not a matmul; a tied output
-head *is* a matmul and is counted); ``tokens`` is the number of tokens; ``s_i`` runs over the packed
-documents (attention never crosses a document boundary, so a 128K sequence of 32 4K documents costs far less
-attention than one 128K document). Per layer the attention matmuls are ``QK^T`` and ``PV``, each
-``2 * s^2 * Hq * D`` FLOPs forward, and backward costs twice forward: ``3 * 2 * 2 = 12``.
-
-MFU = achieved FLOP/s per device / the device's dense bf16 peak (:data:`PEAK_TFLOPS`, or
-``cluster.peak_tflops``). Recomputation under activation checkpointing is not counted (model FLOPs, not
-hardware FLOPs).
+FLOPs per step: :mod:`usp.train.flops`; the peak FLOP/s table and MFU: :mod:`usp.train.peak_flops`; memory
+probes: :mod:`usp.train.peak_memory`; the ``metrics.jsonl`` file rules: :mod:`usp.train.metrics_file`; wandb:
+:mod:`usp.train.wandb_run`.
 
 Only rank 0 writes: one JSON object per logged step appended to ``<run_dir>/metrics.jsonl`` (stable field
 names, see :data:`METRIC_FIELDS`), the wandb run and the progress bar. Every rank computes the same numbers
@@ -27,27 +17,21 @@ rank 0 logs one line per logged step instead (step, loss, grad norm, lr, tokens/
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from usp.atomic import write_text
-from usp.config import ClusterConfig, WandbConfig
-from usp.plan.hardware import GPUS
+from usp.config import WandbConfig
+from usp.train.metrics_file import drop_records_after, json_safe
+from usp.train.peak_flops import mfu
+from usp.train.peak_memory import max_over_ranks, peak_memory_gib, peak_memory_reserved_gib, reset_peak_memory
+from usp.train.wandb_run import init_wandb
 
 logger = logging.getLogger(__name__)
-
-GIB = 1024**3
-
-PEAK_TFLOPS: dict[str, float] = {name: spec.peak_tflops for name, spec in GPUS.items()}
-"""Dense bf16 peak TFLOP/s per device (no sparsity), from the planner's device table
-(:data:`usp.plan.hardware.GPUS`), so MFU and the planner use one set of figures. The ``cpu`` entry is nominal
-(a few cores of fp32 eager PyTorch): CPU MFU is only a relative figure."""
 
 METRIC_FIELDS: tuple[str, ...] = (
     "step",
@@ -69,210 +53,12 @@ CUDA_METRIC_FIELDS: tuple[str, ...] = ("peak_mem_reserved_gib",)
 allocator's peak reserved memory since the previous logged step (:func:`peak_memory_reserved_gib`)."""
 
 
-def gpu_from_device_name(name: str) -> str | None:
-    """Map a CUDA device name (``NVIDIA H100 80GB HBM3``) to a :data:`PEAK_TFLOPS` key, if recognisable."""
-    n = name.lower()
-    for key, marker in (("b200", "b200"), ("h200", "h200"), ("h100-80g", "h100")):
-        if marker in n:
-            return key
-    if "a100" in n:
-        return "a100-40g" if "40gb" in n else "a100-80g"
-    return None
-
-
-def peak_flops_per_device(cluster: ClusterConfig, device_type: str) -> float:
-    """Dense peak FLOP/s of one device, the MFU denominator.
-
-    ``cluster.peak_tflops`` wins when set. On CPU (``device_type == "cpu"``) the nominal ``cpu`` entry is used.
-    On CUDA, ``cluster.gpu`` is looked up; if it is ``cpu`` (a CPU cluster group on a GPU run) the GPU is
-    recognised from ``torch.cuda.get_device_name()`` when possible.
-    """
-    if cluster.peak_tflops is not None:
-        if cluster.peak_tflops <= 0:
-            raise ValueError(f"cluster.peak_tflops={cluster.peak_tflops} must be > 0 (dense bf16 TFLOP/s).")
-        return float(cluster.peak_tflops) * 1e12
-    if device_type == "cpu":
-        return PEAK_TFLOPS["cpu"] * 1e12
-    key = cluster.gpu.lower().replace("_", "-")
-    if key == "cpu" and device_type == "cuda":
-        import torch
-
-        detected = gpu_from_device_name(torch.cuda.get_device_name())
-        if detected is None:
-            raise ValueError(
-                f"cluster.gpu=cpu on a CUDA run with an unrecognised GPU ({torch.cuda.get_device_name()}): "
-                f"choose cluster=<one of {sorted(PEAK_TFLOPS)}> or set cluster.peak_tflops=<dense bf16 TFLOP/s>."
-            )
-        key = detected
-    if key not in PEAK_TFLOPS:
-        raise ValueError(
-            f"cluster.gpu={cluster.gpu!r} has no peak FLOP/s entry; choose one of {sorted(PEAK_TFLOPS)} or set "
-            "cluster.peak_tflops=<dense bf16 TFLOP/s per device>."
-        )
-    return PEAK_TFLOPS[key] * 1e12
-
-
-def training_flops(
-    *,
-    dense_params: int,
-    num_layers: int,
-    num_heads: int,
-    head_dim: int,
-    document_lengths: list[list[int]],
-    causal: bool = True,
-) -> float:
-    """Model FLOPs of one forward + backward over ``document_lengths`` (per sequence, its packed documents).
-
-    ``6 * dense_params * tokens + 12 * num_layers * num_heads * head_dim * sum(s_i^2)``, the attention term
-    halved when ``causal``. ``num_heads`` counts query heads (GQA shares K/V, not the score matmuls).
-    """
-    if min(dense_params, num_layers, num_heads, head_dim) < 0:
-        raise ValueError("training_flops: dense_params, num_layers, num_heads and head_dim must be >= 0")
-    lengths = [s for seq in document_lengths for s in seq]
-    if any(s < 0 for s in lengths):
-        raise ValueError(f"training_flops: document lengths must be >= 0, got {document_lengths}")
-    tokens = sum(lengths)
-    attention = 12.0 * num_layers * num_heads * head_dim * sum(float(s) * s for s in lengths)
-    if causal:
-        attention /= 2
-    return 6.0 * dense_params * tokens + attention
-
-
-def attention_work_imbalance(document_lengths: list[list[int]], ring_degree: int, ring_layout: str) -> float:
-    """``attn_work_imbalance`` of a step: max / mean over ring ranks of the causal in-document (query, key) pairs
-    each computes, summed over the step's samples (per sample, its packed document lengths).
-
-    Exact pair counts from the layout (:func:`usp.parallel.ring_rank_pairs`); 1.0 = every ring rank does the
-    same attention work. The slowest rank sets the step time, so ``1 / imbalance`` is the attention time a
-    perfectly balanced layout would need.
-    """
-    import numpy as np
-
-    from usp.parallel import ring_rank_pairs
-
-    if ring_degree == 1:
-        return 1.0
-    work = np.zeros(ring_degree)
-    for lengths in document_lengths:
-        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        work += np.asarray(ring_rank_pairs(int(cu[-1]), ring_degree, ring_layout, cu), dtype=np.float64)
-    mean = work.mean()
-    return float(work.max() / mean) if mean > 0 else 1.0
-
-
-def count_dense_params(model: Any) -> int:
-    """Parameters that do matmuls: all (global numel, also under FSDP2) minus the input embedding table,
-    which is kept when it is tied to the output head."""
-    total = sum(p.numel() for p in model.parameters())
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    if head is not None and head.weight is embedding:
-        return int(total)
-    return int(total - embedding.numel())
-
-
-def peak_memory_gib() -> float:
-    """Peak memory of this process: CUDA max allocated since the last :func:`reset_peak_memory` when CUDA is in
-    use, else the process's peak resident set since it started (CPU runs: not reset per step)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / GIB
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / GIB if sys.platform == "darwin" else rss * 1024 / GIB  # bytes on macOS, KiB on Linux
-
-
-def peak_memory_reserved_gib() -> float | None:
-    """CUDA: peak bytes reserved by the caching allocator since the last :func:`reset_peak_memory`, in GiB
-    (allocated plus cached free blocks: what an out-of-memory error depends on). ``None`` without CUDA."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_reserved() / GIB
-    return None
-
-
-def reset_peak_memory() -> None:
-    """Start a new CUDA peak-memory window (no-op without CUDA: the CPU figure is the process peak RSS)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
-
-
-def max_over_ranks(value: float, device: Any = "cpu") -> float:
-    """``value`` all-reduced with MAX over every rank (one float64 all_reduce on ``device``; nccl needs the
-    rank's CUDA device); ``value`` itself without a multi-rank process group."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return float(value)
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def json_safe(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` with NaN / inf floats replaced by ``None``, so ``json.dumps(..., allow_nan=False)`` holds."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-
-
 def stderr_is_terminal() -> bool:
     """Whether a progress bar can be drawn: stderr is a TTY (not a SLURM output file or a pipe)."""
     try:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):
         return False
-
-
-def drop_records_after(path: str | os.PathLike, step: int) -> int:
-    """Rewrite ``metrics.jsonl`` at ``path`` without records of steps after ``step`` (and without a torn last
-    line), atomically (temp file + rename). Returns the number of lines dropped; a missing file is fine."""
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    kept: list[str] = []
-    dropped = 0
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by the crash
-            dropped += 1
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
-            dropped += 1
-        else:
-            kept.append(line)
-    if dropped:
-        write_text(path, "".join(line + "\n" for line in kept))
-    return dropped
-
-
-def wandb_run_id(run_dir: str | os.PathLike) -> str:
-    """The wandb run id of a run dir: a hash of its absolute path, so a requeued, resubmitted or relaunched
-    job that continues in the same run dir continues the same wandb run (``resume="allow"``)."""
-    return "usp-" + hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-
-
-def _init_wandb(cfg: WandbConfig, run_dir: Path, config: dict, layout: dict) -> Any:
-    try:
-        import wandb
-    except ImportError as err:
-        raise ImportError(
-            f"logging.wandb.mode={cfg.mode} needs the wandb package: pip install 'usp[wandb]', "
-            "or set logging.wandb.mode=disabled."
-        ) from err
-    return wandb.init(
-        project=cfg.project,
-        entity=cfg.entity,
-        name=cfg.name,
-        tags=list(cfg.tags) or None,
-        mode=cfg.mode,
-        dir=str(run_dir),  # offline runs land in <run_dir>/wandb/offline-run-*
-        id=wandb_run_id(run_dir),  # one wandb run per run dir, across requeues and resumes
-        resume="allow",
-        config={**config, "layout": layout},
-    )
 
 
 class MetricsLogger:
@@ -333,7 +119,7 @@ class MetricsLogger:
                 logger.info("metrics.jsonl: dropped %d record(s) after step %d (resumed there)", dropped, start_step)
         write_text(self.run_dir / "layout.json", json.dumps(layout, indent=2, default=str) + "\n")
         if wandb_cfg.mode != "disabled":
-            self._wandb = _init_wandb(wandb_cfg, self.run_dir, config, layout)
+            self._wandb = init_wandb(wandb_cfg, self.run_dir, config, layout)
         self._file = open(self.path, "a")  # closed in close()
         if progress_bar and stderr_is_terminal():
             from tqdm import tqdm
@@ -369,7 +155,7 @@ class MetricsLogger:
         if reserved is not None:
             reserved = max_over_ranks(reserved, self.device)
         reset_peak_memory()
-        flops_per_gpu_s = flops / step_time_s / self.world_size
+        flops_per_gpu_s, step_mfu = mfu(flops, step_time_s, self.world_size, self.peak_flops)
         record: dict[str, Any] = {
             "step": int(step),
             "loss": float(loss),
@@ -384,7 +170,7 @@ class MetricsLogger:
                 else {"trained_tokens": int(trained_tokens), "trained_tokens_per_s": trained_tokens / step_time_s}
             ),
             "tflops_per_gpu": flops_per_gpu_s / 1e12,
-            "mfu": flops_per_gpu_s / self.peak_flops,
+            "mfu": step_mfu,
             "peak_mem_gib": peak_mem,
             "step_time_s": float(step_time_s),
         }

@@ -38,7 +38,7 @@ def run_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
 def check_fingerprint(cfg: TrainConfig, ckpt: Path) -> None:
     """``ValueError`` when the checkpoint ``ckpt`` was saved by a run with another ``model.path`` or
     ``trainer.seq_len`` (its ``extra["fingerprint"]``); checkpoints without a fingerprint pass."""
-    from usp.train.checkpoint import read_saved_extra
+    from usp.checkpoint import read_saved_extra
 
     saved = read_saved_extra(ckpt).get("fingerprint")
     if saved is None:
@@ -76,7 +76,7 @@ def newest_intact_checkpoint(ckpt_root: Path, *, set_aside: bool = False) -> Pat
     """The newest checkpoint under ``ckpt_root`` that verifies, ``None`` if there is none; rank 0 logs the
     newer ones it skipped and why (and, with ``set_aside``, renames them: :func:`set_aside_damaged`).
     ``ValueError`` (every rank) if checkpoints exist but none verifies. Collective under a process group."""
-    from usp.train.checkpoint import find_intact_checkpoint
+    from usp.checkpoint import find_intact_checkpoint
     from usp.train.rundir import describe_skipped
 
     intact, skipped = find_intact_checkpoint(ckpt_root)
@@ -116,7 +116,7 @@ def choose_resume(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
     verify (``ValueError`` naming the damaged file otherwise). Then a run never shares the checkpoint dir with
     checkpoints it does not continue (:func:`usp.train.rundir.check_checkpoints_of_other_runs`).
     """
-    from usp.train.checkpoint import resolve_checkpoint, verify_checkpoint
+    from usp.checkpoint import resolve_checkpoint, verify_checkpoint
     from usp.train.rundir import check_checkpoints_of_other_runs
 
     resume = cfg.trainer.resume

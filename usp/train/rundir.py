@@ -29,7 +29,6 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 from usp.atomic import write_text
 from usp.config import TrainConfig
@@ -256,12 +255,3 @@ def check_checkpoints_of_other_runs(ckpt_root: Path, resume_from: Path | None, *
 def describe_skipped(skipped: list[tuple[Path, list[str]]]) -> str:
     """One line per checkpoint that failed verification, for logs and errors."""
     return "; ".join(f"{path.name}: {', '.join(problems)}" for path, problems in skipped)
-
-
-def lock_holder(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The holder recorded in ``<directory>/.usp.lock`` (``{"host", "pid", "since"}``), ``None`` if none."""
-    try:
-        info = json.loads((Path(directory) / LOCK_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None

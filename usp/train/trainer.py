@@ -6,10 +6,10 @@ Order (every rank runs all of it; each stage is collective where it says so):
    launcher's store from torchrun, else a one-process world; nccl on CUDA, gloo on CPU. Only a group created
    here is destroyed here.
 2. the run dir, checked and locked on rank 0 (:mod:`usp.train.rundir`); the tiny model built if asked.
-3. validation and resolution, once, before any weights or data (:func:`usp.train.validate.validate`): the
+3. validation and resolution, once, before any weights or data (:func:`usp.train.checks.check_training_run`): the
    config's own rules, the model dir (``model.path``), the degrees (or the planner's choice for ``auto``) against the
    world, sequence length vs layout, heads vs Ulysses, the MLP tiles, optimizer and trainer settings, the
-   resume path. The result is a frozen :class:`~usp.train.validate.Layout` that every later stage reads; the
+   resume path. The result is a frozen :class:`usp.startup.ResolvedDegrees` that every later stage reads; the
    config is never changed. A ``ValueError`` on any rank is raised on every rank (one all_gather of short
    strings, :func:`usp.parallel.agree.on_every_rank`), so no rank is left waiting in a collective.
 4. mesh, tokenizer, data loaders; the model built empty (meta device), then
@@ -28,26 +28,36 @@ from __future__ import annotations
 import dataclasses
 import logging
 from contextlib import ExitStack
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import AutoTokenizer
 
+from usp.checkpoint import load_checkpoint, save_checkpoint
 from usp.config import TrainConfig
+from usp.data import build_dataloaders
+from usp.eval.losses import val_ppl_by_position
 from usp.model import build_empty_causal_lm, load_sharded_weights, parse_dtype, weight_devices
-from usp.parallel import SPMesh, init_sp_mesh
+from usp.parallel import SPMesh
 from usp.parallel.agree import on_every_rank
-from usp.parallel.process_group import init_distributed, resolve_device
+from usp.plan.models import head_dim_of
+from usp.startup import build_mesh, run_in_process_group
+from usp.train.checks import build_tiny_if_asked, check_training_run, fsdp_cpu_offload, start_up_warnings
+from usp.train.export import export_hf
+from usp.train.flops import attention_work_imbalance, count_dense_params, training_flops
+from usp.train.guard import StepGuard, check_finite_weights
 from usp.train.loss import IGNORE_INDEX
-from usp.train.optim import build_optimizer
+from usp.train.metrics import MetricsLogger
+from usp.train.optim import build_optimizer, reapply_schedule
 from usp.train.parallelize import decoder_layers, parallelize
+from usp.train.peak_flops import peak_flops_per_device
 from usp.train.resume import choose_resume, run_fingerprint
 from usp.train.rng import rng_state, seed_everything, set_rng_state
+from usp.train.rundir import checkpoint_root, claim_run_dir
 from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
 from usp.train.step import train_step
-from usp.train.validate import build_tiny_if_asked, fsdp_cpu_offload, start_up_warnings, validate
 from usp.train.watchdog import build_watchdog
 
 logger = logging.getLogger(__name__)
@@ -70,6 +80,63 @@ def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: tor
     return float(total[0] / total[1].clamp(min=1))
 
 
+# --- one concern each, for the loop -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _ModelShape:
+    """What a step's model FLOPs depend on (:func:`usp.train.flops.training_flops`)."""
+
+    dense_params: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+
+
+def _due(every: int, done: int) -> bool:
+    """Whether a task run every ``every`` steps (0: never) runs after step ``done``."""
+    return bool(every) and done % every == 0
+
+
+def _step_flops(document_lengths: list[list[int]], shape: _ModelShape, mesh: SPMesh, device: torch.device) -> float:
+    """The step's model FLOPs over every replica: each data-parallel replica counts its own documents, summed
+    over the replicas (one all-reduce on the dp group when ``dp_degree > 1``)."""
+    flops = torch.tensor(
+        training_flops(
+            dense_params=shape.dense_params, num_layers=shape.num_layers, num_heads=shape.num_heads,
+            head_dim=shape.head_dim, document_lengths=document_lengths,
+        ),
+        dtype=torch.float64, device=device,
+    )  # fmt: skip
+    if mesh.dp_degree > 1:
+        dist.all_reduce(flops, group=mesh.dp_group)
+    return float(flops)
+
+
+def _step_imbalance(document_lengths: list[list[int]], mesh: SPMesh, device: torch.device) -> float:
+    """``attn_work_imbalance``: the slowest replica's attention work max / mean over its ring ranks (a MAX
+    all-reduce on the dp group when ``dp_degree > 1``)."""
+    imbalance = torch.tensor(
+        attention_work_imbalance(document_lengths, mesh.ring_degree, mesh.ring_layout), dtype=torch.float64,
+        device=device,
+    )  # fmt: skip
+    if mesh.dp_degree > 1:
+        dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=mesh.dp_group)
+    return float(imbalance)
+
+
+def _validation(
+    cfg: TrainConfig, loss_model: torch.nn.Module, val_loader: Any, mesh: SPMesh, device: torch.device
+) -> dict[str, Any]:
+    """``val_loss`` (:func:`evaluate`) and, with ``trainer.eval_ppl_by_position``, ``val_ppl_by_position``
+    (:func:`usp.eval.losses.val_ppl_by_position`: mean loss per bucket of document positions). Collective."""
+    out: dict[str, Any] = {"val_loss": evaluate(loss_model, val_loader, mesh, device)}
+    if cfg.trainer.eval_ppl_by_position:
+        out["val_ppl_by_position"] = val_ppl_by_position(
+            loss_model, val_loader, mesh, device, bucket_size=cfg.eval.bucket_size,
+            chunk_size=cfg.trainer.loss_chunk_size,
+        )  # fmt: skip
+    return out
+
+
 # --- the job ------------------------------------------------------------------------------------------
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; returns ``{"losses", "final_step", "run_dir", "layout", "checkpoint",
@@ -78,49 +145,22 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
     Raises ``ValueError`` on every rank, before loading weights or data, for bad settings.
     """
-    device = resolve_device(cfg.trainer.device)
-    created = init_distributed(
-        device, cfg.parallel.backend, timeout_minutes=cfg.parallel.timeout_minutes,
-        cpu_offload=fsdp_cpu_offload(cfg, device),
-    )  # fmt: skip
-    try:
-        return _run(cfg, device)
-    finally:
-        if created:
-            dist.destroy_process_group()
+    return run_in_process_group(cfg, _run, cpu_offload=lambda device: fsdp_cpu_offload(cfg, device))
 
 
 def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     """The run dir first (checked, locked for the job's life, on rank 0; its error raised on every rank), then
     the job. See :mod:`usp.train.rundir`."""
-    from usp.train.rundir import claim_run_dir
-
     rank = dist.get_rank()
     with on_every_rank(lambda: claim_run_dir(cfg, rank), "checking the run dir and the checkpoint dir"):
         return _train(cfg, device)
 
 
 def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    from usp.data import build_dataloaders
-    from usp.train.checkpoint import load_checkpoint, save_checkpoint
-    from usp.train.export import export_hf
-    from usp.train.guard import StepGuard, check_finite_weights
-    from usp.train.metrics import (
-        MetricsLogger,
-        attention_work_imbalance,
-        count_dense_params,
-        peak_flops_per_device,
-        training_flops,
-    )
-    from usp.train.optim import reapply_schedule
-    from usp.train.rundir import checkpoint_root
-
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(cfg.run_dir)
     on_every_rank(lambda: build_tiny_if_asked(cfg, rank), "building the tiny model (model.build_tiny)")
-    model_config, layout = on_every_rank(lambda: validate(cfg, world, device), "config validation")
+    model_config, layout = on_every_rank(lambda: check_training_run(cfg, world, device), "config validation")
     if rank == 0:
         for warning in start_up_warnings(cfg):
             logger.warning(warning)
@@ -130,11 +170,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     resume_from = choose_resume(cfg, ckpt_root)  # verified; never another run's checkpoints
     seed_everything(cfg.trainer.seed)
 
-    mesh = init_sp_mesh(
-        layout.ulysses_degree, layout.ring_degree, dp_degree=layout.dp_degree, node_size=layout.node_size,
-        ring_layout=cfg.parallel.ring_layout, allow_cross_node_ulysses=cfg.parallel.allow_cross_node_ulysses,
-        device_type=device.type, timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
-    )  # fmt: skip
+    mesh = build_mesh(cfg, layout, device)
     tokenizer = on_every_rank(
         lambda: AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True), "loading the tokenizer"
     )
@@ -178,7 +214,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
 
     hf_config = model.config
     layers = len(decoder_layers(model))
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    model_shape = _ModelShape(dense_params, layers, hf_config.num_attention_heads, head_dim_of(hf_config))
     layout_info = {**mesh.describe(), **dataclasses.asdict(layout)}
     metrics = MetricsLogger(
         run_dir, rank=rank, world_size=world, peak_flops=peak_flops, wandb_cfg=cfg.logging.wandb,
@@ -214,49 +250,28 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
                 loss_model, optimizer, scheduler, micro, mesh=mesh, grad_clip=cfg.optim.grad_clip, device=device
             )
             preempted = stop.agreed(device)  # every rank, every step: a signal to any rank stops all here
-            flops = torch.tensor(
-                training_flops(
-                    dense_params=dense_params, num_layers=layers, num_heads=hf_config.num_attention_heads,
-                    head_dim=head_dim, document_lengths=res.document_lengths,
-                ),  # fmt: skip
-                dtype=torch.float64,
-                device=device,
-            )
-            if mesh.dp_degree > 1:  # each replica counted its own documents
-                dist.all_reduce(flops, group=mesh.dp_group)
+            flops = _step_flops(res.document_lengths, model_shape, mesh, device)
             watchdog.end_step()
             done = step + 1
             guard.update(done, loss=res.loss, grad_norm=res.grad_norm, skipped=res.skipped, no_targets=res.no_targets)
-            imbalance = torch.tensor(  # the slowest replica's attention work max/mean over its ring ranks
-                attention_work_imbalance(res.document_lengths, mesh.ring_degree, mesh.ring_layout),
-                dtype=torch.float64, device=device,
-            )  # fmt: skip
-            if mesh.dp_degree > 1:
-                dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=mesh.dp_group)
             extra: dict[str, Any] = {
-                "num_targets": res.num_targets, "skipped_steps": guard.total, "attn_work_imbalance": float(imbalance)
+                "num_targets": res.num_targets, "skipped_steps": guard.total,
+                "attn_work_imbalance": _step_imbalance(res.document_lengths, mesh, device),
             }  # fmt: skip
-            if cfg.trainer.eval_every and val_loader is not None and done % cfg.trainer.eval_every == 0:
-                val_losses[done] = extra["val_loss"] = evaluate(loss_model, val_loader, mesh, device)
-                if cfg.trainer.eval_ppl_by_position:  # usp.eval: mean loss per bucket of document positions
-                    from usp.eval.losses import val_ppl_by_position
-
-                    extra["val_ppl_by_position"] = val_ppl_by_position(
-                        loss_model, val_loader, mesh, device, bucket_size=cfg.eval.bucket_size,
-                        chunk_size=cfg.trainer.loss_chunk_size,
-                    )  # fmt: skip
+            if _due(cfg.trainer.eval_every, done) and val_loader is not None:
+                extra.update(_validation(cfg, loss_model, val_loader, mesh, device))
+                val_losses[done] = extra["val_loss"]
             if done % cfg.logging.log_every == 0 or done == cfg.trainer.max_steps:
                 records.append(
                     metrics.log_step(
                         done, loss=res.loss, grad_norm=res.grad_norm, lr=res.lr, tokens=res.tokens,
-                        flops=float(flops), step_time_s=max(res.step_time_s, 1e-9), extra=extra,
+                        flops=flops, step_time_s=max(res.step_time_s, 1e-9), extra=extra,
                         trained_tokens=res.num_targets,
                     )  # fmt: skip
                 )
             losses.append(res.loss)
             guard.stop_if_exhausted(last_ckpt)
-            periodic = cfg.trainer.checkpoint_every and done % cfg.trainer.checkpoint_every == 0
-            if periodic or done == cfg.trainer.max_steps or preempted:
+            if _due(cfg.trainer.checkpoint_every, done) or done == cfg.trainer.max_steps or preempted:
                 check_finite_weights(model, step=done, what=f"checkpoint step_{done}", last_checkpoint=last_ckpt)
                 last_ckpt = save_checkpoint(
                     ckpt_root, done, model=model, optimizer=optimizer, scheduler=scheduler,

@@ -8,7 +8,7 @@ own run: the trainer's config composed from Hydra overrides (:func:`usp.config.c
 model, weights from the checkpoint, the training loop, ``metrics.jsonl``). Two things are changed, both
 outside the measured steps:
 
-- the final checkpoint is not written (``usp.train.checkpoint.save_checkpoint`` replaced by a no-op in this
+- the final checkpoint is not written (``usp.train.trainer.save_checkpoint`` replaced by a no-op in this
   process; with ``trainer.export_hf=false``): for Llama-3.1-8B it would write 96 GB of weights and optimizer
   states after the step;
 - ``fail_above`` (tests only): a forward of more tokens raises ``torch.OutOfMemoryError`` as a real step would
@@ -79,11 +79,11 @@ def run_attempt(spec: dict[str, Any]) -> dict[str, Any]:
     """Compose, validate and train as ``spec`` says; returns ``{"records", "layout"}`` (raises on failure)."""
     from usp.config import validate_layout
     from usp.config.compose import compose_config
-    from usp.train import checkpoint, trainer
+    from usp.train import trainer
 
     cfg = compose_config(spec["overrides"], run_dir=spec["run_dir"])
     validate_layout(cfg, world_size=1, local_world_size=1)
-    checkpoint.save_checkpoint = lambda *args, **kwargs: None  # the trainer imports it when it starts
+    trainer.save_checkpoint = lambda *args, **kwargs: None  # the name the trainer calls
     if spec.get("fail_above") is not None:
         _inject_fail_above(int(spec["fail_above"]))
     result = trainer.run(cfg)

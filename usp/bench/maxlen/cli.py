@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     from usp.bench.maxlen.attempt import attempt_overrides, launch
     from usp.bench.maxlen.setup import model_fields, write_corpus
-    from usp.train.metrics import gpu_from_device_name
+    from usp.train.peak_flops import gpu_from_device_name
 
     args = build_parser().parse_args(argv)
     began = time.monotonic()

@@ -1,10 +1,11 @@
-"""Where a training checkpoint's files are and which directories are finished checkpoints.
+"""Where a checkpoint's files are and which directories are finished checkpoints.
 
 The names of the files in one checkpoint (``step_<N>/``: ``dcp/``, ``meta.pt``, ``rank_<r>.pt``, ``COMPLETE``;
-the layout and the save protocol are described in :mod:`usp.train.checkpoint`), the format version, and the
+what each holds and the save protocol are described in :mod:`usp.checkpoint`), the format version, and the
 queries that find checkpoints under a root: :func:`is_complete_checkpoint`, :func:`list_checkpoints`,
-:func:`latest_checkpoint` and :func:`resolve_checkpoint` (a user's ``trainer.resume`` path). These only look at
-names and the presence of files; whether the files are intact is :mod:`usp.train.checkpoint_integrity`.
+:func:`latest_checkpoint`, :func:`resolve_checkpoint` (a user's ``trainer.resume`` path) and
+:func:`checkpoint_files`. These only look at names and the presence of files; whether the files are intact is
+:mod:`usp.checkpoint.integrity`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ def latest_checkpoint(ckpt_root: str | os.PathLike) -> Path | None:
     """The complete checkpoint with the highest step under ``ckpt_root``, or ``None`` if there is none."""
     found = list_checkpoints(ckpt_root)
     return found[-1][1] if found else None
+
+
+def checkpoint_files(ckpt: Path) -> list[str]:
+    """Every file under the checkpoint directory ``ckpt`` (relative paths, sorted), except the marker: the files
+    the marker's checksums cover."""
+    return sorted(
+        str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != COMPLETE_MARKER
+    )
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

@@ -2,13 +2,13 @@
 
 - :func:`check_plain_data` - refuse anything ``torch.load(weights_only=True)`` could not read back (what goes
   into ``meta.pt`` / ``rank_<r>.pt``);
-- :func:`file_digest` and the per-rank share of the hashing at save (``_hash_own_files``; rank ``r`` hashes the
-  files rank ``r`` wrote, rank 0 the rest, ``_owner``), gathered into the ``COMPLETE`` marker's ``"files"``;
+- :func:`file_digest`; :func:`record_checksums` - the hashing at save, spread over the ranks (rank ``r`` hashes
+  the files rank ``r`` wrote, rank 0 the rest) and gathered into the ``COMPLETE`` marker's ``"files"``;
 - :func:`verify_checkpoint` - every file checked against the marker, spread over the ranks (collective);
 - :func:`find_intact_checkpoint` - the newest checkpoint under a root that verifies.
 
-The save and load that use them are in :mod:`usp.train.checkpoint`; file names in
-:mod:`usp.train.checkpoint_layout`.
+The save and load that use them are :mod:`usp.checkpoint.save` and :mod:`usp.checkpoint.load`; file names in
+:mod:`usp.checkpoint.files`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from usp.parallel.agree import dist_rank, dist_world_size
+from usp.checkpoint.files import COMPLETE_MARKER, FORMAT_VERSION, checkpoint_files, list_checkpoints
+from usp.parallel.agree import dist_rank, dist_world_size, raise_if_any_failed
 from usp.parallel.agree import distributed as _distributed
-from usp.train.checkpoint_layout import COMPLETE_MARKER, FORMAT_VERSION, list_checkpoints
 
 CHECKSUM = "sha256"
 _HASH_BLOCK = 8 << 20  # bytes read per hash update: streaming, constant memory
@@ -76,12 +76,6 @@ def _owner(rel: str, world: int) -> int:
     return int(m.group(1) or m.group(2)) % world
 
 
-def _all_files(ckpt: Path) -> list[str]:
-    return sorted(
-        str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != COMPLETE_MARKER
-    )
-
-
 def _gather(obj: Any) -> list[Any]:
     if not _distributed():
         return [obj]
@@ -93,9 +87,23 @@ def _gather(obj: Any) -> list[Any]:
 def _hash_own_files(tmp: Path, rank: int, world: int) -> dict[str, dict[str, Any]]:
     return {
         rel: {"bytes": (tmp / rel).stat().st_size, CHECKSUM: file_digest(tmp / rel)}
-        for rel in _all_files(tmp)
+        for rel in checkpoint_files(tmp)
         if _owner(rel, world) == rank
     }
+
+
+def record_checksums(tmp: Path, what: str) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file written so far under ``tmp`` (a checkpoint being saved), keyed by its
+    relative path: each rank hashes its own files (rank 0 also the shared ones), then one
+    ``all_gather_object``; the same dict on every rank. Collective; a failure on any rank raises
+    ``RuntimeError`` on every rank (``what`` says what was being done)."""
+    error, digests = None, {}
+    try:
+        digests = _hash_own_files(tmp, dist_rank(), dist_world_size())
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        error = e
+    raise_if_any_failed(error, what)
+    return {rel: entry for share in _gather(digests) for rel, entry in share.items()}
 
 
 def _read_marker(ckpt: Path) -> dict[str, Any]:

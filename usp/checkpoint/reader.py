@@ -1,11 +1,11 @@
 """Reading a checkpoint's files without unpickling code.
 
 - :func:`load_plain` - ``meta.pt`` / ``rank_<r>.pt`` through ``torch.load(weights_only=True)``: plain data only;
-- :class:`SafeFileSystemReader` - DCP's file reader whose ``.metadata`` unpickler (``_MetadataUnpickler``) admits
-  only DCP's metadata classes, torch dtypes/sizes/layouts, paths and plain containers (``_SAFE_GLOBALS``);
-  anything else raises ``pickle.UnpicklingError`` with ``_REFUSED`` in its message.
+- :class:`SafeFileSystemReader` - DCP's file reader whose ``.metadata`` unpickler (:class:`MetadataUnpickler`)
+  admits only DCP's metadata classes, torch dtypes/sizes/layouts, paths and plain containers (``_SAFE_GLOBALS``);
+  anything else raises ``pickle.UnpicklingError`` with :data:`REFUSED` in its message.
 
-Used by the load in :mod:`usp.train.checkpoint`.
+Used by the load in :mod:`usp.checkpoint.load`.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ def load_plain(path: Path, what: str = "trainer.resume") -> Any:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, but ``.metadata`` is unpickled with :class:`_MetadataUnpickler`: only DCP's metadata
+    """DCP's file reader, but ``.metadata`` is unpickled with :class:`MetadataUnpickler`: only DCP's metadata
     dataclasses, torch dtypes/sizes/layouts, paths and plain containers are admitted, so a crafted checkpoint
     cannot run code through it."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            metadata = MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
         if getattr(metadata, "storage_meta", None) is None:
@@ -54,7 +54,9 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-_REFUSED = "is not allowed in a checkpoint's DCP .metadata"
+REFUSED = "is not allowed in a checkpoint's DCP .metadata"
+"""The words in every refusal of :class:`MetadataUnpickler` (the load recognises its error by them, however DCP
+wrapped it)."""
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _SAFE_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -71,7 +73,9 @@ _SAFE_GLOBALS = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` for DCP's ``.metadata`` that admits only the globals listed above."""
+
     def find_class(self, module: str, name: str) -> Any:
         if module == _METADATA_MODULE and (not name.startswith("_") or name == "_MEM_FORMAT_ENCODING"):
             obj = super().find_class(module, name)
@@ -79,5 +83,5 @@ class _MetadataUnpickler(pickle.Unpickler):
                 return obj
         if (module, name) in _SAFE_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} {_REFUSED}")
+        raise pickle.UnpicklingError(f"{module}.{name} {REFUSED}")
 
