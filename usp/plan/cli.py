@@ -28,12 +28,11 @@ from usp.plan.layout import STATE_PLACEMENTS
 from usp.plan.maxlen import (
     LOSS_CHUNK_CANDIDATES,
     SEQ_MULTIPLE,
-    TRAINER_LOSS_CHUNK,
     MaxSeqLenEstimate,
     max_seq_lens,
 )
 from usp.plan.models import PRESETS, ModelSpec, load_model_spec
-from usp.plan.request import compute_bytes
+from usp.plan.request import PlanRequest, compute_bytes
 from usp.plan.search import TIE_TOLERANCE, LayoutEstimate, plan_layouts
 from usp.units import parse_seq_len  # noqa: F401 - also usp.plan.cli.parse_seq_len, as before
 
@@ -427,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ring_layout=args.ring_layout,
             ulysses_degree=args.ulysses_degree,
             ring_degree=args.ring_degree,
-            loss_chunk_size=args.loss_chunk_size or TRAINER_LOSS_CHUNK,
+            loss_chunk_size=args.loss_chunk_size or PlanRequest.loss_chunk_size,  # the trainer's default
             overhead_frac=args.overhead_frac,
             compute_bytes=dtype_bytes,
             mlp_tiles=tiles,

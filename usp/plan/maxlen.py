@@ -26,7 +26,6 @@ from usp.plan.estimate import (
     AC_CANDIDATES,
     MLP_TILE_CANDIDATES,
     LayoutEstimate,
-    divisors,
     estimate_layout,
     fsdp_modes_to_try,
     head_chunks_to_try,
@@ -35,6 +34,7 @@ from usp.plan.estimate import (
 from usp.plan.hardware import DeviceSpec
 from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
 from usp.plan.models import ModelSpec
+from usp.units import divisors
 
 SEQ_MULTIPLE = 1024
 LOSS_CHUNK_CANDIDATES: tuple[int, ...] = (4096, 2048, 1024)

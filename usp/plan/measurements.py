@@ -286,7 +286,7 @@ def read_training_run(
     request = PlanRequest.from_dict({**cfg, "parallel": par}, seq_len=seq_len, ulysses_degree=U, ring_degree=R)
     tiles = request.mlp_tiles
     if tiles == "auto":
-        from usp.train.tiling import resolve_mlp_tiles  # the trainer's rule for auto
+        from usp.mlp_tiles import resolve_mlp_tiles  # the trainer's rule for auto
 
         tiles = resolve_mlp_tiles("auto", local_tokens=seq_len // (U * R), hidden_size=model.hidden_size)
     return TrainingRun(

@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from usp.mlp_tiles import check_mlp_tiles_setting, resolve_mlp_tiles
 from usp.modes import AC_MODES
 from usp.plan.comm import ACT_BYTES, kv_block_bytes
 from usp.plan.hardware import GIB, DeviceSpec
@@ -115,10 +116,14 @@ def mlp_bytes_per_token(model: ModelSpec, compute_bytes: int = ACT_BYTES) -> int
 
 
 def check_mlp_tiles(mlp_tiles: int, local_tokens: float) -> None:
-    """``parallel.mlp_tiles`` must be an integer >= 1 that splits the local tokens evenly."""
-    if isinstance(mlp_tiles, bool) or not isinstance(mlp_tiles, int) or mlp_tiles < 1:
-        raise ValueError(f"parallel.mlp_tiles={mlp_tiles!r} is invalid: use an integer >= 1 (1 = off) or auto.")
+    """``parallel.mlp_tiles`` must be an integer >= 1 that splits the local tokens evenly (the rule and its
+    messages: :mod:`usp.mlp_tiles`; the planner costs resolved counts, so ``auto`` is refused here)."""
+    if mlp_tiles == "auto" or isinstance(mlp_tiles, str):
+        raise ValueError(f"parallel.mlp_tiles={mlp_tiles!r}: the planner costs a tile count (an integer >= 1).")
+    check_mlp_tiles_setting(mlp_tiles)
     if mlp_tiles > 1 and local_tokens % mlp_tiles:
+        if local_tokens == int(local_tokens):
+            resolve_mlp_tiles(mlp_tiles, local_tokens=int(local_tokens), hidden_size=1)  # raises, naming divisors
         raise ValueError(
             f"parallel.mlp_tiles={mlp_tiles} does not divide the {local_tokens:g} local tokens per rank; use a "
             "divisor of seq_len / (ulysses_degree x ring_degree)."

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from usp.config import ParallelConfig, states_on_host
+from usp.config import ParallelConfig, TrainerConfig, states_on_host
 from usp.plan.auto import auto_degrees
 from usp.plan.estimate import LayoutEstimate
 from usp.plan.hardware import DeviceSpec, get_device
@@ -48,6 +48,7 @@ def compute_bytes(dtype: str) -> int:
 
 
 _PARALLEL_DEFAULTS = ParallelConfig()
+_TRAINER_DEFAULTS = TrainerConfig()
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,13 @@ class PlanRequest:
     compute_bytes: int = 2
     """:func:`compute_bytes` of ``model.dtype``."""
     ring_layout: str = _PARALLEL_DEFAULTS.ring_layout
-    loss_chunk_size: int = 4096
-    """``trainer.loss_chunk_size``."""
+    loss_chunk_size: int = _TRAINER_DEFAULTS.loss_chunk_size
+    """``trainer.loss_chunk_size`` (``usp-plan --loss-chunk-size`` defaults to it too)."""
+    grad_accum_steps: int = _TRAINER_DEFAULTS.grad_accum_steps
+    """``trainer.grad_accum_steps``: with more than one, the fp32 gradients live across the micro steps."""
+    micro_batch_size: int = _TRAINER_DEFAULTS.micro_batch_size
+    """``trainer.micro_batch_size``: the planner's ``global_batch`` is dp x this x ``grad_accum_steps``
+    (``usp-plan --global-batch``; the planner costs one sequence per micro step)."""
     mlp_tiles: int | str = 1
     """``parallel.mlp_tiles``: an integer, or ``auto``."""
     attn_head_chunks: int | str = 1
@@ -81,7 +87,8 @@ class PlanRequest:
         p, t = cfg.parallel, cfg.trainer
         return cls(
             seq_len=t.seq_len, compute_bytes=compute_bytes(cfg.model.dtype), ring_layout=p.ring_layout,
-            loss_chunk_size=t.loss_chunk_size, mlp_tiles=p.mlp_tiles, attn_head_chunks=p.attn_head_chunks,
+            loss_chunk_size=t.loss_chunk_size, grad_accum_steps=t.grad_accum_steps,
+            micro_batch_size=t.micro_batch_size, mlp_tiles=p.mlp_tiles, attn_head_chunks=p.attn_head_chunks,
             states_on_host=states_on_host(cfg.optim.name, p.cpu_offload), host_mem_gib=cfg.cluster.host_mem_gib,
             ulysses_degree=p.ulysses_degree, ring_degree=p.ring_degree, fsdp_mode=p.fsdp_mode,
             activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,
@@ -95,7 +102,9 @@ class PlanRequest:
         values: dict[str, Any] = {
             "seq_len": int(trainer.get("seq_len", 0)),
             "compute_bytes": compute_bytes(str(model.get("dtype", "bfloat16"))),
-            "loss_chunk_size": int(trainer.get("loss_chunk_size", 4096)),
+            "loss_chunk_size": int(trainer.get("loss_chunk_size", _TRAINER_DEFAULTS.loss_chunk_size)),
+            "grad_accum_steps": int(trainer.get("grad_accum_steps", _TRAINER_DEFAULTS.grad_accum_steps)),
+            "micro_batch_size": int(trainer.get("micro_batch_size", _TRAINER_DEFAULTS.micro_batch_size)),
             "states_on_host": states_on_host(
                 str((cfg.get("optim") or {}).get("name", "adamw")), bool(par.get("cpu_offload", False))
             ),  # fmt: skip
@@ -149,11 +158,17 @@ class PlanRequest:
         global_batch: int | None = None,
     ) -> LayoutEstimate:  # fmt: skip
         """:func:`usp.plan.evaluate_layout` of this request's fixed layout on ``device`` (:meth:`device`); ``mlp_tiles``: the resolved tile count
-        (the trainer's rule resolves ``auto`` for fixed degrees)."""
+        (the trainer's rule resolves ``auto`` for fixed degrees). ``global_batch`` (sequences per optimizer
+        step) defaults to dp x ``micro_batch_size`` x ``grad_accum_steps``: the figure ``usp-plan --global-batch``
+        prints for the same run (before, ``usp-launch`` costed one sequence per dp rank whatever the
+        accumulation, and printed less than ``usp-plan``)."""
         assert "auto" not in (self.ulysses_degree, self.ring_degree), "evaluate() needs fixed degrees"
+        U, R = int(self.ulysses_degree), int(self.ring_degree)
+        if global_batch is None:
+            global_batch = max(1, world_size // (U * R)) * self.micro_batch_size * self.grad_accum_steps
         return evaluate_layout(
-            model, device, seq_len=self.seq_len, ulysses_degree=int(self.ulysses_degree),
-            ring_degree=int(self.ring_degree), world_size=world_size, node_size=node_size, fsdp_mode=self.fsdp_mode,
+            model, device, seq_len=self.seq_len, ulysses_degree=U,
+            ring_degree=R, world_size=world_size, node_size=node_size, fsdp_mode=self.fsdp_mode,
             activation_checkpointing=self.activation_checkpointing, ac_every_k=self.ac_every_k,
             global_batch=global_batch, ring_layout=self.ring_layout, loss_chunk_size=self.loss_chunk_size,
             offload=self.states_on_host, compute_bytes=self.compute_bytes, mlp_tiles=mlp_tiles,
