@@ -18,11 +18,11 @@ from omegaconf import DictConfig
 from usp.config.compose import EVAL_CONFIG, run_hydra_app, to_run_config
 
 
-def _record_failure(err: BaseException) -> None:
+def record_failure(err: BaseException) -> None:
     """Write ``err`` (the reason, no traceback) to torchrun's error file: its failure summary shows it."""
-    from usp.train.elastic import record_error  # lazy: composing needs no torch
+    from usp.startup.error_file import record_failure as record  # lazy: composing needs no torch
 
-    record_error(err, with_traceback=False)
+    record(err)
 
 
 def _task(dcfg: DictConfig) -> None:
@@ -43,7 +43,7 @@ def main() -> None:
 
 
 def _main() -> None:
-    run_hydra_app(_task, config_name=EVAL_CONFIG, prog="usp-eval", record=_record_failure)
+    run_hydra_app(_task, config_name=EVAL_CONFIG, prog="usp-eval", record=record_failure)
 
 
 if __name__ == "__main__":

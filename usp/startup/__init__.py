@@ -6,7 +6,9 @@
 - :mod:`usp.startup.checks` - the model against those degrees: heads vs Ulysses, RoPE vs sequence parallelism
   (:func:`check_model_for_degrees`);
 - :mod:`usp.startup.shell` - the ``run()`` shell: device, process group (created here -> destroyed here)
-  (:func:`run_in_process_group`).
+  (:func:`run_in_process_group`);
+- :mod:`usp.startup.error_file` - torchrun's per-worker error file (:func:`record_error`, :func:`record_failure`),
+  imported on use (the entry points compose their config without torch).
 """
 
 from usp.startup.checks import check_model_for_degrees

@@ -10,7 +10,7 @@
   layer that ``usp.eval`` reads too); :mod:`usp.train.rng` - the RNG states a checkpoint carries;
 - :mod:`usp.train.tiling`, :mod:`usp.train.offload` - sequence tiles and checkpoint offload (docs/memory.md);
 - :mod:`usp.train.resume`, :mod:`usp.train.rundir`, :mod:`usp.train.guard`, :mod:`usp.train.signals`,
-  :mod:`usp.train.watchdog`, :mod:`usp.train.elastic` - faults: resume, run dirs, bad steps, preemption, hangs;
+  :mod:`usp.train.watchdog` - faults: resume, run dirs, bad steps, preemption, hangs;
 - :mod:`usp.train.metrics` - the per-step logger (metrics.jsonl, wandb, progress bar); :mod:`usp.train.flops` -
   model FLOPs and attention balance; :mod:`usp.train.peak_flops` - peak FLOP/s and MFU;
   :mod:`usp.train.peak_memory` - memory probes; :mod:`usp.train.metrics_file`, :mod:`usp.train.wandb_run`;

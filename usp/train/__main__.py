@@ -31,9 +31,9 @@ REQUEUE_EXIT_CODE = 75
 
 def record_failure(err: BaseException) -> None:
     """Write ``err`` (the reason, no traceback) to torchrun's error file: its failure summary shows it."""
-    from usp.train.elastic import record_error  # lazy: composing needs no torch
+    from usp.startup.error_file import record_failure as record  # lazy: composing needs no torch
 
-    record_error(err, with_traceback=False)
+    record(err)
 
 
 def _task(dcfg: DictConfig) -> None:

@@ -119,7 +119,7 @@ class StepWatchdog:
                 self._fail(reason)
 
     def _fail(self, reason: str) -> None:
-        from usp.train.elastic import record_error
+        from usp.startup.error_file import record_error
 
         message = (
             f"usp-train: watchdog: rank {self.rank}: {reason}; a rank is stuck or stopped. Python stacks of "

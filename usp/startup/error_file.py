@@ -1,4 +1,4 @@
-"""What the trainer takes from torchrun (``torch.distributed.elastic``): error files. (The rendezvous store per
+"""What train and eval entry points take from torchrun (``torch.distributed.elastic``): error files. (The rendezvous store per
 restart, :func:`launcher_store`, lives with the rest of the process-group setup in
 :mod:`usp.parallel.process_group`.)
 
@@ -39,3 +39,9 @@ def record_error(error: BaseException, *, with_traceback: bool = True) -> None:
     }
     with open(path, "w") as f:
         json.dump(data, f)
+
+
+def record_failure(error: BaseException) -> None:
+    """The entry points' recorder for a failure they report themselves (a bad setting: the reason, no
+    traceback), passed to :func:`usp.config.compose.run_hydra_app`."""
+    record_error(error, with_traceback=False)
