@@ -14,9 +14,9 @@ import json
 import pytest
 
 from usp.config import states_on_host
+from usp.config.compose import compose_config
 from usp.plan import cli, evaluate_layout, get_device, load_model_spec
 from usp.plan.request import PlanRequest
-from usp.train.__main__ import compose_config
 
 USER_SETTINGS = ["model.path=/ckpt/model", "data.prepared_path=/data/prepared"]
 CASES = {  # recipe: the usp-plan flags its header quotes
