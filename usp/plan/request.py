@@ -74,6 +74,11 @@ class PlanRequest:
     fsdp_mode: str = _PARALLEL_DEFAULTS.fsdp_mode
     activation_checkpointing: str = _PARALLEL_DEFAULTS.activation_checkpointing
     ac_every_k: int = _PARALLEL_DEFAULTS.ac_every_k
+    micro_batch_size: int = 1
+    """``trainer.micro_batch_size``."""
+    grad_accum_steps: int = 1
+    """``trainer.grad_accum_steps``: above 1 the fp32 gradient shards live through every micro step (the planner
+    counts them), so :meth:`evaluate` passes the global batch ``dp x micro_batch_size x grad_accum_steps``."""
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> PlanRequest:
@@ -85,6 +90,7 @@ class PlanRequest:
             states_on_host=states_on_host(cfg.optim.name, p.cpu_offload), host_mem_gib=cfg.cluster.host_mem_gib,
             ulysses_degree=p.ulysses_degree, ring_degree=p.ring_degree, fsdp_mode=p.fsdp_mode,
             activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,
+            micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
         )  # fmt: skip
 
     @classmethod
@@ -100,6 +106,8 @@ class PlanRequest:
                 str((cfg.get("optim") or {}).get("name", "adamw")), bool(par.get("cpu_offload", False))
             ),  # fmt: skip
             "host_mem_gib": (cfg.get("cluster") or {}).get("host_mem_gib"),
+            "micro_batch_size": int(trainer.get("micro_batch_size", 1)),
+            "grad_accum_steps": int(trainer.get("grad_accum_steps", 1)),
         }
         for name in ("ring_layout", "mlp_tiles", "attn_head_chunks", "ulysses_degree", "ring_degree", "fsdp_mode",
                      "activation_checkpointing", "ac_every_k"):  # fmt: skip
@@ -148,9 +156,14 @@ class PlanRequest:
         self, model: ModelSpec, device: DeviceSpec, *, world_size: int, node_size: int, mlp_tiles: int,
         global_batch: int | None = None,
     ) -> LayoutEstimate:  # fmt: skip
-        """:func:`usp.plan.evaluate_layout` of this request's fixed layout on ``device`` (:meth:`device`); ``mlp_tiles``: the resolved tile count
-        (the trainer's rule resolves ``auto`` for fixed degrees)."""
+        """:func:`usp.plan.evaluate_layout` of this request's fixed layout on ``device`` (:meth:`device`);
+        ``mlp_tiles``: the resolved tile count (the trainer's rule resolves ``auto`` for fixed degrees);
+        ``global_batch`` (sequences per optimizer step) defaults to the run's, ``dp x micro_batch_size x
+        grad_accum_steps``, the figure ``usp-plan --global-batch`` takes (so ``usp-launch`` and ``usp-plan`` agree)."""
         assert "auto" not in (self.ulysses_degree, self.ring_degree), "evaluate() needs fixed degrees"
+        if global_batch is None:
+            dp = world_size // (int(self.ulysses_degree) * int(self.ring_degree))
+            global_batch = dp * self.micro_batch_size * self.grad_accum_steps
         return evaluate_layout(
             model, device, seq_len=self.seq_len, ulysses_degree=int(self.ulysses_degree),
             ring_degree=int(self.ring_degree), world_size=world_size, node_size=node_size, fsdp_mode=self.fsdp_mode,
