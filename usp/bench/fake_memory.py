@@ -39,7 +39,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-GIB = 1024**3
+from usp.units import GIB
+
 PLAN_TERMS = ("sharded_states", "gathered_params", "activations", "attention_workspace", "loss_buffer")
 
 
@@ -164,7 +165,7 @@ def planned(cfg: Any, world: int, node_size: int, layers: int | None) -> Any:
     p = cfg.parallel
     tiles = p.mlp_tiles
     if tiles == "auto":
-        from usp.train.tiling import resolve_mlp_tiles
+        from usp.mlp_tiles import resolve_mlp_tiles
 
         tiles = resolve_mlp_tiles("auto", local_tokens=cfg.trainer.seq_len // (p.ulysses_degree * p.ring_degree),
                                   hidden_size=spec.hidden_size)  # fmt: skip

@@ -24,6 +24,7 @@ from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
 from usp.plan.memory import checkpointed_layers, peak_memory
 from usp.plan.models import ModelSpec
 from usp.plan.offload import OFFLOAD_OPTIMIZER, host_bytes, offload_seconds, usable_host_bytes
+from usp.units import divisors  # noqa: F401  (re-exported: usp.plan.estimate.divisors)
 
 AC_CANDIDATES: tuple[tuple[str, int], ...] = (("none", 2), ("every_k", 2), ("full", 2), ("offload", 2))
 MLP_TILE_CANDIDATES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
@@ -226,10 +227,6 @@ def head_chunks_to_try(model: ModelSpec, ulysses_degree: int, ring_degree: int, 
     if fixed != 1 and fixed not in head_chunk_options_all_ranks(model, U):
         return []
     return [fixed]
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def split_layout(

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-GIB = 1024**3
+from usp.units import GIB  # noqa: F401  (re-exported: usp.plan.hardware.GIB)
+
 GB = 1e9
 HEADROOM_FRAC = 0.075
 """Default memory headroom: the best layout keeps this fraction of device memory free on top of the estimate's

@@ -172,7 +172,7 @@ class TrainingRun:
     measured_step_s: float
     measured_mem_gib: float | None
     mlp_tiles: int = 1
-    """``parallel.mlp_tiles`` as the trainer resolved it (``auto``: :func:`usp.train.tiling.resolve_mlp_tiles`)."""
+    """``parallel.mlp_tiles`` as the trainer resolved it (``auto``: :func:`usp.mlp_tiles.resolve_mlp_tiles`)."""
     states_on_host: bool = False
     """Parameters, gradients and optimizer states in host memory (``optim.name`` / ``parallel.cpu_offload``)."""
     attn_head_chunks: int = 1
@@ -286,7 +286,7 @@ def read_training_run(
     request = PlanRequest.from_dict({**cfg, "parallel": par}, seq_len=seq_len, ulysses_degree=U, ring_degree=R)
     tiles = request.mlp_tiles
     if tiles == "auto":
-        from usp.train.tiling import resolve_mlp_tiles  # the trainer's rule for auto
+        from usp.mlp_tiles import resolve_mlp_tiles  # the trainer's rule for auto (torch-free home)
 
         tiles = resolve_mlp_tiles("auto", local_tokens=seq_len // (U * R), hidden_size=model.hidden_size)
     return TrainingRun(
