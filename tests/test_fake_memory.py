@@ -88,3 +88,47 @@ def test_flash_backward_workspace_follows_mha_bwd():
         2 * 8 * 64 * 4 + 2 * 64 * 8 * 64 * 4
     )
     assert kernel_workspace_bytes("cpu_flash", batch=1, sq=64, sk=64, hq=8, hkv=8, d=64, elem=4) == 0
+
+
+DEPTH_CASES = [  # (nodes, checkpointing, tiles, optimizer): 8B-shaped, 16K tokens, 4 layers
+    (1, "none", 1, "adamw"),
+    (1, "full", 4, "adamw"),
+    (8, "offload", 4, "adamw_cpu_offload"),
+]
+
+
+@pytest.mark.slow
+def test_depth_extrapolation_equals_the_traced_step():
+    """Each category's peak is affine in the depth (every decoder layer is the same): the step extended from 2
+    and 3 traced layers to 4 (``--depth-method extrapolate``) equals the step traced at 4 layers."""
+    from usp.bench.fake_memory import run_in_subprocess
+
+    argv = [
+        ["--nodes", str(n), "--gpus-per-node", "1", "--seq-len", "16K", "--layers", "4", "--depth-method", method,
+         f"parallel.activation_checkpointing={ac}", f"parallel.mlp_tiles={t}", f"optim.name={opt}",
+         "model.attention_backend=sdpa_flash"]
+        for n, ac, t, opt in DEPTH_CASES for method in ("extrapolate", "direct")
+    ]  # fmt: skip
+    recs = run_in_subprocess(argv, timeout=1200)
+    assert len(recs) == 2 * len(DEPTH_CASES)
+    for case, ext, direct in zip(DEPTH_CASES, recs[::2], recs[1::2]):
+        assert ext["depth_method"] == "extrapolate" and ext["probe_depths"] == [2, 3], case
+        assert direct["depth_method"] == "direct" and ext["layers"] == direct["layers"] == 4, case
+        assert ext["peak_gib"] == pytest.approx(direct["peak_gib"], rel=1e-9, abs=1e-9), case
+        assert ext["host_gib"] == pytest.approx(direct["host_gib"], rel=1e-9, abs=1e-9), case
+        meas = direct["categories"]["measured"]
+        assert ext["categories"]["measured"] == pytest.approx(meas, rel=1e-9, abs=1e-9), case
+        assert ext["planner_gib"] == direct["planner_gib"], case
+    assert recs[0]["categories"]["measured"]["Activation"] > recs[2]["categories"]["measured"]["Activation"]
+
+
+def test_depth_method_refuses_probes_off_the_checkpointing_period():
+    from usp.bench.fake_memory import main
+
+    with pytest.raises(ValueError, match="ac_every_k=2"):
+        main(["--seq-len", "16K", "--layers", "5", "--depth-method", "extrapolate", "--probe-depths", "2,3",
+              "parallel.activation_checkpointing=every_k", "parallel.ac_every_k=2"])  # fmt: skip
+    with pytest.raises(ValueError, match="--probe-depths"):
+        main(["--seq-len", "16K", "--probe-depths", "3,2"])
+    with pytest.raises(ValueError, match="--from-plan"):
+        main(["--seq-len", "16K", "--from-plan"])

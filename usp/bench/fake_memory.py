@@ -35,10 +35,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
-GIB = 1024**3
+from usp.units import GIB
+
 PLAN_TERMS = ("sharded_states", "gathered_params", "activations", "attention_workspace", "loss_buffer")
 
 
@@ -48,9 +50,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="h100-80g", help="the planner's device (usp.plan.hardware.GPUS)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--seq-len", required=True, help="tokens per sequence (512K, 4M, 65536)")
+    p.add_argument("--seq-len", default=None, help="tokens per sequence (512K, 4M, 65536); or --from-plan")
+    p.add_argument(
+        "--from-plan",
+        action="store_true",
+        help="run the planner's longest trainable length for this model and cluster, with its layout and "
+        "overrides (what `usp-plan --max-seq-len` prints first); overrides given here come after them",
+    )
     p.add_argument("--rank", type=int, default=0, help="the rank of the world this process plays")
     p.add_argument("--layers", type=int, default=None, help="cut the model to this many decoder layers")
+    p.add_argument(
+        "--depth-method",
+        choices=("auto", "direct", "extrapolate"),
+        default="auto",
+        help="direct: trace every layer; extrapolate: trace --probe-depths layers and extend each category "
+        "affinely to the full depth (every decoder layer is the same); auto (default): extrapolate when the "
+        "depth is above the deeper probe",
+    )
+    p.add_argument(
+        "--probe-depths",
+        default=None,
+        help="the two depths traced by --depth-method extrapolate (default 2,3; under every_k two depths "
+        "ac_every_k apart with the full depth's residue)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--cases",
@@ -143,7 +165,7 @@ def planned(cfg: Any, world: int, node_size: int, layers: int | None) -> Any:
     p = cfg.parallel
     tiles = p.mlp_tiles
     if tiles == "auto":
-        from usp.train.tiling import resolve_mlp_tiles
+        from usp.mlp_tiles import resolve_mlp_tiles
 
         tiles = resolve_mlp_tiles("auto", local_tokens=cfg.trainer.seq_len // (p.ulysses_degree * p.ring_degree),
                                   hidden_size=spec.hidden_size)  # fmt: skip
@@ -237,6 +259,68 @@ def fake_step(
     }  # fmt: skip
 
 
+def planned_longest(model: str, gpu: str, nodes: int, gpus_per_node: int) -> list[str]:
+    """The overrides of the planner's first answer to ``usp-plan --model M --gpu D --nodes N --gpus-per-node G
+    --max-seq-len`` (its defaults: any state placement, the loss chunks it tries), ``trainer.seq_len`` included."""
+    from usp.plan.hardware import get_device
+    from usp.plan.layout import STATE_PLACEMENTS
+    from usp.plan.maxlen import LOSS_CHUNK_CANDIDATES, max_seq_lens
+    from usp.plan.models import load_model_spec
+
+    best = max_seq_lens(load_model_spec(model), get_device(gpu), world_size=nodes * gpus_per_node,
+                        node_size=gpus_per_node, states=STATE_PLACEMENTS,
+                        loss_chunk_sizes=LOSS_CHUNK_CANDIDATES)[0]  # fmt: skip
+    return [o for o in best.overrides() if o.split(".")[0] in ("parallel", "optim", "trainer")]
+
+
+def _probe_depths(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--probe-depths={text!r}: give two depths, e.g. 2,3") from None
+    if not 1 <= a < b:
+        raise ValueError(f"--probe-depths={text!r}: two increasing depths of at least 1, e.g. 2,3")
+    return a, b
+
+
+def _model_depth(model: str) -> int:
+    from usp.plan.models import PRESETS
+
+    if model not in PRESETS:
+        raise ValueError(f"--model={model!r} is not a preset; choose one of {sorted(PRESETS)}")
+    return int(PRESETS[model]["num_hidden_layers"])
+
+
+def extrapolate_depth(probes: Sequence[dict[str, Any]], depth: int) -> dict[str, Any]:
+    """The record of a ``depth``-layer step from two :func:`fake_step` records at smaller depths: every decoder
+    layer is the same module with the same inputs, so each tracked category at the peak (and the peak, and the
+    host bytes) is affine in the depth; extend the line through the two probes. ``tests/test_fake_memory.py``
+    checks that affinity against traced steps (depths 2, 3 extended to 4)."""
+    lo, hi = probes
+    d0, d1 = lo["layers"], hi["layers"]
+    assert d0 < d1 and {k: v for k, v in lo.items() if k not in _DEPTH_KEYS} == {
+        k: v for k, v in hi.items() if k not in _DEPTH_KEYS
+    }, "the probes differ in more than their depth"
+
+    def line(a: float, b: float) -> float:
+        return a + (b - a) * (depth - d0) / (d1 - d0)
+
+    cats = set(lo["measured"]) | set(hi["measured"])
+    return lo | {
+        "layers": depth,
+        "peak_gib": line(lo["peak_gib"], hi["peak_gib"]),
+        "measured": {c: line(lo["measured"].get(c, 0.0), hi["measured"].get(c, 0.0)) for c in sorted(cats)},
+        "host_gib": line(lo["host_gib"], hi["host_gib"]),
+        "modules": hi["modules"],
+        "depth_method": "extrapolate",
+        "probe_depths": [d0, d1],
+        "probe_peak_gib": [lo["peak_gib"], hi["peak_gib"]],
+    }
+
+
+_DEPTH_KEYS = ("layers", "peak_gib", "measured", "host_gib", "modules")
+
+
 def _host_bytes(loss_model: Any, optimizer: Any) -> int:
     """Host bytes this rank holds: offload slots, and with states on the host the fp32 shards and Adam
     moments (FSDP2's pinned parameter shards, their gradients' host copies)."""
@@ -290,15 +374,48 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, A
     if args.cases:
         with open(args.cases) as f:
             return [main([*case, "--json"]) for case in json.load(f)]
+    if args.from_plan:
+        if args.seq_len is not None:
+            raise ValueError("give --seq-len N or --from-plan, not both")
+        plan_overrides = planned_longest(args.model, args.gpu, args.nodes, args.gpus_per_node)
+        args.seq_len = next(o.split("=")[1] for o in plan_overrides if o.startswith("trainer.seq_len="))
+        args.overrides = [o for o in plan_overrides if not o.startswith("trainer.seq_len=")] + args.overrides
+    elif args.seq_len is None:
+        raise ValueError("give --seq-len N (e.g. --seq-len 512K) or --from-plan")
     cfg = build_config(args)
     world = args.nodes * args.gpus_per_node
     if not 0 <= args.rank < world:
         raise ValueError(f"--rank={args.rank} is outside the world of {world} ranks")
+    probes = _probe_depths(args.probe_depths or "2,3")
+    depth = args.layers if args.layers is not None else _model_depth(cfg.model.path)
+    p = cfg.parallel
+    period = p.ac_every_k if p.activation_checkpointing == "every_k" else 1  # layers 0, k, 2k, ... checkpointed
+    if period > 1 and args.probe_depths is None:  # the default: two probes a period apart, on depth's residue
+        lo = 2 + (depth - 2) % period
+        probes = (lo, lo + period)
+    method = args.depth_method
+    if method == "auto":
+        method = "extrapolate" if depth > probes[1] else "direct"
+    if method == "extrapolate":
+        if depth < probes[0]:
+            raise ValueError(f"--depth-method extrapolate: the depth {depth} is below --probe-depths {probes}")
+        if (probes[1] - probes[0]) % period or (depth - probes[0]) % period:
+            raise ValueError(
+                f"--probe-depths {probes}: with parallel.ac_every_k={period} the probes and the depth {depth} "
+                f"must differ by multiples of {period} (the checkpointed layers repeat every {period})"
+            )
     from usp.bench.fake_cuda import preload
 
     preload()
-    rec = compare(fake_step(cfg, world=world, node_size=args.gpus_per_node, rank=args.rank, layers=args.layers),
-                  planned(cfg, world, args.gpus_per_node, args.layers))  # fmt: skip
+    t0, c0 = time.perf_counter(), time.process_time()
+    step = dict(world=world, node_size=args.gpus_per_node, rank=args.rank)
+    if method == "direct":
+        rec = fake_step(cfg, layers=depth, **step) | {"depth_method": "direct"}
+    else:
+        rec = extrapolate_depth([fake_step(cfg, layers=d, **step) for d in probes], depth)
+    rec["wall_s"] = round(time.perf_counter() - t0, 1)
+    rec["cpu_s"] = round(time.process_time() - c0, 1)
+    rec = compare(rec, planned(cfg, world, args.gpus_per_node, depth))
     rec.pop("measured")
     if args.json:
         print(json.dumps(rec), flush=True)
@@ -312,6 +429,10 @@ def format_report(rec: dict[str, Any]) -> str:
         f"fake-CUDA step: seq_len={rec['seq_len']} rank {rec['rank']} of {rec['world_size']} "
         f"(ulysses {rec['ulysses_degree']}, ring {rec['ring_degree']}), {rec['layers']} layers, "
         f"checkpointing={rec['activation_checkpointing']}, mlp_tiles={rec['mlp_tiles']}",
+        "  depth: " + (f"every layer traced ({rec['wall_s']} s)" if rec["depth_method"] == "direct" else
+                       f"traced at {rec['probe_depths'][0]} and {rec['probe_depths'][1]} layers "
+                       f"(peaks {rec['probe_peak_gib'][0]:.2f}, {rec['probe_peak_gib'][1]:.2f} GiB), each category "
+                       f"extended affinely to {rec['layers']} ({rec['wall_s']} s)"),  # fmt: skip
         "  measured at the peak (GiB)            planner (GiB)",
     ]
     meas = sorted(rec["categories"]["measured"].items(), key=lambda kv: -kv[1])
@@ -337,7 +458,7 @@ def run_in_subprocess(cases: Sequence[Sequence[str]], timeout: float = 1800) -> 
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump([list(c) for c in cases], f)
         f.flush()
-        cmd = [sys.executable, "-m", "usp.bench.fake_memory", "--seq-len", "0", "--cases", f.name]
+        cmd = [sys.executable, "-m", "usp.bench.fake_memory", "--cases", f.name]
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-4000:]}")
