@@ -23,10 +23,10 @@ from tests.test_train_run import fp32_run_tolerance, run_worker
 from tests.test_train_run import make_config as train_run_config
 from tests.tolerance import EXACT_DTYPE, assert_close_scaled, assert_exact
 from usp.config import TrainConfig, validate_choices
+from usp.mlp_tiles import resolve_mlp_tiles
 from usp.tiny import build_tiny_llama
 from usp.train import checks, offload
 from usp.train.offload import check_host_memory
-from usp.train.tiling import resolve_mlp_tiles
 
 
 def make_config(model_dir: str, run_dir: str, **parallel) -> TrainConfig:

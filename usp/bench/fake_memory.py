@@ -194,11 +194,11 @@ def fake_step(
     from usp.bench.fake_cuda import fake_cuda_runtime
     from usp.bench.fake_kernels import fake_attention_kernels
     from usp.config import states_on_host
+    from usp.mlp_tiles import resolve_mlp_tiles
     from usp.model import parse_dtype
     from usp.parallel import init_sp_mesh
     from usp.train.optim import build_optimizer
     from usp.train.parallelize import parallelize
-    from usp.train.tiling import resolve_mlp_tiles
 
     p, t = cfg.parallel, cfg.trainer
     U, R = int(p.ulysses_degree), int(p.ring_degree)

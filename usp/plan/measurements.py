@@ -172,7 +172,7 @@ class TrainingRun:
     measured_step_s: float
     measured_mem_gib: float | None
     mlp_tiles: int = 1
-    """``parallel.mlp_tiles`` as the trainer resolved it (``auto``: :func:`usp.train.tiling.resolve_mlp_tiles`)."""
+    """``parallel.mlp_tiles`` as the trainer resolved it (``auto``: :func:`usp.mlp_tiles.resolve_mlp_tiles`)."""
     states_on_host: bool = False
     """Parameters, gradients and optimizer states in host memory (``optim.name`` / ``parallel.cpu_offload``)."""
     attn_head_chunks: int = 1

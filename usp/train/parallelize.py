@@ -137,7 +137,7 @@ def parallelize(
     pass ``model`` to checkpointing and export, and the returned module to the training step. Under
     ``activation_checkpointing=offload`` the returned module's ``offload_store`` is the
     :class:`~usp.train.offload.HostCheckpointStore` (``host_bytes``: what its host slots hold); else ``None``.
-    ``mlp_tiles``: a resolved tile count (:func:`usp.train.tiling.resolve_mlp_tiles`), 1 = off.
+    ``mlp_tiles``: a resolved tile count (:func:`usp.mlp_tiles.resolve_mlp_tiles`), 1 = off.
     ``attn_head_chunks``: ``parallel.attn_head_chunks`` (:func:`usp.attention.usp_attention`), 1 = off.
     """
     assert fsdp_mode in FSDP_MODES, f"fsdp_mode={fsdp_mode!r} is not one of {FSDP_MODES} (validate_choices)"

@@ -49,7 +49,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from usp.mlp_tiles import resolve_mlp_tiles  # noqa: F401  (the rule, defined in usp.mlp_tiles)
 from usp.train.deepspeed_parts import import_deepspeed_part
 
 
