@@ -31,6 +31,7 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf outputs runs .pytest_cache

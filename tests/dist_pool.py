@@ -39,7 +39,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, collective_timeout_s: float) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, tasks: Any, results: Any, collective_timeout_s: float
+) -> None:
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -151,7 +153,9 @@ class DistPool:
             return  # stale answer from a task that already failed
         (out if ok else errors)[rank] = payload
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
         if not self._procs:
             self._start()

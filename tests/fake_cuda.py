@@ -101,7 +101,9 @@ class SdpaContracts(TorchDispatchMode):
         device = a["query"].device
         for t in tensors:
             if t.device.type != "meta":  # seeds/offsets are meta by design (torch's Note [Seed and Offset])
-                _require(isinstance(t, FakeTensor) and t.device == device, f"{func}: output not fake on {device}")
+                _require(
+                    isinstance(t, FakeTensor) and t.device == device, f"{func}: output not fake on {device}"
+                )
         if func is aten._scaled_dot_product_cudnn_attention.default and self.cudnn_lse_rank == 3:
             out = (out[0], out[1].squeeze(-1), *out[2:])
         shapes = {k: tuple(v.shape) for k, v in a.items() if isinstance(v, torch.Tensor)}
@@ -119,12 +121,16 @@ def _qkv(a: dict, *, dtypes, gqa: bool, head_dim_multiple: int, name: str) -> tu
     _require(q.dtype in dtypes, f"{name}: dtype {q.dtype} not supported (kernel takes {dtypes})")
     b, hq, sq, d = q.shape
     _, hk, sk, _ = k.shape
-    _require(k.shape == v.shape and k.size(0) == b and k.size(3) == d, f"{name}: k/v shapes {k.shape} {v.shape}")
+    _require(
+        k.shape == v.shape and k.size(0) == b and k.size(3) == d, f"{name}: k/v shapes {k.shape} {v.shape}"
+    )
     if gqa:
         _require(hq % hk == 0, f"{name}: num_heads {hq} not a multiple of num_heads_k {hk}")
     else:
         _require(hq == hk, f"{name}: kernel has no grouped heads (Hq {hq}, Hkv {hk}): expand K/V first")
-    _require(d % head_dim_multiple == 0, f"{name}: head_size should be a multiple of {head_dim_multiple}, got {d}")
+    _require(
+        d % head_dim_multiple == 0, f"{name}: head_size should be a multiple of {head_dim_multiple}, got {d}"
+    )
     if a.get("is_causal"):
         # flash aligns causal bottom-right, mem-efficient and cuDNN top-left: only square blocks agree
         _require(sq == sk, f"{name}: causal block must be square (Sq {sq} != Sk {sk})")
@@ -138,8 +144,10 @@ def _lse(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
 
 
 def _like(t: torch.Tensor, ref: torch.Tensor, what: str, name: str) -> None:
-    _require(t.shape == ref.shape and t.dtype == ref.dtype and t.device == ref.device,
-             f"{name}: {what} {tuple(t.shape)} {t.dtype} does not match {tuple(ref.shape)} {ref.dtype}")  # fmt: skip
+    _require(
+        t.shape == ref.shape and t.dtype == ref.dtype and t.device == ref.device,
+        f"{name}: {what} {tuple(t.shape)} {t.dtype} does not match {tuple(ref.shape)} {ref.dtype}",
+    )
 
 
 def _flash_fwd(mode, a):
@@ -161,7 +169,10 @@ def _efficient_bias(a, b, hq, sq, sk, name):
     _require(bias.dtype == a["query"].dtype, f"{name}: bias dtype {bias.dtype} != q dtype")
     _require(tuple(bias.shape) == (b, hq, sq, sk), f"{name}: bias shape {tuple(bias.shape)}")
     _require(bias.stride(-1) == 1 and bias.stride(-2) % 16 == 0, f"{name}: bias rows must be 16-aligned")
-    _require(not a.get("is_causal", False), f"{name}: causal goes into the bias, not the flag, when a bias is given")
+    _require(
+        not a.get("is_causal", False),
+        f"{name}: causal goes into the bias, not the flag, when a bias is given",
+    )
 
 
 def _efficient_fwd(mode, a):
@@ -192,8 +203,10 @@ def _cudnn_bwd(mode, a):
     # the backward graph is built with O/dO strides derived from a dense q and checks them exactly
     for name in ("query", "key", "value", "out", "grad_out"):
         t = a[name]
-        _require(t.stride() == dense_strides(t), f"cudnn bwd: {name} strides {t.stride()} != dense "
-                 f"{dense_strides(t)}")  # fmt: skip
+        _require(
+            t.stride() == dense_strides(t),
+            f"cudnn bwd: {name} strides {t.stride()} != dense {dense_strides(t)}",
+        )
     _like(a["grad_out"], a["query"], "grad_out", "cudnn bwd")
     _like(a["out"], a["query"], "out", "cudnn bwd")
 
@@ -280,7 +293,12 @@ def _invert(self):
     return aten.bitwise_not.default(self)
 
 
-_PATCHED = {"__getitem__": _getitem, "__setitem__": _setitem, "contiguous": _contiguous, "__invert__": _invert}
+_PATCHED = {
+    "__getitem__": _getitem,
+    "__setitem__": _setitem,
+    "contiguous": _contiguous,
+    "__invert__": _invert,
+}
 
 
 @contextlib.contextmanager

@@ -47,8 +47,23 @@ def fetch(version: str) -> Path:
     if not sdist.is_file():
         # pip prepares the sdist's metadata (runs its setup.py): with torch importable, no CUDA build
         env = dict(os.environ, FLASH_ATTENTION_SKIP_CUDA_BUILD="TRUE")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--timeout", "30",
-               "--retries", "2", "--no-build-isolation", f"flash-attn=={version}", "-d", str(root)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--timeout",
+            "30",
+            "--retries",
+            "2",
+            "--no-build-isolation",
+            f"flash-attn=={version}",
+            "-d",
+            str(root),
+        ]
         try:
             run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -112,7 +127,9 @@ def _check_type(fn: str, ctype: str, name: str, value) -> None:
     elif ctype.endswith("int"):
         _check(isinstance(value, int) and not isinstance(value, bool), f"{fn}: {name} must be an int")
     elif ctype.endswith("float"):
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{fn}: {name} must be a float")
+        _check(
+            isinstance(value, (int, float)) and not isinstance(value, bool), f"{fn}: {name} must be a float"
+        )
 
 
 def _lse_shape(dims: list[str], a: dict, varlen: bool) -> tuple[int, ...]:
@@ -132,7 +149,9 @@ def _kernel(py_name: str, spec: dict, fwd_spec: dict):
     varlen = "varlen" in py_name
 
     def call(*args):
-        _check(len(args) == len(params), f"{py_name}(): {len(args)} arguments given, {fn} takes {len(params)}")
+        _check(
+            len(args) == len(params), f"{py_name}(): {len(args)} arguments given, {fn} takes {len(params)}"
+        )
         a = {}
         for (ctype, name), value in zip(params, args):
             _check_type(fn, ctype, name, value)
@@ -143,28 +162,39 @@ def _kernel(py_name: str, spec: dict, fwd_spec: dict):
             _check(t.stride(-1) == 1, f"{fn}: Input tensor must have contiguous last dimension")
             _check(t.dtype == q.dtype, f"{fn}: query and key/value must have the same dtype")
         _check(q.dtype in HALF, "FlashAttention only support fp16 and bf16 data type")
-        _check(q.size(-2) % k.size(-2) == 0, "Number of heads in key/value must divide number of heads in query")
+        _check(
+            q.size(-2) % k.size(-2) == 0, "Number of heads in key/value must divide number of heads in query"
+        )
         if spec["head8"]:
             _check(q.size(-1) % 8 == 0, "head_size should be a multiple of 8")
         if varlen:
             for c in (a["cu_seqlens_q"], a["cu_seqlens_k"]):
-                _check(c.dtype == torch.int32 and c.dim() == 1 and c.is_contiguous(), "cu_seqlens must be int32")
+                _check(
+                    c.dtype == torch.int32 and c.dim() == 1 and c.is_contiguous(), "cu_seqlens must be int32"
+                )
         lse_shape = _lse_shape(fwd_spec["lse"], a, varlen)
         if "dout" in a:  # backward: the lse must be in the layout the forward wrote
-            _check(tuple(a["softmax_lse"].shape) == lse_shape,
-                   f"{fn}: softmax_lse {tuple(a['softmax_lse'].shape)}, the forward writes {lse_shape}")  # fmt: skip
+            _check(
+                tuple(a["softmax_lse"].shape) == lse_shape,
+                f"{fn}: softmax_lse {tuple(a['softmax_lse'].shape)}, the forward writes {lse_shape}",
+            )
             _check(a["softmax_lse"].is_contiguous(), f"{fn}: softmax_lse must be contiguous")
             for g, x in (("dq", q), ("dk", k), ("dv", v)):
                 _check(a[g + "_"] is None or a[g + "_"].shape == x.shape, f"{fn}: {g} shape")
         made = {
             "out": torch.empty_like(q),
-            "q_padded": q, "k_padded": k, "v_padded": v, "out_padded": torch.empty_like(q),
+            "q_padded": q,
+            "k_padded": k,
+            "v_padded": v,
+            "out_padded": torch.empty_like(q),
             "softmax_lse": torch.empty(lse_shape, dtype=torch.float32, device=q.device),
             "p": torch.empty(0, dtype=q.dtype, device=q.device),
             "rng_state": torch.empty(2, dtype=torch.int64, device=q.device),
-            "dq": a.get("dq_"), "dk": a.get("dk_"), "dv": a.get("dv_"),
+            "dq": a.get("dq_"),
+            "dk": a.get("dk_"),
+            "dv": a.get("dv_"),
             "softmax_d": torch.empty(0, dtype=torch.float32, device=q.device),
-        }  # fmt: skip
+        }
         return [made[name] for name in spec["returns"]]
 
     call.__name__ = py_name
@@ -207,8 +237,12 @@ def release(version: str) -> dict[str, types.ModuleType]:
         sys.modules.update(saved)
     assert flash_attn.__version__ == version and modules["flash_attn"] is flash_attn
     fai._release_fakes = {}  # the release's own fake kernels, kept to compare with the stub
-    for name in ("_flash_attn_forward", "_flash_attn_varlen_forward", "_flash_attn_backward",
-                 "_flash_attn_varlen_backward"):  # fmt: skip
+    for name in (
+        "_flash_attn_forward",
+        "_flash_attn_varlen_forward",
+        "_flash_attn_backward",
+        "_flash_attn_varlen_backward",
+    ):
         op = getattr(fai, name)
         if hasattr(op, "register_fake") and hasattr(op, "_init_fn"):
             fai._release_fakes[name] = op._abstract_fn

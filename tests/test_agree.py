@@ -21,7 +21,9 @@ def _cases() -> dict:
 
     catch("none_failed", lambda: raise_if_any_failed(None, "saving"))
     catch("value_on_2", lambda: raise_if_any_failed(ValueError("bad path") if rank == 2 else None, "saving"))
-    catch("os_on_1_3", lambda: raise_if_any_failed(OSError("disk full") if rank in (1, 3) else None, "saving"))
+    catch(
+        "os_on_1_3", lambda: raise_if_any_failed(OSError("disk full") if rank in (1, 3) else None, "saving")
+    )
     catch("rank0_result", lambda: on_rank0(lambda: {"path": "/data", "rank": dist.get_rank()}, "preparing"))
 
     def fail0():

@@ -170,8 +170,9 @@ def test_killed_between_the_renames_old_copy_survives_and_comes_back(tmp_path):
     _make(tmp_path / "out", {"a": "old"})
     _make(tmp_path / ".out.tmp", {"a": "new"})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-c", _KILL_BETWEEN_RENAMES, str(tmp_path)], env=env,
-                          capture_output=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILL_BETWEEN_RENAMES, str(tmp_path)], env=env, capture_output=True, timeout=60
+    )
     assert proc.returncode == 17, proc.stderr.decode()[-2000:]
     assert not (tmp_path / "out").exists()
     (aside,) = tmp_path.glob(f".out.{ASIDE_TAG}-*")  # the old copy, whole, under a clear name

@@ -108,7 +108,9 @@ def test_ring_steps_and_bytes_never_exceed_zigzag():
         seq_len = 2 * ring * int(rng.integers(2, 30))
         cu = torch.from_numpy(boundaries(np.array(random_lengths(rng, seq_len, seq_len // ring))))
         steps = {
-            layout: ring_steps_needed([plan_ring_blocks(seq_len, ring, r, layout, True, cu) for r in range(ring)])
+            layout: ring_steps_needed(
+                [plan_ring_blocks(seq_len, ring, r, layout, True, cu) for r in range(ring)]
+            )
             for layout in ("zigzag", "balanced")
         }
         assert steps["balanced"] <= steps["zigzag"] <= ring
@@ -131,7 +133,10 @@ def test_issue_table_from_exact_pair_counts():
     assert round(imbalance(8, "zigzag", one_long), 2) == 2.26
     assert round(imbalance(8, "contiguous", one_long), 2) == 3.27
     short = boundaries(parse_doc_lengths(MIXTURES["64 x 2K"]).row(S128K))
-    assert round(imbalance(8, "zigzag", short), 2) == 1.00 and round(imbalance(8, "contiguous", short), 2) == 1.00
+    assert (
+        round(imbalance(8, "zigzag", short), 2) == 1.00
+        and round(imbalance(8, "contiguous", short), 2) == 1.00
+    )
     lognormal = boundaries(parse_doc_lengths(MIXTURES["lognormal 8K"]).row(S128K))
     assert len(lognormal) - 1 == 22  # this seed's row: 22 documents
     assert round(imbalance(8, "zigzag", lognormal), 2) == 1.49
@@ -165,9 +170,20 @@ def balanced_cases(world: int, seq_len: int, seed: int) -> list[dict]:
                 lengths = random_lengths(rng, seq_len, seq_len // r)
                 hq, hkv = [(4, 4), (8, 2), (4, 1)][i % 3] if u <= 4 else (8, 2)
                 cases.append(
-                    dict(ulysses=u, ring=r, layout="balanced", causal=causal, hq=hq, hkv=hkv, dtype="float64",
-                         batch=1, seq_len=seq_len, seed=seed + i, cu_seqlens=boundaries(np.array(lengths)).tolist())
-                )  # fmt: skip
+                    dict(
+                        ulysses=u,
+                        ring=r,
+                        layout="balanced",
+                        causal=causal,
+                        hq=hq,
+                        hkv=hkv,
+                        dtype="float64",
+                        batch=1,
+                        seq_len=seq_len,
+                        seed=seed + i,
+                        cu_seqlens=boundaries(np.array(lengths)).tolist(),
+                    )
+                )
                 i += 1
     return cases
 
@@ -207,8 +223,13 @@ def run_bad_inputs() -> list[str]:
         lambda: shard_sequence(torch.randn(1, 32), mesh, cu_seqlens=torch.tensor([0, 20, 10, 32])),  # falls
         lambda: shard_sequence(torch.randn(2, 32), mesh, cu_seqlens=torch.tensor([0, 10, 32])),  # batch 2
         lambda: usp_attention(x, x, x, mesh=mesh, cu_seqlens=torch.tensor([0, 10, 31])),
-        lambda: usp_attention(torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8),
-                              mesh=mesh, cu_seqlens=torch.tensor([0, 10, 32])),  # fmt: skip
+        lambda: usp_attention(
+            torch.randn(2, 16, 2, 8),
+            torch.randn(2, 16, 2, 8),
+            torch.randn(2, 16, 2, 8),
+            mesh=mesh,
+            cu_seqlens=torch.tensor([0, 10, 32]),
+        ),
         # a different row on each rank: caught by the 16-byte fingerprint exchange, on both ranks
         lambda: usp_attention(x, x, x, mesh=mesh, cu_seqlens=torch.tensor([0, 10 + rank, 32])),
     ]

@@ -36,9 +36,20 @@ def doc_matrix(world: int, heads: list[tuple[int, int]]) -> list[dict]:
                     hq, hkv = heads[i % len(heads)]
                     dtype = "bfloat16" if i % 5 == 4 else "float64"
                     cases.append(
-                        dict(ulysses=u, ring=r, layout=layout, causal=causal, hq=hq, hkv=hkv, dtype=dtype,
-                             batch=1, seq_len=SEQ_LEN, seed=2000 + i, cu_seqlens=cu)
-                    )  # fmt: skip
+                        dict(
+                            ulysses=u,
+                            ring=r,
+                            layout=layout,
+                            causal=causal,
+                            hq=hq,
+                            hkv=hkv,
+                            dtype=dtype,
+                            batch=1,
+                            seq_len=SEQ_LEN,
+                            seed=2000 + i,
+                            cu_seqlens=cu,
+                        )
+                    )
                     i += 1
     return cases
 
@@ -95,8 +106,17 @@ def run_document_bytes(layout: str, cu: list[int]) -> int:
 @pytest.mark.parametrize("layout, cu, steps", [("contiguous", DOCUMENTS[0], 2), ("zigzag", DOCUMENTS[3], 1)])
 def test_document_ring_bytes_match_trimmed_formula(dist_pools, layout, cu, steps):
     sent = dist_pools(4).run(run_document_bytes, layout, cu)
-    want = analytic_bytes_sent(batch=1, seq_len=48, num_heads=2, num_kv_heads=2, head_dim=8, ulysses_degree=1,
-                               ring_degree=4, element_size=4, ring_steps=steps)["fwd_bwd"]  # fmt: skip
+    want = analytic_bytes_sent(
+        batch=1,
+        seq_len=48,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=8,
+        ulysses_degree=1,
+        ring_degree=4,
+        element_size=4,
+        ring_steps=steps,
+    )["fwd_bwd"]
     assert sent == [want] * 4
 
 

@@ -30,8 +30,19 @@ def chunk_cases() -> list[dict]:
             for cu in (None, DOCUMENTS[0]):
                 # per rank after Ulysses: 8 query heads, 4 KV heads (GQA groups of 2), or 4 and 4 (no GQA)
                 hq, hkv = (8 * u, 4 * u) if i % 2 == 0 else (4 * u, 4 * u)
-                case = dict(ulysses=u, ring=r, layout="zigzag", causal=True, hq=hq, hkv=hkv, dtype="float64",
-                            batch=1 if cu else 2, seq_len=48, seed=3000 + i, attn_head_chunks=chunks)  # fmt: skip
+                case = dict(
+                    ulysses=u,
+                    ring=r,
+                    layout="zigzag",
+                    causal=True,
+                    hq=hq,
+                    hkv=hkv,
+                    dtype="float64",
+                    batch=1 if cu else 2,
+                    seq_len=48,
+                    seed=3000 + i,
+                    attn_head_chunks=chunks,
+                )
                 if cu:
                     case["cu_seqlens"] = cu
                 cases.append(case)
@@ -82,8 +93,14 @@ def run_chunked_training(model_dir: str, ulysses: int, ring: int) -> dict | None
     out = {}
     for chunks in (1, 2):
         model = load_float64(model_dir)
-        loss_model = parallelize(model, mesh, param_dtype=EXACT_DTYPE, reduce_dtype=EXACT_DTYPE, loss_chunk_size=7,
-                                 attn_head_chunks=chunks)  # fmt: skip
+        loss_model = parallelize(
+            model,
+            mesh,
+            param_dtype=EXACT_DTYPE,
+            reduce_dtype=EXACT_DTYPE,
+            loss_chunk_size=7,
+            attn_head_chunks=chunks,
+        )
         optimizer, scheduler = build_optimizer(loss_model, OPTIM, max_steps=4)
         batches = make_batches(model.config.vocab_size)[:2]
         losses, norms, params = train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches)

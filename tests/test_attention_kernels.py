@@ -66,8 +66,9 @@ def test_forward_out_and_lse(backend, causal, segments, hq, hkv):
     if isinstance(segments, str):  # causal per-document segments on the diagonal
         segments = torch.tensor([[0, 5, 0, 5], [5, 6, 5, 6], [6, 12, 6, 12]])
     q, k, v, _ = _inputs(s, s, hq, hkv)
-    out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=1 / math.sqrt(8), backend=backend,
-                                 segments=segments)  # fmt: skip
+    out, lse = attention_forward(
+        q, k, v, causal=causal, softmax_scale=1 / math.sqrt(8), backend=backend, segments=segments
+    )
     mask = segment_mask(segments, s, s, causal) if segments is not None else None
     if mask is None and causal:
         mask = torch.ones(s, s, dtype=torch.bool).tril()
@@ -93,8 +94,9 @@ def test_backward_from_global_lse_is_exact_per_block(backend):
     dq = torch.zeros_like(q)
     dks, dvs = [], []
     for ks in blocks:
-        gq, gk, gv = attention_backward(dout, q, k[:, ks], v[:, ks], out, lse_acc, causal=False,
-                                        softmax_scale=scale, backend=backend)  # fmt: skip
+        gq, gk, gv = attention_backward(
+            dout, q, k[:, ks], v[:, ks], out, lse_acc, causal=False, softmax_scale=scale, backend=backend
+        )
         dq += gq
         dks.append(gk)
         dvs.append(gv)
@@ -127,8 +129,18 @@ def test_backward_rows_without_keys_have_zero_grads():
         q, k, v, causal=False, softmax_scale=0.3, backend="cpu_flash", segments=SEGMENTS
     )
     global_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # as if other blocks covered them
-    dq, dk, dv = attention_backward(dout, q, k, v, out, global_lse, causal=False, softmax_scale=0.3,
-                                    backend="cpu_flash", segments=SEGMENTS)  # fmt: skip
+    dq, dk, dv = attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        global_lse,
+        causal=False,
+        softmax_scale=0.3,
+        backend="cpu_flash",
+        segments=SEGMENTS,
+    )
     assert not any(t.isnan().any() for t in (dq, dk, dv))
     assert dq[:, [0, 9]].abs().max() == 0 and dk[:, 11].abs().max() == 0
 
@@ -153,21 +165,51 @@ def _fake_flash_attn() -> tuple[types.ModuleType, types.ModuleType]:
         outs, lses = [], []
         for i in range(cu_q.numel() - 1):
             qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-            o, lse = attention_forward(q[None, qs], k[None, ks], v[None, ks], causal=causal, softmax_scale=scale,
-                                       backend="math")  # fmt: skip
+            o, lse = attention_forward(
+                q[None, qs], k[None, ks], v[None, ks], causal=causal, softmax_scale=scale, backend="math"
+            )
             outs.append(o[0])
             lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, dim=1), None
 
-    def varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                   alibi_slopes, deterministic, rng_state=None):  # fmt: skip
+    def varlen_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state=None,
+    ):
         cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
         for i in range(cu_q.numel() - 1):
             qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-            g = attention_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks], out[None, qs],
-                                   softmax_lse[None, :, qs], causal=causal, softmax_scale=softmax_scale,
-                                   backend="math")  # fmt: skip
+            g = attention_backward(
+                dout[None, qs],
+                q[None, qs],
+                k[None, ks],
+                v[None, ks],
+                out[None, qs],
+                softmax_lse[None, :, qs],
+                causal=causal,
+                softmax_scale=softmax_scale,
+                backend="math",
+            )
             dq[qs], dk[ks], dv[ks] = g[0][0], g[1][0], g[2][0]
 
     fa = types.ModuleType("flash_attn")
@@ -231,29 +273,81 @@ def _custom_op_backwards():
 
     @torch.library.custom_op("usp_test::fa_bwd", mutates_args=("dq", "dk", "dv"), device_types="cpu")
     def fa_bwd(
-        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-        softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dropout_p: float,
-        softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int, softcap: float,
-        alibi_slopes: torch.Tensor | None, deterministic: bool, rng_state: torch.Tensor | None = None,
-    ) -> None:  # fmt: skip
-        g = attention_backward(dout, q, k, v, out, softmax_lse, causal=causal, softmax_scale=softmax_scale,
-                               backend="math")  # fmt: skip
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        softmax_lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        dropout_p: float,
+        softmax_scale: float,
+        causal: bool,
+        window_size_left: int,
+        window_size_right: int,
+        softcap: float,
+        alibi_slopes: torch.Tensor | None,
+        deterministic: bool,
+        rng_state: torch.Tensor | None = None,
+    ) -> None:
+        g = attention_backward(
+            dout, q, k, v, out, softmax_lse, causal=causal, softmax_scale=softmax_scale, backend="math"
+        )
         dq.copy_(g[0])
         dk.copy_(g[1])
         dv.copy_(g[2])
 
     @torch.library.custom_op("usp_test::fa_varlen_bwd", mutates_args=("dq", "dk", "dv"), device_types="cpu")
     def fa_varlen_bwd(
-        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-        softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-        cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-        dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
-        softcap: float, alibi_slopes: torch.Tensor | None, deterministic: bool,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        softmax_lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        dropout_p: float,
+        softmax_scale: float,
+        causal: bool,
+        window_size_left: int,
+        window_size_right: int,
+        softcap: float,
+        alibi_slopes: torch.Tensor | None,
+        deterministic: bool,
         rng_state: torch.Tensor | None = None,
-    ) -> None:  # fmt: skip
-        plain_varlen(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                     softcap, alibi_slopes, deterministic, rng_state)  # fmt: skip
+    ) -> None:
+        plain_varlen(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            dq,
+            dk,
+            dv,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size_left,
+            window_size_right,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            rng_state,
+        )
 
     _custom_op_backwards.ops = fa_bwd, fa_varlen_bwd
     return _custom_op_backwards.ops

@@ -56,9 +56,15 @@ def run_cases(cases: list[dict]) -> list[list[torch.Tensor] | None]:
                 ql, kl, vl = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (ql, kl, vl))
             ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
             out = usp_attention(
-                ql, kl, vl, mesh=mesh, causal=case.get("causal", True), backend=case.get("backend", "auto"),
-                cu_seqlens=cu, attn_head_chunks=case.get("chunks", 1),
-            )  # fmt: skip
+                ql,
+                kl,
+                vl,
+                mesh=mesh,
+                causal=case.get("causal", True),
+                backend=case.get("backend", "auto"),
+                cu_seqlens=cu,
+                attn_head_chunks=case.get("chunks", 1),
+            )
             out.backward(shard_sequence(dout, mesh, cu_seqlens=cu))
             got = [gather_sequence(t, mesh, cu_seqlens=cu) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
             results.append(got if mesh.sp_rank == 0 else None)

@@ -57,11 +57,19 @@ def run_usp_cases(cases: list[dict]) -> list[list[torch.Tensor] | None]:
             ql, kl, vl = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (ql, kl, vl))
         ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
         out = usp_attention(
-            ql, kl, vl, mesh=mesh, causal=case["causal"], backend=case.get("backend", "auto"), cu_seqlens=cu,
+            ql,
+            kl,
+            vl,
+            mesh=mesh,
+            causal=case["causal"],
+            backend=case.get("backend", "auto"),
+            cu_seqlens=cu,
             attn_head_chunks=case.get("attn_head_chunks", 1),
         )
         out.backward(shard_sequence(dout, mesh, cu_seqlens=cu))
-        gathered = [gather_sequence(t, mesh, cu_seqlens=cu) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
+        gathered = [
+            gather_sequence(t, mesh, cu_seqlens=cu) for t in (out.detach(), ql.grad, kl.grad, vl.grad)
+        ]
         results.append(gathered if mesh.sp_rank == 0 else None)  # one report per data-parallel replica
     return results
 

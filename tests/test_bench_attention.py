@@ -12,8 +12,26 @@ from usp.attention.cost import analytic_bytes_sent, imbalance, ring_work
 def run_bench(out_path: str) -> None:
     from usp.bench.attention import main
 
-    argv = ["--ulysses", "1,2,4", "--ring", "1,2,4", "--seq", "64", "--heads", "4", "--kv-heads", "1,4",
-            "--head-dim", "8", "--iters", "1", "--warmup", "0", "--out", out_path]  # fmt: skip
+    argv = [
+        "--ulysses",
+        "1,2,4",
+        "--ring",
+        "1,2,4",
+        "--seq",
+        "64",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "1,4",
+        "--head-dim",
+        "8",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        out_path,
+    ]
     main(argv)
 
 
@@ -51,8 +69,16 @@ def test_bench_tiny_grid_json(dist_pools, tmp_path):
 
 def test_analytic_bytes_formula_by_hand():
     # U=2, R=2, B=1, S=64, Hq=4, Hkv=1 (replicated to 2), D=8, fp32: L=16
-    got = analytic_bytes_sent(batch=1, seq_len=64, num_heads=4, num_kv_heads=1, head_dim=8, ulysses_degree=2,
-                              ring_degree=2, element_size=4)  # fmt: skip
+    got = analytic_bytes_sent(
+        batch=1,
+        seq_len=64,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=8,
+        ulysses_degree=2,
+        ring_degree=2,
+        element_size=4,
+    )
     a2a_q = 16 * 4 * 8 * 4 // 2  # half of the local q leaves the rank
     a2a_kv = 16 * 2 * 8 * 4 // 2  # 2 replicated KV heads
     part = 32 * 1 * 8  # one K (or V) part on the ring: S/R tokens x 1 head
@@ -72,8 +98,30 @@ def test_layout_balance():
 def run_bench_documents(out_path: str) -> None:
     from usp.bench.attention import main
 
-    main(["--ulysses", "1", "--ring", "4", "--seq", "64", "--heads", "2", "--kv-heads", "2", "--head-dim", "8",
-          "--iters", "1", "--warmup", "0", "--doc-len", "10", "--out", out_path])  # fmt: skip
+    main(
+        [
+            "--ulysses",
+            "1",
+            "--ring",
+            "4",
+            "--seq",
+            "64",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--doc-len",
+            "10",
+            "--out",
+            out_path,
+        ]
+    )
 
 
 def test_bench_documents_trim_the_ring(dist_pools, tmp_path):

@@ -17,8 +17,22 @@ def test_kernel_check_cpu(tmp_path, monkeypatch, per_segment):
     if per_segment:  # what a GPU-sized block does with documents
         monkeypatch.setattr(segmented, "DENSE_MASK_MAX_ELEMENTS", 0)
     out = tmp_path / "kernels.json"
-    report = main(["--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--iters", "1",
-                   "--out", str(out)])  # fmt: skip
+    report = main(
+        [
+            "--seq",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--iters",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == report
     (rec,) = report["results"]
     assert rec["backend"] == "cpu_flash" and rec["dtype"] == "float32" and rec["doc_len"] == 64 // 8 + 3
@@ -29,5 +43,11 @@ def test_kernel_check_cpu(tmp_path, monkeypatch, per_segment):
 
 def test_document_segments_cover_the_block():
     segs = document_segments(20, 8).tolist()
-    assert segs == [[0, 8, 0, 8], [8, 9, 8, 9], [9, 10, 9, 10], [10, 18, 10, 18], [18, 19, 18, 19],
-                    [19, 20, 19, 20]]  # fmt: skip
+    assert segs == [
+        [0, 8, 0, 8],
+        [8, 9, 8, 9],
+        [9, 10, 9, 10],
+        [10, 18, 10, 18],
+        [18, 19, 18, 19],
+        [19, 20, 19, 20],
+    ]

@@ -69,7 +69,9 @@ def test_search_stops_on_an_error_and_on_the_budget():
     assert (best, stopped, tried) == (2048, "error", [2048, 2560])  # an error is not a memory limit
     calls = iter([True, True, False])
     try_len, tried = _fake(5000)
-    best, stopped, _ = search(try_len, start=1024, granularity=256, max_len=1 << 20, time_left=lambda: next(calls))
+    best, stopped, _ = search(
+        try_len, start=1024, granularity=256, max_len=1 << 20, time_left=lambda: next(calls)
+    )
     assert (best, stopped, tried) == (1280, "budget", [1024, 1280])
 
 
@@ -115,23 +117,41 @@ def test_host_memory_decides_the_depth(tmp_path):
 def test_classify_outcomes():
     assert classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) == "oom"
     assert classify(RuntimeError("CUDA error: out of memory")) == "oom"
-    assert classify(ValueError("model.path='/m': could not read the weights (OutOfMemoryError: ...)")) == "oom"
+    assert (
+        classify(ValueError("model.path='/m': could not read the weights (OutOfMemoryError: ...)")) == "oom"
+    )
     assert classify(ValueError("offload needs 9.00 GiB of host memory per node ...")) == "host_mem"
     assert classify(ValueError("parallel.mlp_tiles=7 does not divide")) == "error"
 
 
 def test_attempt_from_takes_the_last_step_and_the_peaks():
     recs = [
-        {"step_time_s": 9.0, "tokens_per_s": 100.0, "mfu": 0.1, "peak_mem_gib": 50.0, "peak_mem_reserved_gib": 60.0},
-        {"step_time_s": 4.0, "tokens_per_s": 250.0, "mfu": 0.3, "peak_mem_gib": 48.0, "peak_mem_reserved_gib": 61.0},
+        {
+            "step_time_s": 9.0,
+            "tokens_per_s": 100.0,
+            "mfu": 0.1,
+            "peak_mem_gib": 50.0,
+            "peak_mem_reserved_gib": 60.0,
+        },
+        {
+            "step_time_s": 4.0,
+            "tokens_per_s": 250.0,
+            "mfu": 0.3,
+            "peak_mem_gib": 48.0,
+            "peak_mem_reserved_gib": 61.0,
+        },
     ]
-    a = attempt_from({"seq_len": 1024, "status": "ok", "records": recs, "layout": {"mlp_tiles": 4}}, {"mfu": 0.31})
+    a = attempt_from(
+        {"seq_len": 1024, "status": "ok", "records": recs, "layout": {"mlp_tiles": 4}}, {"mfu": 0.31}
+    )
     assert (a.step_time_s, a.tokens_per_s, a.mfu, a.mlp_tiles) == (4.0, 250.0, 0.3, 4)
     assert (a.peak_mem_gib, a.peak_mem_reserved_gib) == (50.0, 61.0)
     failed = attempt_from({"seq_len": 2048, "status": "oom", "error": "OutOfMemoryError: x"}, {})
     assert failed.step_time_s is None and not failed.ok
     lines = table([a, failed]).splitlines()
-    assert lines[2].startswith("| 2048 | oom |") and lines[3].startswith("| 1024 | ok | 4 | 4.00 | 250 | 30.0% |")
+    assert lines[2].startswith("| 2048 | oom |") and lines[3].startswith(
+        "| 1024 | ok | 4 | 4.00 | 250 | 30.0% |"
+    )
 
 
 @pytest.mark.slow
@@ -140,9 +160,28 @@ def test_cpu_search_brackets_an_injected_memory_limit(tmp_path):
     length, the report. Attempts above 1100 tokens fail as an OOM would; from 1536 the search goes down
     (1024 trains) and bisects (1280 fails): the answer is 1024, bracketing the limit within one granule."""
     out = tmp_path / "maxlen.json"
-    cmd = [sys.executable, "-m", "usp.bench.maxlen", "--tiny", "--start", "1536", "--granularity", "256",
-           "--fail-above", "1100", "--optim", "adamw_cpu_offload", "--budget", "240", "--attempt-timeout", "120",
-           "--min-attempt-s", "5", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "usp.bench.maxlen",
+        "--tiny",
+        "--start",
+        "1536",
+        "--granularity",
+        "256",
+        "--fail-above",
+        "1100",
+        "--optim",
+        "adamw_cpu_offload",
+        "--budget",
+        "240",
+        "--attempt-timeout",
+        "120",
+        "--min-attempt-s",
+        "5",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -160,7 +199,12 @@ def test_cpu_search_brackets_an_injected_memory_limit(tmp_path):
     assert set(best["planner"]) >= {"mem_gib_per_gpu", "host_mem_gib_per_node", "step_time_s", "mfu", "fits"}
     assert report["planner"]["max_seq_len"] > 0 and report["planner"]["at_max_seq_len"]["fits"]
     s = report["settings"]
-    assert (s["activation_checkpointing"], s["optim"], s["mlp_tiles"], s["steps"]) == ("offload", "adamw_cpu_offload", "auto", 2)
+    assert (s["activation_checkpointing"], s["optim"], s["mlp_tiles"], s["steps"]) == (
+        "offload",
+        "adamw_cpu_offload",
+        "auto",
+        2,
+    )
     assert "| 1024 | ok | 16 |" in proc.stdout and "longest trained: 1024 tokens" in proc.stdout
 
 

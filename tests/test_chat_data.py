@@ -49,8 +49,16 @@ NO_ASSISTANT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 TEMPLATES = {"chatml": (CHATML, "<|im_end|>"), "llama3": (LLAMA3, "<|eot_id|>"), "zephyr": (ZEPHYR, "</s>")}
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-            "<|system|>", "<|user|>", "<|assistant|>"]  # fmt: skip
+SPECIALS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+]
 
 CHAT = [
     {"role": "system", "content": "you count numbers"},
@@ -136,8 +144,9 @@ def test_row_shapes_normalise_to_messages():
         {"role": "user", "content": "a"}
     ]
     with pytest.raises(ValueError, match=r"row 7: message 1 has an unknown role 'robot'"):
-        conversation_of({"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]},
-                        where="row 7")  # fmt: skip
+        conversation_of(
+            {"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}, where="row 7"
+        )
     with pytest.raises(ValueError, match="--messages-field"):
         conversation_of({"text": "hello"})
 
@@ -249,9 +258,12 @@ def test_prepare_chat_end_to_end_counts_and_cli(tokenizer, tmp_path):
     tok_dir = tmp_path / "tok"
     tokenizer.chat_template = CHATML
     tokenizer.save_pretrained(tok_dir)
-    rows = [{"messages": CHAT}, {"messages": [{"role": "user", "content": "no answer"}]},
-            {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "1 2 3"}]},
-            {"prompt": "count", "completion": "4 5"}]  # fmt: skip
+    rows = [
+        {"messages": CHAT},
+        {"messages": [{"role": "user", "content": "no answer"}]},
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "1 2 3"}]},
+        {"prompt": "count", "completion": "4 5"},
+    ]
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     import datasets
@@ -259,13 +271,45 @@ def test_prepare_chat_end_to_end_counts_and_cli(tokenizer, tmp_path):
     parquet = tmp_path / "chats.parquet"
     datasets.Dataset.from_list([{"chat": CHAT[1:3]}, {"chat": CHAT[3:5]}]).to_parquet(str(parquet))
     out = tmp_path / "out"
-    assert prepare_main(["--format", "chat", "--input", str(data), "--tokenizer", str(tok_dir), "--seq-len", "256",
-                         "--output", str(out)]) == 0  # fmt: skip
+    assert (
+        prepare_main(
+            [
+                "--format",
+                "chat",
+                "--input",
+                str(data),
+                "--tokenizer",
+                str(tok_dir),
+                "--seq-len",
+                "256",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     stats = read_stats(out)
     assert stats["documents_in"] == 3 and stats["extra"]["conversations_no_assistant"] == 1
     out_pq = tmp_path / "out_pq"
-    assert prepare_main(["--format", "chat", "--input", str(parquet), "--messages-field", "chat", "--tokenizer",
-                         str(tok_dir), "--seq-len", "64", "--output", str(out_pq)]) == 0  # fmt: skip
+    assert (
+        prepare_main(
+            [
+                "--format",
+                "chat",
+                "--input",
+                str(parquet),
+                "--messages-field",
+                "chat",
+                "--tokenizer",
+                str(tok_dir),
+                "--seq-len",
+                "64",
+                "--output",
+                str(out_pq),
+            ]
+        )
+        == 0
+    )
     assert read_stats(out_pq)["documents_in"] == 2
     assert stats["extra"]["chat"]["loss_on"] == "assistant" and stats["rows"] == 1
     ds = datasets.load_from_disk(str(out))
@@ -291,8 +335,9 @@ def test_loader_prepares_chats_on_the_fly_and_checks_the_rows(tmp_path):
 
     tok = build_tiny_tokenizer(tmp_path / "tok")
     cfg = DataConfig(build_tiny_corpus=True, format="chat", chat_template="tiny_chatml")
-    train, _ = build_dataloaders(cfg, tokenizer=tok, seq_len=256, mesh=None, micro_batch_size=1, seed=0,
-                                 cache_dir=tmp_path / "cache")  # fmt: skip
+    train, _ = build_dataloaders(
+        cfg, tokenizer=tok, seq_len=256, mesh=None, micro_batch_size=1, seed=0, cache_dir=tmp_path / "cache"
+    )
     row = train.dataset[int(train.sample_ids(0)[0])]
     batch = next(iter(train))
     starts = np.cumsum([0] + list(row["document_lengths"][:-1]))
@@ -302,15 +347,36 @@ def test_loader_prepares_chats_on_the_fly_and_checks_the_rows(tmp_path):
     stats = read_stats(train_dir := next((tmp_path / "cache" / "packed").iterdir()))
     assert str(train_dir.name).startswith("chat-seq256-") and stats["extra"]["fill_ratio"] > 0.9
     text = DataConfig(build_tiny_corpus=True)
-    tr_text, _ = build_dataloaders(text, tokenizer=tok, seq_len=256, mesh=None, micro_batch_size=1, seed=0,
-                                   cache_dir=tmp_path / "cache_text")  # fmt: skip
+    tr_text, _ = build_dataloaders(
+        text,
+        tokenizer=tok,
+        seq_len=256,
+        mesh=None,
+        micro_batch_size=1,
+        seed=0,
+        cache_dir=tmp_path / "cache_text",
+    )
     text_rows = next((tmp_path / "cache_text" / "packed").iterdir())
     with pytest.raises(ValueError, match="data.format=chat but the prepared data .* has no loss_mask"):
-        build_dataloaders(DataConfig(prepared_path=str(text_rows), format="chat"), tokenizer=tok, seq_len=256,
-                          mesh=None, micro_batch_size=1, seed=0, cache_dir=tmp_path / "c3")  # fmt: skip
+        build_dataloaders(
+            DataConfig(prepared_path=str(text_rows), format="chat"),
+            tokenizer=tok,
+            seq_len=256,
+            mesh=None,
+            micro_batch_size=1,
+            seed=0,
+            cache_dir=tmp_path / "c3",
+        )
     with pytest.raises(ValueError, match="needs data.document_masking=true"):
-        build_dataloaders(DataConfig(prepared_path=str(train_dir), document_masking=False), tokenizer=tok,
-                          seq_len=256, mesh=None, micro_batch_size=1, seed=0, cache_dir=tmp_path / "c4")  # fmt: skip
+        build_dataloaders(
+            DataConfig(prepared_path=str(train_dir), document_masking=False),
+            tokenizer=tok,
+            seq_len=256,
+            mesh=None,
+            micro_batch_size=1,
+            seed=0,
+            cache_dir=tmp_path / "c4",
+        )
 
 
 def test_a_step_without_targets_is_counted_by_the_guard_but_does_not_stop_the_run():

@@ -59,7 +59,13 @@ def _step(model, opt, sched, step: int) -> float:
 
 def _save(root: Path, step: int, model, opt, sched, keep_last: int = 3, extra=None) -> Path:
     return save_checkpoint(
-        root, step, model=model, optimizer=opt, scheduler=sched, extra=extra or {"s": step}, keep_last=keep_last
+        root,
+        step,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        extra=extra or {"s": step},
+        keep_last=keep_last,
     )
 
 
@@ -183,7 +189,9 @@ _KILL_SCRIPT = textwrap.dedent(
 def test_killed_process_mid_save_leaves_previous_loadable(tmp_path):
     root = tmp_path / "ckpt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(root)], env=env, capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILL_SCRIPT, str(root)], env=env, capture_output=True, timeout=120
+    )
     assert proc.returncode == 17, proc.stderr.decode()[-2000:]
     assert (root / ".tmp-step_2" / "dcp" / ".metadata").is_file()  # the new one was written, never published
     assert latest_checkpoint(root) == root / "step_1"

@@ -70,10 +70,12 @@ def _step(model, opt, sched, step: int) -> float:
 
 def _full_state(model, opt) -> dict:
     full = StateDictOptions(full_state_dict=True)
-    return copy.deepcopy({  # a plain model's state dict aliases the live tensors
-        "model": get_model_state_dict(model, options=full),
-        "optim": get_optimizer_state_dict(model, opt, options=full),
-    })
+    return copy.deepcopy(
+        {  # a plain model's state dict aliases the live tensors
+            "model": get_model_state_dict(model, options=full),
+            "optim": get_optimizer_state_dict(model, opt, options=full),
+        }
+    )
 
 
 def _rank() -> int:
@@ -122,15 +124,20 @@ def test_save_world4_resume_world4_2_1(dist_pools, tiny_dir, tmp_path):
         assert same[r]["next_losses"] == saved[r]["next_losses"]
 
     # other layouts: FSDP2 over 2 ranks, and a plain model in this process (no process group)
-    other = dist_pools(2).run(_load_and_continue, tiny_dir, path, True) + [_load_and_continue(tiny_dir, path, False)]
+    other = dist_pools(2).run(_load_and_continue, tiny_dir, path, True) + [
+        _load_and_continue(tiny_dir, path, False)
+    ]
     for i, res in enumerate(other):
         for key in ("model", "optim", "scheduler"):
             assert_tree_equal(res[key], ref[key], f"resharded #{i} {key}")
         assert res["result"]["saved_world_size"] == 4 and res["result"]["extra_rank"] == 0
         assert_tree_equal(res["result"]["extra"], saved[0]["extra"])
         # gradient reductions sum in another order at another world size: float64 rounding only
-        assert_exact(torch.tensor(res["next_losses"], dtype=EXACT_DTYPE), torch.tensor(ref["next_losses"], dtype=EXACT_DTYPE),
-                     f"resharded #{i}: losses after the resume")  # fmt: skip
+        assert_exact(
+            torch.tensor(res["next_losses"], dtype=EXACT_DTYPE),
+            torch.tensor(ref["next_losses"], dtype=EXACT_DTYPE),
+            f"resharded #{i}: losses after the resume",
+        )
 
 
 def test_hsdp_checkpoint_loads_into_plain_model(dist_pools, tiny_dir, tmp_path):
@@ -138,8 +145,11 @@ def test_hsdp_checkpoint_loads_into_plain_model(dist_pools, tiny_dir, tmp_path):
     res = _load_and_continue(tiny_dir, saved[0]["path"], False)
     for key in ("model", "optim", "scheduler"):
         assert_tree_equal(res[key], saved[0][key], f"hsdp -> plain {key}")
-    assert_exact(torch.tensor(res["next_losses"], dtype=EXACT_DTYPE), torch.tensor(saved[0]["next_losses"], dtype=EXACT_DTYPE),
-                 "hsdp -> plain: losses after the resume")  # fmt: skip
+    assert_exact(
+        torch.tensor(res["next_losses"], dtype=EXACT_DTYPE),
+        torch.tensor(saved[0]["next_losses"], dtype=EXACT_DTYPE),
+        "hsdp -> plain: losses after the resume",
+    )
 
 
 def _failing_rank_mid_save(model_dir: str, root: str, bad_rank: int) -> dict:
@@ -153,8 +163,10 @@ def _failing_rank_mid_save(model_dir: str, root: str, bad_rank: int) -> dict:
 
     original = c.write_file
     if _rank() == bad_rank:
+
         def boom(*args, **kwargs):
             raise OSError("disk full (simulated)")
+
         c.write_file = boom
     error = None
     try:
@@ -167,15 +179,25 @@ def _failing_rank_mid_save(model_dir: str, root: str, bad_rank: int) -> dict:
     dist.barrier()
     fresh, fresh_opt, fresh_sched = _setup(model_dir, sharded=True, perturb=True)
     step = load_checkpoint(root, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)["step"]
-    return {"error": error, "latest": str(latest), "good": str(good), "step": step,
-            "match": _full_state(fresh, fresh_opt), "good_state": good_state}
+    return {
+        "error": error,
+        "latest": str(latest),
+        "good": str(good),
+        "step": step,
+        "match": _full_state(fresh, fresh_opt),
+        "good_state": good_state,
+    }
 
 
 def test_failing_rank_mid_save_raises_everywhere_and_keeps_previous(dist_pools, tiny_dir, tmp_path):
     root = str(tmp_path / "ckpt")
     results = dist_pools(4).run(_failing_rank_mid_save, tiny_dir, root, 2, timeout=240)
     for r, res in enumerate(results):
-        assert res["error"] is not None and "failed on rank 2: OSError" in res["error"] and "disk full" in res["error"], r
+        assert (
+            res["error"] is not None
+            and "failed on rank 2: OSError" in res["error"]
+            and "disk full" in res["error"]
+        ), r
         assert res["latest"] == res["good"] and res["step"] == 1
         assert_tree_equal(res["match"], res["good_state"], f"rank {r}")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".tmp-step_2", "step_1"]

@@ -41,7 +41,9 @@ def _train_and_export(model_dir: str, out_dir: str, sharded: bool) -> dict | Non
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
-        ids = torch.randint(3, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(
+            3, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step)
+        )
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -69,8 +71,9 @@ def _check_export(model_dir: str, out_dir, ref: dict) -> None:
         logits = loaded(input_ids=_probe_ids(loaded.config.vocab_size)).logits
     assert_close_scaled(logits, ref["logits"], 1e-5)
     text = "the ring 12 13 14 ulysses"
-    assert AutoTokenizer.from_pretrained(str(out_dir))(text)["input_ids"] == (
-        AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(str(out_dir))(text)["input_ids"]
+        == (AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"])
     )
 
 

@@ -54,10 +54,17 @@ def test_auto_degrees_are_accepted_and_left_to_the_planner():
     assert cfg.parallel.ulysses_degree == "auto" and cfg.parallel.ring_degree == "auto"
     validate_layout(cfg, world_size=16, local_world_size=8)
     cfg = compose_config(["parallel=auto", "parallel.ring_degree=3"])
-    with pytest.raises(ValueError, match=r"ring_degree=3 = 3 does not divide the world size 16.*ulysses_degree=auto counted as 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"ring_degree=3 = 3 does not divide the world size 16.*ulysses_degree=auto counted as 1",
+    ):
         validate_layout(cfg, world_size=16, local_world_size=8)
-    cfg = compose_config(["parallel=auto", "parallel.ulysses_degree=16"])  # ParallelDims' node rule, auto or not
-    with pytest.raises(ValueError, match=r"ulysses_degree=16 would make Ulysses groups span nodes of 8 ranks"):
+    cfg = compose_config(
+        ["parallel=auto", "parallel.ulysses_degree=16"]
+    )  # ParallelDims' node rule, auto or not
+    with pytest.raises(
+        ValueError, match=r"ulysses_degree=16 would make Ulysses groups span nodes of 8 ranks"
+    ):
         validate_layout(cfg, world_size=16, local_world_size=8)
 
 
@@ -77,7 +84,9 @@ def test_unknown_group_option_lists_the_valid_ones():
 
 
 def test_misspelled_key_fails_at_composition():
-    with pytest.raises(ValueError, match="unknown config key 'trainer.max_step': did you mean trainer.max_steps"):
+    with pytest.raises(
+        ValueError, match="unknown config key 'trainer.max_step': did you mean trainer.max_steps"
+    ):
         compose_config(["trainer.max_step=5"])
 
 

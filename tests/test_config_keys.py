@@ -35,8 +35,15 @@ def test_unknown_override_is_an_error_naming_the_real_key(override, expected):
 
 
 def test_known_keys_and_open_dicts_pass():
-    cfg = compose_config(["recipe=tiny", "trainer.grad_accum_steps=2", "hydra.run.dir=/tmp/x",
-                          "+model.tiny_size.rope_theta=5000.0", "data=tiny"])  # fmt: skip
+    cfg = compose_config(
+        [
+            "recipe=tiny",
+            "trainer.grad_accum_steps=2",
+            "hydra.run.dir=/tmp/x",
+            "+model.tiny_size.rope_theta=5000.0",
+            "data=tiny",
+        ]
+    )
     assert cfg.trainer.grad_accum_steps == 2 and cfg.model.tiny_size["rope_theta"] == 5000.0
 
 
@@ -59,8 +66,10 @@ def test_foreign_names_point_at_real_keys():
 def test_entry_point_exits_2_with_the_message():
     proc = subprocess.run(
         [sys.executable, "-m", "usp.train", "recipe=tiny", "+trainer.gradient_accumulation_steps=4"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "usp calls it trainer.grad_accum_steps" in proc.stderr
     assert proc.stderr.count("unknown config key") == 1

@@ -58,8 +58,13 @@ def _run_main(module: str, stand_in: str, argv: list[str], tmp_path: Path, monke
 
 
 def test_the_train_entry_point_gets_what_compose_builds(tmp_path, monkeypatch):
-    got = _run_main("usp.train.__main__", "usp.train.trainer",
-                    ["usp-train", *OVERRIDES, "hydra.run.dir=run"], tmp_path, monkeypatch)  # fmt: skip
+    got = _run_main(
+        "usp.train.__main__",
+        "usp.train.trainer",
+        ["usp-train", *OVERRIDES, "hydra.run.dir=run"],
+        tmp_path,
+        monkeypatch,
+    )
     want = compose_run_config(OVERRIDES, config_name=TRAIN_CONFIG, run_dir=str(tmp_path / "run"))
     assert got == want
     assert compose_config(OVERRIDES, run_dir=str(tmp_path / "run")) == want  # the thin name, the same call
@@ -67,8 +72,13 @@ def test_the_train_entry_point_gets_what_compose_builds(tmp_path, monkeypatch):
 
 def test_the_eval_entry_point_gets_what_compose_builds(tmp_path, monkeypatch):
     overrides = [*OVERRIDES, "model.path=/ckpt/hf", "eval=passkey", "eval.lengths=[128,256]"]
-    got = _run_main("usp.eval.__main__", "usp.eval.runner",
-                    ["usp-eval", *overrides, "hydra.run.dir=run"], tmp_path, monkeypatch)  # fmt: skip
+    got = _run_main(
+        "usp.eval.__main__",
+        "usp.eval.runner",
+        ["usp-eval", *overrides, "hydra.run.dir=run"],
+        tmp_path,
+        monkeypatch,
+    )
     want = compose_run_config(overrides, config_name=EVAL_CONFIG, run_dir=str(tmp_path / "run"))
     assert got == want
     assert got.eval.task == "passkey" and got.eval.lengths == [128, 256] and got.model.path == "/ckpt/hf"
@@ -143,8 +153,19 @@ def test_importing_and_composing_pulls_in_no_higher_layer_and_no_torch():
     )
     loaded = out.stdout.split()
     assert "usp.config.compose" in loaded
-    higher = ("usp.data", "usp.plan", "usp.train", "usp.eval", "usp.bench", "usp.launch", "usp.checkpoint",
-              "usp.startup", "usp.model", "usp.attention", "usp.parallel")  # fmt: skip
+    higher = (
+        "usp.data",
+        "usp.plan",
+        "usp.train",
+        "usp.eval",
+        "usp.bench",
+        "usp.launch",
+        "usp.checkpoint",
+        "usp.startup",
+        "usp.model",
+        "usp.attention",
+        "usp.parallel",
+    )
     assert [m for m in loaded if m.startswith(higher)] == []
     assert [m for m in loaded if m.split(".")[0] in ("torch", "transformers", "datasets")] == []
 
@@ -158,8 +179,10 @@ def test_the_checks_use_the_shared_rules():
 
     base = TrainConfig(data=DataConfig(build_tiny_corpus=True))
     base.model.path = "/m"
-    for setting, value, rule in [("ring_layout", "zagzig", check_ring_layout),
-                                 ("mlp_tiles", 0, check_mlp_tiles_setting)]:  # fmt: skip
+    for setting, value, rule in [
+        ("ring_layout", "zagzig", check_ring_layout),
+        ("mlp_tiles", 0, check_mlp_tiles_setting),
+    ]:
         with pytest.raises(ValueError) as from_home:
             rule(value)
         cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **{setting: value}))
@@ -169,8 +192,9 @@ def test_the_checks_use_the_shared_rules():
 
     def layout(node_size: int | None) -> TrainConfig:
         parallel = dataclasses.replace(base.parallel, ulysses_degree=4, ring_degree=1, node_size=node_size)
-        return dataclasses.replace(base, parallel=parallel,
-                                   trainer=dataclasses.replace(base.trainer, seq_len=256))  # fmt: skip
+        return dataclasses.replace(
+            base, parallel=parallel, trainer=dataclasses.replace(base.trainer, seq_len=256)
+        )
 
     with pytest.raises(ValueError, match="span nodes of 2 ranks"):  # LOCAL_WORLD_SIZE=2 is the node
         validate_layout(layout(None), world_size=8, local_world_size=2)

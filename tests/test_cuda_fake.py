@@ -81,7 +81,9 @@ def test_every_ring_block_meets_the_kernel_contracts(monkeypatch, backend, case)
         assert contracts.calls, "no CUDA SDPA op ran"
         want = {"sdpa_flash": "flash", "sdpa_efficient": "efficient", "sdpa_cudnn": "cudnn"}[backend]
         ops = {op.removeprefix("_scaled_dot_product_").split("_")[0] for op in contracts.ops()}
-        if docs and not per_segment:  # small segmented blocks: mem-efficient with a bias, whatever the backend
+        if (
+            docs and not per_segment
+        ):  # small segmented blocks: mem-efficient with a bias, whatever the backend
             assert ops == {want, "efficient"}, ops
         elif docs and backend == "sdpa_cudnn":  # the 1-token document: cuDNN takes no key length 1
             assert ops == {want, "efficient"}, ops
@@ -120,7 +122,9 @@ def test_sdpa_flash_does_not_expand_kv():
     with fake_cuda() as contracts:
         q, k = cuda_randn(2, 40, 8, 64), cuda_randn(2, 40, 2, 64)
         out, lse = attention_forward(q, k, k, causal=True, softmax_scale=0.1, backend="sdpa_flash")
-        dq, dk, dv = attention_backward(q, q, k, k, out, lse, causal=True, softmax_scale=0.1, backend="sdpa_flash")
+        dq, dk, dv = attention_backward(
+            q, q, k, k, out, lse, causal=True, softmax_scale=0.1, backend="sdpa_flash"
+        )
     assert [c.shapes["key"] for c in contracts.calls] == [(2, 2, 40, 64)] * 2  # [B, Hkv, S, D]
     assert dk.shape == k.shape and dv.shape == k.shape
 
@@ -153,11 +157,29 @@ def test_cudnn_backward_gets_dense_o_and_do():
         q, k = cuda_randn(2, PART, 4, 64), cuda_randn(2, PART, 4, 64)
         out, lse = cuda_randn(2, PART, 4, 64), torch.empty(2, 4, PART, device="cuda")
         qs = slice(PART // 2, PART)  # second half of Q only (zigzag, src > r)
-        attention_backward(q[:, qs], q[:, qs], k, k, out[:, qs], lse[:, :, qs], causal=False,
-                           softmax_scale=0.1, backend="sdpa_cudnn")  # fmt: skip
+        attention_backward(
+            q[:, qs],
+            q[:, qs],
+            k,
+            k,
+            out[:, qs],
+            lse[:, :, qs],
+            causal=False,
+            softmax_scale=0.1,
+            backend="sdpa_cudnn",
+        )
         one = cuda_randn(1, PART, 4, 64)  # B = 1: the batch stride of the slice is the only non-dense one
-        attention_backward(one[:, qs], one[:, qs], one, one, one[:, qs], lse[:1, :, qs], causal=False,
-                           softmax_scale=0.1, backend="sdpa_cudnn")  # fmt: skip
+        attention_backward(
+            one[:, qs],
+            one[:, qs],
+            one,
+            one,
+            one[:, qs],
+            lse[:1, :, qs],
+            causal=False,
+            softmax_scale=0.1,
+            backend="sdpa_cudnn",
+        )
 
 
 @pytest.mark.parametrize("backend", ["flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "auto"])
@@ -209,7 +231,9 @@ def _cuda_only_process_group():
     fake_pg = torch._C._distributed_c10d.FakeProcessGroup
     if "cuda_only" not in dist.Backend.backend_list:
         dist.Backend.register_backend(
-            "cuda_only", lambda store, rank, size, timeout: fake_pg._create_internal(rank, size), devices=["cuda"]
+            "cuda_only",
+            lambda store, rank, size, timeout: fake_pg._create_internal(rank, size),
+            devices=["cuda"],
         )
     dist.init_process_group("cuda_only", store=FakeStore(), rank=0, world_size=2)
 
@@ -249,7 +273,9 @@ class _Output:
         assert grad.shape == self.shape
 
 
-@pytest.mark.parametrize("dtype, want", [(torch.float32, "efficient_attention"), (torch.bfloat16, "flash_attention")])
+@pytest.mark.parametrize(
+    "dtype, want", [(torch.float32, "efficient_attention"), (torch.bfloat16, "flash_attention")]
+)
 def test_bench_sdpa_baseline_is_a_pinned_fused_kernel(monkeypatch, dtype, want):
     """The fp32 GQA baseline ran unpinned, i.e. the math kernel. scaled_dot_product_attention itself cannot run
     on fake CUDA tensors (its CPU-build backend choice aborts), so a stand-in applies torch's selection rules
@@ -259,7 +285,11 @@ def test_bench_sdpa_baseline_is_a_pinned_fused_kernel(monkeypatch, dtype, want):
     calls = []
 
     def sdpa(q, k, v, *, is_causal, scale, enable_gqa=False):
-        on = {n for n in ("flash", "mem_efficient", "math", "cudnn") if getattr(torch.backends.cuda, f"{n}_sdp_enabled")()}
+        on = {
+            n
+            for n in ("flash", "mem_efficient", "math", "cudnn")
+            if getattr(torch.backends.cuda, f"{n}_sdp_enabled")()
+        }
         usable = set(on)
         if q.dtype == torch.float32:
             usable -= {"flash", "cudnn"}

@@ -309,9 +309,14 @@ def _input_seen_by_one_rank_worker(src: str, tok_dir: str, cache: str, fail_rank
     loader_mod.check_inputs = check
     try:
         train, _ = build_dataloaders(
-            DataConfig(inputs=[src], seed=1), tokenizer=load_tokenizer(tok_dir), seq_len=SEQ_LEN,
-            mesh=cached_sp_mesh(2, 1, "zigzag", 1), micro_batch_size=1, seed=0, cache_dir=cache,
-        )  # fmt: skip
+            DataConfig(inputs=[src], seed=1),
+            tokenizer=load_tokenizer(tok_dir),
+            seq_len=SEQ_LEN,
+            mesh=cached_sp_mesh(2, 1, "zigzag", 1),
+            micro_batch_size=1,
+            seed=0,
+            cache_dir=cache,
+        )
         return ("ok", train.num_samples, calls)
     except ValueError as e:
         return ("error", str(e), calls)

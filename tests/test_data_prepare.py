@@ -115,9 +115,23 @@ def test_usp_prepare_data_cli_on_jsonl(tmp_path, tokenizer, capsys):
     out = tmp_path / "prepared"
     seq_len = 48
     rc = prepare_main(
-        ["--input", str(src), "--text-field", "body", "--tokenizer", str(tok_dir), "--seq-len", str(seq_len),
-         "--output", str(out), "--num-proc", "2", "--cache-dir", str(tmp_path / "hf")]
-    )  # fmt: skip
+        [
+            "--input",
+            str(src),
+            "--text-field",
+            "body",
+            "--tokenizer",
+            str(tok_dir),
+            "--seq-len",
+            str(seq_len),
+            "--output",
+            str(out),
+            "--num-proc",
+            "2",
+            "--cache-dir",
+            str(tmp_path / "hf"),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "tokens/s" in printed and "tail tokens dropped" in printed
@@ -133,12 +147,44 @@ def test_usp_prepare_data_cli_on_jsonl(tmp_path, tokenizer, capsys):
     assert stats["documents_split"] >= 300 // seq_len
     assert not list(tmp_path.glob(".prepared.work-*"))  # the work dir is cleaned up
     # never overwrite silently; --overwrite replaces a previous output only
-    assert prepare_main(["--input", str(src), "--text-field", "body", "--tokenizer", str(tok_dir), "--seq-len", "48",
-                         "--output", str(out)]) == 2  # fmt: skip
+    assert (
+        prepare_main(
+            [
+                "--input",
+                str(src),
+                "--text-field",
+                "body",
+                "--tokenizer",
+                str(tok_dir),
+                "--seq-len",
+                "48",
+                "--output",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "already exists" in capsys.readouterr().err
     # a length that does not suit the training layout, before any work
-    assert prepare_main(["--input", "/missing.jsonl", "--tokenizer", str(tok_dir), "--seq-len", "30",
-                         "--ring-degree", "2", "--ulysses-degree", "2", "--output", str(tmp_path / "x")]) == 2  # fmt: skip
+    assert (
+        prepare_main(
+            [
+                "--input",
+                "/missing.jsonl",
+                "--tokenizer",
+                str(tok_dir),
+                "--seq-len",
+                "30",
+                "--ring-degree",
+                "2",
+                "--ulysses-degree",
+                "2",
+                "--output",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
     assert "--seq-len 24 or 32" in capsys.readouterr().err
 
 
@@ -186,9 +232,14 @@ def test_long_document_upsampling_and_length_filter(tmp_path, tokenizer):
     long_len, short_len = len(docs[-1]), len(docs[0])
     shaping = LengthShaping(min_doc_tokens=short_len + 1, long_doc_threshold=long_len, long_doc_factor=3.0)
     res = prepare_dataset(
-        [str(src)], tokenizer=tokenizer, seq_len=16, output=tmp_path / "o", shaping=shaping,
-        cache_dir=tmp_path / "hf", log=lambda _: None,
-    )  # fmt: skip
+        [str(src)],
+        tokenizer=tokenizer,
+        seq_len=16,
+        output=tmp_path / "o",
+        shaping=shaping,
+        cache_dir=tmp_path / "hf",
+        log=lambda _: None,
+    )
     s = res.stats
     assert s.documents_filtered == 20 and s.documents_upsampled == 8
     assert s.tokens_in == 12 * long_len == s.tokens_packed + s.tokens_dropped
@@ -365,9 +416,14 @@ def test_intermediate_files_are_deleted_before_the_final_copy(tmp_path, tokenize
     monkeypatch.setattr(datasets.Dataset, "save_to_disk", save)
     src = _write_jsonl(tmp_path / "c.jsonl", tiny_corpus_texts(40, seed=5))
     res = prepare_dataset(
-        [str(src)], tokenizer=tokenizer, seq_len=40, output=tmp_path / "o", num_proc=2,
-        cache_dir=tmp_path / "hf", log=lambda _: None,
-    )  # fmt: skip
+        [str(src)],
+        tokenizer=tokenizer,
+        seq_len=40,
+        output=tmp_path / "o",
+        num_proc=2,
+        cache_dir=tmp_path / "hf",
+        log=lambda _: None,
+    )
     assert seen == [["packed.arrow"]]
     extra = read_stats(res.path)["extra"]
     assert extra["tokenizer_identity"]["vocab_size"] == len(tokenizer)

@@ -15,10 +15,12 @@ from usp.units import parse_seq_len
 
 
 def test_saved_dataset_dict_uses_its_train_split(tmp_path):
-    dd = datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict({"text": ["a b", "c d e"], "n": [1, 2]}),
-        "test": datasets.Dataset.from_dict({"text": ["held out"], "n": [3]}),
-    })  # fmt: skip
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": ["a b", "c d e"], "n": [1, 2]}),
+            "test": datasets.Dataset.from_dict({"text": ["held out"], "n": [3]}),
+        }
+    )
     dd.save_to_disk(str(tmp_path / "dd"))
     logs: list[str] = []
     ds = load_text_sources([str(tmp_path / "dd")], log=logs.append)
@@ -49,8 +51,9 @@ def test_text_field_list_is_checked_at_validation():
         validate_choices(cfg)
 
 
-@pytest.mark.parametrize("text, tokens", [("131072", 131072), ("128K", 131072), ("1M", 2**20), ("1.5M", 3 * 2**19),
-                                          ("4k", 4096)])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, tokens", [("131072", 131072), ("128K", 131072), ("1M", 2**20), ("1.5M", 3 * 2**19), ("4k", 4096)]
+)
 def test_seq_len_accepts_binary_suffixes(text, tokens):
     assert parse_seq_len(text) == tokens
     args = build_parser().parse_args(["--input", "x", "--tokenizer", "t", "--output", "o", "--seq-len", text])
@@ -64,6 +67,21 @@ def test_seq_len_rejects_what_is_not_a_whole_count(text):
 
 
 def test_prepare_data_cli_takes_several_text_fields():
-    args = build_parser().parse_args(["--input", "a", "--input", "b", "--text-field", "body", "content",
-                                      "--tokenizer", "t", "--output", "o", "--seq-len", "1K"])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "--input",
+            "a",
+            "--input",
+            "b",
+            "--text-field",
+            "body",
+            "content",
+            "--tokenizer",
+            "t",
+            "--output",
+            "o",
+            "--seq-len",
+            "1K",
+        ]
+    )
     assert args.text_field == ["body", "content"] and args.seq_len == 1024

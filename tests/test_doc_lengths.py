@@ -78,7 +78,18 @@ def test_planner_costs_attention_over_documents():
 
 
 def test_plan_cli_doc_lengths(capsys):
-    argv = ["--model", "llama-3.1-8b", "--seq-len", "128K", "--nodes", "2", "--ring-degree", "8", "--top", "1"]
+    argv = [
+        "--model",
+        "llama-3.1-8b",
+        "--seq-len",
+        "128K",
+        "--nodes",
+        "2",
+        "--ring-degree",
+        "8",
+        "--top",
+        "1",
+    ]
     assert plan_main([*argv, "--ring-layout", "balanced", "--doc-lengths", "lengths:2048,65536,2048x31"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("documents lengths:"))

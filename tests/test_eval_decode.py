@@ -68,8 +68,13 @@ def _reference(model_dir: str) -> dict:
     decodes = []
     for i, (length, new) in enumerate(PROMPTS):
         prompt = _ids(vocab, 2, length, 10 + i)
-        cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
-                           return_dict_in_generate=True)
+        cfg = GenerationConfig(
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
         g = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=cfg)
         # generate hands its logits out in fp32: the float64 ones are one forward over prompt + new tokens
         with torch.no_grad():
@@ -81,14 +86,21 @@ def _reference(model_dir: str) -> dict:
 @pytest.mark.parametrize("family", ["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("ulysses, ring, layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_token_losses_and_generate_match_single_process(dist_pools, models, family, ulysses, ring, layout):
-    _check_against_reference(dist_pools(4).run(eval_worker, models[family], ulysses, ring, layout), models[family])
+    _check_against_reference(
+        dist_pools(4).run(eval_worker, models[family], ulysses, ring, layout), models[family]
+    )
 
 
 @pytest.mark.slow  # two more worlds of the same checks
-@pytest.mark.parametrize("ulysses, ring, layout, dp", [(2, 1, "zigzag", 2), (2, 2, "contiguous", 1)],
-                         ids=["u2r1-dp2", "u2r2-contiguous"])  # fmt: skip
+@pytest.mark.parametrize(
+    "ulysses, ring, layout, dp",
+    [(2, 1, "zigzag", 2), (2, 2, "contiguous", 1)],
+    ids=["u2r1-dp2", "u2r2-contiguous"],
+)
 def test_generate_with_dp_replicas_and_contiguous_layout(dist_pools, models, ulysses, ring, layout, dp):
-    _check_against_reference(dist_pools(4).run(eval_worker, models["gqa"], ulysses, ring, layout, dp), models["gqa"])
+    _check_against_reference(
+        dist_pools(4).run(eval_worker, models["gqa"], ulysses, ring, layout, dp), models["gqa"]
+    )
 
 
 def _check_against_reference(per_rank: list[dict], model_dir: str) -> None:
@@ -121,14 +133,19 @@ def merge_worker() -> dict:
     vals = [torch.randn(2, n, 4, 8, **f64) for n in (0, 1, 5, 0)]
     r = mesh.sp_rank
     if keys[r].size(1) == 0:
-        out, lse = torch.zeros(2, 1, 4, 8, dtype=EXACT_DTYPE), torch.full((2, 4, 1), float("-inf"), dtype=EXACT_DTYPE)
+        out, lse = (
+            torch.zeros(2, 1, 4, 8, dtype=EXACT_DTYPE),
+            torch.full((2, 4, 1), float("-inf"), dtype=EXACT_DTYPE),
+        )
     else:
         s = torch.einsum("bqhd,bkhd->bhqk", q, keys[r]) / 8**0.5
         lse = torch.logsumexp(s, -1)
         out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vals[r])
     merged = merge_partials(out, lse, mesh)
     k, v = torch.cat(keys, 1), torch.cat(vals, 1)
-    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k) / 8**0.5, -1), v)
+    ref = torch.einsum(
+        "bhqk,bkhd->bqhd", torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k) / 8**0.5, -1), v
+    )
     return {"merged": merged, "ref": ref, "rank": dist.get_rank()}
 
 
@@ -154,4 +171,6 @@ def test_cache_appends_past_its_reserve():
         cache._append(0, k, -k)
     n = cache.used[0]
     assert n == 9 and cache.k[0].size(1) >= n
-    assert torch.equal(cache.k[0][:, :n], torch.cat(ks, 1)) and torch.equal(cache.v[0][:, :n], -torch.cat(ks, 1))
+    assert torch.equal(cache.k[0][:, :n], torch.cat(ks, 1)) and torch.equal(
+        cache.v[0][:, :n], -torch.cat(ks, 1)
+    )

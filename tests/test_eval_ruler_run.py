@@ -89,8 +89,14 @@ def _reference(model_dir: str) -> dict[tuple, dict]:
         ]
         n = next(k for k in range(1, tokens.size(1) + 1) if k == tokens.size(1) or stop(tokens[:, :k]))
         prediction = prediction_of(tokenizer, tokens[0, :n].tolist(), stop_ids)
-        out[key] = {"prompt": s.prompt, "references": s.references, "prediction": prediction, "new_tokens": n,
-                    "score": score(s.task, prediction, s.references), "tokens": tokens}  # fmt: skip
+        out[key] = {
+            "prompt": s.prompt,
+            "references": s.references,
+            "prediction": prediction,
+            "new_tokens": n,
+            "score": score(s.task, prediction, s.references),
+            "tokens": tokens,
+        }
     return out
 
 
@@ -132,11 +138,26 @@ def test_usp_eval_ruler_under_torchrun_with_dp_replicas(tiny_model, reference, t
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", WANDB_SILENT="true")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "usp.eval",
-        "recipe=tiny", f"model.path={tiny_model}", "eval=ruler", "parallel.ulysses_degree=2", "parallel.ring_degree=1",
-        f"eval.lengths=[{','.join(map(str, LENGTHS))}]", f"eval.ruler.tasks=[{','.join(TASKS)}]", "eval.ruler.samples=1",
-        "model.dtype=float32", "logging.wandb.mode=offline", f"hydra.run.dir={run_dir}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "usp.eval",
+        "recipe=tiny",
+        f"model.path={tiny_model}",
+        "eval=ruler",
+        "parallel.ulysses_degree=2",
+        "parallel.ring_degree=1",
+        f"eval.lengths=[{','.join(map(str, LENGTHS))}]",
+        f"eval.ruler.tasks=[{','.join(TASKS)}]",
+        "eval.ruler.samples=1",
+        "model.dtype=float32",
+        "logging.wandb.mode=offline",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     entry = json.loads((run_dir / "eval.json").read_text())["ruler"]

@@ -110,8 +110,10 @@ def test_generator_fits_the_length_and_its_answers_follow_from_the_prompt(tokeni
 def test_needles_are_where_the_task_says(samples, task):
     noun = "uuids" if task in ("niah_single_3", "niah_multikey_3") else "numbers"
     keys, values, asked = {
-        "niah_multikey_1": (4, 1, 1), "niah_multivalue": (1, 4, 1), "niah_multiquery": (4, 1, 4),
-    }.get(task, (1, 1, 1))  # fmt: skip
+        "niah_multikey_1": (4, 1, 1),
+        "niah_multivalue": (1, 4, 1),
+        "niah_multiquery": (4, 1, 4),
+    }.get(task, (1, 1, 1))
     for (t, _, _), s in samples.items():
         if t != task:
             continue
@@ -185,8 +187,9 @@ def test_user_haystack_files_replace_the_essay(tokenizer, tmp_path):
     rest = set(
         re.sub(r" ?One of the special magic numbers for \S+ is: \S+\.", "", _context(s.prompt)).split()
     )
-    assert {"Zebras", "Quokkas"} <= rest and rest <= set(("Zebras graze on the wide plain near the river. "
-                                                         "Quokkas smile in the morning sun.").split())  # fmt: skip
+    assert {"Zebras", "Quokkas"} <= rest and rest <= set(
+        ("Zebras graze on the wide plain near the river. Quokkas smile in the morning sun.").split()
+    )
     assert set(_context(builder.build("niah_single_1", 2048, 0).prompt).split()) & set(
         NOISE.split()
     )  # noise stays
@@ -208,8 +211,11 @@ def test_chat_template_wraps_ruler_and_passkey_prompts(tokenizer):
         cfg.chat_template = True
         s = PromptBuilder(tokenizer, cfg).build("niah_single_1", 2048, 0)
         assert s.prompt.startswith("<|user|>Some special magic numbers")
-        assert re.search(r"mentioned in the text above\?</s><\|assistant\|>The special magic numbers for \S+ mentioned "
-                         r"in the text above are$", s.prompt)  # fmt: skip
+        assert re.search(
+            r"mentioned in the text above\?</s><\|assistant\|>The special magic numbers for \S+ mentioned "
+            r"in the text above are$",
+            s.prompt,
+        )
         assert s.input_ids == tokenizer(s.prompt, add_special_tokens=False)["input_ids"]
         assert 2048 - 8 <= len(s.input_ids) <= 2048
         frame = chat_frame(tokenizer)
@@ -250,14 +256,18 @@ def test_bad_ruler_settings_name_the_setting(tokenizer, tmp_path):
 
 # --- scores -----------------------------------------------------------------------------------------------
 REFS = {
-    "niah_single_1": ["4817265"], "niah_single_2": ["1234567"], "niah_single_3": ["0f8c6d1e-5a2b-4c3d-9e8f-7a6b5c4d3e2f"],
-    "niah_multikey_1": ["7654321"], "niah_multikey_2": ["2468024"], "niah_multikey_3": ["a1b2c3d4-0000-4000-8000-123456789abc"],
+    "niah_single_1": ["4817265"],
+    "niah_single_2": ["1234567"],
+    "niah_single_3": ["0f8c6d1e-5a2b-4c3d-9e8f-7a6b5c4d3e2f"],
+    "niah_multikey_1": ["7654321"],
+    "niah_multikey_2": ["2468024"],
+    "niah_multikey_3": ["a1b2c3d4-0000-4000-8000-123456789abc"],
     "niah_multivalue": ["1111111", "2222222", "3333333", "4444444"],
     "niah_multiquery": ["5555555", "6666666", "7777777", "8888888"],
     "vt": ["ABCDE", "FGHIJ", "KLMNO", "PQRST", "UVWXY"],
     "cwe": ["tamo", "kelu", "rivado", "semi", "pova", "lizu", "dako", "mune", "zeta", "gorbi"],
     "fwe": ["bafo", "kimu", "sola"],
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("task", RULER_TASKS)
@@ -283,16 +293,28 @@ def test_match_part_and_prediction_cleaning():
     assert string_match_part("Nice", ["lyon", "marseille"]) == 0.0
     assert string_match_all("lyon", ["lyon", "marseille"]) == 0.5
     assert clean_prediction("\n\n 4817265.\n\nQuestion: what is 1234567?") == "4817265."
-    assert clean_prediction(":\n\n* 4817265\n* 4817265\n\nNext") == ":\n\n* 4817265\n* 4817265"  # ":" opens the answer
+    assert (
+        clean_prediction(":\n\n* 4817265\n* 4817265\n\nNext") == ":\n\n* 4817265\n* 4817265"
+    )  # ":" opens the answer
     assert stopped("\n\n 48\n\n") and not stopped(":\n\n* 48") and not stopped("\n\n")
     assert clean_prediction("1. tamo\n2. kelu\x07") == "1. tamo\n2. kelu"
 
 
 def test_means_and_effective_length():
-    trials = [{"task": t, "length": n, "score": s} for t, n, s in [
-        ("a", 1024, 1.0), ("a", 1024, 0.5), ("b", 1024, 1.0), ("a", 2048, 0.5), ("b", 2048, 1.0), ("a", 4096, 0.0),
-        ("b", 4096, 1.0), ("a", 8192, 1.0), ("b", 8192, 1.0),
-    ]]  # fmt: skip
+    trials = [
+        {"task": t, "length": n, "score": s}
+        for t, n, s in [
+            ("a", 1024, 1.0),
+            ("a", 1024, 0.5),
+            ("b", 1024, 1.0),
+            ("a", 2048, 0.5),
+            ("b", 2048, 1.0),
+            ("a", 4096, 0.0),
+            ("b", 4096, 1.0),
+            ("a", 8192, 1.0),
+            ("b", 8192, 1.0),
+        ]
+    ]
     table, mean = summarize(trials, ["a", "b"], [1024, 2048, 4096, 8192])
     assert table["a"] == {"1024": 0.75, "2048": 0.5, "4096": 0.0, "8192": 1.0}
     assert mean == {"1024": 0.875, "2048": 0.75, "4096": 0.5, "8192": 1.0}

@@ -79,10 +79,19 @@ def test_bad_input_fails_on_every_rank_before_any_forward(dist_pools, tiny_llama
     run_dir = str(tmp_path / "run")
     cases = [
         (_eval_cfg(tiny_llama, run_dir, lengths=[100]), r"eval.lengths=\[100\].*multiple of 8"),
-        (_eval_cfg(tiny_llama, run_dir, lengths=[96, 4096]), r"eval.lengths.*no document.*4096 tokens or more"),
-        (_eval_cfg(tiny_llama, run_dir, inputs=[str(tmp_path / "missing.jsonl")]), r"eval.inputs=.*missing.jsonl"),
+        (
+            _eval_cfg(tiny_llama, run_dir, lengths=[96, 4096]),
+            r"eval.lengths.*no document.*4096 tokens or more",
+        ),
+        (
+            _eval_cfg(tiny_llama, run_dir, inputs=[str(tmp_path / "missing.jsonl")]),
+            r"eval.inputs=.*missing.jsonl",
+        ),
         (_eval_cfg(str(tmp_path / "no-model"), run_dir), r"model.path=.*no-model"),
-        (_eval_cfg(tiny_llama, run_dir, task="passkey", lengths=[32]), r"eval.lengths: 32 tokens cannot hold"),
+        (
+            _eval_cfg(tiny_llama, run_dir, task="passkey", lengths=[32]),
+            r"eval.lengths: 32 tokens cannot hold",
+        ),
     ]
     for cfg, pattern in cases:
         messages = dist_pools(4).run(eval_expecting_error, cfg)
@@ -108,17 +117,30 @@ def _reference_ppl_by_position(cfg: TrainConfig, export_dir: str, bucket: int) -
 
     model = load_causal_lm(export_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
-    _, val = build_dataloaders(cfg.data, tokenizer=tokenizer, seq_len=cfg.trainer.seq_len, mesh=None,
-                               micro_batch_size=1, seed=cfg.trainer.seed, cache_dir=cfg.data.cache_dir)  # fmt: skip
+    _, val = build_dataloaders(
+        cfg.data,
+        tokenizer=tokenizer,
+        seq_len=cfg.trainer.seq_len,
+        mesh=None,
+        micro_batch_size=1,
+        seed=cfg.trainer.seed,
+        cache_dir=cfg.data.cache_dir,
+    )
     sums: dict[int, list[float]] = {}
     with torch.no_grad():
         for batch in val:
             cu = batch["cu_seqlens"].tolist()
             for a, b in zip(cu[:-1], cu[1:]):
-                logits = model(input_ids=batch["input_ids"][:, a:b], position_ids=batch["position_ids"][:, a:b]).logits
+                logits = model(
+                    input_ids=batch["input_ids"][:, a:b], position_ids=batch["position_ids"][:, a:b]
+                ).logits
                 labels = batch["labels"][0, a:b]
-                losses = torch.nn.functional.cross_entropy(logits[0].float(), labels, ignore_index=-100, reduction="none")
-                for p, loss, y in zip(batch["position_ids"][0, a:b].tolist(), losses.tolist(), labels.tolist()):
+                losses = torch.nn.functional.cross_entropy(
+                    logits[0].float(), labels, ignore_index=-100, reduction="none"
+                )
+                for p, loss, y in zip(
+                    batch["position_ids"][0, a:b].tolist(), losses.tolist(), labels.tolist()
+                ):
                     if y != -100:
                         acc = sums.setdefault(p // bucket, [0.0, 0.0])
                         acc[0] += loss
@@ -129,7 +151,11 @@ def _reference_ppl_by_position(cfg: TrainConfig, export_dir: str, bucket: int) -
 def test_eval_every_logs_val_ppl_by_position(dist_pools, tiny_llama, tmp_path):
     cfg = TrainConfig()
     cfg.model.path, cfg.model.dtype = tiny_llama, "float32"
-    cfg.data.build_tiny_corpus, cfg.data.cache_dir, cfg.data.validation_fraction = True, str(tmp_path / "cache"), 0.1
+    cfg.data.build_tiny_corpus, cfg.data.cache_dir, cfg.data.validation_fraction = (
+        True,
+        str(tmp_path / "cache"),
+        0.1,
+    )
     cfg.trainer.seq_len, cfg.trainer.max_steps, cfg.trainer.eval_every = 64, 2, 2
     cfg.trainer.loss_chunk_size, cfg.trainer.checkpoint_every, cfg.trainer.device = 24, 0, "cpu"
     cfg.parallel.ulysses_degree, cfg.parallel.ring_degree = 2, 2
@@ -140,9 +166,16 @@ def test_eval_every_logs_val_ppl_by_position(dist_pools, tiny_llama, tmp_path):
     ref = _reference_ppl_by_position(cfg, out["export_dir"], 16)
     assert list(logged) == list(ref) and len(ref) >= 3
     # fp32 (the trainer's weights); the rule bounds the bucket's mean loss, log(ppl)
-    log_ppl = {name: torch.tensor(list(d.values()), dtype=torch.float64).log() for name, d in (("u2r2", logged), ("ref", ref))}
-    assert_close_scaled(log_ppl["u2r2"], log_ppl["ref"], fp32_run_tolerance(tiny_llama, cfg.trainer.seq_len),
-                        "in-training val_ppl_by_position vs one process: log ppl")  # fmt: skip
+    log_ppl = {
+        name: torch.tensor(list(d.values()), dtype=torch.float64).log()
+        for name, d in (("u2r2", logged), ("ref", ref))
+    }
+    assert_close_scaled(
+        log_ppl["u2r2"],
+        log_ppl["ref"],
+        fp32_run_tolerance(tiny_llama, cfg.trainer.seq_len),
+        "in-training val_ppl_by_position vs one process: log ppl",
+    )
     line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert line["val_ppl_by_position"] == logged
 
@@ -167,10 +200,23 @@ def test_usp_eval_passkey_under_torchrun(tiny_llama, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", WANDB_SILENT="true")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "usp.eval",
-        "recipe=tiny", f"model.path={tiny_llama}", "eval=passkey", "eval.lengths=[128,256]", "eval.micro_batch_size=2",
-        "eval.passkey.max_new_tokens=4", "logging.wandb.mode=offline", f"hydra.run.dir={run_dir}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "usp.eval",
+        "recipe=tiny",
+        f"model.path={tiny_llama}",
+        "eval=passkey",
+        "eval.lengths=[128,256]",
+        "eval.micro_batch_size=2",
+        "eval.passkey.max_new_tokens=4",
+        "logging.wandb.mode=offline",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "passkey overall accuracy" in proc.stdout and "prefill:" in proc.stdout
@@ -202,11 +248,22 @@ def test_checkpoint_and_export_give_the_same_results(dist_pools, tiny_llama, tmp
     with torch.no_grad():  # "trained" weights: neither the base checkpoint's nor each other's by accident
         for p in model.parameters():
             p.mul_(1.05)
-    save_checkpoint(tmp_path / "checkpoints", 3, model=model, optimizer=None, scheduler=None, keep_last=1,
-                    extra={"fingerprint": {"model_path": tiny_llama, "seq_len": 64}})  # fmt: skip
+    save_checkpoint(
+        tmp_path / "checkpoints",
+        3,
+        model=model,
+        optimizer=None,
+        scheduler=None,
+        keep_last=1,
+        extra={"fingerprint": {"model_path": tiny_llama, "seq_len": 64}},
+    )
     export_hf(model, tokenizer=AutoTokenizer.from_pretrained(tiny_llama), out_dir=tmp_path / "hf")
     results = {}
-    for name, path in (("checkpoint", tmp_path / "checkpoints"), ("export", tmp_path / "hf"), ("base", tiny_llama)):
+    for name, path in (
+        ("checkpoint", tmp_path / "checkpoints"),
+        ("export", tmp_path / "hf"),
+        ("base", tiny_llama),
+    ):
         cfg = _eval_cfg(str(path), str(tmp_path / name), lengths=[96], num_documents=2)
         cfg.parallel.ulysses_degree = cfg.parallel.ring_degree = 1
         cfg.parallel.node_size = None
@@ -227,12 +284,23 @@ def test_dp_replicas_split_the_work_and_agree_with_one_replica(dist_pools, tiny_
             cfg.eval.passkey.trials, cfg.eval.passkey.max_new_tokens = 3, 3
             results[name, task] = dist_pools(4).run(eval_worker, cfg)
     for task in ("ppl", "passkey"):
-        assert all(r == results["dp2", task][0] for r in results["dp2", task][1:])  # every rank has everything
-    ppl = {name: torch.tensor([b["ppl"] for b in results[name, "ppl"][0]["lengths"]["128"]["buckets"]])
-           for name in ("dp1", "dp2")}  # fmt: skip
+        assert all(
+            r == results["dp2", task][0] for r in results["dp2", task][1:]
+        )  # every rank has everything
+    ppl = {
+        name: torch.tensor([b["ppl"] for b in results[name, "ppl"][0]["lengths"]["128"]["buckets"]])
+        for name in ("dp1", "dp2")
+    }
     # fp32 evaluations of 128-token documents; the rule bounds the bucket's mean loss, log(ppl)
-    assert_close_scaled(ppl["dp2"].double().log(), ppl["dp1"].double().log(), fp32_run_tolerance(tiny_llama, 128),
-                        "u2r1 x dp2 vs u2r2: log ppl")  # fmt: skip
+    assert_close_scaled(
+        ppl["dp2"].double().log(),
+        ppl["dp1"].double().log(),
+        fp32_run_tolerance(tiny_llama, 128),
+        "u2r1 x dp2 vs u2r2: log ppl",
+    )
     assert results["dp2", "ppl"][0]["lengths"]["128"]["documents"] == 3
-    answers = {name: [(t["passkey"], t["answer"]) for t in results[name, "passkey"][0]["trials"]] for name in ("dp1", "dp2")}
+    answers = {
+        name: [(t["passkey"], t["answer"]) for t in results[name, "passkey"][0]["trials"]]
+        for name in ("dp1", "dp2")
+    }
     assert answers["dp2"] == answers["dp1"] and len(answers["dp1"]) == 9

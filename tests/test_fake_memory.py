@@ -33,10 +33,21 @@ def records():
     from usp.bench.fake_memory import run_in_subprocess
 
     argv = [
-        ["--nodes", str(n), "--gpus-per-node", str(g), "--seq-len", "64K", "--layers", "2",
-         f"parallel.activation_checkpointing={ac}", f"parallel.mlp_tiles={t}", "model.attention_backend=sdpa_flash"]
+        [
+            "--nodes",
+            str(n),
+            "--gpus-per-node",
+            str(g),
+            "--seq-len",
+            "64K",
+            "--layers",
+            "2",
+            f"parallel.activation_checkpointing={ac}",
+            f"parallel.mlp_tiles={t}",
+            "model.attention_backend=sdpa_flash",
+        ]
         for n, g, ac, t in CASES
-    ]  # fmt: skip
+    ]
     recs = run_in_subprocess(argv, timeout=1200)
     assert len(recs) == len(CASES)
     return {case: rec for case, rec in zip(CASES, recs)}
@@ -104,11 +115,25 @@ def test_depth_extrapolation_equals_the_traced_step():
     from usp.bench.fake_memory import run_in_subprocess
 
     argv = [
-        ["--nodes", str(n), "--gpus-per-node", "1", "--seq-len", "16K", "--layers", "4", "--depth-method", method,
-         f"parallel.activation_checkpointing={ac}", f"parallel.mlp_tiles={t}", f"optim.name={opt}",
-         "model.attention_backend=sdpa_flash"]
-        for n, ac, t, opt in DEPTH_CASES for method in ("extrapolate", "direct")
-    ]  # fmt: skip
+        [
+            "--nodes",
+            str(n),
+            "--gpus-per-node",
+            "1",
+            "--seq-len",
+            "16K",
+            "--layers",
+            "4",
+            "--depth-method",
+            method,
+            f"parallel.activation_checkpointing={ac}",
+            f"parallel.mlp_tiles={t}",
+            f"optim.name={opt}",
+            "model.attention_backend=sdpa_flash",
+        ]
+        for n, ac, t, opt in DEPTH_CASES
+        for method in ("extrapolate", "direct")
+    ]
     recs = run_in_subprocess(argv, timeout=1200)
     assert len(recs) == 2 * len(DEPTH_CASES)
     for case, ext, direct in zip(DEPTH_CASES, recs[::2], recs[1::2]):
@@ -126,8 +151,20 @@ def test_depth_method_refuses_probes_off_the_checkpointing_period():
     from usp.bench.fake_memory import main
 
     with pytest.raises(ValueError, match="ac_every_k=2"):
-        main(["--seq-len", "16K", "--layers", "5", "--depth-method", "extrapolate", "--probe-depths", "2,3",
-              "parallel.activation_checkpointing=every_k", "parallel.ac_every_k=2"])  # fmt: skip
+        main(
+            [
+                "--seq-len",
+                "16K",
+                "--layers",
+                "5",
+                "--depth-method",
+                "extrapolate",
+                "--probe-depths",
+                "2,3",
+                "parallel.activation_checkpointing=every_k",
+                "parallel.ac_every_k=2",
+            ]
+        )
     with pytest.raises(ValueError, match="--probe-depths"):
         main(["--seq-len", "16K", "--probe-depths", "3,2"])
     with pytest.raises(ValueError, match="--from-plan"):

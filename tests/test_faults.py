@@ -81,11 +81,16 @@ def _strict_records(run_dir: Path) -> list[dict]:
     def reject(name: str) -> None:
         raise AssertionError(f"metrics.jsonl holds a bare {name}: not strict JSON")
 
-    return [json.loads(line, parse_constant=reject) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line, parse_constant=reject)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def _snapshot(ckpt_root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(ckpt_root)): p.read_bytes() for p in sorted(ckpt_root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(ckpt_root)): p.read_bytes() for p in sorted(ckpt_root.rglob("*")) if p.is_file()
+    }
 
 
 # --- 1. a fresh start never mixes with an earlier run ------------------------------------------------------
@@ -95,7 +100,9 @@ def test_fresh_start_over_an_earlier_run_is_refused(dist_pools, setup, tmp_path)
     assert first["error"] is None, first
     ckpts = run_dir / "checkpoints"
     before = _snapshot(ckpts)
-    fresh = dist_pools(1).run(run_reporting, config(setup, run_dir, max_steps=4, checkpoint_every=2, resume=None))[0]
+    fresh = dist_pools(1).run(
+        run_reporting, config(setup, run_dir, max_steps=4, checkpoint_every=2, resume=None)
+    )[0]
     assert fresh["error"] is not None and fresh["error"][0] == "ValueError", fresh
     assert "step_4" in fresh["error"][1] and f"mv {run_dir} {run_dir}.old-" in fresh["error"][1]
     assert _snapshot(ckpts) == before  # nothing pruned, nothing added
@@ -130,7 +137,9 @@ def test_locked_run_dir_is_refused_on_every_rank(dist_pools, setup, tmp_path):
         assert r["error"] is not None and r["error"][0] == "ValueError", r
         assert "is in use by another run" in r["error"][1] and "pid 4242 on host node-17" in r["error"][1]
     assert not (run_dir / "metrics.jsonl").exists()  # refused before any work
-    after = dist_pools(2).run(run_reporting, config(setup, run_dir, max_steps=1, checkpoint_every=0), timeout=120)
+    after = dist_pools(2).run(
+        run_reporting, config(setup, run_dir, max_steps=1, checkpoint_every=0), timeout=120
+    )
     assert all(r["error"] is None for r in after), after  # the holder let go: the dir is free again
 
 
@@ -140,8 +149,11 @@ def test_dir_lock_names_its_holder_and_is_released(tmp_path):
     from usp.train.rundir import DirLock
 
     with DirLock(tmp_path / "ckpts", "trainer.checkpoint_dir").acquire():
-        with pytest.raises(ValueError, match=rf"trainer.checkpoint_dir=.* is in use by another run \(held by pid "
-                                             rf"{os.getpid()} on host {socket.gethostname()} since"):  # fmt: skip
+        with pytest.raises(
+            ValueError,
+            match=rf"trainer.checkpoint_dir=.* is in use by another run \(held by pid "
+            rf"{os.getpid()} on host {socket.gethostname()} since",
+        ):
             DirLock(tmp_path / "ckpts", "trainer.checkpoint_dir").acquire()
     DirLock(tmp_path / "ckpts").acquire().release()  # free again once released
     assert (tmp_path / "ckpts" / ".usp.lock").read_text() == ""  # no stale holder left behind
@@ -174,26 +186,40 @@ def test_second_launch_refused_and_a_killed_holder_frees_the_dir(tmp_path):
     killed (SIGKILL: no cleanup runs) a third launch takes the dir and finishes."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    base = [sys.executable, "-m", "usp.train", f"hydra.run.dir={run_dir}", "logging.progress_bar=false",
-            "trainer.export_hf=false", "trainer.checkpoint_every=0", "trainer.seq_len=64"]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "usp.train",
+        f"hydra.run.dir={run_dir}",
+        "logging.progress_bar=false",
+        "trainer.export_hf=false",
+        "trainer.checkpoint_every=0",
+        "trainer.seq_len=64",
+    ]
     with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen([*base, "trainer.max_steps=1000000"], env=env, cwd=tmp_path, stdout=log, stderr=log)
+        first = subprocess.Popen(
+            [*base, "trainer.max_steps=1000000"], env=env, cwd=tmp_path, stdout=log, stderr=log
+        )
     try:
         deadline = time.monotonic() + 300
         while _lock_pid(run_dir) != first.pid:
             assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the first launch never took the lock"
             time.sleep(0.5)
-        second = subprocess.run([*base, "trainer.max_steps=1"], env=env, cwd=tmp_path, capture_output=True,
-                                text=True, timeout=300)  # fmt: skip
+        second = subprocess.run(
+            [*base, "trainer.max_steps=1"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
         assert second.returncode != 0
-        assert "is in use by another run" in second.stderr and f"pid {first.pid}" in second.stderr, second.stderr[-3000:]
+        assert "is in use by another run" in second.stderr and f"pid {first.pid}" in second.stderr, (
+            second.stderr[-3000:]
+        )
         assert first.poll() is None  # the refused launch did not disturb the running one
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=60)
-    third = subprocess.run([*base, "trainer.max_steps=2"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                           timeout=300)  # fmt: skip
+    third = subprocess.run(
+        [*base, "trainer.max_steps=2"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert third.returncode == 0, third.stderr[-3000:]
     assert [r["step"] for r in _strict_records(run_dir)] == [1, 2]
 
@@ -254,7 +280,9 @@ def test_non_finite_weights_are_never_checkpointed_or_exported(dist_pools, setup
     cfg = config(setup, run_dir, max_steps=4, checkpoint_every=1, export_hf=True)
     result = dist_pools(1).run(_run_with_inf_weights_after, cfg, 2)[0]
     assert result["error"] is not None and result["error"][0] == "NonFiniteTrainingError", result
-    assert "the weights are not finite after step 2: refusing to write checkpoint step_2" in result["error"][1]
+    assert (
+        "the weights are not finite after step 2: refusing to write checkpoint step_2" in result["error"][1]
+    )
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_1"]
     assert _dcp_tensors_finite(run_dir / "checkpoints" / "step_1", tmp_path)
     assert not (run_dir / "hf").exists()
@@ -264,7 +292,9 @@ def test_non_finite_weights_are_never_checkpointed_or_exported(dist_pools, setup
     check_finite_weights(model, step=4, what="the Hugging Face export", last_checkpoint=None)
     with torch.no_grad():
         model.bias[1] = float("nan")
-    with pytest.raises(NonFiniteTrainingError, match="after step 4: refusing to write the Hugging Face export"):
+    with pytest.raises(
+        NonFiniteTrainingError, match="after step 4: refusing to write the Hugging Face export"
+    ):
         check_finite_weights(model, step=4, what="the Hugging Face export", last_checkpoint=None)
 
 
@@ -322,7 +352,9 @@ def test_step_guard_counts_stops_and_warns_about_spikes(caplog):
         guard.update(16, loss=float("inf"), grad_norm=1.0, skipped=True)
         guard.stop_if_exhausted("ckpt")
         guard.update(17, loss=float("nan"), grad_norm=1.0, skipped=True)
-    with pytest.raises(NonFiniteTrainingError, match=r"2 consecutive steps \(up to step 17\).*last checkpoint is ck"):
+    with pytest.raises(
+        NonFiniteTrainingError, match=r"2 consecutive steps \(up to step 17\).*last checkpoint is ck"
+    ):
         guard.stop_if_exhausted("ckpt")
     assert guard.total == 3
 
@@ -362,12 +394,15 @@ def _small_checkpoints(root: Path, steps: tuple[int, ...]):
         opt.step()
         sched.step()
         opt.zero_grad()
-        save_checkpoint(root, step, model=model, optimizer=opt, scheduler=sched, extra={"s": step}, keep_last=5)
+        save_checkpoint(
+            root, step, model=model, optimizer=opt, scheduler=sched, extra={"s": step}, keep_last=5
+        )
     return model, opt, sched
 
 
 @pytest.mark.parametrize(
-    "kind", ["truncated_distcp", "empty_metadata", "truncated_meta", "empty_rank_file", "overwritten_256_bytes"]
+    "kind",
+    ["truncated_distcp", "empty_metadata", "truncated_meta", "empty_rank_file", "overwritten_256_bytes"],
 )
 def test_corrupted_checkpoint_is_caught(setup, tmp_path, caplog, kind):
     from usp.checkpoint import load_checkpoint
@@ -391,8 +426,14 @@ def test_corrupted_newest_checkpoint_resume_falls_back_end_to_end(dist_pools, se
     straight = dist_pools(1).run(run_reporting, cfg)[0]
     assert straight["error"] is None, straight
     damaged = _corrupt(run_dir / "checkpoints" / "step_6", "overwritten_256_bytes")
-    explicit = config(setup, run_dir, max_steps=6, checkpoint_every=2, keep_last=3,
-                      resume=str(run_dir / "checkpoints" / "step_6"))  # fmt: skip
+    explicit = config(
+        setup,
+        run_dir,
+        max_steps=6,
+        checkpoint_every=2,
+        keep_last=3,
+        resume=str(run_dir / "checkpoints" / "step_6"),
+    )
     refused = dist_pools(1).run(run_reporting, explicit)[0]
     assert refused["error"] is not None and refused["error"][0] == "ValueError", refused
     assert damaged in refused["error"][1] and "fails verification" in refused["error"][1]
@@ -443,8 +484,17 @@ def test_crafted_pickle_is_refused_without_running(setup, tmp_path, target):
     planted = tmp_path / "planted"
     path = root / "step_1" / target
     if target.endswith(".pt"):
-        torch.save({"extra": {"x": _Plant(str(planted))}, "step": 1, "scheduler": None, "world_size": 1,
-                    "format_version": 2, "rank": 0}, path)  # fmt: skip
+        torch.save(
+            {
+                "extra": {"x": _Plant(str(planted))},
+                "step": 1,
+                "scheduler": None,
+                "world_size": 1,
+                "format_version": 2,
+                "rank": 0,
+            },
+            path,
+        )
     else:
         path.write_bytes(pickle.dumps(_Plant(str(planted))))
     _reseal(root / "step_1")
@@ -487,8 +537,9 @@ def test_extra_that_is_not_plain_data_is_refused_at_save(tmp_path):
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(TypeError, match=r"extra\['rng'\] is a numpy.ndarray"):
-        save_checkpoint(tmp_path, 1, model=model, optimizer=None, scheduler=None,
-                        extra={"rng": np.zeros(3)}, keep_last=1)  # fmt: skip
+        save_checkpoint(
+            tmp_path, 1, model=model, optimizer=None, scheduler=None, extra={"rng": np.zeros(3)}, keep_last=1
+        )
     assert not any(tmp_path.iterdir())
 
 
@@ -496,12 +547,20 @@ def test_extra_that_is_not_plain_data_is_refused_at_save(tmp_path):
 def test_foreign_run_dir_and_export_target_are_refused_before_any_work(dist_pools, setup, tmp_path):
     foreign = tmp_path / "someone-elses"
     foreign.mkdir()
-    files = {"notes.txt": "mine\n", "metrics.jsonl": '{"my": 1}\n{"my": 2}\n', "layout.json": '{"mine": true}'}
+    files = {
+        "notes.txt": "mine\n",
+        "metrics.jsonl": '{"my": 1}\n{"my": 2}\n',
+        "layout.json": '{"mine": true}',
+    }
     for name, text in files.items():
         (foreign / name).write_text(text)
     r = dist_pools(1).run(run_reporting, config(setup, foreign, max_steps=2))[0]
     assert r["error"] is not None and r["error"][0] == "ValueError", r
-    assert "not a usp run dir" in r["error"][1] and "notes.txt" in r["error"][1] and "metrics.jsonl" in r["error"][1]
+    assert (
+        "not a usp run dir" in r["error"][1]
+        and "notes.txt" in r["error"][1]
+        and "metrics.jsonl" in r["error"][1]
+    )
     assert {p.name: p.read_text() for p in foreign.iterdir()} == files  # untouched
 
     run_dir = tmp_path / "run"
@@ -543,8 +602,15 @@ def test_resume_with_more_steps_follows_the_new_schedule(dist_pools, setup, tmp_
     longer = dist_pools(1).run(run_reporting, config(setup, run_dir, max_steps=8, checkpoint_every=2))[0]
     assert longer["error"] is None and longer["out"]["start_step"] == 4, longer
     cfg = config(setup, run_dir)
-    expected = [cfg.optim.lr * lr_factor(s, warmup_steps=cfg.optim.warmup_steps, max_steps=8,
-                                         min_lr_ratio=cfg.optim.min_lr_ratio) for s in range(4, 8)]  # fmt: skip
+    expected = [
+        cfg.optim.lr
+        * lr_factor(s, warmup_steps=cfg.optim.warmup_steps, max_steps=8, min_lr_ratio=cfg.optim.min_lr_ratio)
+        for s in range(4, 8)
+    ]
     got = [r["lr"] for r in longer["out"]["metrics"]]
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
-                               rtol=1e-12, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        rtol=1e-12,
+        atol=0,
+    )

@@ -39,21 +39,39 @@ SLURM_SBATCH = REPO / "launch" / "slurm.sbatch"
 TORCHRUN_SH = REPO / "launch" / "torchrun.sh"
 # the tiny recipe on 2 ranks (Ulysses 2 inside one emulated node); fp32, so reruns are bit-identical
 TINY2 = [
-    "recipe=tiny", "parallel.ulysses_degree=2", "parallel.ring_degree=1", "parallel.node_size=2",
-    "trainer.export_hf=false", "logging.progress_bar=false", "trainer.checkpoint_every=10",
-]  # fmt: skip
+    "recipe=tiny",
+    "parallel.ulysses_degree=2",
+    "parallel.ring_degree=1",
+    "parallel.node_size=2",
+    "trainer.export_hf=false",
+    "logging.progress_bar=false",
+    "trainer.checkpoint_every=10",
+]
 STEPS = 40
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
 
 
 class Job:
     """A torchrun job started in its own session; ``close`` kills whatever of it is left (by its ids)."""
 
     def __init__(self, args: list[str], cwd: Path, torchrun_args: tuple[str, ...] = ()) -> None:
-        cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", *torchrun_args, "-m", "usp.train", *args]
+        cmd = [
+            str(TORCHRUN),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            *torchrun_args,
+            "-m",
+            "usp.train",
+            *args,
+        ]
         self.log = cwd / f"torchrun-{time.monotonic_ns()}.log"
         self._out = self.log.open("w")
         self.proc = subprocess.Popen(
@@ -72,7 +90,9 @@ class Job:
                 if ppid != self.proc.pid:
                     continue
                 env = dict(
-                    kv.split("=", 1) for kv in (entry / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in kv
+                    kv.split("=", 1)
+                    for kv in (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+                    if "=" in kv
                 )
             except (OSError, IndexError, ValueError):
                 continue
@@ -147,8 +167,14 @@ def reference_losses(tmp_path_factory) -> torch.Tensor:
 def test_launcher_store_keys_are_private_to_each_restart():
     """torchrun's agent keeps one store for the whole job: a restarted attempt must not see the last one's keys."""
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10))
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}  # fmt: skip
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(server.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
     first = launcher_store(timedelta(seconds=10), env)
     first.set("default_pg/0//cpu//0/rank_0", b"dead peer")
     again = launcher_store(timedelta(seconds=10), env)
@@ -195,7 +221,9 @@ def test_restarted_gloo_ranks_meet_again(tmp_path):
 @pytest.mark.timeout(900)
 def test_elastic_restart_resumes_and_reaches_the_uninterrupted_losses(tmp_path, reference_losses):
     run_dir = tmp_path / "run"
-    job = Job([*TINY2, f"trainer.max_steps={STEPS}", f"hydra.run.dir={run_dir}"], tmp_path, ("--max-restarts", "1"))
+    job = Job(
+        [*TINY2, f"trainer.max_steps={STEPS}", f"hydra.run.dir={run_dir}"], tmp_path, ("--max-restarts", "1")
+    )
     try:
         _wait_for_step(job, run_dir, 12)
         os.kill(job.workers()[1], signal.SIGKILL)
@@ -212,7 +240,9 @@ def test_elastic_restart_resumes_and_reaches_the_uninterrupted_losses(tmp_path, 
 def test_stop_request_records_and_agrees():
     from usp.train import signals
 
-    assert signals.REQUEUE_EXIT_CODE == REQUEUE_EXIT_CODE == 75  # the entry point's copy (it imports no torch)
+    assert (
+        signals.REQUEUE_EXIT_CODE == REQUEUE_EXIT_CODE == 75
+    )  # the entry point's copy (it imports no torch)
     with StopRequest() as stop:
         assert not stop.agreed(torch.device("cpu"))
         os.kill(os.getpid(), signal.SIGUSR1)
@@ -242,11 +272,17 @@ def test_signal_to_one_rank_checkpoints_all_and_the_relaunch_matches(tmp_path, r
     assert f"stopped by SIGUSR1 after step {stopped_at}" in (run_dir / "usp-train.log").read_text()
     # both ranks stopped at that step (the first to exit with 75; torchrun may end the other while it exits)
     summary = out.split("usp.train FAILED", 1)[1]
-    assert summary.count(f"stopped by a signal after saving {run_dir / 'checkpoints' / f'step_{stopped_at}'}") == 2
+    assert (
+        summary.count(f"stopped by a signal after saving {run_dir / 'checkpoints' / f'step_{stopped_at}'}")
+        == 2
+    )
     assert f"exitcode  : {REQUEUE_EXIT_CODE}" in summary.split("Root Cause", 1)[1], summary
     rc, out = Job(args, tmp_path).wait(600)
     assert rc == 0, out[-4000:]
-    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped_at}'}" in (run_dir / "usp-train.log").read_text()
+    assert (
+        f"resumed from {run_dir / 'checkpoints' / f'step_{stopped_at}'}"
+        in (run_dir / "usp-train.log").read_text()
+    )
     _assert_same_losses(run_dir, reference_losses)
 
 
@@ -282,8 +318,12 @@ def _stub(bin_dir: Path, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
-SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[007-008]",
-             "SLURM_GPUS_ON_NODE": "8"}  # fmt: skip
+SLURM_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_NODELIST": "gpu[007-008]",
+    "SLURM_GPUS_ON_NODE": "8",
+}
 
 
 def test_sbatch_script_asks_for_the_signal_forwards_it_and_requeues(tmp_path):
@@ -293,12 +333,27 @@ def test_sbatch_script_asks_for_the_signal_forwards_it_and_requeues(tmp_path):
     bin_dir.mkdir()
     log.mkdir()
     # srun: records its argv, then waits for a signal (the job's ranks, checkpointing) and exits 1 like torchrun
-    _stub(bin_dir, "srun", f"printf '%s\\n' \"$@\" > '{log}/srun.args'\n"
-          f"trap 'echo USR1 > \"{log}/srun.signal\"; exit 1' USR1\nfor _ in $(seq 300); do sleep 0.1; done\n")  # fmt: skip
-    _stub(bin_dir, "scontrol", f"[[ $1 == show ]] && printf 'gpu007\\ngpu008\\n' || printf '%s\\n' \"$@\" > '{log}/scontrol.args'\n")
+    _stub(
+        bin_dir,
+        "srun",
+        f"printf '%s\\n' \"$@\" > '{log}/srun.args'\n"
+        f"trap 'echo USR1 > \"{log}/srun.signal\"; exit 1' USR1\nfor _ in $(seq 300); do sleep 0.1; done\n",
+    )
+    _stub(
+        bin_dir,
+        "scontrol",
+        f"[[ $1 == show ]] && printf 'gpu007\\ngpu008\\n' || printf '%s\\n' \"$@\" > '{log}/scontrol.args'\n",
+    )
     _stub(bin_dir, "torchrun", "")
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), **SLURM_ENV, "SLURM_JOB_NAME": "ctx128k"}
-    proc = subprocess.Popen(["bash", str(SLURM_SBATCH), "recipe=x"], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        **SLURM_ENV,
+        "SLURM_JOB_NAME": "ctx128k",
+    }
+    proc = subprocess.Popen(
+        ["bash", str(SLURM_SBATCH), "recipe=x"], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 30
         while not (log / "srun.args").exists() and time.monotonic() < deadline:
@@ -312,7 +367,10 @@ def test_sbatch_script_asks_for_the_signal_forwards_it_and_requeues(tmp_path):
     assert (log / "srun.signal").read_text().strip() == "USR1"  # passed on to srun, hence to torchrun
     assert (log / "scontrol.args").read_text().split() == ["requeue", "4242"]
     args = (log / "srun.args").read_text().split()
-    assert args[args.index("usp.train") + 1 :] == ["run_name=ctx128k", "recipe=x"]  # the job's name: its run dir
+    assert args[args.index("usp.train") + 1 :] == [
+        "run_name=ctx128k",
+        "recipe=x",
+    ]  # the job's name: its run dir
     assert args[args.index("--signals-to-handle") + 1] == commands.SIGNALS_TO_HANDLE
 
 
@@ -321,31 +379,53 @@ def test_sbatch_script_without_signal_does_not_requeue_and_keeps_the_exit_status
     bin_dir.mkdir()
     log.mkdir()
     _stub(bin_dir, "srun", f"printf '%s\\n' \"$@\" > '{log}/srun.args'\nexit 3\n")
-    _stub(bin_dir, "scontrol", f"[[ $1 == show ]] && printf 'gpu007\\n' || printf '%s\\n' \"$@\" > '{log}/scontrol.args'\n")
+    _stub(
+        bin_dir,
+        "scontrol",
+        f"[[ $1 == show ]] && printf 'gpu007\\n' || printf '%s\\n' \"$@\" > '{log}/scontrol.args'\n",
+    )
     _stub(bin_dir, "torchrun", "")
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), **SLURM_ENV, "SLURM_JOB_NAME": "usp"}
-    proc = subprocess.run(["bash", str(SLURM_SBATCH), "--max-restarts", "1", "recipe=x"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(SLURM_SBATCH), "--max-restarts", "1", "recipe=x"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 3
     assert not (log / "scontrol.args").exists()
     args = (log / "srun.args").read_text().split()
     assert args[args.index("usp.train") + 1 :] == ["recipe=x"]  # the default job name names no run dir
-    expected = commands.srun_command(["recipe=x"], nodes=2, nproc_per_node=8, job_id="4242", head="gpu007",
-                                     max_restarts=1)  # fmt: skip
+    expected = commands.srun_command(
+        ["recipe=x"], nodes=2, nproc_per_node=8, job_id="4242", head="gpu007", max_restarts=1
+    )
     assert args == expected[1:]
 
 
 def test_max_restarts_in_every_launcher(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    assert cli.main(["torchrun", "--cpu", "--nproc-per-node", "2", "--max-restarts", "1", *TINY2[:4], "--dry-run"]) == 0
+    assert (
+        cli.main(
+            ["torchrun", "--cpu", "--nproc-per-node", "2", "--max-restarts", "1", *TINY2[:4], "--dry-run"]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out.split()
     assert printed[:6] == ["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _stub(bin_dir, "torchrun", f"printf '%s\\n' \"$@\" > '{tmp_path}/torchrun.args'\n")
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
-    proc = subprocess.run(["bash", str(TORCHRUN_SH), "--cpu", "--nproc-per-node", "2", "--max-restarts", "1", *TINY2[:4]],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(TORCHRUN_SH), "--cpu", "--nproc-per-node", "2", "--max-restarts", "1", *TINY2[:4]],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert ["torchrun", *(tmp_path / "torchrun.args").read_text().split()] == printed
 
@@ -360,8 +440,17 @@ def test_a_bad_setting_under_torchrun_is_said_once_every_time(tmp_path):
         ("trainer.resume=/nonexistent/step_9", "trainer.resume='/nonexistent/step_9' does not exist")
     ]
     for i, (override, reason) in enumerate(cases):
-        cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "usp.train", *TINY2, override,
-               f"hydra.run.dir={tmp_path / f'run{i}'}"]  # fmt: skip
+        cmd = [
+            str(TORCHRUN),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "usp.train",
+            *TINY2,
+            override,
+            f"hydra.run.dir={tmp_path / f'run{i}'}",
+        ]
         proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0
@@ -373,7 +462,7 @@ def test_a_bad_setting_under_torchrun_is_said_once_every_time(tmp_path):
 
 def _torchrun_traceback(out: str) -> str:
     """torchrun's own traceback (the agent's ChildFailedError), printed before its summary."""
-    start = out.find("Traceback (most recent call last):\n  File \"" + str(TORCHRUN))
+    start = out.find('Traceback (most recent call last):\n  File "' + str(TORCHRUN))
     return out[start : out.find("ChildFailedError", start)] if start >= 0 else ""
 
 
@@ -399,8 +488,14 @@ def test_watchdog_rules():
 @pytest.mark.timeout(600)
 def test_a_stopped_rank_fails_the_job_fast_with_stacks(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*TINY2, "trainer.max_steps=5000", "trainer.checkpoint_every=0", f"hydra.run.dir={run_dir}",
-            "trainer.watchdog_factor=5", "trainer.watchdog_min_seconds=3"]  # fmt: skip
+    args = [
+        *TINY2,
+        "trainer.max_steps=5000",
+        "trainer.checkpoint_every=0",
+        f"hydra.run.dir={run_dir}",
+        "trainer.watchdog_factor=5",
+        "trainer.watchdog_min_seconds=3",
+    ]
     job = Job(args, tmp_path, ("--shutdown-timeout", "5"))
     try:
         _wait_for_step(job, run_dir, 8)
@@ -423,7 +518,13 @@ USER = ("model.path=/ckpt/m", "data.prepared_path=/data/d")
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    for var in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
+    for var in (
+        "SLURM_JOB_ID",
+        "SLURM_NNODES",
+        "SLURM_JOB_NODELIST",
+        "SLURM_GPUS_ON_NODE",
+        "SLURM_GPUS_PER_NODE",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(cli.subprocess, "run", lambda *a, **k: pytest.fail(f"usp-launch ran {a}"))
@@ -432,7 +533,10 @@ def no_launch(monkeypatch):
 def test_usp_launch_refuses_a_seq_len_the_layout_cannot_split(capsys, no_launch):
     assert cli.main(["slurm", "recipe=llama31_8b_128k", *USER, "trainer.seq_len=130000", "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usp-launch: error: sequence length 130000 is not divisible by 32") and err.count("\n") == 1
+    assert (
+        err.startswith("usp-launch: error: sequence length 130000 is not divisible by 32")
+        and err.count("\n") == 1
+    )
     assert "Use trainer.seq_len = 129984 or 130016" in err
 
 
@@ -466,17 +570,41 @@ def tok_dir(tmp_path_factory) -> Path:
 def _prepare(tmp_path: Path, tok_dir: Path, src: Path, *extra: str) -> int:
     """``usp-prepare-data`` on ``src``; its exit status."""
     try:
-        return prepare_main(["--input", str(src), "--tokenizer", str(tok_dir), "--seq-len", "16", "--output",
-                             str(tmp_path / f"out-{src.stem}"), "--cache-dir", str(tmp_path / "hf"), *extra])  # fmt: skip
+        return prepare_main(
+            [
+                "--input",
+                str(src),
+                "--tokenizer",
+                str(tok_dir),
+                "--seq-len",
+                "16",
+                "--output",
+                str(tmp_path / f"out-{src.stem}"),
+                "--cache-dir",
+                str(tmp_path / "hf"),
+                *extra,
+            ]
+        )
     except SystemExit as e:
         return int(e.code or 0)
 
 
 def test_non_string_text_is_an_error_or_skipped_and_counted(tmp_path, tok_dir, capsys):
-    docs = ["the first document, long enough to fill a row or two", "line one\nline two of the third",
-            "the fourth document", "   "]  # fmt: skip
+    docs = [
+        "the first document, long enough to fill a row or two",
+        "line one\nline two of the third",
+        "the fourth document",
+        "   ",
+    ]
     src = tmp_path / "mixed.jsonl"
-    rows = [{"text": docs[0]}, {"text": 42}, {"text": docs[1]}, {"text": docs[2]}, {"text": docs[3]}, {"text": ["a"]}]
+    rows = [
+        {"text": docs[0]},
+        {"text": 42},
+        {"text": docs[1]},
+        {"text": docs[2]},
+        {"text": docs[3]},
+        {"text": ["a"]},
+    ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     rc = _prepare(tmp_path, tok_dir, src)
     err = capsys.readouterr().err
@@ -492,7 +620,15 @@ def test_non_string_text_is_an_error_or_skipped_and_counted(tmp_path, tok_dir, c
     assert kept == [docs[0], docs[1], docs[2], docs[3]]
     tokenizer = build_tiny_tokenizer(tmp_path / "tok2")
     ids = [i for row in datasets.load_from_disk(str(tmp_path / "out-mixed"))["input_ids"] for i in row]
-    expected = [t for d in docs[:3] for t in [tokenizer.bos_token_id, *tokenizer(d, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]]  # fmt: skip
+    expected = [
+        t
+        for d in docs[:3]
+        for t in [
+            tokenizer.bos_token_id,
+            *tokenizer(d, add_special_tokens=False)["input_ids"],
+            tokenizer.eos_token_id,
+        ]
+    ]
     assert ids == expected[: len(ids)]
     # streamed: the same rule, applied as the rows are read
     assert _prepare(tmp_path, tok_dir, src, "--streaming", "--overwrite") == 2
@@ -500,7 +636,12 @@ def test_non_string_text_is_an_error_or_skipped_and_counted(tmp_path, tok_dir, c
     assert _prepare(tmp_path, tok_dir, src, "--streaming", "--skip-non-text", "--overwrite") == 0
     streamed = datasets.load_from_disk(str(tmp_path / "out-mixed"))["input_ids"]
     assert [i for row in streamed for i in row] == ids
-    assert json.loads((tmp_path / "out-mixed" / "usp_prepare.json").read_text())["extra"]["rows_not_text_skipped"] == 2
+    assert (
+        json.loads((tmp_path / "out-mixed" / "usp_prepare.json").read_text())["extra"][
+            "rows_not_text_skipped"
+        ]
+        == 2
+    )
 
 
 @pytest.mark.parametrize(
@@ -511,12 +652,16 @@ def test_non_string_text_is_an_error_or_skipped_and_counted(tmp_path, tok_dir, c
     ],
     ids=["malformed-line", "binary"],
 )
-def test_a_file_that_does_not_parse_is_one_line_with_file_and_line(tmp_path, tok_dir, capsys, content, message):
+def test_a_file_that_does_not_parse_is_one_line_with_file_and_line(
+    tmp_path, tok_dir, capsys, content, message
+):
     src = tmp_path / "bad.jsonl"
     src.write_bytes(content)
     rc = _prepare(tmp_path, tok_dir, src)
     err = capsys.readouterr().err
     assert rc == 2
     lines = [line for line in err.splitlines() if "error" in line.lower()]
-    assert len(lines) == 1 and lines[0].startswith(f"usp-prepare-data: error: data.inputs: {src}{message}"), err
+    assert len(lines) == 1 and lines[0].startswith(f"usp-prepare-data: error: data.inputs: {src}{message}"), (
+        err
+    )
     assert "Traceback" not in err

@@ -48,7 +48,9 @@ def test_stub_reads_each_release_lse_layout(flash_attn_release):
     """The stub's layouts come from the release's own source: 2.5 padded per sequence, 2.6+ packed."""
     api = flash_attn_release["flash_attn_2_cuda"].api
     old = flash_attn_release["flash_attn"].__version__.startswith("2.5.")
-    assert api["varlen_fwd"]["lse"] == (["batch_size", "num_heads", "max_seqlen_q"] if old else ["num_heads", "total_q"])
+    assert api["varlen_fwd"]["lse"] == (
+        ["batch_size", "num_heads", "max_seqlen_q"] if old else ["num_heads", "total_q"]
+    )
     assert api["fwd"]["lse"] == ["batch_size", "num_heads", "seqlen_q"]
     assert api["bwd"]["head8"] and api["varlen_bwd"]["head8"]
 

@@ -18,7 +18,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
 
 def _commands() -> list[list[str]]:
     text = SCRIPT.read_text().replace("\\\n", " ")
-    return [shlex.split(line, comments=True)[3:] for line in text.splitlines() if line.strip().startswith("run ")]
+    return [
+        shlex.split(line, comments=True)[3:] for line in text.splitlines() if line.strip().startswith("run ")
+    ]
 
 
 def test_bash_syntax_and_shellcheck():
@@ -34,7 +36,11 @@ def test_benchmark_flags_parse():
     from usp.bench.kernels import build_parser as kernels_parser
     from usp.bench.maxlen import build_parser as maxlen_parser
 
-    parsers = {"usp.bench.kernels": kernels_parser, "usp.bench.attention": bench_parser, "usp.bench.maxlen": maxlen_parser}
+    parsers = {
+        "usp.bench.kernels": kernels_parser,
+        "usp.bench.attention": bench_parser,
+        "usp.bench.maxlen": maxlen_parser,
+    }
     seen = set()
     for cmd in _commands():
         module = cmd[cmd.index("-m", 2) + 1] if "torch.distributed.run" in cmd else cmd[cmd.index("-m") + 1]
@@ -54,8 +60,14 @@ def _stages(tmp_path: Path, *args: str) -> tuple[int, list[str], str]:
     stub.chmod(0o755)
     out, log = tmp_path / "out", tmp_path / "calls.txt"
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "PYTHON": str(stub), "STUB_LOG": str(log)}
-    proc = subprocess.run(["bash", str(SCRIPT), *args, str(out)], env=env, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *args, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+    )
     codes = out / "exit_codes.txt"
     stages = [ln.split()[0] for ln in codes.read_text().splitlines()] if codes.exists() else []
     return proc.returncode, stages, log.read_text() if log.exists() else ""

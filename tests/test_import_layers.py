@@ -28,7 +28,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("bench", "launch"),
 )
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
-__doc__ += "\n".join(f"{i + 1}. " + ", ".join(f"``usp.{n}``" for n in names) for i, names in enumerate(LAYERS))
+__doc__ += "\n".join(
+    f"{i + 1}. " + ", ".join(f"``usp.{n}``" for n in names) for i, names in enumerate(LAYERS)
+)
 
 
 def _unit(module: str) -> str | None:
@@ -66,7 +68,9 @@ def _imports() -> list[tuple[str, str, int]]:
 def test_every_unit_has_a_layer() -> None:
     units = {p.stem if p.is_file() else p.name for p in ROOT.iterdir() if p.suffix == ".py" or p.is_dir()}
     units -= {"__init__", "__pycache__"}
-    assert units <= set(RANK), f"put these in LAYERS (tests/test_import_layers.py) and the README: {units - set(RANK)}"
+    assert units <= set(RANK), (
+        f"put these in LAYERS (tests/test_import_layers.py) and the README: {units - set(RANK)}"
+    )
 
 
 @pytest.mark.parametrize("names", LAYERS, ids=lambda names: "+".join(names))

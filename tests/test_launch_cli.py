@@ -16,8 +16,14 @@ from usp.launch.overrides import check_degrees, find_override, has_override, ove
 REPO = Path(__file__).resolve().parents[1]
 # What a real recipe needs from the user (composition stops on ??? values before anything is launched).
 USER = ("model.path=/ckpt/m", "data.prepared_path=/data/d")
-SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE",
-              "SLURM_CPUS_ON_NODE")  # fmt: skip
+SLURM_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_NNODES",
+    "SLURM_JOB_NODELIST",
+    "SLURM_GPUS_ON_NODE",
+    "SLURM_GPUS_PER_NODE",
+    "SLURM_CPUS_ON_NODE",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -59,13 +65,29 @@ def test_local_is_one_plain_process(capsys):
 
 def test_local_cpu_pins_device_and_backend(capsys):
     out = dry_run(capsys, "local", "--cpu", "model=tiny")
-    expected = [sys.executable, "-m", "usp.train", "trainer.device=cpu", "parallel.backend=gloo", "model=tiny"]
+    expected = [
+        sys.executable,
+        "-m",
+        "usp.train",
+        "trainer.device=cpu",
+        "parallel.backend=gloo",
+        "model=tiny",
+    ]
     assert out == shlex.join(expected) + "\n"
 
 
 def test_torchrun_cpu_tiny_demo(capsys):
-    out = dry_run(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "recipe=tiny",
-                  "parallel.ulysses_degree=2", "parallel.ring_degree=2", "parallel.node_size=2")  # fmt: skip
+    out = dry_run(
+        capsys,
+        "torchrun",
+        "--cpu",
+        "--nproc-per-node",
+        "4",
+        "recipe=tiny",
+        "parallel.ulysses_degree=2",
+        "parallel.ring_degree=2",
+        "parallel.node_size=2",
+    )
     assert out == (
         "torchrun --standalone --nproc-per-node 4 -m usp.train trainer.device=cpu parallel.backend=gloo "
         "recipe=tiny parallel.ulysses_degree=2 parallel.ring_degree=2 parallel.node_size=2\n"
@@ -73,7 +95,20 @@ def test_torchrun_cpu_tiny_demo(capsys):
 
 
 def test_torchrun_user_override_wins_over_cpu_default(capsys):
-    assert cli.main(["torchrun", "--dry-run", "--cpu", "--nproc-per-node=4", "trainer.device=cpu", "--", "recipe=tiny"]) == 0
+    assert (
+        cli.main(
+            [
+                "torchrun",
+                "--dry-run",
+                "--cpu",
+                "--nproc-per-node=4",
+                "trainer.device=cpu",
+                "--",
+                "recipe=tiny",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == (
         "torchrun --standalone --nproc-per-node 4 -m usp.train parallel.backend=gloo trainer.device=cpu recipe=tiny\n"
     )
@@ -82,13 +117,33 @@ def test_torchrun_user_override_wins_over_cpu_default(capsys):
 def test_torchrun_uses_detected_gpus(capsys, monkeypatch):
     monkeypatch.setattr(commands, "count_gpus", lambda: 8)
     out = dry_run(capsys, "torchrun", "recipe=llama2_7b_rope_32k", *USER)
-    assert out == f"torchrun --standalone --nproc-per-node 8 -m usp.train recipe=llama2_7b_rope_32k {' '.join(USER)}\n"
+    assert (
+        out
+        == f"torchrun --standalone --nproc-per-node 8 -m usp.train recipe=llama2_7b_rope_32k {' '.join(USER)}\n"
+    )
 
 
 def test_sbatch_outside_slurm(capsys):
-    out = dry_run(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu", "--time",
-                  "04:00:00", "--account", "proj1", "--job-name", "ctx128k", "recipe=llama31_8b_128k",
-                  "parallel.ulysses_degree=8", "parallel.ring_degree=2", *USER)  # fmt: skip
+    out = dry_run(
+        capsys,
+        "slurm",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--partition",
+        "gpu",
+        "--time",
+        "04:00:00",
+        "--account",
+        "proj1",
+        "--job-name",
+        "ctx128k",
+        "recipe=llama31_8b_128k",
+        "parallel.ulysses_degree=8",
+        "parallel.ring_degree=2",
+        *USER,
+    )
     assert out == (
         "sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 --partition=gpu --time=04:00:00 --account=proj1 "
         "--job-name=ctx128k launch/slurm.sbatch --nproc-per-node 8 recipe=llama31_8b_128k "
@@ -104,7 +159,9 @@ def test_sbatch_defaults_and_gres(capsys):
     )
 
 
-@pytest.mark.parametrize(("recipe", "nodes"), [("llama31_8b_1m", 8), ("llama3_70b_128k", 4), ("llama31_8b_128k", 2)])
+@pytest.mark.parametrize(
+    ("recipe", "nodes"), [("llama31_8b_1m", 8), ("llama3_70b_128k", 4), ("llama31_8b_128k", 2)]
+)
 def test_sbatch_takes_the_recipes_declared_size(capsys, recipe, nodes):
     out = dry_run(capsys, "slurm", f"recipe={recipe}", *USER)
     assert out.startswith(f"sbatch --nodes={nodes} --ntasks-per-node=1 --gpus-per-node=8 --job-name=usp ")
@@ -123,11 +180,17 @@ def test_recipe_degrees_checked_against_the_job(capsys):
     ("argv", "message"),
     [
         (["slurm", "recipe=x"], "Could not find 'recipe/x' - valid recipe options: llama2_7b_rope_128k, "),
-        (["slurm", "recipe=llama31_8b_128k", *USER, "parallel.ulysess_degree=8"], "unknown config key 'parallel.ulysess_degree': did you mean parallel.ulysses_degree?"),
-        (["torchrun", "--nproc-per-node", "8", "recipe=llama31_8b_128k", "trainer.seq_len=long", *USER], "trainer.seq_len=long"),
+        (
+            ["slurm", "recipe=llama31_8b_128k", *USER, "parallel.ulysess_degree=8"],
+            "unknown config key 'parallel.ulysess_degree': did you mean parallel.ulysses_degree?",
+        ),
+        (
+            ["torchrun", "--nproc-per-node", "8", "recipe=llama31_8b_128k", "trainer.seq_len=long", *USER],
+            "trainer.seq_len=long",
+        ),
         (["slurm", "recipe=llama31_8b_1m"], "model.path=/ckpt/"),
     ],
-)  # fmt: skip
+)
 def test_bad_recipe_or_override_exits_2_before_launch(capsys, argv, message):
     err = fails(capsys, *argv, "--dry-run")
     assert err.startswith("usp-launch: error: ") and err.count("\n") == 1
@@ -150,8 +213,14 @@ def _allocation(monkeypatch, **extra: str) -> None:
 
 def test_srun_inside_allocation(capsys, monkeypatch):
     _allocation(monkeypatch, SLURM_GPUS_ON_NODE="8")
-    out = dry_run(capsys, "slurm", "recipe=llama31_8b_128k", "parallel.ulysses_degree=8", "parallel.ring_degree=2",
-                  *USER)  # fmt: skip
+    out = dry_run(
+        capsys,
+        "slurm",
+        "recipe=llama31_8b_128k",
+        "parallel.ulysses_degree=8",
+        "parallel.ring_degree=2",
+        *USER,
+    )
     assert out == (
         "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes 2 --nproc-per-node 8 "
         "--rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint gpu007:24242 --max-restarts 0 "
@@ -202,7 +271,9 @@ def test_srun_gives_the_task_the_nodes_cores(capsys, monkeypatch):
     """One task per node: without --cpus-per-task, core-binding clusters pin torchrun and its ranks to 1 core."""
     _allocation(monkeypatch, SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="96")
     out = dry_run(capsys, "slurm", "recipe=llama31_8b_128k", *USER)
-    assert out.startswith("srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=96 --kill-on-bad-exit=1 torchrun ")
+    assert out.startswith(
+        "srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=96 --kill-on-bad-exit=1 torchrun "
+    )
 
 
 def test_submit_inside_allocation_uses_sbatch(capsys, monkeypatch):
@@ -212,8 +283,15 @@ def test_submit_inside_allocation_uses_sbatch(capsys, monkeypatch):
 
 
 def test_cluster_overrides_size_the_job(capsys):
-    out = dry_run(capsys, "slurm", "recipe=llama31_8b_1m", "cluster.num_nodes=4", "cluster.gpus_per_node=8",
-                  "parallel.ring_degree=4", *USER)  # fmt: skip
+    out = dry_run(
+        capsys,
+        "slurm",
+        "recipe=llama31_8b_1m",
+        "cluster.num_nodes=4",
+        "cluster.gpus_per_node=8",
+        "parallel.ring_degree=4",
+        *USER,
+    )
     assert out == (
         "sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --job-name=usp launch/slurm.sbatch "
         "--nproc-per-node 8 recipe=llama31_8b_1m cluster.num_nodes=4 cluster.gpus_per_node=8 parallel.ring_degree=4 "
@@ -243,30 +321,55 @@ def test_allocation_uses_all_its_nodes(capsys, monkeypatch):
 
 # --- errors before launch ----------------------------------------------------------------------------
 def test_degrees_not_dividing_world(capsys):
-    err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "parallel.ulysses_degree=3", "--dry-run")
+    err = fails(
+        capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "parallel.ulysses_degree=3", "--dry-run"
+    )
     assert "parallel.ulysses_degree=3 x parallel.ring_degree=1 = 3 does not divide the world size 4" in err
     assert "1 node(s) x 4 process(es) per node = 4 ranks" in err
     assert "[1, 2, 4]" in err
 
 
 def test_ulysses_across_nodes_rejected(capsys):
-    err = fails(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "8",
-                "parallel.ulysses_degree=16", "parallel.ring_degree=1", "--dry-run")  # fmt: skip
+    err = fails(
+        capsys,
+        "slurm",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "parallel.ulysses_degree=16",
+        "parallel.ring_degree=1",
+        "--dry-run",
+    )
     assert "parallel.ulysses_degree=16 would make Ulysses groups span nodes of 8 ranks" in err
     assert "[1, 2, 4, 8]" in err and "node size 8 = LOCAL_WORLD_SIZE" in err
     assert "parallel.allow_cross_node_ulysses=true" in err
 
 
 def test_ulysses_checked_against_node_size_override(capsys):
-    err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "parallel.ulysses_degree=4",
-                "parallel.node_size=2", "--dry-run")  # fmt: skip
+    err = fails(
+        capsys,
+        "torchrun",
+        "--cpu",
+        "--nproc-per-node",
+        "4",
+        "parallel.ulysses_degree=4",
+        "parallel.node_size=2",
+        "--dry-run",
+    )
     assert "parallel.ulysses_degree=4 would make Ulysses groups span nodes of 2 ranks" in err
     assert "node size parallel.node_size=2" in err
 
 
 def test_auto_degrees_accepted(capsys):
-    out = dry_run(capsys, "torchrun", "--nproc-per-node", "8", "parallel.ulysses_degree=auto",
-                  "parallel.ring_degree=auto")  # fmt: skip
+    out = dry_run(
+        capsys,
+        "torchrun",
+        "--nproc-per-node",
+        "8",
+        "parallel.ulysses_degree=auto",
+        "parallel.ring_degree=auto",
+    )
     assert out.endswith("-m usp.train parallel.ulysses_degree=auto parallel.ring_degree=auto\n")
 
 
@@ -274,22 +377,41 @@ def test_auto_degrees_accepted(capsys):
     ("argv", "message"),
     [
         (["local", "parallel.ring_degree=2"], "parallel.ring_degree=2 = 2 does not divide the world size 1"),
-        (["slurm", "--nodes", "2", "--gpus-per-node", "8", "parallel.ulysses_degree=4", "parallel.ring_degree=2",
-          "parallel.dp_degree=4"],
-         "parallel.dp_degree=4 x ulysses_degree=4 x ring_degree=2 = 32 != world size 16"),
-        (["torchrun", "--nproc-per-node", "4", "parallel.ring_degree=two"], "parallel.ring_degree='two' is invalid"),
+        (
+            [
+                "slurm",
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "8",
+                "parallel.ulysses_degree=4",
+                "parallel.ring_degree=2",
+                "parallel.dp_degree=4",
+            ],
+            "parallel.dp_degree=4 x ulysses_degree=4 x ring_degree=2 = 32 != world size 16",
+        ),
+        (
+            ["torchrun", "--nproc-per-node", "4", "parallel.ring_degree=two"],
+            "parallel.ring_degree='two' is invalid",
+        ),
         (["torchrun", "--nproc-per-node", "0"], "--nproc-per-node=0 is invalid"),
         (["torchrun", "recipe=tiny"], "no GPUs found"),
         (["torchrun", "--cpu", "recipe=tiny"], "--cpu needs --nproc-per-node N"),
-        (["torchrun", "--nproc-per-node", "2", "--partition", "gpu"], "--partition: only for `usp-launch slurm`"),
+        (
+            ["torchrun", "--nproc-per-node", "2", "--partition", "gpu"],
+            "--partition: only for `usp-launch slurm`",
+        ),
         (["local", "--nproc-per-node", "4"], "`local` runs one process"),
-        (["torchrun", "--nodes", "2", "--nproc-per-node", "8"], "For 2 nodes use `usp-launch slurm --nodes 2`"),
+        (
+            ["torchrun", "--nodes", "2", "--nproc-per-node", "8"],
+            "For 2 nodes use `usp-launch slurm --nodes 2`",
+        ),
         (["slurm", "--cpu"], "--cpu applies to local and torchrun"),
         (["local", "tiny"], "'tiny' is not a Hydra override"),
         (["local", "--bogus", "recipe=tiny"], "unknown option '--bogus'"),
         (["slurm", "--script", "nowhere.sbatch"], "--script nowhere.sbatch: no such file"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_exits_2_with_message(capsys, argv, message):
     err = fails(capsys, *argv, "--dry-run")
     assert err.startswith("usp-launch: error: ")
@@ -312,7 +434,9 @@ def test_hydra_flags_after_dashes_pass_through_unchanged(capsys):
     """`--cfg job` prints a recipe's config: no model.path needed, and the 64-GPU layout is not held against
     the one process that prints it."""
     out = dry_run(capsys, "local", "recipe=llama31_8b_1m", "--", "--cfg", "job")
-    assert out == shlex.join([sys.executable, "-m", "usp.train", "recipe=llama31_8b_1m", "--cfg", "job"]) + "\n"
+    assert (
+        out == shlex.join([sys.executable, "-m", "usp.train", "recipe=llama31_8b_1m", "--cfg", "job"]) + "\n"
+    )
     out = dry_run(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "--", "recipe=tiny", "--help")
     assert out.endswith("-m usp.train trainer.device=cpu parallel.backend=gloo recipe=tiny --help\n")
     # the usage's trailing --dry-run stays usp-launch's, even after --
@@ -321,7 +445,18 @@ def test_hydra_flags_after_dashes_pass_through_unchanged(capsys):
 
 
 def test_hydra_flags_to_sbatch_follow_the_scripts_dashes(capsys):
-    out = dry_run(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "8", "recipe=llama31_8b_128k", "--", "--cfg", "job")
+    out = dry_run(
+        capsys,
+        "slurm",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "recipe=llama31_8b_128k",
+        "--",
+        "--cfg",
+        "job",
+    )
     assert out.endswith("launch/slurm.sbatch --nproc-per-node 8 -- recipe=llama31_8b_128k --cfg job\n")
     err = fails(capsys, "slurm", "recipe=llama31_8b_128k", "--", "--cfg", "job", "--dry-run")
     assert "pass --nodes N --gpus-per-node G" in err
@@ -386,15 +521,20 @@ def test_override_parsing_is_hydras():
     assert find_override([inputs], "data.inputs") == ["/d/a=1.jsonl", "/d/b.jsonl"]
     assert find_override(["a.b=1", "~a.b"], "a.b") is None and find_override(["c=3"], "a.b") is None
     assert find_override(["--cfg", "job", "a.b=3"], "a.b") == 3  # Hydra's flags and their values are skipped
-    assert has_override(["+trainer.device=cpu"], "trainer.device") and not has_override(["a=1"], "trainer.device")
+    assert has_override(["+trainer.device=cpu"], "trainer.device") and not has_override(
+        ["a=1"], "trainer.device"
+    )
 
 
 @pytest.mark.parametrize(
     ("word", "message"),
-    [("tiny", "'tiny' is not a Hydra override (missing EQUAL"), ("=3", "'=3' has an empty key"),
-     ("data.inputs=[a.jsonl", "'data.inputs=[a.jsonl' is not a Hydra override"),
-     ("--cfg", "unknown option '--cfg'")],
-)  # fmt: skip
+    [
+        ("tiny", "'tiny' is not a Hydra override (missing EQUAL"),
+        ("=3", "'=3' has an empty key"),
+        ("data.inputs=[a.jsonl", "'data.inputs=[a.jsonl' is not a Hydra override"),
+        ("--cfg", "unknown option '--cfg'"),
+    ],
+)
 def test_parse_overrides_names_the_bad_word(word, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_overrides(["recipe=tiny", word])
@@ -402,11 +542,19 @@ def test_parse_overrides_names_the_bad_word(word, message):
 
 def test_check_degrees_is_parallel_dims_on_the_command_lines_values():
     """Without a composed config (Hydra flags after --): the command line's integer degrees, ParallelDims's rules."""
-    check_degrees(["parallel.ulysses_degree=2", "parallel.ring_degree=2", "parallel.node_size=2"],
-                  nodes=1, nproc_per_node=4)  # fmt: skip
-    with pytest.raises(ValueError, match=r"parallel.ulysses_degree=1 x parallel.ring_degree=3 = 3 does not divide"):
+    check_degrees(
+        ["parallel.ulysses_degree=2", "parallel.ring_degree=2", "parallel.node_size=2"],
+        nodes=1,
+        nproc_per_node=4,
+    )
+    with pytest.raises(
+        ValueError, match=r"parallel.ulysses_degree=1 x parallel.ring_degree=3 = 3 does not divide"
+    ):
         check_degrees(["parallel.ring_degree=3"], nodes=1, nproc_per_node=4)
-    with pytest.raises(ValueError, match=r"node size 3 \(parallel.node_size, or the launcher's LOCAL_WORLD_SIZE when that is unset\) does not divide the world size 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"node size 3 \(parallel.node_size, or the launcher's LOCAL_WORLD_SIZE when that is unset\) does not divide the world size 4",
+    ):
         check_degrees(["--cfg", "job", "parallel.node_size=3"], nodes=1, nproc_per_node=4)
     # dp only when both sequence degrees are known; auto and non-integers are usp.train's to report
     check_degrees(["parallel.dp_degree=4", "parallel.ring_degree=2"], nodes=1, nproc_per_node=8)
@@ -416,16 +564,29 @@ def test_check_degrees_is_parallel_dims_on_the_command_lines_values():
 # --- values the old string rules misread ---------------------------------------------------------------
 def test_interpolated_degree_is_resolved_not_rejected(capsys):
     interpolated = "parallel.ulysses_degree=${parallel.ring_degree}"
-    out = dry_run(capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "parallel.ring_degree=2", interpolated)
+    out = dry_run(
+        capsys, "torchrun", "--cpu", "--nproc-per-node", "4", "parallel.ring_degree=2", interpolated
+    )
     assert out.endswith(f"parallel.ring_degree=2 {shlex.quote(interpolated)}\n")
-    err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "2", "parallel.ring_degree=2", interpolated, "--dry-run")
+    err = fails(
+        capsys,
+        "torchrun",
+        "--cpu",
+        "--nproc-per-node",
+        "2",
+        "parallel.ring_degree=2",
+        interpolated,
+        "--dry-run",
+    )
     assert "parallel.ulysses_degree=2 x parallel.ring_degree=2 = 4 does not divide the world size 2" in err
 
 
 @pytest.mark.parametrize("value", ["'2'", "0x2", "2.0", "true"])
 def test_a_degree_the_trainer_would_refuse_is_refused_in_its_words(capsys, value):
     """Hydra reads '2' as a string, 0x2 as a string, 2.0 as a float: the trainer's config refuses them all."""
-    err = fails(capsys, "torchrun", "--cpu", "--nproc-per-node", "2", f"parallel.ulysses_degree={value}", "--dry-run")
+    err = fails(
+        capsys, "torchrun", "--cpu", "--nproc-per-node", "2", f"parallel.ulysses_degree={value}", "--dry-run"
+    )
     assert "parallel.ulysses_degree=" in err and "is invalid: use an integer >= 1 or 'auto'" in err
 
 
@@ -456,19 +617,36 @@ def test_degrees_set_in_a_recipe_file(capsys, tmp_path):
     err = fails(capsys, *two_nodes, "recipe=u16", "--dry-run")
     assert "parallel.ulysses_degree=16 would make Ulysses groups span nodes of 8 ranks" in err
     dry_run(capsys, *two_nodes, "recipe=u16", "parallel.allow_cross_node_ulysses=yes")  # OmegaConf's true
-    err = fails(capsys, *two_nodes, "recipe=xnode", "parallel.ulysses_degree=16",
-                "parallel.allow_cross_node_ulysses=false", "--dry-run")  # fmt: skip
+    err = fails(
+        capsys,
+        *two_nodes,
+        "recipe=xnode",
+        "parallel.ulysses_degree=16",
+        "parallel.allow_cross_node_ulysses=false",
+        "--dry-run",
+    )
     assert "span nodes of 8 ranks" in err
 
 
 def test_fixed_degree_next_to_auto_still_checked_against_the_node(capsys):
-    err = fails(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "8", "parallel.ulysses_degree=16",
-                "parallel.ring_degree=auto", "--dry-run")  # fmt: skip
+    err = fails(
+        capsys,
+        "slurm",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "parallel.ulysses_degree=16",
+        "parallel.ring_degree=auto",
+        "--dry-run",
+    )
     assert "parallel.ulysses_degree=16 would make Ulysses groups span nodes of 8 ranks" in err
 
 
 def test_quoted_cluster_size_is_read_as_the_config_reads_it(capsys):
-    out = dry_run(capsys, "slurm", "recipe=llama31_8b_1m", "cluster.num_nodes='4'", "parallel.ring_degree=4", *USER)
+    out = dry_run(
+        capsys, "slurm", "recipe=llama31_8b_1m", "cluster.num_nodes='4'", "parallel.ring_degree=4", *USER
+    )
     assert out.startswith("sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 ")
     err = fails(capsys, "slurm", "--nodes", "2", "cluster.num_nodes='4'", "--dry-run")
     assert "--nodes=2 but cluster.num_nodes=4" in err
@@ -478,8 +656,9 @@ def test_module_entry_out_of_process(monkeypatch):
     """``python -m usp.launch.cli`` (what the usp-launch console script calls) prints the command and exits 0."""
     monkeypatch.undo()  # a real subprocess: drop the in-process guards
     argv = ["torchrun", "--cpu", "--nproc-per-node", "4", "recipe=tiny", "--dry-run"]
-    result = subprocess.run([sys.executable, "-m", "usp.launch.cli", *argv], capture_output=True, text=True,
-                            cwd=REPO, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "usp.launch.cli", *argv], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == (
         "torchrun --standalone --nproc-per-node 4 -m usp.train trainer.device=cpu parallel.backend=gloo recipe=tiny\n"

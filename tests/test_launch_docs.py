@@ -39,7 +39,13 @@ def test_the_doc_has_examples():
 @pytest.mark.parametrize("words", COMMANDS, ids=lambda words: " ".join(words)[:60])
 def test_doc_command_works_as_written(words, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
-    for var in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE", "SLURM_CPUS_ON_NODE"):
+    for var in (
+        "SLURM_JOB_ID",
+        "SLURM_NNODES",
+        "SLURM_JOB_NODELIST",
+        "SLURM_GPUS_ON_NODE",
+        "SLURM_CPUS_ON_NODE",
+    ):
         monkeypatch.delenv(var, raising=False)
     if words[0] == "usp-launch":
         monkeypatch.setattr(commands, "count_gpus", lambda: 8)  # the 8-GPU machine the examples assume
@@ -88,10 +94,18 @@ def test_the_doc_shows_errors():
     assert len(ERRORS) >= 3
 
 
-@pytest.mark.parametrize(("words", "shown"), ERRORS, ids=lambda x: " ".join(x)[-50:] if isinstance(x, list) else "")
+@pytest.mark.parametrize(
+    ("words", "shown"), ERRORS, ids=lambda x: " ".join(x)[-50:] if isinstance(x, list) else ""
+)
 def test_doc_error_is_what_usp_launch_says(words, shown, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
-    for var in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE", "SLURM_CPUS_ON_NODE"):
+    for var in (
+        "SLURM_JOB_ID",
+        "SLURM_NNODES",
+        "SLURM_JOB_NODELIST",
+        "SLURM_GPUS_ON_NODE",
+        "SLURM_CPUS_ON_NODE",
+    ):
         monkeypatch.delenv(var, raising=False)
     assert cli.main(words[1:]) == 2
     said = " ".join(capsys.readouterr().err.split())

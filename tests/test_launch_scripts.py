@@ -53,10 +53,14 @@ def stubs(tmp_path: Path) -> Stubs:
     return s
 
 
-def run_script(script: Path, args: list[str], stubs: Stubs, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+def run_script(
+    script: Path, args: list[str], stubs: Stubs, cwd: Path, **env: str
+) -> subprocess.CompletedProcess:
     """Run ``script`` with bash in a clean environment: only the stubs and the system dirs on PATH."""
     clean = {"PATH": f"{stubs.bin}:/usr/bin:/bin", "HOME": str(cwd), **env}
-    return subprocess.run([BASH, str(script), *args], env=clean, cwd=cwd, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [BASH, str(script), *args], env=clean, cwd=cwd, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.parametrize("script", [TORCHRUN_SH, SLURM_SBATCH], ids=lambda p: p.name)
@@ -92,12 +96,30 @@ def test_sbatch_script_runs_the_srun_command_usp_launch_prints(stubs, tmp_path):
     expected = commands.srun_command(overrides, nodes=2, nproc_per_node=8, job_id="4242", head="gpu007")
     assert stubs.calls("srun") == [expected[1:]]
     assert expected[1:] == [
-        "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-        "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--rdzv-id", "4242", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "gpu007:24242", "--max-restarts", "0",
-        "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout", "240",
-        "-m", "usp.train", *overrides,
-    ]  # fmt: skip
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--rdzv-id",
+        "4242",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "gpu007:24242",
+        "--max-restarts",
+        "0",
+        "--signals-to-handle",
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "--shutdown-timeout",
+        "240",
+        "-m",
+        "usp.train",
+        *overrides,
+    ]
     assert stubs.calls("scontrol") == [["show", "hostnames", "gpu[007-008]"]]
 
 
@@ -107,14 +129,18 @@ def test_sbatch_script_nproc_option_and_given_run_dir(stubs, tmp_path):
     assert result.returncode == 0, result.stderr
     [call] = stubs.calls("srun")
     assert call[call.index("--nproc-per-node") + 1] == "4"
-    assert call[call.index("usp.train") + 1 :] == ["++hydra.run.dir=outputs/slurm-4000", "trainer.resume=auto"]
+    assert call[call.index("usp.train") + 1 :] == [
+        "++hydra.run.dir=outputs/slurm-4000",
+        "trainer.resume=auto",
+    ]
 
 
 def test_sbatch_script_gives_each_task_the_nodes_cores(stubs, tmp_path):
     """srun gets --cpus-per-task=$SLURM_CPUS_ON_NODE, the same line usp-launch prints inside an allocation."""
     overrides = ["recipe=llama31_8b_128k"]
-    result = run_script(SLURM_SBATCH, overrides, stubs, tmp_path, SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="96",
-                        **SLURM_ENV)  # fmt: skip
+    result = run_script(
+        SLURM_SBATCH, overrides, stubs, tmp_path, SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="96", **SLURM_ENV
+    )
     assert result.returncode == 0, result.stderr
     expected = commands.srun_command(
         overrides, nodes=2, nproc_per_node=8, job_id="4242", head="gpu007", cpus_per_task=96
@@ -125,8 +151,9 @@ def test_sbatch_script_gives_each_task_the_nodes_cores(stubs, tmp_path):
 
 def test_sbatch_script_adds_no_run_dir(stubs, tmp_path):
     """A recipe that pins hydra.run.dir (the staged llama2_7b_rope_* chain) keeps it under SLURM."""
-    result = run_script(SLURM_SBATCH, ["recipe=llama2_7b_rope_64k"], stubs, tmp_path, SLURM_GPUS_ON_NODE="8",
-                        **SLURM_ENV)  # fmt: skip
+    result = run_script(
+        SLURM_SBATCH, ["recipe=llama2_7b_rope_64k"], stubs, tmp_path, SLURM_GPUS_ON_NODE="8", **SLURM_ENV
+    )
     assert result.returncode == 0, result.stderr
     [call] = stubs.calls("srun")
     assert call[call.index("usp.train") + 1 :] == ["recipe=llama2_7b_rope_64k"]
@@ -143,7 +170,9 @@ def test_sbatch_script_passes_hydra_flags_after_dashes(stubs, tmp_path):
 
 
 def test_sbatch_script_reads_gpus_per_node(stubs, tmp_path):
-    result = run_script(SLURM_SBATCH, ["recipe=x"], stubs, tmp_path, SLURM_GPUS_PER_NODE="h100:4", **SLURM_ENV)
+    result = run_script(
+        SLURM_SBATCH, ["recipe=x"], stubs, tmp_path, SLURM_GPUS_PER_NODE="h100:4", **SLURM_ENV
+    )
     assert result.returncode == 0, result.stderr
     [call] = stubs.calls("srun")
     assert call[call.index("--nproc-per-node") + 1] == "4"
@@ -173,8 +202,16 @@ def test_torchrun_script_cpu_matches_usp_launch(stubs, tmp_path):
         commands.with_defaults(["recipe=tiny"], commands.cpu_defaults()), nproc_per_node=4
     )
     assert stubs.calls("torchrun") == [expected[1:]]
-    assert expected[1:] == ["--standalone", "--nproc-per-node", "4", "-m", "usp.train",
-                            "trainer.device=cpu", "parallel.backend=gloo", "recipe=tiny"]  # fmt: skip
+    assert expected[1:] == [
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "usp.train",
+        "trainer.device=cpu",
+        "parallel.backend=gloo",
+        "recipe=tiny",
+    ]
 
 
 def test_torchrun_script_counts_gpus(stubs, tmp_path):

@@ -30,9 +30,14 @@ def model_dir(tmp_path_factory) -> str:
     """A 1B-class GQA Llama's config (16 query, 8 K/V heads) and an empty weight file: what both checks read."""
     path = tmp_path_factory.mktemp("agree") / "model"
     LlamaConfig(
-        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-        vocab_size=32000, max_position_embeddings=65536,
-    ).save_pretrained(path)  # fmt: skip
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=65536,
+    ).save_pretrained(path)
     (path / "model.safetensors").write_bytes(b"")
     return str(path)
 
@@ -53,10 +58,14 @@ def _nothing_started(monkeypatch, tmp_path):
 def overrides(model_dir: str, memory_gib: float, **parallel) -> list[str]:
     base = {"node_size": WORLD, **parallel}
     return [
-        f"model.path={model_dir}", f"data.prepared_path={model_dir}/../data", "model.dtype=bfloat16",
-        "trainer.seq_len=65536", "cluster.gpu=h100-80g", f"cluster.memory_gib={memory_gib}",
+        f"model.path={model_dir}",
+        f"data.prepared_path={model_dir}/../data",
+        "model.dtype=bfloat16",
+        "trainer.seq_len=65536",
+        "cluster.gpu=h100-80g",
+        f"cluster.memory_gib={memory_gib}",
         *(f"parallel.{k}={v}" for k, v in base.items()),
-    ]  # fmt: skip
+    ]
 
 
 def trainer_layout(argv: list[str]) -> ResolvedDegrees | None:
@@ -79,10 +88,14 @@ def launcher(capsys, argv: list[str]) -> tuple[bool, str]:
 def pinned(layout: ResolvedDegrees) -> dict:
     """``layout`` as fixed settings."""
     return dict(
-        ulysses_degree=layout.ulysses_degree, ring_degree=layout.ring_degree, fsdp_mode=layout.fsdp_mode,
-        activation_checkpointing=layout.activation_checkpointing, ac_every_k=layout.ac_every_k,
-        mlp_tiles=layout.mlp_tiles, attn_head_chunks=layout.attn_head_chunks,
-    )  # fmt: skip
+        ulysses_degree=layout.ulysses_degree,
+        ring_degree=layout.ring_degree,
+        fsdp_mode=layout.fsdp_mode,
+        activation_checkpointing=layout.activation_checkpointing,
+        ac_every_k=layout.ac_every_k,
+        mlp_tiles=layout.mlp_tiles,
+        attn_head_chunks=layout.attn_head_chunks,
+    )
 
 
 def smallest_memory(model_dir: str, **parallel) -> float:
@@ -118,8 +131,14 @@ def head_chunks_memory(model_dir: str, chunks: int) -> float:
 def test_configs_that_differ_only_by_head_chunks(capsys, model_dir):
     mem = head_chunks_memory(model_dir, 2)
     for chunks, accepted in ((2, True), (1, False)):
-        argv = overrides(model_dir, mem, ulysses_degree=2, ring_degree="auto", activation_checkpointing="full",
-                         attn_head_chunks=chunks)  # fmt: skip
+        argv = overrides(
+            model_dir,
+            mem,
+            ulysses_degree=2,
+            ring_degree="auto",
+            activation_checkpointing="full",
+            attn_head_chunks=chunks,
+        )
         layout = trainer_layout(argv)
         assert (layout is not None) == accepted
         ok, err = launcher(capsys, argv)
@@ -137,13 +156,22 @@ def test_configs_that_differ_only_by_head_chunks(capsys, model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [
-    dict(ulysses_degree="auto", ring_degree="auto"),
-    dict(ulysses_degree="auto", ring_degree="auto", attn_head_chunks=2, mlp_tiles="auto"),
-    dict(ulysses_degree=4, ring_degree="auto", activation_checkpointing="full"),
-    dict(ulysses_degree="auto", ring_degree=2, activation_checkpointing="full", attn_head_chunks=2),
-    dict(ulysses_degree="auto", ring_degree="auto", fsdp_mode="hybrid_shard", activation_checkpointing="full"),
-], ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))  # fmt: skip
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        dict(ulysses_degree="auto", ring_degree="auto"),
+        dict(ulysses_degree="auto", ring_degree="auto", attn_head_chunks=2, mlp_tiles="auto"),
+        dict(ulysses_degree=4, ring_degree="auto", activation_checkpointing="full"),
+        dict(ulysses_degree="auto", ring_degree=2, activation_checkpointing="full", attn_head_chunks=2),
+        dict(
+            ulysses_degree="auto",
+            ring_degree="auto",
+            fsdp_mode="hybrid_shard",
+            activation_checkpointing="full",
+        ),
+    ],
+    ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()),
+)
 def test_auto_configs_get_the_same_verdict_and_layout(capsys, model_dir, parallel):
     """Over a range of device memories (refused below some size, accepted above): the same verdict, and the
     launcher names the layout the trainer resolves; that layout, pinned, passes the launcher's memory check."""
@@ -155,8 +183,10 @@ def test_auto_configs_get_the_same_verdict_and_layout(capsys, model_dir, paralle
         assert ok == (layout is not None), f"{parallel} at {mem} GiB: trainer {layout}, usp-launch {err!r}"
         verdicts.append(ok)
         if ok:
-            assert (f"ulysses {layout.ulysses_degree} x ring {layout.ring_degree} x dp {layout.dp_degree}, "
-                    f"{layout.fsdp_mode}, activation checkpointing {layout.activation_checkpointing}") in err  # fmt: skip
+            assert (
+                f"ulysses {layout.ulysses_degree} x ring {layout.ring_degree} x dp {layout.dp_degree}, "
+                f"{layout.fsdp_mode}, activation checkpointing {layout.activation_checkpointing}"
+            ) in err
             if (
                 layout.activation_checkpointing != "offload"
             ):  # offload: the trainer also checks this host's memory

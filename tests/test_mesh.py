@@ -39,7 +39,10 @@ def test_groups_world16_node8_ulysses4_ring2_dp2():
         (dict(world_size=8, ulysses_degree=2, ring_degree=2, dp_degree=3), "parallel.dp_degree=3"),
         (dict(world_size=16, ulysses_degree=16, ring_degree=1, node_size=8), "span nodes"),
         (dict(world_size=12, ulysses_degree=4, ring_degree=1, node_size=6), "span nodes"),
-        (dict(world_size=8, ulysses_degree=1, ring_degree=1, node_size=3), "Set parallel.node_size to one of"),
+        (
+            dict(world_size=8, ulysses_degree=1, ring_degree=1, node_size=3),
+            "Set parallel.node_size to one of",
+        ),
     ],
 )
 def test_bad_degrees_raise(kwargs, match):
@@ -103,7 +106,9 @@ def _fake_world_groups(rank: int, world_size: int, **mesh_kwargs) -> dict[str, l
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = init_sp_mesh(**mesh_kwargs)
-        out = {axis: dist.get_process_group_ranks(mesh.group(axis)) for axis in ("ulysses", "ring", "dp", "sp")}
+        out = {
+            axis: dist.get_process_group_ranks(mesh.group(axis)) for axis in ("ulysses", "ring", "dp", "sp")
+        }
         out["fsdp"] = mesh.submesh("fsdp").mesh.tolist()
         out["coords"] = [mesh.dp_rank, mesh.ring_rank, mesh.ulysses_rank]
         return out
@@ -146,7 +151,9 @@ def _group_timeouts(timeout_s: float | None) -> dict[str, float]:
         out[axis] = backend.options._timeout.total_seconds()
     hsdp = mesh.hsdp_mesh(2)  # the HSDP mesh is built from the same mesh, with the same timeout
     for axis in ("replicate", "shard"):
-        out[f"hsdp_{axis}"] = hsdp.get_group(axis)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        out[f"hsdp_{axis}"] = (
+            hsdp.get_group(axis)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        )
     t = torch.ones(1)
     torch.distributed.all_reduce(t, group=mesh.ring_group)  # the groups still work
     return out
@@ -155,7 +162,14 @@ def _group_timeouts(timeout_s: float | None) -> dict[str, float]:
 def test_mesh_groups_take_the_requested_timeout(dist_pools):
     """``init_sp_mesh(timeout=...)`` reaches every axis' group (new_group would otherwise use the default)."""
     for got in dist_pools(4).run(_group_timeouts, 123.0):
-        assert got == {"dp": 123.0, "ring": 123.0, "ulysses": 123.0, "sp": 123.0, "fsdp": 123.0,
-                       "hsdp_replicate": 123.0, "hsdp_shard": 123.0}  # fmt: skip
+        assert got == {
+            "dp": 123.0,
+            "ring": 123.0,
+            "ulysses": 123.0,
+            "sp": 123.0,
+            "fsdp": 123.0,
+            "hsdp_replicate": 123.0,
+            "hsdp_shard": 123.0,
+        }
     for got in dist_pools(4).run(_group_timeouts, None):
         assert set(got.values()) != {123.0}

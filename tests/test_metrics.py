@@ -114,7 +114,10 @@ def test_progress_bar_runs_on_rank0_on_a_terminal(tmp_path, capsys, caplog, monk
     import usp.train.metrics as metrics
 
     monkeypatch.setattr(metrics, "stderr_is_terminal", lambda: True)
-    with caplog.at_level(logging.INFO, logger="usp.train.metrics"), _logger(tmp_path, progress_bar=True) as log:
+    with (
+        caplog.at_level(logging.INFO, logger="usp.train.metrics"),
+        _logger(tmp_path, progress_bar=True) as log,
+    ):
         log.log_step(1, loss=3.25, grad_norm=1.0, lr=1.0, tokens=10, flops=1.0, step_time_s=1.0)
     assert "3.2500" in capsys.readouterr().err
     assert "step 1/2" not in caplog.text  # the bar, not log lines
@@ -123,7 +126,10 @@ def test_progress_bar_runs_on_rank0_on_a_terminal(tmp_path, capsys, caplog, monk
 def test_batch_job_logs_lines_instead_of_a_bar(tmp_path, capsys, caplog):
     """No TTY (a SLURM .out file; pytest's capture here): progress_bar=true draws no bar (no \\r-joined line)
     and rank 0 logs one line per logged step with step, loss, tokens/s, MFU and memory."""
-    with caplog.at_level(logging.INFO, logger="usp.train.metrics"), _logger(tmp_path, progress_bar=True) as log:
+    with (
+        caplog.at_level(logging.INFO, logger="usp.train.metrics"),
+        _logger(tmp_path, progress_bar=True) as log,
+    ):
         for step in (1, 2):
             log.log_step(step, loss=3.25, grad_norm=1.0, lr=1.0, tokens=10, flops=5e11, step_time_s=1.0)
     assert "\r" not in capsys.readouterr().err
@@ -135,8 +141,16 @@ def test_batch_job_logs_lines_instead_of_a_bar(tmp_path, capsys, caplog):
 
 def test_non_finite_values_are_written_as_null(tmp_path):
     with _logger(tmp_path) as log:
-        rec = log.log_step(1, loss=float("nan"), grad_norm=float("inf"), lr=1.0, tokens=10, flops=1.0,
-                           step_time_s=1.0, extra={"val_loss": float("nan")})  # fmt: skip
+        rec = log.log_step(
+            1,
+            loss=float("nan"),
+            grad_norm=float("inf"),
+            lr=1.0,
+            tokens=10,
+            flops=1.0,
+            step_time_s=1.0,
+            extra={"val_loss": float("nan")},
+        )
     assert math.isnan(rec["loss"])  # the caller still sees the float
 
     def reject(name):
@@ -172,12 +186,32 @@ def test_resume_drops_records_after_the_checkpoint_step(tmp_path):
             log.log_step(step, loss=1.0, grad_norm=1.0, lr=1.0, tokens=1, flops=1.0, step_time_s=1.0)
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "lo')  # cut short by the crash
-    with MetricsLogger(tmp_path, rank=1, world_size=4, peak_flops=1.0, wandb_cfg=DISABLED, config={},
-                       layout={}, total_steps=8, progress_bar=False, start_step=3):  # fmt: skip
+    with MetricsLogger(
+        tmp_path,
+        rank=1,
+        world_size=4,
+        peak_flops=1.0,
+        wandb_cfg=DISABLED,
+        config={},
+        layout={},
+        total_steps=8,
+        progress_bar=False,
+        start_step=3,
+    ):
         pass  # only rank 0 touches the file
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 6
-    with MetricsLogger(tmp_path, rank=0, world_size=4, peak_flops=1.0, wandb_cfg=DISABLED, config={},
-                       layout={}, total_steps=8, progress_bar=False, start_step=3) as log:  # fmt: skip
+    with MetricsLogger(
+        tmp_path,
+        rank=0,
+        world_size=4,
+        peak_flops=1.0,
+        wandb_cfg=DISABLED,
+        config={},
+        layout={},
+        total_steps=8,
+        progress_bar=False,
+        start_step=3,
+    ) as log:
         for step in (4, 5):
             log.log_step(step, loss=2.0, grad_norm=1.0, lr=1.0, tokens=1, flops=1.0, step_time_s=1.0)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -32,7 +32,9 @@ def test_bad_model_dirs(tmp_path, tiny_llama):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
     with pytest.raises(ValueError, match="holds a 'bert' model"):
         check_model_dir(tmp_path)
-    (tmp_path / "config.json").write_text((__import__("pathlib").Path(tiny_llama) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(
+        (__import__("pathlib").Path(tiny_llama) / "config.json").read_text()
+    )
     with pytest.raises(ValueError, match="no weight files"):
         check_model_dir(tmp_path)
     assert check_model_dir(tiny_llama).model_type == "llama"
@@ -40,8 +42,9 @@ def test_bad_model_dirs(tmp_path, tiny_llama):
 
 def test_rope_overrides_both_spellings():
     config = LlamaConfig(hidden_size=64, num_attention_heads=4)
-    apply_rope_overrides(config, rope_theta=8e6, rope_scaling={"type": "linear", "factor": 4.0},
-                         max_position_embeddings=65536)  # fmt: skip
+    apply_rope_overrides(
+        config, rope_theta=8e6, rope_scaling={"type": "linear", "factor": 4.0}, max_position_embeddings=65536
+    )
     assert rope_settings(config) == {"rope_theta": 8e6, "rope_type": "linear", "factor": 4.0}
     assert config.max_position_embeddings == 65536
 
@@ -49,7 +52,9 @@ def test_rope_overrides_both_spellings():
         rope_theta = 5e5
         rope_scaling = None
 
-    legacy = apply_rope_overrides(Legacy(), rope_theta=1e6, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    legacy = apply_rope_overrides(
+        Legacy(), rope_theta=1e6, rope_scaling={"rope_type": "llama3", "factor": 8.0}
+    )
     assert legacy.rope_theta == 1e6 and legacy.rope_scaling == {"rope_type": "llama3", "factor": 8.0}
     with pytest.raises(ValueError, match="model.rope_theta"):
         apply_rope_overrides(config, rope_theta=-1.0)
@@ -160,8 +165,10 @@ def test_sequence_length_dependent_rope_is_refused_under_sequence_parallelism(ro
     check_rope_for_sequence_parallel(config, 1)  # one rank sees the whole sequence: fine
     with pytest.raises(ValueError, match=f"model.rope_scaling: rope_type='{rope_type}'.*ulysses x ring = 4"):
         check_rope_for_sequence_parallel(config, 4)
-    static = apply_rope_overrides(LlamaConfig(hidden_size=64, num_attention_heads=4),
-                                  rope_scaling={"rope_type": "linear", "factor": 4.0})  # fmt: skip
+    static = apply_rope_overrides(
+        LlamaConfig(hidden_size=64, num_attention_heads=4),
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+    )
     check_rope_for_sequence_parallel(static, 4)
 
 

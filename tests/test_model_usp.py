@@ -47,9 +47,20 @@ def _build_family(path, family: str) -> str:
     """A tiny random Qwen2 (q/k/v bias) or Mistral checkpoint with GQA, saved like a hub checkpoint."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    cls, config_cls = {"qwen2": (Qwen2ForCausalLM, Qwen2Config), "mistral": (MistralForCausalLM, MistralConfig)}[family]
-    config = config_cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, vocab_size=384, max_position_embeddings=256)  # fmt: skip
+    cls, config_cls = {
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+        "mistral": (MistralForCausalLM, MistralConfig),
+    }[family]
+    config = config_cls(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=384,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     cls(config).save_pretrained(str(path))
     return str(path)
@@ -98,7 +109,12 @@ def _packed(vocab: int) -> dict[str, torch.Tensor]:
         labels.append(torch.tensor(doc_labels))
         start += n
     cu = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    return {"input_ids": ids, "position_ids": torch.cat(pos)[None], "labels": torch.cat(labels)[None], "cu": cu}
+    return {
+        "input_ids": ids,
+        "position_ids": torch.cat(pos)[None],
+        "labels": torch.cat(labels)[None],
+        "cu": cu,
+    }
 
 
 def packed_loss(model_dir: str, ulysses: int, ring: int) -> dict | None:
@@ -110,9 +126,12 @@ def packed_loss(model_dir: str, ulysses: int, ring: int) -> dict | None:
     b = _packed(model.config.vocab_size)
     n = int((b["labels"] != -100).sum())
     loss = ChunkedCausalLMLoss(model, chunk_size=5)(
-        shard_sequence(b["input_ids"], mesh), shard_sequence(b["labels"], mesh),
-        position_ids=shard_sequence(b["position_ids"], mesh), cu_seqlens=b["cu"], num_targets=n,
-    )  # fmt: skip
+        shard_sequence(b["input_ids"], mesh),
+        shard_sequence(b["labels"], mesh),
+        position_ids=shard_sequence(b["position_ids"], mesh),
+        cu_seqlens=b["cu"],
+        num_targets=n,
+    )
     loss.backward()
     total = loss.detach().clone()
     torch.distributed.all_reduce(total, group=mesh.sp_group)
@@ -135,9 +154,7 @@ def test_packed_documents_do_not_leak(dist_pools, tiny_llama, ulysses, ring):
     for length in DOC_LENGTHS:  # each document alone through the plain model
         ids = b["input_ids"][:, start : start + length]
         logits = model(input_ids=ids).logits
-        total = total + torch.nn.functional.cross_entropy(
-            logits[0, :-1], ids[0, 1:], reduction="sum"
-        )
+        total = total + torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
         start += length
     ref = total / n
     ref.backward()
@@ -158,7 +175,10 @@ def misuse_errors(model_dir: str) -> list[str]:
     ids, pos = _inputs(model.config.vocab_size)
     ids, pos = shard_sequence(ids, mesh), shard_sequence(pos, mesh)
     messages = []
-    for kwargs in ({"input_ids": ids}, {"input_ids": ids, "position_ids": pos, "attention_mask": torch.ones_like(ids)}):
+    for kwargs in (
+        {"input_ids": ids},
+        {"input_ids": ids, "position_ids": pos, "attention_mask": torch.ones_like(ids)},
+    ):
         try:
             model(**kwargs)
             messages.append("accepted")
@@ -205,12 +225,19 @@ def packed_names(model_dir: str) -> dict:
         refused = "accepted"
     except ValueError as e:
         refused = str(e)
-    return {"seen": seen[0], "same": torch.equal(named, alias), "refused": refused,
-            "kwargs": {k: v for k, v in packed_sequence_kwargs(b["cu"]).items() if k.startswith("max")}}  # fmt: skip
+    return {
+        "seen": seen[0],
+        "same": torch.equal(named, alias),
+        "refused": refused,
+        "kwargs": {k: v for k, v in packed_sequence_kwargs(b["cu"]).items() if k.startswith("max")},
+    }
 
 
 def test_boundaries_travel_under_transformers_names(dist_pools, tiny_llama):
     for out in dist_pools(4).run(packed_names, tiny_llama):
         assert out["seen"] == {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
-        assert out["same"] and out["kwargs"] == {"max_length_q": max(DOC_LENGTHS), "max_length_k": max(DOC_LENGTHS)}
+        assert out["same"] and out["kwargs"] == {
+            "max_length_q": max(DOC_LENGTHS),
+            "max_length_k": max(DOC_LENGTHS),
+        }
         assert "cu_seq_lens_k must equal cu_seq_lens_q" in out["refused"]

@@ -25,8 +25,13 @@ from usp.tiny import build_tiny_llama
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 TORCHRUN = Path(sys.executable).parent / "torchrun"
-ONE_RANK = ["recipe=tiny", "parallel.ulysses_degree=1", "parallel.ring_degree=1", "parallel.node_size=1",
-            "logging.progress_bar=false"]  # fmt: skip
+ONE_RANK = [
+    "recipe=tiny",
+    "parallel.ulysses_degree=1",
+    "parallel.ring_degree=1",
+    "parallel.node_size=1",
+    "logging.progress_bar=false",
+]
 
 
 def _env() -> dict[str, str]:
@@ -41,8 +46,14 @@ def _run(
     args: list[str], cwd: Path, *, shell_prefix: str = "", timeout: float = 300
 ) -> subprocess.CompletedProcess:
     cmd = " ".join(f"'{a}'" for a in args)
-    return subprocess.run(["bash", "-c", f"{shell_prefix}exec {cmd}"], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        ["bash", "-c", f"{shell_prefix}exec {cmd}"],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _error_lines(text: str, prog: str) -> list[str]:
@@ -193,8 +204,17 @@ def test_eval_on_a_truncated_safetensors_names_model_path(tmp_path):
 
 # --- rows 4 and 6: directories that cannot be written -------------------------------------------------------
 def test_unwritable_checkpoint_dir_is_one_line_naming_it(tmp_path, unwritable):
-    proc = _run([PY, "-m", "usp.train", *ONE_RANK, f"hydra.run.dir={tmp_path / 'run'}",
-                 f"trainer.checkpoint_dir={unwritable}"], tmp_path)  # fmt: skip
+    proc = _run(
+        [
+            PY,
+            "-m",
+            "usp.train",
+            *ONE_RANK,
+            f"hydra.run.dir={tmp_path / 'run'}",
+            f"trainer.checkpoint_dir={unwritable}",
+        ],
+        tmp_path,
+    )
     lines = _error_lines(proc.stderr, "usp-train")
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert f"trainer.checkpoint_dir='{unwritable}' cannot be written: [Errno" in lines[0], lines
@@ -211,8 +231,20 @@ def test_unwritable_run_dir_is_refused_by_usp_train_and_by_the_dry_run(tmp_path,
         f"hydra.run.dir='{unwritable}' cannot be written: [Errno" in lines[0]
         and "Traceback" not in proc.stderr
     )
-    assert cli.main(["torchrun", "--cpu", "--nproc-per-node", "4", "recipe=tiny", f"hydra.run.dir={unwritable}",
-                     "--dry-run"]) == 2  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "torchrun",
+                "--cpu",
+                "--nproc-per-node",
+                "4",
+                "recipe=tiny",
+                f"hydra.run.dir={unwritable}",
+                "--dry-run",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"usp-launch: error: hydra.run.dir='{unwritable}' cannot be written: [Errno" in err, err
 
@@ -221,9 +253,22 @@ def test_unwritable_run_dir_is_refused_by_usp_train_and_by_the_dry_run(tmp_path,
 def test_a_full_disk_during_a_save_is_one_line_with_errno_and_path_also_in_the_log(tmp_path, tiny_dir):
     run_dir = tmp_path / "run"
     # 1024-byte blocks: the data cache and the logs fit; the checkpoint (weights + AdamW states) does not
-    proc = _run([PY, "-m", "usp.train", *ONE_RANK, "model=hf", f"model.path={tiny_dir}", "model.dtype=float32",
-                 f"hydra.run.dir={run_dir}", "trainer.max_steps=2", "trainer.checkpoint_every=1"], tmp_path,
-                shell_prefix="ulimit -f 300; ")  # fmt: skip
+    proc = _run(
+        [
+            PY,
+            "-m",
+            "usp.train",
+            *ONE_RANK,
+            "model=hf",
+            f"model.path={tiny_dir}",
+            "model.dtype=float32",
+            f"hydra.run.dir={run_dir}",
+            "trainer.max_steps=2",
+            "trainer.checkpoint_every=1",
+        ],
+        tmp_path,
+        shell_prefix="ulimit -f 300; ",
+    )
     lines = _error_lines(proc.stderr, "usp-train")
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
     assert "trainer.checkpoint_dir=" in lines[0] and "[Errno 27] File too large" in lines[0], lines
@@ -269,8 +314,18 @@ def test_prepare_data_errors_come_without_the_usage(tmp_path, capsys):
     from usp.data.prepare import main
     from usp.data.sources import NON_TEXT_FIX
 
-    rc = main(["--input", str(tmp_path / "missing.jsonl"), "--tokenizer", str(tmp_path), "--seq-len", "1K",
-               "--output", str(tmp_path / "out")])  # fmt: skip
+    rc = main(
+        [
+            "--input",
+            str(tmp_path / "missing.jsonl"),
+            "--tokenizer",
+            str(tmp_path),
+            "--seq-len",
+            "1K",
+            "--output",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "usage:" not in err and len(_error_lines(err, "usp-prepare-data")) == 1, err
     assert (

@@ -27,15 +27,26 @@ def test_model_hf_and_optim_finetune_train_your_own_checkpoint(tmp_path, short_c
     from usp.config.compose import compose_config
     from usp.train.checks import build_tiny_if_asked, start_up_warnings
 
-    cfg = compose_config([*ONE_RANK, "model=hf", "optim=finetune", f"model.path={short_context_model}",
-                          "trainer.seq_len=256", "trainer.max_steps=4"], run_dir=str(tmp_path))  # fmt: skip
+    cfg = compose_config(
+        [
+            *ONE_RANK,
+            "model=hf",
+            "optim=finetune",
+            f"model.path={short_context_model}",
+            "trainer.seq_len=256",
+            "trainer.max_steps=4",
+        ],
+        run_dir=str(tmp_path),
+    )
     assert (
         not cfg.model.build_tiny and cfg.optim.lr == 2e-5 and cfg.optim.warmup_steps < cfg.trainer.max_steps
     )
     build_tiny_if_asked(cfg, 0)  # nothing to build
     assert start_up_warnings(cfg) == []
-    tiny_recipe = compose_config([*ONE_RANK, f"model.path={short_context_model}", "trainer.seq_len=256",
-                                  "trainer.max_steps=4"], run_dir=str(tmp_path))  # fmt: skip
+    tiny_recipe = compose_config(
+        [*ONE_RANK, f"model.path={short_context_model}", "trainer.seq_len=256", "trainer.max_steps=4"],
+        run_dir=str(tmp_path),
+    )
     (warning,) = start_up_warnings(tiny_recipe)  # optim=tiny: warmup 5 > 4 steps
     assert "optim.warmup_steps=5 > trainer.max_steps=4" in warning
     assert (REPO / "conf" / "model" / "hf.yaml").is_file() and "model=hf" in (
@@ -90,8 +101,16 @@ def test_planner_overrides_paste_onto_another_recipe_and_launch(capsys, monkeypa
     assert main(["--model", "llama-3-70b", "--seq-len", "1M", "--nodes", "8", "--gpus-per-node", "8"]) == 0
     overrides = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert "model.max_position_embeddings=1048576" in overrides and "cluster.num_nodes=8" in overrides
-    rc = cli.main(["slurm", "--dry-run", "recipe=llama3_70b_128k", "model.path=/ckpt/70b", "data.prepared_path=/d",
-                   *overrides])  # fmt: skip
+    rc = cli.main(
+        [
+            "slurm",
+            "--dry-run",
+            "recipe=llama3_70b_128k",
+            "model.path=/ckpt/70b",
+            "data.prepared_path=/d",
+            *overrides,
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "sbatch --nodes=8" in captured.out
@@ -113,8 +132,18 @@ def test_plan_help_has_defaults_and_the_length_message_fits(capsys):
 def test_eval_dry_run_runs_the_eval_checks(capsys):
     from usp.launch import cli
 
-    args = ["torchrun", "--cpu", "--nproc-per-node", "4", "--entry", "eval", "recipe=tiny", "model.path=/m",
-            "eval=passkey", "--dry-run"]  # fmt: skip
+    args = [
+        "torchrun",
+        "--cpu",
+        "--nproc-per-node",
+        "4",
+        "--entry",
+        "eval",
+        "recipe=tiny",
+        "model.path=/m",
+        "eval=passkey",
+        "--dry-run",
+    ]
     assert cli.main([*args, "eval.lengths=[100]"]) == 2  # 100 is no multiple of 2 x ring 2 x ulysses 2
     assert "usp-launch: error: eval.lengths=[100]" in capsys.readouterr().err
     assert cli.main(args) == 0
@@ -127,8 +156,23 @@ def test_eval_dry_run_checks_the_heads_of_a_readable_model(tmp_path, capsys, mon
     model = build_tiny_llama(tmp_path / "m")
     seen: list[int] = []
     monkeypatch.setattr("usp.model.check_heads", lambda config, u: seen.append(u))
-    assert cli.main(["torchrun", "--cpu", "--nproc-per-node", "4", "--entry", "eval", "recipe=tiny",
-                     f"model.path={model}", "eval=passkey", "--dry-run"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "torchrun",
+                "--cpu",
+                "--nproc-per-node",
+                "4",
+                "--entry",
+                "eval",
+                "recipe=tiny",
+                f"model.path={model}",
+                "eval=passkey",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     assert seen == [2], "the eval dry run did not check the heads against the Ulysses degree"
     assert preflight.check_eval is not None
 
@@ -136,8 +180,12 @@ def test_eval_dry_run_checks_the_heads_of_a_readable_model(tmp_path, capsys, mon
 def test_a_skipped_memory_check_says_so_and_why(capsys):
     from usp.launch import cli
 
-    assert cli.main(["slurm", "--dry-run", "recipe=llama31_8b_128k", "model.path=/not/here",
-                     "data.prepared_path=/d"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            ["slurm", "--dry-run", "recipe=llama31_8b_128k", "model.path=/not/here", "data.prepared_path=/d"]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert (
         "memory: not checked here: /not/here/config.json cannot be read on this machine (model.path)" in err
@@ -155,10 +203,9 @@ def test_lengths_take_the_same_syntax_everywhere(tmp_path):
         512,
         1024,
     ]
-    assert expand_length_overrides(["trainer.seq_len=1.5K", "++eval.lengths=[2K, 4k]", "trainer.seq_len=abc",
-                                    "recipe=tiny"]) == [  # fmt: skip
-        "trainer.seq_len=1536", "++eval.lengths=[2048,4096]", "trainer.seq_len=abc", "recipe=tiny"
-    ]  # fmt: skip
+    assert expand_length_overrides(
+        ["trainer.seq_len=1.5K", "++eval.lengths=[2K, 4k]", "trainer.seq_len=abc", "recipe=tiny"]
+    ) == ["trainer.seq_len=1536", "++eval.lengths=[2048,4096]", "trainer.seq_len=abc", "recipe=tiny"]
 
 
 # --- rows 17 and 18: usp-prepare-data's summary and its --input ------------------------------------------
@@ -168,8 +215,21 @@ def test_prepare_summary_counts_cuts_and_input_takes_several_paths():
 
     line = summary(PackStats(seq_len=16, documents_in=157, documents_split=1192, rows=9), "/out")
     assert "1192 row boundaries cut a document" in line and "documents split" not in line
-    args = build_parser().parse_args(["--input", "a.jsonl", "b.jsonl", "--input", "c", "--tokenizer", "t",
-                                      "--seq-len", "1K", "--output", "o"])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "--input",
+            "a.jsonl",
+            "b.jsonl",
+            "--input",
+            "c",
+            "--tokenizer",
+            "t",
+            "--seq-len",
+            "1K",
+            "--output",
+            "o",
+        ]
+    )
     assert args.input == ["a.jsonl", "b.jsonl", "c"] and args.seq_len == 1024
     data_md = (REPO / "docs" / "data.md").read_text()
     assert not re.search(r"--input /\S*\*", data_md), "an unquoted glob in docs/data.md"

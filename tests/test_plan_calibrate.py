@@ -74,10 +74,22 @@ def test_bench_reader_finds_timings_in_any_shape(tmp_path: Path):
 
 def test_bench_reader_on_usp_bench_records(tmp_path: Path):
     # the shape of a usp-bench result: per-rank FLOP counts (the busiest rank sets the time), a global shape
-    rec = {"ulysses": 2, "ring": 2, "layout": "zigzag", "causal": True, "seq_len": 64, "num_heads": 4,
-           "num_kv_heads": 1, "head_dim": 8, "batch": 1, "dtype": "float32", "fwd_ms": 2.0, "fwd_bwd_ms": 5.0,
-           "fwd_bwd_attention_flops_per_rank": [10_000, 14_000, 12_000, 14_000],
-           "bytes_by_kind": {"ring_kv": 1024}}  # fmt: skip
+    rec = {
+        "ulysses": 2,
+        "ring": 2,
+        "layout": "zigzag",
+        "causal": True,
+        "seq_len": 64,
+        "num_heads": 4,
+        "num_kv_heads": 1,
+        "head_dim": 8,
+        "batch": 1,
+        "dtype": "float32",
+        "fwd_ms": 2.0,
+        "fwd_bwd_ms": 5.0,
+        "fwd_bwd_attention_flops_per_rank": [10_000, 14_000, 12_000, 14_000],
+        "bytes_by_kind": {"ring_kv": 1024},
+    }
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"world_size": 4, "results": [rec], "skipped": []}))
     recs = {r.kind: r.achieved_tflops for r in read_bench_json(path)}
@@ -93,15 +105,32 @@ def _write_run(
     (run / ".hydra").mkdir(parents=True)
     cfg = {
         "model": {"path": str(ckpt), "dtype": "float32"},
-        "parallel": {"ulysses_degree": ulysses, "ring_degree": ring, "dp_degree": -1, "fsdp_mode": "full_shard",
-                     "activation_checkpointing": "none", "ac_every_k": 2},
-        "trainer": {"seq_len": seq_len, "micro_batch_size": 1, "grad_accum_steps": 1, "loss_chunk_size": 4096},
-    }  # fmt: skip
+        "parallel": {
+            "ulysses_degree": ulysses,
+            "ring_degree": ring,
+            "dp_degree": -1,
+            "fsdp_mode": "full_shard",
+            "activation_checkpointing": "none",
+            "ac_every_k": 2,
+        },
+        "trainer": {
+            "seq_len": seq_len,
+            "micro_batch_size": 1,
+            "grad_accum_steps": 1,
+            "loss_chunk_size": 4096,
+        },
+    }
     (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     truth = evaluate_layout(
-        load_model_spec(str(ckpt)), TRUE_CPU, seq_len=seq_len, ulysses_degree=ulysses, ring_degree=ring,
-        world_size=world, node_size=world, compute_bytes=4,
-    )  # fmt: skip
+        load_model_spec(str(ckpt)),
+        TRUE_CPU,
+        seq_len=seq_len,
+        ulysses_degree=ulysses,
+        ring_degree=ring,
+        world_size=world,
+        node_size=world,
+        compute_bytes=4,
+    )
     dp = world // (ulysses * ring)
     rows = []
     for step in range(1, 9):
@@ -109,9 +138,21 @@ def _write_run(
         jitter = 1.0 + 0.01 * ((-1) ** step)  # +-1%: the median of the steady steps is the truth
         t = truth.step_time_s * warm * (jitter if step > 2 else 1.0)
         tokens = dp * seq_len
-        rows.append({"step": step, "loss": 5.0, "grad_norm": 1.0, "lr": 1e-4, "tokens": tokens,
-                     "tokens_per_s": tokens / t, "tokens_per_s_per_gpu": tokens / t / world, "tflops_per_gpu": 0.0,
-                     "mfu": 0.0, "peak_mem_gib": 0.5, "step_time_s": t})  # fmt: skip
+        rows.append(
+            {
+                "step": step,
+                "loss": 5.0,
+                "grad_norm": 1.0,
+                "lr": 1e-4,
+                "tokens": tokens,
+                "tokens_per_s": tokens / t,
+                "tokens_per_s_per_gpu": tokens / t / world,
+                "tflops_per_gpu": 0.0,
+                "mfu": 0.0,
+                "peak_mem_gib": 0.5,
+                "step_time_s": t,
+            }
+        )
     rows.append({"step": 9, "loss": 5.0, "step_time_s": truth.step_time_s})  # median stays the truth
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return run
@@ -136,8 +177,16 @@ def test_read_training_run(runs: list[Path], tiny_config):
     assert run.global_batch == 1
     assert run.measured_mem_gib == 0.5
     assert run.compute_bytes == 4  # model.dtype=float32
-    truth = evaluate_layout(load_model_spec(tiny_config), TRUE_CPU, seq_len=4096, ulysses_degree=2, ring_degree=2,
-                            world_size=4, node_size=4, compute_bytes=4)  # fmt: skip
+    truth = evaluate_layout(
+        load_model_spec(tiny_config),
+        TRUE_CPU,
+        seq_len=4096,
+        ulysses_degree=2,
+        ring_degree=2,
+        world_size=4,
+        node_size=4,
+        compute_bytes=4,
+    )
     assert run.measured_step_s == pytest.approx(truth.step_time_s)  # warm-up skipped, jitter cancels
 
 
@@ -182,16 +231,37 @@ def test_cli_calibrate_then_plan_with_it(tmp_path: Path, runs: list[Path], capsy
     cal = Calibration.load(out)
     assert cal.attention_efficiency == pytest.approx(TRUE_CPU.attention_efficiency, rel=0.05)
     # planning with the calibration predicts the measured step time of a run's own layout
-    plan = ["--model", str(tmp_path / "tiny-ckpt"), "--seq-len", "4K", "--nodes", "1", "--gpus-per-node", "4",
-            "--gpu", "cpu", "--calibration", str(out), "--ulysses-degree", "2", "--ring-degree", "2", "--json"]  # fmt: skip
+    plan = [
+        "--model",
+        str(tmp_path / "tiny-ckpt"),
+        "--seq-len",
+        "4K",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "4",
+        "--gpu",
+        "cpu",
+        "--calibration",
+        str(out),
+        "--ulysses-degree",
+        "2",
+        "--ring-degree",
+        "2",
+        "--json",
+    ]
     assert main(plan) == 0
     layouts = json.loads(capsys.readouterr().out)
     measured = read_training_run(runs[2]).measured_step_s
-    assert any(x["activation_checkpointing"] == "none" and x["step_time_s"] == pytest.approx(measured, rel=0.02)
-               for x in layouts)  # fmt: skip
+    assert any(
+        x["activation_checkpointing"] == "none" and x["step_time_s"] == pytest.approx(measured, rel=0.02)
+        for x in layouts
+    )
 
 
-def test_read_run_with_auto_degrees_and_interpolated_model_path(tmp_path: Path, runs: list[Path], tiny_config):
+def test_read_run_with_auto_degrees_and_interpolated_model_path(
+    tmp_path: Path, runs: list[Path], tiny_config
+):
     # what usp-train leaves: .hydra/config.yaml unresolved (auto degrees, ${run_dir} paths) + layout.json
     run = runs[2]
     ckpt = run / "tiny-llama"
@@ -203,9 +273,18 @@ def test_read_run_with_auto_degrees_and_interpolated_model_path(tmp_path: Path, 
     (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ValueError, match="layout.json"):
         read_training_run(run)
-    layout = {"world_size": 4, "dp_degree": 1, "ring_degree": 2, "ulysses_degree": 2, "node_size": 2,
-              "ring_layout": "zigzag", "fsdp_mode": "full_shard", "activation_checkpointing": "full",
-              "ac_every_k": 2, "reason": "planner: ..."}  # fmt: skip
+    layout = {
+        "world_size": 4,
+        "dp_degree": 1,
+        "ring_degree": 2,
+        "ulysses_degree": 2,
+        "node_size": 2,
+        "ring_layout": "zigzag",
+        "fsdp_mode": "full_shard",
+        "activation_checkpointing": "full",
+        "ac_every_k": 2,
+        "reason": "planner: ...",
+    }
     (run / "layout.json").write_text(json.dumps(layout))
     parsed = read_training_run(run)
     assert (parsed.ulysses_degree, parsed.ring_degree, parsed.world_size, parsed.node_size) == (2, 2, 4, 2)

@@ -32,22 +32,38 @@ def test_cli_library_and_request_agree(recipe, capsys):
     assert cli.main(["--model", "llama-3.1-8b", *CASES[recipe].split(), "--top", "100", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     want = (p.activation_checkpointing, p.mlp_tiles, p.attn_head_chunks, "device", p.fsdp_mode)
-    row = next(r for r in rows if (r["activation_checkpointing"], r["mlp_tiles"], r["attn_head_chunks"], r["states"],
-                                   r["fsdp_mode"]) == want)  # fmt: skip
+    row = next(
+        r
+        for r in rows
+        if (r["activation_checkpointing"], r["mlp_tiles"], r["attn_head_chunks"], r["states"], r["fsdp_mode"])
+        == want
+    )
     model = load_model_spec("llama-3.1-8b")
     world = c.num_nodes * c.gpus_per_node
     request = PlanRequest.from_config(cfg)
     device = request.device(c.gpu, c.memory_gib)
-    via_request = request.evaluate(model, device, world_size=world, node_size=c.gpus_per_node, mlp_tiles=p.mlp_tiles)
+    via_request = request.evaluate(
+        model, device, world_size=world, node_size=c.gpus_per_node, mlp_tiles=p.mlp_tiles
+    )
     dp = world // (p.ulysses_degree * p.ring_degree)
     via_library = evaluate_layout(
-        model, get_device(c.gpu, memory_gib=c.memory_gib), seq_len=t.seq_len, ulysses_degree=p.ulysses_degree,
-        ring_degree=p.ring_degree, world_size=world, node_size=c.gpus_per_node, fsdp_mode=p.fsdp_mode,
-        activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,
-        global_batch=dp * t.micro_batch_size * t.grad_accum_steps, ring_layout=p.ring_layout,
-        loss_chunk_size=t.loss_chunk_size, mlp_tiles=p.mlp_tiles,
-        offload=states_on_host(cfg.optim.name, p.cpu_offload), attn_head_chunks=p.attn_head_chunks,
-    )  # fmt: skip
+        model,
+        get_device(c.gpu, memory_gib=c.memory_gib),
+        seq_len=t.seq_len,
+        ulysses_degree=p.ulysses_degree,
+        ring_degree=p.ring_degree,
+        world_size=world,
+        node_size=c.gpus_per_node,
+        fsdp_mode=p.fsdp_mode,
+        activation_checkpointing=p.activation_checkpointing,
+        ac_every_k=p.ac_every_k,
+        global_batch=dp * t.micro_batch_size * t.grad_accum_steps,
+        ring_layout=p.ring_layout,
+        loss_chunk_size=t.loss_chunk_size,
+        mlp_tiles=p.mlp_tiles,
+        offload=states_on_host(cfg.optim.name, p.cpu_offload),
+        attn_head_chunks=p.attn_head_chunks,
+    )
     assert row["mem_gib_per_gpu"] == pytest.approx(via_library.mem_gib_per_gpu, abs=1e-3)
     assert row["mem_gib_per_gpu"] == pytest.approx(via_request.mem_gib_per_gpu, abs=1e-3)
     for term, gib in via_request.memory_gib.items():

@@ -32,13 +32,28 @@ MODEL = load_model_spec("llama-3.1-8b")
 H100 = get_device("h100-80g")
 # Every field away from its default, so an argument the keyword form dropped or swapped shows.
 WORK = Workload(
-    MODEL, 65536, global_batch=4, micro_batch_size=2, compute_bytes=4, loss_chunk_size=1024,
-    ring_layout="zigzag", overhead_frac=0.1, headroom_gib=3.0,
-)  # fmt: skip
+    MODEL,
+    65536,
+    global_batch=4,
+    micro_batch_size=2,
+    compute_bytes=4,
+    loss_chunk_size=1024,
+    ring_layout="zigzag",
+    overhead_frac=0.1,
+    headroom_gib=3.0,
+)
 CAND = Candidate(
-    2, 4, world_size=16, node_size=8, fsdp_mode="hybrid_shard", activation_checkpointing="every_k", ac_every_k=3,
-    mlp_tiles=4, attn_head_chunks=2, states="cpu_offload",
-)  # fmt: skip
+    2,
+    4,
+    world_size=16,
+    node_size=8,
+    fsdp_mode="hybrid_shard",
+    activation_checkpointing="every_k",
+    ac_every_k=3,
+    mlp_tiles=4,
+    attn_head_chunks=2,
+    states="cpu_offload",
+)
 
 
 def test_records_are_frozen_and_derive_dp():
@@ -49,21 +64,46 @@ def test_records_are_frozen_and_derive_dp():
 
 def test_keyword_forms_map_every_argument():
     placement = dict(
-        seq_len=WORK.seq_len, ulysses_degree=2, ring_degree=4, world_size=16, node_size=8, fsdp_mode="hybrid_shard",
+        seq_len=WORK.seq_len,
+        ulysses_degree=2,
+        ring_degree=4,
+        world_size=16,
+        node_size=8,
+        fsdp_mode="hybrid_shard",
         activation_checkpointing="every_k",
-    )  # fmt: skip
+    )
     mem = training_memory(
-        MODEL, H100, **placement, ac_every_k=3, micro_batch_size=2, loss_chunk_size=1024, overhead_frac=0.1,
-        offload=True, compute_bytes=4, mlp_tiles=4, attn_head_chunks=2,
-    )  # fmt: skip
+        MODEL,
+        H100,
+        **placement,
+        ac_every_k=3,
+        micro_batch_size=2,
+        loss_chunk_size=1024,
+        overhead_frac=0.1,
+        offload=True,
+        compute_bytes=4,
+        mlp_tiles=4,
+        attn_head_chunks=2,
+    )
     assert mem == peak_memory(WORK, CAND, H100)
-    assert mem != peak_memory(dataclasses.replace(WORK, seq_len=2 * WORK.seq_len), CAND, H100)  # the check can fail
+    assert mem != peak_memory(
+        dataclasses.replace(WORK, seq_len=2 * WORK.seq_len), CAND, H100
+    )  # the check can fail
     held = held_activation_bytes(
-        MODEL, seq_len=WORK.seq_len, ulysses_degree=2, ring_degree=4, activation_checkpointing="every_k",
-        ac_every_k=3, mlp_tiles=4, micro_batch_size=2, compute_bytes=4,
-    )  # fmt: skip
+        MODEL,
+        seq_len=WORK.seq_len,
+        ulysses_degree=2,
+        ring_degree=4,
+        activation_checkpointing="every_k",
+        ac_every_k=3,
+        mlp_tiles=4,
+        micro_batch_size=2,
+        compute_bytes=4,
+    )
     assert held == held_bytes(WORK, CAND)
-    off = dict(placement, activation_checkpointing="offload", offload=True, micro_batch_size=2, compute_bytes=4)
+    off = dict(
+        placement, activation_checkpointing="offload", offload=True, micro_batch_size=2, compute_bytes=4
+    )
     ckpt = dataclasses.replace(CAND, activation_checkpointing="offload")
     assert host_memory(MODEL, **off) == host_bytes(WORK, ckpt)
     assert offload_time(MODEL, H100, **off, layer_fwd_s=1e-3, layer_bwd_s=2e-3) == offload_seconds(
@@ -71,9 +111,20 @@ def test_keyword_forms_map_every_argument():
     )
     one = dataclasses.replace(WORK, micro_batch_size=1)  # evaluate_layout costs micro batch 1
     est = evaluate_layout(
-        MODEL, H100, **placement, ac_every_k=3, global_batch=4, ring_layout="zigzag", loss_chunk_size=1024,
-        overhead_frac=0.1, offload=True, compute_bytes=4, mlp_tiles=4, headroom_gib=3.0, attn_head_chunks=2,
-    )  # fmt: skip
+        MODEL,
+        H100,
+        **placement,
+        ac_every_k=3,
+        global_batch=4,
+        ring_layout="zigzag",
+        loss_chunk_size=1024,
+        overhead_frac=0.1,
+        offload=True,
+        compute_bytes=4,
+        mlp_tiles=4,
+        headroom_gib=3.0,
+        attn_head_chunks=2,
+    )
     assert est.to_dict() == estimate_layout(one, CAND, H100).to_dict()
 
 
@@ -81,9 +132,13 @@ def test_plan_layouts_is_search_layouts_on_the_records():
     kw = dict(seq_len=131072, world_size=16, node_size=8, ulysses_degree=4, ac_modes=("full", "offload"))
     ranked = plan_layouts(MODEL, H100, **kw, global_batch=4, mlp_tiles=None, states=("device", "cpu_offload"))
     work = Workload(MODEL, 131072, global_batch=4)
-    space = SearchSpace(16, 8, ulysses_degree=4, ac_modes=("full", "offload"), states=("device", "cpu_offload"))
+    space = SearchSpace(
+        16, 8, ulysses_degree=4, ac_modes=("full", "offload"), states=("device", "cpu_offload")
+    )
     assert [e.to_dict() for e in ranked] == [e.to_dict() for e in search_layouts(work, space, H100)]
-    assert {e.activation_checkpointing for e in ranked} <= {"full", "offload"} and {e.ulysses_degree for e in ranked} == {4}
+    assert {e.activation_checkpointing for e in ranked} <= {"full", "offload"} and {
+        e.ulysses_degree for e in ranked
+    } == {4}
 
 
 def _plan_imports(path: Path) -> tuple[set[str], set[str]]:

@@ -33,10 +33,15 @@ REQUIRED = {
 def _layout_kw(a) -> dict:
     e = a.estimate
     return dict(
-        ulysses_degree=e.ulysses_degree, ring_degree=e.ring_degree, fsdp_mode=e.fsdp_mode,
-        activation_checkpointing=e.activation_checkpointing, ac_every_k=e.ac_every_k, mlp_tiles=e.mlp_tiles,
-        offload=e.states == "cpu_offload", attn_head_chunks=e.attn_head_chunks,
-    )  # fmt: skip
+        ulysses_degree=e.ulysses_degree,
+        ring_degree=e.ring_degree,
+        fsdp_mode=e.fsdp_mode,
+        activation_checkpointing=e.activation_checkpointing,
+        ac_every_k=e.ac_every_k,
+        mlp_tiles=e.mlp_tiles,
+        offload=e.states == "cpu_offload",
+        attn_head_chunks=e.attn_head_chunks,
+    )
 
 
 def test_cli_max_seq_len_json_fields_and_validity(capsys):
@@ -67,7 +72,9 @@ def test_the_answer_is_the_longest_for_its_layout():
     for a in max_seq_lens(LLAMA8, H100, world_size=8, node_size=8)[:4]:
         kw = _layout_kw(a) | dict(world_size=8, node_size=8)
         assert evaluate_layout(LLAMA8, H100, seq_len=a.max_seq_len, **kw).fits
-        most_chunks = head_chunk_candidates(LLAMA8, a.estimate.ulysses_degree)[-1] if a.estimate.ring_degree > 1 else 1
+        most_chunks = (
+            head_chunk_candidates(LLAMA8, a.estimate.ulysses_degree)[-1] if a.estimate.ring_degree > 1 else 1
+        )
         longer = kw | {"mlp_tiles": 64, "attn_head_chunks": most_chunks}
         assert not evaluate_layout(LLAMA8, H100, seq_len=a.max_seq_len + a.granularity, **longer).fits
         # auto tiles: the fewest that fit at that length
@@ -81,7 +88,9 @@ def test_the_answer_is_the_longest_for_its_layout():
 
 
 def test_max_seq_len_is_monotone_in_gpus_memory_and_host_memory():
-    by_world = [max_seq_len(LLAMA8, H100, world_size=w, node_size=min(w, 8)).max_seq_len for w in (1, 2, 4, 8, 16)]
+    by_world = [
+        max_seq_len(LLAMA8, H100, world_size=w, node_size=min(w, 8)).max_seq_len for w in (1, 2, 4, 8, 16)
+    ]
     assert by_world == sorted(by_world) and by_world[-1] > 4 * by_world[0]
     by_mem = [
         max_seq_len(LLAMA8, get_device("h100-80g", memory_gib=m), world_size=8, node_size=8).max_seq_len
@@ -97,12 +106,26 @@ def test_max_seq_len_is_monotone_in_gpus_memory_and_host_memory():
 
 def test_restricting_the_tricks_never_lengthens():
     full = max_seq_len(LLAMA8, H100, world_size=8, node_size=8)
-    plain = max_seq_len(LLAMA8, H100, world_size=8, node_size=8, states=("device",), mlp_tiles=1,
-                        ac_modes=("none", "every_k", "full"), attn_head_chunks=1)  # fmt: skip
+    plain = max_seq_len(
+        LLAMA8,
+        H100,
+        world_size=8,
+        node_size=8,
+        states=("device",),
+        mlp_tiles=1,
+        ac_modes=("none", "every_k", "full"),
+        attn_head_chunks=1,
+    )
     assert plain.estimate.tricks == 0 and full.max_seq_len > plain.max_seq_len
     # without the tricks the answer is what --seq-len ranking allows: it fits there, not one step longer
-    kw = dict(world_size=8, node_size=8, states=("device",), mlp_tiles=1, ac_modes=("none", "every_k", "full"),
-              attn_head_chunks=1)  # fmt: skip
+    kw = dict(
+        world_size=8,
+        node_size=8,
+        states=("device",),
+        mlp_tiles=1,
+        ac_modes=("none", "every_k", "full"),
+        attn_head_chunks=1,
+    )
     assert plan_layouts(LLAMA8, H100, seq_len=plain.max_seq_len, **kw)
     with pytest.raises(ValueError, match="no layout"):
         plan_layouts(LLAMA8, H100, seq_len=plain.max_seq_len + 2 * plain.granularity, **kw)
@@ -115,7 +138,9 @@ def test_headroom_keeps_the_best_layout_off_the_limit():
     layer_params = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
     root_params = 2 * V * h + h
     states = 12 * LLAMA8.num_params / 16  # fp32 parameters, Adam m and v, over 16 ranks (no gradients yet)
-    gathered = 2 * root_params + 2 * layer_params + 2 * V * h  # bf16 root, the prefetched top layer, head grad
+    gathered = (
+        2 * root_params + 2 * layer_params + 2 * V * h
+    )  # bf16 root, the prefetched top layer, head grad
     # per layer and token: 2 norms 2 x 4096 x (4 + 2 x 2), q/k/v (32 + 16) x 128 x 2, the output and the
     # all-to-all's copy 2 x 32 x 128 x 2, lse and rsqrt 4 x 32 + 8, MLP 4 x 14336 x 2
     per_token_layer = 2 * 4096 * 8 + 48 * 128 * 2 + 2 * 32 * 128 * 2 + 136 + 4 * 14336 * 2
@@ -126,11 +151,14 @@ def test_headroom_keeps_the_best_layout_off_the_limit():
     # 5% fragmentation, CUDA context + cuBLAS 0.6 GiB, NCCL 0.5 GiB for each of FSDP's, Ulysses' and ring's groups
     expected = (1.05 * tensors + (0.6 + 3 * 0.5) * GIB) / GIB
     assert 76 < expected < 79  # within the 6 GiB headroom of the 80
-    none = evaluate_layout(LLAMA8, H100, seq_len=S, ulysses_degree=8, ring_degree=2, world_size=16, node_size=8)
+    none = evaluate_layout(
+        LLAMA8, H100, seq_len=S, ulysses_degree=8, ring_degree=2, world_size=16, node_size=8
+    )
     assert none.mem_gib_per_gpu == pytest.approx(expected, rel=1e-9)
     assert not none.fits and none.headroom_gib == pytest.approx(6.0)
-    assert evaluate_layout(LLAMA8, H100, seq_len=S, ulysses_degree=8, ring_degree=2, world_size=16,
-                           node_size=8, headroom_gib=0).fits  # fmt: skip
+    assert evaluate_layout(
+        LLAMA8, H100, seq_len=S, ulysses_degree=8, ring_degree=2, world_size=16, node_size=8, headroom_gib=0
+    ).fits
     for e in plan_layouts(LLAMA8, H100, seq_len=S, world_size=16, node_size=8):
         assert e.mem_gib_per_gpu <= 80 - 6.0
 
@@ -152,8 +180,16 @@ def test_tricks_only_when_needed():
 def test_host_memory_and_offload_time_by_hand():
     S, U = 2**22, 8
     s = S // U  # 524,288 local tokens
-    host = host_memory(LLAMA8, seq_len=S, ulysses_degree=U, ring_degree=1, world_size=8, node_size=8,
-                       activation_checkpointing="offload", offload=True)  # fmt: skip
+    host = host_memory(
+        LLAMA8,
+        seq_len=S,
+        ulysses_degree=U,
+        ring_degree=1,
+        world_size=8,
+        node_size=8,
+        activation_checkpointing="offload",
+        offload=True,
+    )
     # 32 layer inputs of 524,288 x 4096 x 2 B = 4 GiB each; fp32 parameter, gradient, Adam m, v: 16 B x 8.03B / 8
     assert host["checkpoints"] == 32 * s * 4096 * 2 == 128 * GIB
     # ... the fp32 parameter and gradient shards pinned one block each, rounded up to a power of two by torch's
@@ -164,9 +200,19 @@ def test_host_memory_and_offload_time_by_hand():
     assert host["states"] == pytest.approx(offloaded_state_bytes(LLAMA8, 8))
     assert host["states"] > 16 * LLAMA8.num_params / 8
     assert host["node"] == pytest.approx(8 * (128 * GIB + offloaded_state_bytes(LLAMA8, 8)))
-    t = offload_time(LLAMA8, H100, seq_len=S, ulysses_degree=U, ring_degree=1, world_size=8, node_size=8,
-                     activation_checkpointing="offload", offload=True, layer_fwd_s=0.05,
-                     layer_bwd_s=1.0)  # fmt: skip
+    t = offload_time(
+        LLAMA8,
+        H100,
+        seq_len=S,
+        ulysses_degree=U,
+        ring_degree=1,
+        world_size=8,
+        node_size=8,
+        activation_checkpointing="offload",
+        offload=True,
+        layer_fwd_s=0.05,
+        layer_bwd_s=1.0,
+    )
     # 8 GPUs share 300 GB/s of DRAM: 37.5 GB/s each (under the 50 GB/s PCIe link); 4 GiB take 0.115 s
     copy = s * 4096 * 2 / 37.5e9
     assert t["ckpt_copy_s"] == pytest.approx(copy)
@@ -219,8 +265,17 @@ def test_offload_terms_in_the_device_memory_by_hand():
     assert tiled.attention_workspace > mlp / 8
     # the loss keeps the pre-norm hidden (4096 x 2 B per token; the final norm runs inside its chunks) instead
     # of the final norm's 4096 x (4 + 2 + 2)
-    held = {t: held_activation_bytes(LLAMA8, seq_len=S, ulysses_degree=U, ring_degree=1,
-                                     activation_checkpointing="offload", mlp_tiles=t) for t in (1, 8)}  # fmt: skip
+    held = {
+        t: held_activation_bytes(
+            LLAMA8,
+            seq_len=S,
+            ulysses_degree=U,
+            ring_degree=1,
+            activation_checkpointing="offload",
+            mlp_tiles=t,
+        )
+        for t in (1, 8)
+    }
     assert held[1]["final_norm"] - held[8]["final_norm"] == (8 - 2) * 4096 * s
     # states offloaded: none of the 16 B per parameter shard stays on the device, nor the gradient shards
     assert opt.sharded_states == 0 and opt.activations == off.activations
@@ -249,8 +304,14 @@ def test_bad_input(capsys):
 
 
 def test_offload_copies_show_when_the_host_link_is_slow():
-    kw = dict(seq_len=2**20, ulysses_degree=8, ring_degree=1, world_size=8, node_size=8,
-              activation_checkpointing="offload")  # fmt: skip
+    kw = dict(
+        seq_len=2**20,
+        ulysses_degree=8,
+        ring_degree=1,
+        world_size=8,
+        node_size=8,
+        activation_checkpointing="offload",
+    )
     fast = evaluate_layout(LLAMA8, H100, **kw)
     assert fast.time_s["ckpt_offload_exposed_s"] == 0.0  # 1 GiB in 29 ms behind seconds of compute per layer
     # at 0.1 GB/s a 1 GiB layer input takes 10.7 s, more than a layer's forward (~2.7 s here)

@@ -24,9 +24,18 @@ def test_llama31_8b_parameter_count():
 def test_llama31_8b_1m_tokens_32_gpus_ulysses8_ring4_full_checkpointing():
     S, W = 2**20, 32
     mem = training_memory(
-        LLAMA8, H100, seq_len=S, ulysses_degree=8, ring_degree=4, world_size=W, node_size=8,
-        fsdp_mode="full_shard", activation_checkpointing="full", loss_chunk_size=4096, overhead_frac=0.0,
-    )  # fmt: skip
+        LLAMA8,
+        H100,
+        seq_len=S,
+        ulysses_degree=8,
+        ring_degree=4,
+        world_size=W,
+        node_size=8,
+        fsdp_mode="full_shard",
+        activation_checkpointing="full",
+        loss_chunk_size=4096,
+        overhead_frac=0.0,
+    )
     s = S // W  # 32,768 local tokens
     # the peak of this step is the top layer's backward (usp.plan.memory: the larger of four peaks)
     # fp32 param + Adam m, v = 12 B/param sharded over all 32 ranks (the fp32 gradient shards come later)
@@ -181,10 +190,17 @@ def test_checkpointing_never_predicts_more_memory():
 
 # --- the planner's terms against the memory a training step measurably takes (CPU, usp.bench.track_memory) ---------
 MEASURED_SHAPE = dict(
-    hidden_size=128, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-    num_hidden_layers=3, vocab_size=128,
-)  # fmt: skip
-MEASURED_TOKENS = 4096  # thousands of tokens on one rank: activations dominate the tiny model's 3 MB of gradients
+    hidden_size=128,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=3,
+    vocab_size=128,
+)
+MEASURED_TOKENS = (
+    4096  # thousands of tokens on one rank: activations dominate the tiny model's 3 MB of gradients
+)
 
 
 def _measure_step(activation_checkpointing: str, mlp_tiles: int) -> tuple[int, int]:
@@ -236,8 +252,14 @@ def test_planner_terms_match_the_measured_step(activation_checkpointing, mlp_til
 
     held, peak = _measure_step(activation_checkpointing, mlp_tiles)
     spec = load_model_spec(MEASURED_SHAPE)
-    kw = dict(seq_len=MEASURED_TOKENS, ulysses_degree=1, ring_degree=1, activation_checkpointing=activation_checkpointing,
-              mlp_tiles=mlp_tiles, compute_bytes=4)  # fmt: skip
+    kw = dict(
+        seq_len=MEASURED_TOKENS,
+        ulysses_degree=1,
+        ring_degree=1,
+        activation_checkpointing=activation_checkpointing,
+        mlp_tiles=mlp_tiles,
+        compute_bytes=4,
+    )
     predicted = held_activation_bytes(spec, **kw)
     predicted_held = predicted["total"]
     if activation_checkpointing != "none":
@@ -245,8 +267,15 @@ def test_planner_terms_match_the_measured_step(activation_checkpointing, mlp_til
         # hooks: on the device (the peak below sees them) but not in the held-bytes measurement
         predicted_held -= predicted["rotary"]
     assert held == pytest.approx(predicted_held, rel=0.15)
-    mem = training_memory(spec, replace(GPUS["cpu"], reserved_gib=0.0), world_size=1, node_size=1,
-                          loss_chunk_size=1024, overhead_frac=0.0, **kw)  # fmt: skip
+    mem = training_memory(
+        spec,
+        replace(GPUS["cpu"], reserved_gib=0.0),
+        world_size=1,
+        node_size=1,
+        loss_chunk_size=1024,
+        overhead_frac=0.0,
+        **kw,
+    )
     # the measured peak is above the step's start (the parameters exist; no optimizer here): the planner's tensor
     # terms less the fp32 parameters and Adam moments (12 B per parameter) it counts as states
     predicted_peak = mem.total - mem.overhead - 12 * spec.num_params

@@ -56,8 +56,14 @@ def test_overrides_name_real_config_fields():
     }
     tiled = [e for e in layouts if e.mlp_tiles > 1]
     assert tiled and any(e.activation_checkpointing == "offload" for e in layouts)
-    optim = plan_layouts(load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**17, world_size=8,
-                         node_size=8, states=("cpu_offload",))  # fmt: skip
+    optim = plan_layouts(
+        load_model_spec("llama-3.1-8b"),
+        get_device("h100-80g"),
+        seq_len=2**17,
+        world_size=8,
+        node_size=8,
+        states=("cpu_offload",),
+    )
     for e in layouts + optim:
         for item in e.overrides():
             key, value = item.split("=")
@@ -88,8 +94,14 @@ def test_auto_degrees_memory_limit_forces_checkpointing():
     # Llama-3.1-8B on 8 GPUs: 32K tokens leave room to keep every activation (none is fastest); at 256K with
     # 40 GiB only full checkpointing fits (every other layer would need far more); with 36 GiB it needs MLP
     # tiles or checkpoint offload, and offload costs no compute, tiles do
-    cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "intermediate_size": 14336, "vocab_size": 128256}  # fmt: skip
+    cfg = {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+    }
     roomy = auto_degrees(cfg, seq_len=2**15, world_size=8, node_size=8, gpu="h100-80g")
     tight = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=40)
     tighter = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=36)
@@ -97,8 +109,16 @@ def test_auto_degrees_memory_limit_forces_checkpointing():
     assert tight["activation_checkpointing"] == "full"
     assert tighter["activation_checkpointing"] == "offload"
     # with mlp_tiles=auto the planner may tile: here full checkpointing fits with 2 tiles
-    tiled = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=36,
-                         activation_checkpointing="full", mlp_tiles="auto")  # fmt: skip
+    tiled = auto_degrees(
+        cfg,
+        seq_len=2**18,
+        world_size=8,
+        node_size=8,
+        gpu="h100-80g",
+        memory_gib=36,
+        activation_checkpointing="full",
+        mlp_tiles="auto",
+    )
     assert (tiled["activation_checkpointing"], tiled["mlp_tiles"]) == ("full", 2)
     with pytest.raises(ValueError, match="offload"):
         auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=26)
@@ -116,8 +136,9 @@ def test_no_layout_fits_says_why_and_what_would():
     # the shorter sequence it names fits and is within 1/16 of the longest that does (the states on the device,
     # as in the search it explains)
     shorter = int(re.search(r"a shorter sequence: trainer.seq_len=(\d+) fits", msg).group(1))
-    longest = max_seq_len(load_model_spec("llama-3.1-8b"), get_device("h100-80g"), world_size=8, node_size=8,
-                          states=("device",)).max_seq_len  # fmt: skip
+    longest = max_seq_len(
+        load_model_spec("llama-3.1-8b"), get_device("h100-80g"), world_size=8, node_size=8, states=("device",)
+    ).max_seq_len
     assert longest * 15 / 16 - 8 * 1024 <= shorter <= longest
     # 70B on one node of 40 GB cards: sharded states alone overflow; offload (with a shorter sequence) fits
     with pytest.raises(NoFeasibleLayoutError, match="offload"):
@@ -129,9 +150,14 @@ def test_no_layout_fits_says_why_and_what_would():
 def test_checkpointing_suggested_when_the_user_ruled_it_out():
     with pytest.raises(NoFeasibleLayoutError, match="activation_checkpointing=full"):
         plan_layouts(
-            load_model_spec("llama-3.1-8b"), get_device("h100-80g"), seq_len=2**21, world_size=32, node_size=8,
-            ac_modes=("none",), attn_head_chunks=1,
-        )  # fmt: skip
+            load_model_spec("llama-3.1-8b"),
+            get_device("h100-80g"),
+            seq_len=2**21,
+            world_size=32,
+            node_size=8,
+            ac_modes=("none",),
+            attn_head_chunks=1,
+        )
 
 
 def test_heads_that_cannot_split(tmp_path, capsys, tiny_config):
@@ -217,8 +243,21 @@ def test_cli_json_and_inference(capsys):
 
 
 def test_cli_explicit_device_and_bad_values(capsys):
-    argv = ["--model", "llama-2-7b", "--seq-len", "32K", "--gpu-mem-gib", "48", "--peak-tflops", "180",
-            "--intra-node-gbps", "64", "--inter-node-gbps", "12.5", "--json"]  # fmt: skip
+    argv = [
+        "--model",
+        "llama-2-7b",
+        "--seq-len",
+        "32K",
+        "--gpu-mem-gib",
+        "48",
+        "--peak-tflops",
+        "180",
+        "--intra-node-gbps",
+        "64",
+        "--inter-node-gbps",
+        "12.5",
+        "--json",
+    ]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)
     assert main(["--model", "llama-2-7b", "--seq-len", "32K", "--gpu", "tpu-v9"]) == 2
@@ -238,7 +277,9 @@ def test_evaluate_layout_refuses_invalid_layouts(tiny_config):
         evaluate_layout(model, device, ulysses_degree=16, ring_degree=1, **kw)
     with pytest.raises(ValueError, match="does not divide the world size"):
         evaluate_layout(model, device, ulysses_degree=8, ring_degree=3, **kw)
-    twelve = load_model_spec(tiny_config | {"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768})
+    twelve = load_model_spec(
+        tiny_config | {"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768}
+    )
     with pytest.raises(ValueError, match="num_attention_heads=12 leaves a Ulysses rank without a query head"):
         evaluate_layout(
             twelve, device, ulysses_degree=16, ring_degree=1, seq_len=2**12, world_size=16, node_size=16
@@ -260,15 +301,25 @@ def test_cli_float32_costs_more_memory(capsys):
         "1",
     ]
     assert main(base) == 0
-    bf16 = {(x["fsdp_mode"], x["activation_checkpointing"], x["mlp_tiles"]): x for x in json.loads(capsys.readouterr().out)}
+    bf16 = {
+        (x["fsdp_mode"], x["activation_checkpointing"], x["mlp_tiles"]): x
+        for x in json.loads(capsys.readouterr().out)
+    }
     assert main(base + ["--dtype", "float32"]) == 0
-    fp32 = {(x["fsdp_mode"], x["activation_checkpointing"], x["mlp_tiles"]): x for x in json.loads(capsys.readouterr().out)}
+    fp32 = {
+        (x["fsdp_mode"], x["activation_checkpointing"], x["mlp_tiles"]): x
+        for x in json.loads(capsys.readouterr().out)
+    }
     assert len(fp32.keys() & bf16.keys()) >= 2
     for key in fp32.keys() & bf16.keys():
         # the activations, gathered copies and buffers double (the two may peak in different phases of the
         # step, so compare the sums); the fp32 master states do not, and the peak is higher
-        tensors = [sum(v for k, v in x[key]["memory_gib"].items() if k not in ("total", "overhead", "sharded_states"))
-                   for x in (fp32, bf16)]  # fmt: skip
+        tensors = [
+            sum(
+                v for k, v in x[key]["memory_gib"].items() if k not in ("total", "overhead", "sharded_states")
+            )
+            for x in (fp32, bf16)
+        ]
         assert tensors[1] < tensors[0] <= 2 * tensors[1] + 1e-9
         assert fp32[key]["mem_gib_per_gpu"] > bf16[key]["mem_gib_per_gpu"]
 
@@ -331,27 +382,62 @@ def test_auto_degrees_keeps_what_the_user_fixed(tiny_config):
         assert all(out[k] == v for k, v in fixed.items()), (fixed, out)
         assert out["ulysses_degree"] * out["ring_degree"] * out["dp_degree"] == 4
         assert "fixed" in out["reason"]
-    modes = auto_degrees(tiny_config, seq_len=256, world_size=4, node_size=2, gpu="cpu",
-                         fsdp_mode="hybrid_shard", activation_checkpointing="every_k", ac_every_k=1)  # fmt: skip
-    assert (modes["fsdp_mode"], modes["activation_checkpointing"], modes["ac_every_k"]) == ("hybrid_shard", "every_k", 1)
-    f32 = auto_degrees(tiny_config, seq_len=256, world_size=4, node_size=2, gpu="cpu", compute_bytes=4,
-                       ring_layout="contiguous", ulysses_degree=1)  # fmt: skip
+    modes = auto_degrees(
+        tiny_config,
+        seq_len=256,
+        world_size=4,
+        node_size=2,
+        gpu="cpu",
+        fsdp_mode="hybrid_shard",
+        activation_checkpointing="every_k",
+        ac_every_k=1,
+    )
+    assert (modes["fsdp_mode"], modes["activation_checkpointing"], modes["ac_every_k"]) == (
+        "hybrid_shard",
+        "every_k",
+        1,
+    )
+    f32 = auto_degrees(
+        tiny_config,
+        seq_len=256,
+        world_size=4,
+        node_size=2,
+        gpu="cpu",
+        compute_bytes=4,
+        ring_layout="contiguous",
+        ulysses_degree=1,
+    )
     assert f32["ulysses_degree"] == 1 and f32["ring_degree"] * f32["dp_degree"] == 4
 
 
 def test_auto_degrees_with_states_on_the_host_and_little_host_memory():
     cfg = load_model_spec("llama-3.1-8b")
-    hf = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-          "intermediate_size": 14336, "vocab_size": 128256}  # fmt: skip
+    hf = {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+    }
     assert cfg.num_params == load_model_spec(hf).num_params
     # one H100, 256K tokens: 128 GB of fp32 states do not fit on the device; on the host (optim.name=
     # deepspeed_cpu_adam) they do, with the layer inputs offloaded and the MLPs/norms tiled when asked
     with pytest.raises(ValueError, match="no layout"):
         auto_degrees(hf, seq_len=2**18, world_size=1, node_size=1, gpu="h100-80g", mlp_tiles="auto")
-    out = auto_degrees(hf, seq_len=2**18, world_size=1, node_size=1, gpu="h100-80g", mlp_tiles="auto",
-                       cpu_offload=True)  # fmt: skip
+    out = auto_degrees(
+        hf, seq_len=2**18, world_size=1, node_size=1, gpu="h100-80g", mlp_tiles="auto", cpu_offload=True
+    )
     assert out["activation_checkpointing"] == "offload" and out["mlp_tiles"] > 1
     # with 32 GiB of host RAM the 128 GB of states do not fit on the host either
     with pytest.raises(ValueError, match="no layout"):
-        auto_degrees(hf, seq_len=2**18, world_size=1, node_size=1, gpu="h100-80g", mlp_tiles="auto",
-                     cpu_offload=True, host_mem_gib=32)  # fmt: skip
+        auto_degrees(
+            hf,
+            seq_len=2**18,
+            world_size=1,
+            node_size=1,
+            gpu="h100-80g",
+            mlp_tiles="auto",
+            cpu_offload=True,
+            host_mem_gib=32,
+        )

@@ -147,6 +147,14 @@ def test_comm_bytes_agree_with_the_attention_cost_model(
     kw = dict(seq_len=seq_len, ulysses_degree=ulysses, ring_degree=ring, compute_bytes=compute_bytes)
     ours = ulysses_comm(model, dev, **kw)["ulysses_bytes"]
     ours += ring_comm(model, dev, node_size=8, attention_s=1.0, **kw)["ring_bytes"]
-    theirs = analytic_bytes_sent(batch=1, seq_len=seq_len, num_heads=heads, num_kv_heads=kv_heads, head_dim=64,
-                                 ulysses_degree=ulysses, ring_degree=ring, element_size=compute_bytes)  # fmt: skip
+    theirs = analytic_bytes_sent(
+        batch=1,
+        seq_len=seq_len,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=64,
+        ulysses_degree=ulysses,
+        ring_degree=ring,
+        element_size=compute_bytes,
+    )
     assert ours == theirs["fwd_bwd"]

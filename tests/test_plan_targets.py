@@ -30,18 +30,29 @@ CASES = [
 def test_longest_trainable_sequence_meets_the_target(model_name, gpu, nodes, per_node, target):
     model, device = load_model_spec(model_name), get_device(gpu)
     world = nodes * per_node
-    best = max_seq_len(model, device, world_size=world, node_size=per_node, loss_chunk_sizes=LOSS_CHUNK_CANDIDATES)
+    best = max_seq_len(
+        model, device, world_size=world, node_size=per_node, loss_chunk_sizes=LOSS_CHUNK_CANDIDATES
+    )
     e = best.estimate
     # a valid, fitting answer: the trainer's sequence multiple, tiles dividing the local tokens, headroom kept
     assert best.max_seq_len % sequence_multiple(e.ring_degree, e.ulysses_degree, "zigzag") == 0
     assert (best.max_seq_len // (e.ulysses_degree * e.ring_degree)) % e.mlp_tiles == 0
     assert e.fits and e.mem_gib_per_gpu + e.headroom_gib <= device.memory_gib
     again = evaluate_layout(
-        model, device, seq_len=best.max_seq_len, ulysses_degree=e.ulysses_degree, ring_degree=e.ring_degree,
-        world_size=world, node_size=per_node, fsdp_mode=e.fsdp_mode, activation_checkpointing=e.activation_checkpointing,
-        mlp_tiles=e.mlp_tiles, offload=e.states == "cpu_offload", loss_chunk_size=best.loss_chunk_size,
+        model,
+        device,
+        seq_len=best.max_seq_len,
+        ulysses_degree=e.ulysses_degree,
+        ring_degree=e.ring_degree,
+        world_size=world,
+        node_size=per_node,
+        fsdp_mode=e.fsdp_mode,
+        activation_checkpointing=e.activation_checkpointing,
+        mlp_tiles=e.mlp_tiles,
+        offload=e.states == "cpu_offload",
+        loss_chunk_size=best.loss_chunk_size,
         attn_head_chunks=e.attn_head_chunks,
-    )  # fmt: skip
+    )
     assert again.fits and again.mem_gib_per_gpu == pytest.approx(e.mem_gib_per_gpu)
     # attention dominates at these lengths: the MFU stays above 30% (full recompute caps it near 1/3 of the
     # attention efficiency's 50%: 3 model passes of 4.5 run)

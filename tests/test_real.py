@@ -129,8 +129,20 @@ def test_compare_writes_the_table_and_the_plot(tmp_path, capsys):
         return f"{name}={path}"
 
     png = tmp_path / "curves.png"
-    assert main(["compare", run("before", [5.0, 50.0]), run("after", [4.5, 6.25]), "--length", "2048",
-                 "--plot", str(png)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "compare",
+                run("before", [5.0, 50.0]),
+                run("after", [4.5, 6.25]),
+                "--length",
+                "2048",
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "| run | 0-1K | 1-2K | all |"
     assert lines[2:] == ["| before | 5.00 | 50.00 | 55.00 |", "| after | 4.50 | 6.25 | 10.75 |"]

@@ -104,8 +104,13 @@ def train_step_worker(model_dir: str, ulysses: int, ring: int) -> dict:
     torch.testing.assert_close(
         torch.tensor(res.loss), loss.detach(), rtol=1e-5, atol=0, msg=lambda m: f"{where} loss: {m}"
     )
-    torch.testing.assert_close(torch.tensor(float(res.grad_norm)), torch.tensor(float(norm)), rtol=1e-5, atol=0,
-                               msg=lambda m: f"{where} grad norm: {m}")  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor(float(res.grad_norm)),
+        torch.tensor(float(norm)),
+        rtol=1e-5,
+        atol=0,
+        msg=lambda m: f"{where} grad norm: {m}",
+    )
     assert set(grads) == set(ref_grads)
     for name, g in ref_grads.items():
         assert_close_scaled(grads[name], g, 1e-5, msg=f"{where} grad {name}")
@@ -156,9 +161,12 @@ def test_generate_and_token_losses_equal_hf(dist_pools, smollm2_dir):
     ref = load_causal_lm(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         greedy = ref.generate(
-            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, use_cache=False,
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            use_cache=False,
             pad_token_id=tokenizer.eos_token_id,
-        )[0, len(prompt):].tolist()  # fmt: skip
+        )[0, len(prompt) :].tolist()
         ids = torch.tensor([code])
         logits = ref(input_ids=ids).logits[0, :-1]
         ref_losses = torch.cat([F.cross_entropy(logits, ids[0, 1:], reduction="none"), torch.zeros(1)])
@@ -169,8 +177,9 @@ def test_generate_and_token_losses_equal_hf(dist_pools, smollm2_dir):
         for layout, got in per_layout.items():
             assert got["tokens"] == greedy, f"rank {rank} {layout}: {got['tokens']} != HF greedy {greedy}"
             assert answer_of(tokenizer, got["tokens"]) == key
-            torch.testing.assert_close(got["losses"], ref_losses, rtol=0, atol=1e-4,
-                                       msg=lambda m, w=layout: f"{w} token_losses: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                got["losses"], ref_losses, rtol=0, atol=1e-4, msg=lambda m, w=layout: f"{w} token_losses: {m}"
+            )
 
 
 def pretrain_worker(model_dir: str, train_rows: list[list[int]], heldout: list[int]) -> dict:

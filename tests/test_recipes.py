@@ -13,7 +13,11 @@ from usp.config.compose import compose_config
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-CPU_RECIPES = {"tiny", "tiny_sft", "smollm2_135m_16k"}  # CPU over gloo (the demos; the measured SmolLM2 context extension)
+CPU_RECIPES = {
+    "tiny",
+    "tiny_sft",
+    "smollm2_135m_16k",
+}  # CPU over gloo (the demos; the measured SmolLM2 context extension)
 REAL = [name for name in RECIPES if name not in CPU_RECIPES]
 # What a user must supply for a real recipe (their checkpoint and their prepared data).
 USER_SETTINGS = ["model.path=/ckpt/model", "data.prepared_path=/data/prepared"]
@@ -79,10 +83,14 @@ def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
     p = cfg.parallel
     dp = world // (p.ulysses_degree * p.ring_degree)
     tiles = cfg.parallel.mlp_tiles
-    assert isinstance(tiles, int), f"{name}: a recipe fixes parallel.mlp_tiles (the figures quoted are for it)"
+    assert isinstance(tiles, int), (
+        f"{name}: a recipe fixes parallel.mlp_tiles (the figures quoted are for it)"
+    )
     est = plan.evaluate_layout(
         plan.load_model_spec(model),
-        plan.get_device(cfg.cluster.gpu, memory_gib=cfg.cluster.memory_gib, host_mem_gib=cfg.cluster.host_mem_gib),
+        plan.get_device(
+            cfg.cluster.gpu, memory_gib=cfg.cluster.memory_gib, host_mem_gib=cfg.cluster.host_mem_gib
+        ),
         seq_len=cfg.trainer.seq_len,
         ulysses_degree=p.ulysses_degree,
         ring_degree=p.ring_degree,
@@ -108,10 +116,15 @@ def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
         model,
         cfg.trainer.seq_len,
     )
-    assert [int(flags[k]) for k in ("nodes", "gpus-per-node", "ulysses-degree", "ring-degree", "global-batch")] == [
-        cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, p.ulysses_degree, p.ring_degree,
+    assert [
+        int(flags[k]) for k in ("nodes", "gpus-per-node", "ulysses-degree", "ring-degree", "global-batch")
+    ] == [
+        cfg.cluster.num_nodes,
+        cfg.cluster.gpus_per_node,
+        p.ulysses_degree,
+        p.ring_degree,
         dp * cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps,
-    ]  # fmt: skip
+    ]
     quoted = float(re.search(r"([0-9.]+) GiB/GPU", text).group(1))
     assert quoted == pytest.approx(est.mem_gib_per_gpu, rel=0.05), (
         f"{name}: the comment quotes {quoted} GiB/GPU, the planner predicts {est.mem_gib_per_gpu:.1f}: rerun the "

@@ -98,8 +98,16 @@ def sft_worker(model_dir: str, rows: list[dict], ulysses: int, ring: int, dp: in
         dist.all_gather_object(counts, local)
         optimizer.grads = {}
         res = train_step(loss_model, optimizer, None, micro, mesh=mesh, grad_clip=0.0)
-        out.append({"loss": res.loss, "grad_norm": res.grad_norm, "grads": optimizer.grads, "counts": counts,
-                    "no_targets": res.no_targets, "num_targets": res.num_targets})  # fmt: skip
+        out.append(
+            {
+                "loss": res.loss,
+                "grad_norm": res.grad_norm,
+                "grads": optimizer.grads,
+                "counts": counts,
+                "no_targets": res.no_targets,
+                "num_targets": res.num_targets,
+            }
+        )
     flags = [s["no_targets"] for s in out]
     if dist.get_rank() != 0:
         return {"no_targets": flags}
@@ -165,8 +173,11 @@ def test_sft_loss_and_every_gradient_match_one_process(dist_pools, setup, world,
         assert step["num_targets"] == ref["count"] > 0
         assert math.isfinite(step["loss"])
         for key in ("loss", "grad_norm"):
-            assert_exact(torch.tensor([step[key]], dtype=EXACT_DTYPE), torch.tensor([ref[key]], dtype=EXACT_DTYPE),
-                         f"step {k} {key}")  # fmt: skip
+            assert_exact(
+                torch.tensor([step[key]], dtype=EXACT_DTYPE),
+                torch.tensor([ref[key]], dtype=EXACT_DTYPE),
+                f"step {k} {key}",
+            )
         assert set(step["grads"]) == set(ref["grads"])
         for name, g in ref["grads"].items():
             assert_exact(step["grads"][name], g, f"step {k} {name}")

@@ -48,9 +48,15 @@ def test_sft_trains_the_same_losses_under_u2r2_and_reports_trained_tokens(dist_p
     single = dist_pools(1).run(sft_worker, one)[0]
     four = sft_config(setup, "u2r2", ulysses_degree=2, ring_degree=2, node_size=2)
     sharded = dist_pools(4).run(sft_worker, four)[0]
-    tol = fp32_run_tolerance(setup["model"], one.trainer.seq_len * one.trainer.grad_accum_steps)  # fp32 trainer
-    assert_close_scaled(torch.tensor(sharded["losses"], dtype=torch.float64),
-                        torch.tensor(single["losses"], dtype=torch.float64), tol, "u2r2 vs world 1: losses")  # fmt: skip
+    tol = fp32_run_tolerance(
+        setup["model"], one.trainer.seq_len * one.trainer.grad_accum_steps
+    )  # fp32 trainer
+    assert_close_scaled(
+        torch.tensor(sharded["losses"], dtype=torch.float64),
+        torch.tensor(single["losses"], dtype=torch.float64),
+        tol,
+        "u2r2 vs world 1: losses",
+    )
     records = [json.loads(line) for line in Path(one.run_dir, "metrics.jsonl").read_text().splitlines()]
     for r in records:
         assert r["trained_tokens"] == r["num_targets"] and 0 < r["trained_tokens"] < r["tokens"]

@@ -25,7 +25,10 @@ STEPS = 3
 
 def train_worker(cfg) -> dict:
     out = run(cfg)
-    return {"losses": out["losses"], "tol": fp32_run_tolerance(cfg.model.path, cfg.trainer.seq_len * cfg.trainer.grad_accum_steps)}
+    return {
+        "losses": out["losses"],
+        "tol": fp32_run_tolerance(cfg.model.path, cfg.trainer.seq_len * cfg.trainer.grad_accum_steps),
+    }
 
 
 def config(setup: dict, name: str, **parallel):
@@ -63,7 +66,10 @@ def balanced(dist_pools, setup) -> dict:
 
 
 def check_same_losses(got: dict, ref: dict, where: str) -> None:
-    losses, want = torch.tensor(got["losses"], dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64)
+    losses, want = (
+        torch.tensor(got["losses"], dtype=torch.float64),
+        torch.tensor(ref["losses"], dtype=torch.float64),
+    )
     assert len(losses) == STEPS
     assert_close_scaled(losses, want, ref["tol"], f"{where} vs world 1: losses")
 
@@ -77,7 +83,9 @@ def test_balanced_trains_like_one_process(setup, single, balanced):
 @pytest.mark.slow
 @pytest.mark.parametrize("ulysses, ring, layout", [(1, 4, "zigzag"), (2, 2, "balanced")])
 def test_other_layouts_train_the_same_losses(dist_pools, setup, single, balanced, ulysses, ring, layout):
-    cfg = config(setup, f"u{ulysses}r{ring}-{layout}", ulysses_degree=ulysses, ring_degree=ring, ring_layout=layout)
+    cfg = config(
+        setup, f"u{ulysses}r{ring}-{layout}", ulysses_degree=ulysses, ring_degree=ring, ring_layout=layout
+    )
     check_same_losses(dist_pools(4).run(train_worker, cfg)[0], single, f"u{ulysses}r{ring} {layout}")
     if layout == "zigzag":  # same rows, same order: balanced never does worse than zigzag
         assert all(b <= z + 1e-9 for b, z in zip(balanced["imbalance"], imbalance_records(cfg.run_dir)))

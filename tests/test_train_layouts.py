@@ -28,8 +28,13 @@ GLOBAL_BATCH = 2  # rows per micro-batch, over all dp replicas
 MICRO_STEPS = 2
 STEPS = 3
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, min_lr_ratio=0.1, grad_clip=1.0)
-GRAD_PARAMS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
-               "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight")  # fmt: skip
+GRAD_PARAMS = (
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.1.self_attn.k_proj.weight",
+    "model.layers.1.mlp.down_proj.weight",
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+)
 
 
 def make_batches(vocab: int, seed: int = 0) -> list[list[dict[str, torch.Tensor]]]:
@@ -60,8 +65,14 @@ def train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches) -> 
     step; returns ``(losses, grad_norms, named parameters)`` (their ``.grad`` set). Shared by the layout tests."""
     losses, norms = [], []
     for step in batches:
-        res = train_step(loss_model, optimizer, scheduler, [local_batch(b, mesh) for b in step], mesh=mesh,
-                         grad_clip=OPTIM.grad_clip)  # fmt: skip
+        res = train_step(
+            loss_model,
+            optimizer,
+            scheduler,
+            [local_batch(b, mesh) for b in step],
+            mesh=mesh,
+            grad_clip=OPTIM.grad_clip,
+        )
         losses.append(res.loss)
         norms.append(res.grad_norm)
     n = sum(int((b["labels"] != -100).sum()) for b in batches[0])
@@ -72,18 +83,30 @@ def train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches) -> 
 
 
 def train_layout(
-    model_dir: str, ulysses: int, ring: int, dp: int, ac: str, fsdp_mode: str = "full_shard",
+    model_dir: str,
+    ulysses: int,
+    ring: int,
+    dp: int,
+    ac: str,
+    fsdp_mode: str = "full_shard",
     param_dtype: torch.dtype = EXACT_DTYPE,
-) -> dict | None:  # fmt: skip
+) -> dict | None:
     """Worker: train under the layout; rank 0 returns losses, grad norms and the final step's gradients.
     float64 (the exactness runs), or fp32 weights with ``param_dtype`` compute (bf16)."""
     mesh = cached_sp_mesh(ulysses, ring, "zigzag", dp)
     exact = param_dtype == EXACT_DTYPE
     model = load_float64(model_dir) if exact else load_causal_lm(model_dir, dtype=torch.float32)
     loss_model = parallelize(
-        model, mesh, param_dtype=param_dtype, reduce_dtype=EXACT_DTYPE if exact else torch.float32,
-        loss_chunk_size=7, activation_checkpointing=ac, ac_every_k=2, fsdp_mode=fsdp_mode, node_size=2,
-    )  # fmt: skip
+        model,
+        mesh,
+        param_dtype=param_dtype,
+        reduce_dtype=EXACT_DTYPE if exact else torch.float32,
+        loss_chunk_size=7,
+        activation_checkpointing=ac,
+        ac_every_k=2,
+        fsdp_mode=fsdp_mode,
+        node_size=2,
+    )
     optimizer, scheduler = build_optimizer(loss_model, OPTIM, max_steps=STEPS + 2)
     # gradients after training, on the first step's batches (no optimizer step)
     losses, norms, params = train_then_grads(
@@ -143,8 +166,11 @@ def test_layout_matches_plain_hf(dist_pools, tiny_llama, reference, world, ulyss
     out = dist_pools(world).run(train_layout, tiny_llama, ulysses, ring, dp, ac, fsdp_mode)[0]
     where = f"world={world} u{ulysses} r{ring} dp{dp} ac={ac} {fsdp_mode}"
     for key in ("losses", "grad_norms"):
-        assert_exact(torch.tensor(out[key], dtype=EXACT_DTYPE), torch.tensor(reference[key], dtype=EXACT_DTYPE),
-                     f"{where}: {key}")  # fmt: skip
+        assert_exact(
+            torch.tensor(out[key], dtype=EXACT_DTYPE),
+            torch.tensor(reference[key], dtype=EXACT_DTYPE),
+            f"{where}: {key}",
+        )
     for name in GRAD_PARAMS:
         assert_exact(out["grads"][name], reference["grads"][name], f"{where}: {name}")
 
@@ -156,8 +182,13 @@ def test_bf16_compute_close_to_the_reference(dist_pools, tiny_llama, reference):
     out = dist_pools(4).run(train_layout, tiny_llama, 2, 2, 1, "full", "full_shard", torch.bfloat16)[0]
     tol = rounding_tolerance(torch.bfloat16, MICRO_STEPS * GLOBAL_BATCH * SEQ_LEN)
     for key in ("losses", "grad_norms"):
-        torch.testing.assert_close(torch.tensor(out[key], dtype=EXACT_DTYPE), torch.tensor(reference[key], dtype=EXACT_DTYPE), rtol=tol,
-                                   atol=0, msg=lambda m, key=key: f"bf16 u2r2 {key}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(out[key], dtype=EXACT_DTYPE),
+            torch.tensor(reference[key], dtype=EXACT_DTYPE),
+            rtol=tol,
+            atol=0,
+            msg=lambda m, key=key: f"bf16 u2r2 {key}: {m}",
+        )
     for name in GRAD_PARAMS:
         g, r = out["grads"][name], reference["grads"][name]
         assert g.dtype == torch.float32  # gradients reach the fp32 master weights

@@ -42,8 +42,9 @@ def test_chunked_loss_equals_full_cross_entropy(chunk_size, with_bias):
 
 def test_chunked_loss_rejects_bad_chunk_size():
     with pytest.raises(ValueError, match="trainer.loss_chunk_size=0"):
-        chunked_cross_entropy_sum(torch.zeros(1, 2, 3), torch.zeros(4, 3), torch.zeros(1, 2, dtype=torch.long),
-                                  chunk_size=0)  # fmt: skip
+        chunked_cross_entropy_sum(
+            torch.zeros(1, 2, 3), torch.zeros(4, 3), torch.zeros(1, 2, dtype=torch.long), chunk_size=0
+        )
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
@@ -69,9 +70,14 @@ def test_optimizer_scheduler_and_decay_groups():
 
 @pytest.mark.parametrize(
     "field, value, match",
-    [("lr", 0.0, "optim.lr"), ("min_lr_ratio", 2.0, "optim.min_lr_ratio"), ("grad_clip", -1.0, "optim.grad_clip"),
-     ("betas", (0.9, 1.5), "optim.betas"), ("warmup_steps", -1, "optim.warmup_steps")],
-)  # fmt: skip
+    [
+        ("lr", 0.0, "optim.lr"),
+        ("min_lr_ratio", 2.0, "optim.min_lr_ratio"),
+        ("grad_clip", -1.0, "optim.grad_clip"),
+        ("betas", (0.9, 1.5), "optim.betas"),
+        ("warmup_steps", -1, "optim.warmup_steps"),
+    ],
+)
 def test_bad_optim_settings(field, value, match):
     cfg = OptimConfig()
     setattr(cfg, field, value)

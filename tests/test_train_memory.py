@@ -72,8 +72,17 @@ def test_metrics_record_peak_reserved_only_on_cuda(tmp_path, monkeypatch):
     from usp.train import metrics
 
     def log(run_dir):
-        with metrics.MetricsLogger(run_dir, rank=0, world_size=1, peak_flops=1e12, wandb_cfg=WandbConfig(),
-                                   config={}, layout={}, total_steps=1, progress_bar=False) as m:  # fmt: skip
+        with metrics.MetricsLogger(
+            run_dir,
+            rank=0,
+            world_size=1,
+            peak_flops=1e12,
+            wandb_cfg=WandbConfig(),
+            config={},
+            layout={},
+            total_steps=1,
+            progress_bar=False,
+        ) as m:
             return m.log_step(1, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=8, flops=1e9, step_time_s=0.1)
 
     if not torch.cuda.is_available():

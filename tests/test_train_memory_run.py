@@ -56,7 +56,9 @@ def test_mlp_tiles_resolution_and_errors():
     assert resolve_mlp_tiles("auto", local_tokens=455, hidden_size=64) == 13  # 455 = 5 x 7 x 13: first >= 8
     with pytest.raises(ValueError, match=r"parallel.mlp_tiles=0 is invalid: use an integer >= 1"):
         resolve_mlp_tiles(0, local_tokens=96, hidden_size=64)
-    with pytest.raises(ValueError, match=r"parallel.mlp_tiles=5 does not divide the 96 local tokens .*1, 2, 3, 4, 6"):
+    with pytest.raises(
+        ValueError, match=r"parallel.mlp_tiles=5 does not divide the 96 local tokens .*1, 2, 3, 4, 6"
+    ):
         resolve_mlp_tiles(5, local_tokens=96, hidden_size=64)
 
 
@@ -64,7 +66,12 @@ def test_config_rejects_bad_memory_settings():
     for section, name, value, match in [
         ("parallel", "mlp_tiles", 0, "parallel.mlp_tiles=0 is invalid"),
         ("parallel", "mlp_tiles", "many", "parallel.mlp_tiles='many' is invalid"),
-        ("parallel", "activation_checkpointing", "host", "parallel.activation_checkpointing='host' is invalid"),
+        (
+            "parallel",
+            "activation_checkpointing",
+            "host",
+            "parallel.activation_checkpointing='host' is invalid",
+        ),
         ("optim", "name", "sgd", "optim.name='sgd' is invalid"),
     ]:
         cfg = make_config("/m", "/r")
@@ -74,12 +81,26 @@ def test_config_rejects_bad_memory_settings():
 
 
 def test_offload_host_memory_check_says_how_much():
-    need = check_host_memory(num_layers=32, local_tokens=131072, hidden_size=4096, compute_bytes=2,
-                             ranks_per_node=8, available_bytes=1 << 50)  # fmt: skip
+    need = check_host_memory(
+        num_layers=32,
+        local_tokens=131072,
+        hidden_size=4096,
+        compute_bytes=2,
+        ranks_per_node=8,
+        available_bytes=1 << 50,
+    )
     assert need == 32 * 131072 * 4096 * 2 * 8  # 256 GiB for 8B at 1M tokens on 8 GPUs of a node
-    with pytest.raises(ValueError, match=r"offload needs 256.00 GiB of host memory per node .* 32.00 GiB per rank"):
-        check_host_memory(num_layers=32, local_tokens=131072, hidden_size=4096, compute_bytes=2, ranks_per_node=8,
-                          available_bytes=100 << 30)  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"offload needs 256.00 GiB of host memory per node .* 32.00 GiB per rank"
+    ):
+        check_host_memory(
+            num_layers=32,
+            local_tokens=131072,
+            hidden_size=4096,
+            compute_bytes=2,
+            ranks_per_node=8,
+            available_bytes=100 << 30,
+        )
 
 
 def test_trainer_validation_catches_them_before_any_weights(model_dir, tmp_path, monkeypatch):
@@ -99,15 +120,22 @@ def test_trainer_validation_catches_them_before_any_weights(model_dir, tmp_path,
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed: import raises ImportError
     monkeypatch.setitem(sys.modules, "deepspeed.runtime.sequence_parallel.ulysses_sp", None)
     monkeypatch.setitem(sys.modules, "deepspeed.ops.adam", None)
-    with pytest.raises(ValueError, match=r"parallel.mlp_tiles > 1 uses DeepSpeed's TiledMLP.*parallel.mlp_tiles=1"):
+    with pytest.raises(
+        ValueError, match=r"parallel.mlp_tiles > 1 uses DeepSpeed's TiledMLP.*parallel.mlp_tiles=1"
+    ):
         checks.check_training_run(cfg, 2, cpu)
     cfg.parallel.mlp_tiles, cfg.optim.name = 1, "deepspeed_cpu_adam"
-    with pytest.raises(ValueError, match=r"optim.name=deepspeed_cpu_adam uses DeepSpeed's DeepSpeedCPUAdam.*adamw_cpu_offload"):
+    with pytest.raises(
+        ValueError,
+        match=r"optim.name=deepspeed_cpu_adam uses DeepSpeed's DeepSpeedCPUAdam.*adamw_cpu_offload",
+    ):
         checks.check_training_run(cfg, 2, cpu)
     monkeypatch.undo()
     import deepspeed
 
-    monkeypatch.setattr(deepspeed, "__version__", "0.16.4")  # too old: the interfaces used were not checked there
+    monkeypatch.setattr(
+        deepspeed, "__version__", "0.16.4"
+    )  # too old: the interfaces used were not checked there
     cfg.parallel.mlp_tiles, cfg.optim.name = 4, "adamw"
     with pytest.raises(ValueError, match=r"checked against deepspeed>=0.19.8, but 0.16.4 is installed"):
         checks.check_training_run(cfg, 2, cpu)
@@ -143,9 +171,13 @@ def exported_tensors(export_dir: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_offload_and_tiles_resume_and_export_like_the_plain_run(dist_pools, model_dir, tmp_path):
-    plain = dist_pools(2).run(run_worker, make_config(model_dir, str(tmp_path / "plain"), ulysses_degree=2))[0]
+    plain = dist_pools(2).run(run_worker, make_config(model_dir, str(tmp_path / "plain"), ulysses_degree=2))[
+        0
+    ]
     tricks_dir = tmp_path / "tricks"
-    cfg = make_config(model_dir, str(tricks_dir), ulysses_degree=2, activation_checkpointing="offload", mlp_tiles=2)
+    cfg = make_config(
+        model_dir, str(tricks_dir), ulysses_degree=2, activation_checkpointing="offload", mlp_tiles=2
+    )
     first = dist_pools(2).run(run_worker, cfg)[0]
     assert first["layout"]["mlp_tiles"] == 2 and first["layout"]["activation_checkpointing"] == "offload"
     shutil.rmtree(tricks_dir / "checkpoints" / "step_4")  # as if the job had died after step 2
@@ -159,8 +191,13 @@ def test_offload_and_tiles_resume_and_export_like_the_plain_run(dist_pools, mode
     assert sorted(got) == sorted(ref)  # the same Hugging Face names: no wrapper in the parameter paths
     straight = exported_tensors(str(tricks_dir / "hf_straight"))
     for name in ref:
-        torch.testing.assert_close(got[name], straight[name], rtol=0, atol=0,
-                                   msg=lambda report, name=name: f"resume, export {name}: {report}")  # bitwise
+        torch.testing.assert_close(
+            got[name],
+            straight[name],
+            rtol=0,
+            atol=0,
+            msg=lambda report, name=name: f"resume, export {name}: {report}",
+        )  # bitwise
     # No value comparison with the plain run's export: Adam divides each element's update by its own gradient
     # scale, so the fp32 summation-order noise of a near-zero gradient entry becomes an update-sized difference
     # (measured: 1.05e-5 relative norm on an up_proj, above the rule's 9.8e-6), which no rounding rule bounds.
@@ -182,7 +219,9 @@ def test_deepspeed_cpu_adam_trains_and_resumes_like_adamw(dist_pools, model_dir,
     second = dist_pools(2).run(run_worker, cfg)[0]
     assert second["start_step"] == 2
     tol = fp32_run_tolerance(model_dir, cfg.trainer.seq_len * cfg.trainer.grad_accum_steps)
-    assert_close_scaled(f64(first["losses"]), f64(plain["losses"]), tol, "deepspeed_cpu_adam vs adamw: losses")
+    assert_close_scaled(
+        f64(first["losses"]), f64(plain["losses"]), tol, "deepspeed_cpu_adam vs adamw: losses"
+    )
     assert second["losses"] == first["losses"][2:]  # resume: bitwise
 
 
@@ -203,7 +242,9 @@ def fused_vs_foreach(model_dir: str) -> dict:
         cfg = OptimConfig(name="adamw" if name == "foreach" else name, lr=1e-2, warmup_steps=0)
         opt, _ = build_optimizer(loss_model, cfg, max_steps=10)
         if name == "foreach":  # the same groups and hyper-parameters, torch's default multi-tensor kernel
-            groups = [{k: v for k, v in g.items() if k in ("params", "weight_decay")} for g in opt.param_groups]
+            groups = [
+                {k: v for k, v in g.items() if k in ("params", "weight_decay")} for g in opt.param_groups
+            ]
             opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
@@ -211,8 +252,10 @@ def fused_vs_foreach(model_dir: str) -> dict:
             loss_model(ids, torch.roll(ids, -1, 1), num_targets=64).backward()
             opt.step()
             opt.zero_grad()
-        out[name] = {"fused": bool(opt.defaults.get("fused")),
-                     "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()}}  # fmt: skip
+        out[name] = {
+            "fused": bool(opt.defaults.get("fused")),
+            "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()},
+        }
     return out
 
 

@@ -23,7 +23,14 @@ from usp.train.optim import build_optimizer
 from usp.train.parallelize import parallelize
 
 # (activation_checkpointing, mlp_tiles, attn_head_chunks): the plain run first
-VARIANTS = [("none", 1, 1), ("offload", 1, 1), ("none", 4, 1), ("offload", 4, 1), ("full", 2, 1), ("every_k", 4, 1)]
+VARIANTS = [
+    ("none", 1, 1),
+    ("offload", 1, 1),
+    ("none", 4, 1),
+    ("offload", 4, 1),
+    ("full", 2, 1),
+    ("every_k", 4, 1),
+]
 HEAD_CHUNK_VARIANTS = [("offload", 4, 2)]  # where the heads per rank split (u1: 4 query / 2 K/V heads)
 TRAIN_STEPS = 2  # optimizer steps per variant (warmup and clipping active)
 
@@ -34,43 +41,66 @@ def run_variants(model_dir: str, ulysses: int, ring: int) -> dict | None:
     out = {}
     for ac, tiles, chunks in VARIANTS + (HEAD_CHUNK_VARIANTS if ulysses == 1 else []):
         model = load_float64(model_dir)
-        loss_model = parallelize(model, mesh, param_dtype=EXACT_DTYPE, reduce_dtype=EXACT_DTYPE, loss_chunk_size=7,
-                                 ac_every_k=2, activation_checkpointing=ac, mlp_tiles=tiles,
-                                 attn_head_chunks=chunks)  # fmt: skip
+        loss_model = parallelize(
+            model,
+            mesh,
+            param_dtype=EXACT_DTYPE,
+            reduce_dtype=EXACT_DTYPE,
+            loss_chunk_size=7,
+            ac_every_k=2,
+            activation_checkpointing=ac,
+            mlp_tiles=tiles,
+            attn_head_chunks=chunks,
+        )
         optimizer, scheduler = build_optimizer(loss_model, OPTIM, max_steps=STEPS + 2)
         batches = make_batches(model.config.vocab_size)[:TRAIN_STEPS]
         losses, norms, params = train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches)
         grads = {name: p.grad.full_tensor() for name, p in params.items()}
         store = loss_model.offload_store
         out[(ac, tiles, chunks)] = {
-            "losses": losses, "grad_norms": norms, "grads": grads,
+            "losses": losses,
+            "grad_norms": norms,
+            "grads": grads,
             "host_bytes": None if store is None else store.host_bytes,
-        }  # fmt: skip
+        }
     return out if mesh.device_mesh.get_rank() == 0 else None
 
 
 def assert_same(run: dict, plain: dict, what: str) -> None:
     for key in ("losses", "grad_norms"):
-        assert_exact(torch.tensor(run[key], dtype=EXACT_DTYPE), torch.tensor(plain[key], dtype=EXACT_DTYPE),
-                     f"{what}: {key}")  # fmt: skip
+        assert_exact(
+            torch.tensor(run[key], dtype=EXACT_DTYPE),
+            torch.tensor(plain[key], dtype=EXACT_DTYPE),
+            f"{what}: {key}",
+        )
     for name, ref in plain["grads"].items():
         assert_exact(run["grads"][name], ref, f"{what}: {name}")
 
 
-@pytest.mark.parametrize("world, ulysses, ring", [
-    pytest.param(4, 2, 2, id="u2r2"),
-    pytest.param(4, 1, 4, id="u1r4", marks=pytest.mark.slow),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "world, ulysses, ring",
+    [
+        pytest.param(4, 2, 2, id="u2r2"),
+        pytest.param(4, 1, 4, id="u1r4", marks=pytest.mark.slow),
+    ],
+)
 def test_offload_and_tiles_equal_the_plain_run(dist_pools, tiny_llama, world, ulysses, ring):
     out = dist_pools(world).run(run_variants, tiny_llama, ulysses, ring)[0]
     plain = out[("none", 1, 1)]
-    assert len(plain["grads"]) == 21  # every parameter: embedding, 2 x (4 attention + 3 MLP + 2 norms), norm, head
+    assert (
+        len(plain["grads"]) == 21
+    )  # every parameter: embedding, 2 x (4 attention + 3 MLP + 2 norms), norm, head
     assert len(out) == len(VARIANTS) + (len(HEAD_CHUNK_VARIANTS) if ulysses == 1 else 0)
     for (ac, tiles, chunks), run in out.items():
-        assert_same(run, plain, f"u{ulysses}r{ring} activation_checkpointing={ac} mlp_tiles={tiles} "
-                                f"attn_head_chunks={chunks}")  # fmt: skip
+        assert_same(
+            run,
+            plain,
+            f"u{ulysses}r{ring} activation_checkpointing={ac} mlp_tiles={tiles} attn_head_chunks={chunks}",
+        )
     # the host slots: one [2 rows, S_local, h] float64 input per layer (tiny Llama: 2 layers, hidden 64)
-    assert out[("offload", 1, 1)]["host_bytes"] == 2 * 2 * (32 // (ulysses * ring)) * 64 * EXACT_DTYPE.itemsize
+    assert (
+        out[("offload", 1, 1)]["host_bytes"] == 2 * 2 * (32 // (ulysses * ring)) * 64 * EXACT_DTYPE.itemsize
+    )
 
 
 def test_tiling_keeps_state_dict_keys_decoder_output_and_gradients(tiny_llama):
@@ -86,7 +116,10 @@ def test_tiling_keeps_state_dict_keys_decoder_output_and_gradients(tiny_llama):
     keys = list(tiled.state_dict())
     assert apply_sequence_tiling(decoder_layers(tiled), tiled.model.norm, 4) == 2 * 5 + 1
     assert list(tiled.state_dict()) == keys == list(plain.state_dict())
-    assert deferrable_final_norm(tiled.get_decoder()) is not None and deferrable_final_norm(plain.get_decoder()) is None
+    assert (
+        deferrable_final_norm(tiled.get_decoder()) is not None
+        and deferrable_final_norm(plain.get_decoder()) is None
+    )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, plain.config.vocab_size, (2, 32), generator=g)
     labels = torch.roll(ids, -1, 1)
@@ -121,8 +154,14 @@ def measure_variants(model_dir: str) -> dict:
     out = {}
     for ac, tiles in MEM_VARIANTS:
         model = load_causal_lm(model_dir, dtype=torch.float32)
-        loss_model = parallelize(model, mesh, param_dtype=torch.float32, loss_chunk_size=512,
-                                 activation_checkpointing=ac, mlp_tiles=tiles)  # fmt: skip
+        loss_model = parallelize(
+            model,
+            mesh,
+            param_dtype=torch.float32,
+            loss_chunk_size=512,
+            activation_checkpointing=ac,
+            mlp_tiles=tiles,
+        )
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, model.config.vocab_size, (1, MEM_TOKENS), generator=g)
         labels, pos = torch.roll(ids, -1, 1), torch.arange(MEM_TOKENS)[None]
@@ -133,14 +172,26 @@ def measure_variants(model_dir: str) -> dict:
             loss = loss_model(ids, labels, position_ids=pos, num_targets=MEM_TOKENS)
         with track_memory("cpu") as bwd:
             loss.backward()
-        out[(ac, tiles)] = {"held": fwd.held_bytes, "peak": max(fwd.peak_bytes, fwd.net_bytes + bwd.peak_bytes)}
+        out[(ac, tiles)] = {
+            "held": fwd.held_bytes,
+            "peak": max(fwd.peak_bytes, fwd.net_bytes + bwd.peak_bytes),
+        }
     return out
 
 
 @pytest.fixture(scope="module")
 def mem_llama(tmp_path_factory) -> str:
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "mem", hidden_size=MEM_HIDDEN, intermediate_size=256,
-                                num_hidden_layers=MEM_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16))  # fmt: skip
+    return str(
+        build_tiny_llama(
+            tmp_path_factory.mktemp("tiny") / "mem",
+            hidden_size=MEM_HIDDEN,
+            intermediate_size=256,
+            num_hidden_layers=MEM_LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+    )
 
 
 def test_measured_memory_falls_as_each_trick_promises(dist_pools, mem_llama):

@@ -24,7 +24,9 @@ class Block(nn.Module):
         return x + torch.tanh(self.lin(x)) * scale  # scale: a shared keyword tensor, like RoPE's cos/sin
 
 
-def make_stacks(dtype: torch.dtype = torch.float32) -> tuple[nn.ModuleList, nn.ModuleList, HostCheckpointStore]:
+def make_stacks(
+    dtype: torch.dtype = torch.float32,
+) -> tuple[nn.ModuleList, nn.ModuleList, HostCheckpointStore]:
     torch.manual_seed(0)
     plain = nn.ModuleList(Block() for _ in range(LAYERS)).to(dtype)
     offloaded = copy.deepcopy(plain)
@@ -75,10 +77,14 @@ def test_two_forwards_before_backward_use_fresh_host_buffers():
     plain, offloaded, store = make_stacks(EXACT_DTYPE)
     scale = torch.full((TOKENS, 1), 0.5, dtype=EXACT_DTYPE)
     x1, x2 = torch.randn(TOKENS, HIDDEN, dtype=EXACT_DTYPE), torch.randn(TOKENS, HIDDEN, dtype=EXACT_DTYPE)
-    (run(plain, x1.requires_grad_(), scale).sum() + run(plain, x2.requires_grad_(), scale).square().sum()).backward()
+    (
+        run(plain, x1.requires_grad_(), scale).sum() + run(plain, x2.requires_grad_(), scale).square().sum()
+    ).backward()
     y1, y2 = x1.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
     loss = run(offloaded, y1, scale).sum() + run(offloaded, y2, scale).square().sum()
-    assert store.host_bytes == LAYERS * TOKENS * HIDDEN * EXACT_DTYPE.itemsize  # slots; 2nd forward: one-off buffers
+    assert (
+        store.host_bytes == LAYERS * TOKENS * HIDDEN * EXACT_DTYPE.itemsize
+    )  # slots; 2nd forward: one-off buffers
     loss.backward()
     for i, (a, b) in enumerate(zip(grads(plain), grads(offloaded))):
         assert_exact(b, a, f"parameter {i}")

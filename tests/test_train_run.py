@@ -128,8 +128,15 @@ def test_resume_gives_identical_losses(dist_pools, setup, straight):
 )
 def test_resume_into_another_layout(dist_pools, setup, straight, ulysses, ring, fsdp_mode):
     ckpt = Path(setup["root"]) / "straight" / "checkpoints" / "step_3"
-    cfg = make_config(setup["model"], f"{setup['root']}/relayout_u{ulysses}r{ring}{fsdp_mode}", setup["cache"],
-                      ulysses_degree=ulysses, ring_degree=ring, fsdp_mode=fsdp_mode, node_size=2)  # fmt: skip
+    cfg = make_config(
+        setup["model"],
+        f"{setup['root']}/relayout_u{ulysses}r{ring}{fsdp_mode}",
+        setup["cache"],
+        ulysses_degree=ulysses,
+        ring_degree=ring,
+        fsdp_mode=fsdp_mode,
+        node_size=2,
+    )
     cfg.trainer.resume = str(ckpt)
     cfg.trainer.export_hf = False
     out = dist_pools(4).run(run_worker, cfg)
@@ -138,9 +145,16 @@ def test_resume_into_another_layout(dist_pools, setup, straight, ulysses, ring, 
     tol = fp32_run_tolerance(setup["model"], cfg.trainer.seq_len * cfg.trainer.grad_accum_steps)
     where = f"resume u{ulysses}r{ring} {fsdp_mode} vs world 1"
     val, val_ref = out[0]["val_losses"][6], straight["val_losses"][6]
-    assert_close_scaled(torch.tensor([val], dtype=torch.float64), torch.tensor([val_ref], dtype=torch.float64), tol,
-                        f"{where}: validation loss")  # fmt: skip
-    losses, expected = torch.tensor(out[0]["losses"], dtype=torch.float64), torch.tensor(straight["losses"][3:], dtype=torch.float64)
+    assert_close_scaled(
+        torch.tensor([val], dtype=torch.float64),
+        torch.tensor([val_ref], dtype=torch.float64),
+        tol,
+        f"{where}: validation loss",
+    )
+    losses, expected = (
+        torch.tensor(out[0]["losses"], dtype=torch.float64),
+        torch.tensor(straight["losses"][3:], dtype=torch.float64),
+    )
     assert_close_scaled(losses, expected, tol, f"{where}: losses")
 
 
@@ -186,14 +200,22 @@ def test_bad_input_raises_on_every_rank(dist_pools, setup):
 
 def test_heads_not_divisible_raises(dist_pools, setup, tmp_path):
     # uneven splits work (tests/test_ulysses_uneven.py); more Ulysses ranks than query heads cannot
-    model_dir = str(build_tiny_llama(tmp_path / "two_heads", hidden_size=64, num_attention_heads=2, num_key_value_heads=2))
+    model_dir = str(
+        build_tiny_llama(tmp_path / "two_heads", hidden_size=64, num_attention_heads=2, num_key_value_heads=2)
+    )
     cfg = make_config(model_dir, str(tmp_path / "run"), setup["cache"], ulysses_degree=4, ring_degree=1)
     messages = dist_pools(4).run(run_expecting_error, cfg)
-    assert all("parallel.ulysses_degree=4 does not fit num_heads=2: every Ulysses rank needs at least one query head" in m for m in messages), messages
+    assert all(
+        "parallel.ulysses_degree=4 does not fit num_heads=2: every Ulysses rank needs at least one query head"
+        in m
+        for m in messages
+    ), messages
 
 
 def test_auto_degrees_ask_the_planner(dist_pools, setup, tmp_path):
-    cfg = make_config(setup["model"], str(tmp_path / "auto"), setup["cache"], ulysses_degree="auto", ring_degree="auto")
+    cfg = make_config(
+        setup["model"], str(tmp_path / "auto"), setup["cache"], ulysses_degree="auto", ring_degree="auto"
+    )
     cfg.trainer.max_steps = 1
     cfg.trainer.export_hf = False
     out = dist_pools(1).run(run_worker, cfg)[0]
@@ -237,7 +259,9 @@ def test_timeout_minutes_reaches_init_process_group(monkeypatch):
     calls: list[dict] = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append(kw))
-    monkeypatch.setattr(process_group, "launcher_store", lambda timeout: dist.HashStore())  # no TCPStore on a port
+    monkeypatch.setattr(
+        process_group, "launcher_store", lambda timeout: dist.HashStore()
+    )  # no TCPStore on a port
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     assert process_group.init_distributed(torch.device("cpu"), timeout_minutes=90)
@@ -247,7 +271,9 @@ def test_timeout_minutes_reaches_init_process_group(monkeypatch):
     assert [c["timeout"] for c in calls] == [timedelta(minutes=90), timedelta(minutes=60)]
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append({"backend": a[0]}))
-    process_group.init_distributed(torch.device("cuda", 0), cpu_offload=True)  # CPU shards need gloo next to nccl
+    process_group.init_distributed(
+        torch.device("cuda", 0), cpu_offload=True
+    )  # CPU shards need gloo next to nccl
     process_group.init_distributed(torch.device("cuda", 0))
     assert [c["backend"] for c in calls[2:]] == ["cpu:gloo,cuda:nccl", "nccl"]
     cfg = TrainConfig()
@@ -283,14 +309,30 @@ def test_auto_for_one_degree_keeps_the_users_other_settings(setup, tmp_path):
     from usp.model import check_model_dir
     from usp.startup import resolve_degrees
 
-    cfg = make_config(setup["model"], str(tmp_path), setup["cache"], ulysses_degree=2, ring_degree="auto",
-                      fsdp_mode="hybrid_shard", activation_checkpointing="every_k", ac_every_k=1, node_size=2)  # fmt: skip
+    cfg = make_config(
+        setup["model"],
+        str(tmp_path),
+        setup["cache"],
+        ulysses_degree=2,
+        ring_degree="auto",
+        fsdp_mode="hybrid_shard",
+        activation_checkpointing="every_k",
+        ac_every_k=1,
+        node_size=2,
+    )
     layout = resolve_degrees(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
     assert layout.ulysses_degree == 2 and layout.ring_degree * layout.dp_degree == 2
-    assert (layout.fsdp_mode, layout.activation_checkpointing, layout.ac_every_k) == ("hybrid_shard", "every_k", 1)
+    assert (layout.fsdp_mode, layout.activation_checkpointing, layout.ac_every_k) == (
+        "hybrid_shard",
+        "every_k",
+        1,
+    )
     assert layout.reason.startswith("planner:") and "fixed" in layout.reason
     cfg.parallel.ulysses_degree, cfg.parallel.ring_degree = "auto", 2
-    cfg.parallel.fsdp_mode, cfg.parallel.activation_checkpointing = "full_shard", "none"  # defaults: planner's
+    cfg.parallel.fsdp_mode, cfg.parallel.activation_checkpointing = (
+        "full_shard",
+        "none",
+    )  # defaults: planner's
     layout = resolve_degrees(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
     assert layout.ring_degree == 2 and layout.ulysses_degree * layout.dp_degree == 2
 
@@ -304,12 +346,21 @@ def test_auto_resume_refuses_another_runs_checkpoint(setup, tmp_path):
     root = tmp_path / "checkpoints"
     assert check_auto_resume(cfg, root) is None  # nothing to resume
     model = torch.nn.Linear(2, 2)
-    save_checkpoint(root, 3, model=model, optimizer=None, scheduler=None,
-                    extra={"fingerprint": run_fingerprint(cfg)}, keep_last=2)  # fmt: skip
+    save_checkpoint(
+        root,
+        3,
+        model=model,
+        optimizer=None,
+        scheduler=None,
+        extra={"fingerprint": run_fingerprint(cfg)},
+        keep_last=2,
+    )
     assert check_auto_resume(cfg, root) == root / "step_3"
     longer = make_config(setup["model"], str(tmp_path), setup["cache"])
     longer.trainer.seq_len = 128
-    with pytest.raises(ValueError, match=r"trainer.resume=auto .*trainer.seq_len 64 there, 128 now.*hydra.run.dir"):
+    with pytest.raises(
+        ValueError, match=r"trainer.resume=auto .*trainer.seq_len 64 there, 128 now.*hydra.run.dir"
+    ):
         check_auto_resume(longer, root)
     other = make_config(str(tmp_path / "other-model"), str(tmp_path), setup["cache"])
     with pytest.raises(ValueError, match="model.path"):

@@ -18,8 +18,26 @@ def _throughput(argv: list[str]) -> list[dict]:
 @pytest.mark.slow
 def test_throughput_tool_world1(dist_pools, tmp_path):
     model_dir = str(build_tiny_llama(tmp_path / "llama"))
-    argv = ["--model", model_dir, "--seq-len", "64", "128", "--steps", "1", "--warmup", "0", "--dtype", "float32",
-            "--device", "cpu", "--find-max", "--max-seq-len", "512", "--granularity", "64"]  # fmt: skip
+    argv = [
+        "--model",
+        model_dir,
+        "--seq-len",
+        "64",
+        "128",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--find-max",
+        "--max-seq-len",
+        "512",
+        "--granularity",
+        "64",
+    ]
     records = dist_pools(1).run(_throughput, argv)[0]
     assert [r["seq_len"] for r in records[:2]] == [64, 128]
     for r in records[:2]:

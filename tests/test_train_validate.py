@@ -51,19 +51,33 @@ def test_validation_leaves_the_config_unchanged_and_the_layout_frozen(tiny_llama
     _, layout = check_training_run(cfg, 4, CPU)
     assert cfg == before  # deep equality of the dataclasses: auto stays auto, no dp or tiles written back
     assert dataclasses.asdict(cfg) == dataclasses.asdict(before)
-    assert all(isinstance(getattr(layout, f), int) for f in (
-        "ulysses_degree", "ring_degree", "dp_degree", "node_size", "ac_every_k", "mlp_tiles", "attn_head_chunks"))  # fmt: skip
+    assert all(
+        isinstance(getattr(layout, f), int)
+        for f in (
+            "ulysses_degree",
+            "ring_degree",
+            "dp_degree",
+            "node_size",
+            "ac_every_k",
+            "mlp_tiles",
+            "attn_head_chunks",
+        )
+    )
     assert layout.ulysses_degree * layout.ring_degree * layout.dp_degree == 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         layout.mlp_tiles = 8  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         layout.dp_degree = 1  # type: ignore[misc]
-    assert check_training_run(cfg, 4, CPU)[1] == layout  # nothing left over from the first call changes the second
+    assert (
+        check_training_run(cfg, 4, CPU)[1] == layout
+    )  # nothing left over from the first call changes the second
 
 
 def test_explicit_mlp_tiles_auto_uses_the_hidden_size_rule(tiny_llama):
     # 256 tokens / (u2 x r1) = 128 local tokens, hidden_size 64: tiles of about 64 tokens -> 2
-    _, layout = check_training_run(make_config(tiny_llama, ulysses_degree=2, ring_degree=1, mlp_tiles="auto"), 2, CPU)
+    _, layout = check_training_run(
+        make_config(tiny_llama, ulysses_degree=2, ring_degree=1, mlp_tiles="auto"), 2, CPU
+    )
     assert layout.mlp_tiles == 2 and layout.dp_degree == 1 and layout.reason == "set in the config"
 
 
@@ -84,16 +98,33 @@ def test_planner_tiles_are_used_as_planned(tiny_llama, monkeypatch):
 
     def plan(model_config, **kw):
         assert kw["mlp_tiles"] == "auto" and kw["node_size"] == 4
-        return {"ulysses_degree": 2, "ring_degree": 2, "dp_degree": 1, "fsdp_mode": "full_shard",
-                "activation_checkpointing": "full", "mlp_tiles": 4, "attn_head_chunks": 1, "reason": "stub"}  # fmt: skip
+        return {
+            "ulysses_degree": 2,
+            "ring_degree": 2,
+            "dp_degree": 1,
+            "fsdp_mode": "full_shard",
+            "activation_checkpointing": "full",
+            "mlp_tiles": 4,
+            "attn_head_chunks": 1,
+            "reason": "stub",
+        }
 
     monkeypatch.setattr(usp.plan.request, "auto_degrees", plan)  # what PlanRequest.plan_auto calls
     cfg = make_config(tiny_llama, ulysses_degree="auto", ring_degree="auto", mlp_tiles="auto")
     model_config = check_training_run(make_config(tiny_llama), 1, CPU)[0]
     layout = resolve_degrees(cfg, model_config, 4, CPU)
-    assert layout == ResolvedDegrees(ulysses_degree=2, ring_degree=2, dp_degree=1, node_size=4, fsdp_mode="full_shard",
-                            activation_checkpointing="full", ac_every_k=2, mlp_tiles=4, attn_head_chunks=1,
-                            reason="planner: stub")  # fmt: skip
+    assert layout == ResolvedDegrees(
+        ulysses_degree=2,
+        ring_degree=2,
+        dp_degree=1,
+        node_size=4,
+        fsdp_mode="full_shard",
+        activation_checkpointing="full",
+        ac_every_k=2,
+        mlp_tiles=4,
+        attn_head_chunks=1,
+        reason="planner: stub",
+    )
 
 
 def test_node_size_comes_from_the_setting_then_the_launcher(tiny_llama, monkeypatch):

@@ -94,15 +94,27 @@ def run_uneven_cases(cases):
         ql, kl, vl = (shard_sequence(t, mesh, cu_seqlens=cu).requires_grad_() for t in (q, k, v))
         with record_comm() as stats:
             out = usp_attention(
-                ql, kl, vl, mesh=mesh, causal=case["causal"], cu_seqlens=cu,
+                ql,
+                kl,
+                vl,
+                mesh=mesh,
+                causal=case["causal"],
+                cu_seqlens=cu,
                 attn_head_chunks=case.get("chunks", 1),
-            )  # fmt: skip
+            )
             out.backward(shard_sequence(dout, mesh, cu_seqlens=cu))
         sent = sum(n for kind, n in stats.bytes_by_kind.items() if kind.startswith("ulysses"))
         want = analytic_bytes_sent(  # the Ulysses terms only: one ring rank's part, as if R = 1
-            batch=1, seq_len=case["seq_len"] // r, num_heads=case["hq"], num_kv_heads=case["hkv"],
-            head_dim=HEAD_DIM, ulysses_degree=u, ring_degree=1, element_size=DTYPE.itemsize, ulysses_rank=mesh.ulysses_rank,
-        )["fwd_bwd"]  # fmt: skip
+            batch=1,
+            seq_len=case["seq_len"] // r,
+            num_heads=case["hq"],
+            num_kv_heads=case["hkv"],
+            head_dim=HEAD_DIM,
+            ulysses_degree=u,
+            ring_degree=1,
+            element_size=DTYPE.itemsize,
+            ulysses_rank=mesh.ulysses_rank,
+        )["fwd_bwd"]
         gathered = [
             gather_sequence(t, mesh, cu_seqlens=cu) for t in (out.detach(), ql.grad, kl.grad, vl.grad)
         ]
@@ -141,8 +153,17 @@ def _check(pool, cases):
 
 
 def _case(u, r, hq, hkv, seq_len=48, causal=True, layout="zigzag", **extra):
-    return dict(ulysses=u, ring=r, hq=hq, hkv=hkv, seq_len=seq_len, causal=causal, layout=layout,
-                seed=hash((u, r, hq, hkv, causal, layout)) % 1000, **extra)  # fmt: skip
+    return dict(
+        ulysses=u,
+        ring=r,
+        hq=hq,
+        hkv=hkv,
+        seq_len=seq_len,
+        causal=causal,
+        layout=layout,
+        seed=hash((u, r, hq, hkv, causal, layout)) % 1000,
+        **extra,
+    )
 
 
 def test_uneven_heads_exact_world4(dist_pools):

@@ -101,7 +101,7 @@ def _asides(final: Path) -> list[Path]:
     prefix = f".{final.name}.{ASIDE_TAG}-"
 
     def stamp(p: Path) -> int:
-        tail = p.name[len(prefix):].rpartition("-")[2]
+        tail = p.name[len(prefix) :].rpartition("-")[2]
         return int(tail) if tail.isdigit() else -1
 
     if not final.parent.is_dir():

@@ -97,8 +97,11 @@ def exit_status(err: BaseException) -> int:
 
 
 def _log_files() -> list[logging.Handler]:
-    return [h for h in logging.getLogger().handlers
-            if isinstance(h, logging.FileHandler) and h.baseFilename != os.devnull]  # fmt: skip
+    return [
+        h
+        for h in logging.getLogger().handlers
+        if isinstance(h, logging.FileHandler) and h.baseFilename != os.devnull
+    ]
 
 
 def log_traceback(err: BaseException, prog: str) -> list[str]:
@@ -106,8 +109,15 @@ def log_traceback(err: BaseException, prog: str) -> list[str]:
     handlers = _log_files()
     if not handlers:
         return []
-    record = logging.LogRecord(prog, logging.ERROR, __file__, 0, "%s: error: %s", (prog, one_line(err)),
-                               (type(err), err, err.__traceback__))  # fmt: skip
+    record = logging.LogRecord(
+        prog,
+        logging.ERROR,
+        __file__,
+        0,
+        "%s: error: %s",
+        (prog, one_line(err)),
+        (type(err), err, err.__traceback__),
+    )
     for h in handlers:
         h.handle(record)
         h.flush()

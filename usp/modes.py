@@ -29,6 +29,7 @@ def chunks_per_ring_rank(ring_layout: str) -> int:
     check_ring_layout(ring_layout)
     return 1 if ring_layout == "contiguous" else 2
 
+
 FsdpMode = Literal["full_shard", "hybrid_shard"]
 """``parallel.fsdp_mode``: shard over every rank, or shard inside a node and replicate across nodes."""
 FSDP_MODES: tuple[str, ...] = get_args(FsdpMode)
@@ -43,7 +44,9 @@ OptimName = Literal["adamw", "adamw_cpu_offload", "deepspeed_cpu_adam"]
 (``usp.config.states_on_host``)."""
 OPTIMIZERS: tuple[str, ...] = get_args(OptimName)
 
-AttentionBackend = Literal["auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "cpu_flash", "math"]
+AttentionBackend = Literal[
+    "auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "cpu_flash", "math"
+]
 """``model.attention_backend``: the local attention kernel (``auto`` picks one for the device and dtype)."""
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 CUDA_BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")

@@ -246,7 +246,9 @@ def compare_ppl(
             )
         )
     buckets = rows[0][1]["buckets"]
-    head = "| run | " + " | ".join(f"{b['start'] // 1024}-{-(-b['end'] // 1024)}K" for b in buckets) + " | all |"
+    head = (
+        "| run | " + " | ".join(f"{b['start'] // 1024}-{-(-b['end'] // 1024)}K" for b in buckets) + " | all |"
+    )
     lines = [head, "| --- " * (len(buckets) + 2) + "|"]
     for label, entry in rows:
         cells = " | ".join(f"{b['ppl']:.2f}" for b in entry["buckets"])

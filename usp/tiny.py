@@ -62,7 +62,9 @@ def tiny_corpus_texts(num_docs: int = 400, seed: int = 0) -> list[str]:
     return [_document(rng) for _ in range(num_docs)]
 
 
-def build_tiny_corpus(path: str | os.PathLike, num_docs: int = 400, seed: int = 0, text_field: str = "text") -> Path:
+def build_tiny_corpus(
+    path: str | os.PathLike, num_docs: int = 400, seed: int = 0, text_field: str = "text"
+) -> Path:
     """Write ``num_docs`` synthetic documents as jsonl (``{"text": ...}`` per line); returns the file path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ def divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
+
 _SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 
 

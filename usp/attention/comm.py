@@ -85,7 +85,10 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Te
 
 
 def all_to_all_uneven(
-    parts: list[torch.Tensor], out_shapes: list[torch.Size | tuple[int, ...]], group: dist.ProcessGroup, kind: str
+    parts: list[torch.Tensor],
+    out_shapes: list[torch.Size | tuple[int, ...]],
+    group: dist.ProcessGroup,
+    kind: str,
 ) -> list[torch.Tensor]:
     """``all_to_all_single`` with per-rank sizes: ``parts[j]`` goes to rank ``j``; returns the tensors received,
     the one from rank ``j`` of shape ``out_shapes[j]`` (all of ``parts``' dtype). Sends every part but this

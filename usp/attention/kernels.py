@@ -222,7 +222,9 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, segments):
         k.transpose(1, 2),
         v.transpose(1, 2),
         out.transpose(1, 2),
-        lse.to(accumulation_dtype(q.dtype)),  # fp32 (fp64 for fp64 inputs), read by its strides: no copy (its forward's is strided)
+        lse.to(
+            accumulation_dtype(q.dtype)
+        ),  # fp32 (fp64 for fp64 inputs), read by its strides: no copy (its forward's is strided)
         0.0,
         causal and segments is None,
         attn_mask=mask,

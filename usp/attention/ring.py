@@ -56,7 +56,6 @@ mixed-dtype in-place op (a bf16 block into an fp32 accumulator) casts its input 
 accumulator's dtype on the CPU; slicing the rows bounds that temporary to this many elements."""
 
 
-
 def _row_slices(t: torch.Tensor, max_elements: int) -> list[slice]:
     """Slices of ``t``'s dim 1 (rows of ``[B, S, H, D]``) holding at most ``max_elements`` elements each."""
     rows = t.size(1)
@@ -133,9 +132,14 @@ def _local_forward(q, k, v, spec, softmax_scale, backend):
         return q.new_zeros(q.shape), torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
     qs, ks = spec.q_slice, spec.k_slice
     o, lse = attention_forward(
-        q[:, qs], k[:, ks], v[:, ks], causal=spec.causal, softmax_scale=softmax_scale, backend=backend,
+        q[:, qs],
+        k[:, ks],
+        v[:, ks],
+        causal=spec.causal,
+        softmax_scale=softmax_scale,
+        backend=backend,
         segments=spec.segments,
-    )  # fmt: skip
+    )
     record_attention_work(spec.pairs() * b * hq, d, backward=False)
     if _covers(qs, n):
         return o, lse
@@ -149,9 +153,17 @@ def _local_backward(dout, q, k, v, out, lse, spec, softmax_scale, backend):
     b, n, hq, d = q.shape
     qs, ks = spec.q_slice, spec.k_slice
     dq, dk, dv = attention_backward(
-        dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], causal=spec.causal,
-        softmax_scale=softmax_scale, backend=backend, segments=spec.segments,
-    )  # fmt: skip
+        dout[:, qs],
+        q[:, qs],
+        k[:, ks],
+        v[:, ks],
+        out[:, qs],
+        lse[:, :, qs],
+        causal=spec.causal,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        segments=spec.segments,
+    )
     record_attention_work(spec.pairs() * b * hq, d, backward=True)
     if not _covers(qs, n):
         dq = _first_block(q.shape, qs, dq, q.dtype)
@@ -180,9 +192,14 @@ def _ring_forward(q, k, v, group, plans, softmax_scale, backend):
         if spec is not None:
             qs, ks = spec.q_slice, spec.k_slice
             o, lse = attention_forward(
-                q[:, qs], kc[:, ks], vc[:, ks], causal=spec.causal, softmax_scale=softmax_scale,
-                backend=backend, segments=spec.segments,
-            )  # fmt: skip
+                q[:, qs],
+                kc[:, ks],
+                vc[:, ks],
+                causal=spec.causal,
+                softmax_scale=softmax_scale,
+                backend=backend,
+                segments=spec.segments,
+            )
             if out_acc is None:
                 out_acc, lse_acc = _first_block(q.shape, qs, o, acc), _first_lse(b, hq, n, qs, lse, acc)
             else:
@@ -227,9 +244,17 @@ def _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend
         if spec is not None:
             qs, ks = spec.q_slice, spec.k_slice
             grads = attention_backward(
-                dout[:, qs], q[:, qs], kc[:, ks], vc[:, ks], out[:, qs], lse[:, :, qs], causal=spec.causal,
-                softmax_scale=softmax_scale, backend=backend, segments=spec.segments,
-            )  # fmt: skip
+                dout[:, qs],
+                q[:, qs],
+                kc[:, ks],
+                vc[:, ks],
+                out[:, qs],
+                lse[:, :, qs],
+                causal=spec.causal,
+                softmax_scale=softmax_scale,
+                backend=backend,
+                segments=spec.segments,
+            )
             dq_acc = _accumulate(dq_acc, q.shape, qs, grads[0], acc)
             record_attention_work(spec.pairs() * b * hq, d, backward=True)
         if step > 0:
@@ -293,9 +318,17 @@ def attention_heads_backward(dout, q, k, v, out, lse, group, plans, softmax_scal
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for hs, ks in chunks:
         g = _ring_backward(
-            _part(dout, hs), _part(q, hs), _part(k, ks), _part(v, ks), _part(out, hs), lse[:, hs], group, plans,
-            softmax_scale, backend,
-        )  # fmt: skip
+            _part(dout, hs),
+            _part(q, hs),
+            _part(k, ks),
+            _part(v, ks),
+            _part(out, hs),
+            lse[:, hs],
+            group,
+            plans,
+            softmax_scale,
+            backend,
+        )
         dq[:, :, hs], dk[:, :, ks], dv[:, :, ks] = g
         del g
     return dq, dk, dv
@@ -315,7 +348,17 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         grads = attention_heads_backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.plans, ctx.softmax_scale, ctx.backend, ctx.chunks
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            ctx.group,
+            ctx.plans,
+            ctx.softmax_scale,
+            ctx.backend,
+            ctx.chunks,
         )
         return *grads, None, None, None, None, None
 
@@ -326,7 +369,9 @@ def head_chunk_options(q_heads: int, kv_heads: int) -> list[int]:
     return [c for c in range(1, kv_heads + 1) if kv_heads % c == 0 and q_heads % c == 0]
 
 
-def check_head_chunks(head_chunks: int, q_heads: int, kv_heads: int, *, setting: str = "parallel.attn_head_chunks") -> None:
+def check_head_chunks(
+    head_chunks: int, q_heads: int, kv_heads: int, *, setting: str = "parallel.attn_head_chunks"
+) -> None:
     """``ValueError`` unless ``head_chunks`` (an int >= 1) splits this rank's ``q_heads`` and ``kv_heads`` (after
     the Ulysses all-to-all: ``Hq / U`` and ``max(Hkv, U) / U``) evenly, so every chunk holds whole GQA groups."""
     fits = head_chunk_options(q_heads, kv_heads)

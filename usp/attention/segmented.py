@@ -26,7 +26,6 @@ DENSE_MASK_MAX_ELEMENTS = 1 << 22
 """Largest block (``Sq * Sk``) that still runs with a dense mask (one call); larger ones go per segment."""
 
 
-
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of ``lse`` and of the out/lse merge and gradient accumulators for inputs of ``dtype``: fp32, or
     fp64 for fp64 inputs (so a float64 run, the exactness tests' dtype, rounds nowhere to fp32)."""
@@ -54,7 +53,8 @@ def _covered(segments) -> int:
     """Work of the segments' own calls: a rectangle, or half of a square on the diagonal (a causal piece)."""
     rows = segments.tolist() if isinstance(segments, torch.Tensor) else segments
     return sum(
-        (q1 - q0) * (q1 - q0 + 1) // 2 if (q0, q1) == (k0, k1) else (q1 - q0) * (k1 - k0) for q0, q1, k0, k1 in rows
+        (q1 - q0) * (q1 - q0 + 1) // 2 if (q0, q1) == (k0, k1) else (q1 - q0) * (k1 - k0)
+        for q0, q1, k0, k1 in rows
     )
 
 

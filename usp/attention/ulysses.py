@@ -38,7 +38,9 @@ def _seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, kind: str, counts: S
         y = all_to_all(x, group, kind)  # [U(src), B, S/U, H/U, D]
     else:
         parts = list(torch.split(x, list(counts), dim=2))  # U x [B, S/U, H_j, D]
-        y = torch.stack(all_to_all_uneven(parts, [parts[me].shape] * u, group, kind))  # [U(src), B, S/U, H_me, D]
+        y = torch.stack(
+            all_to_all_uneven(parts, [parts[me].shape] * u, group, kind)
+        )  # [U(src), B, S/U, H_me, D]
     return y.permute(1, 0, 2, 3, 4).reshape(b, u * s_local, counts[me], d)  # [B, S, H_me, D]
 
 

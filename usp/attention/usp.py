@@ -52,7 +52,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMes
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}.")
 
 
-def check_attn_head_chunks(attn_head_chunks: int, num_heads: int, num_kv_heads: int, ulysses_degree: int) -> None:
+def check_attn_head_chunks(
+    attn_head_chunks: int, num_heads: int, num_kv_heads: int, ulysses_degree: int
+) -> None:
     """``ValueError`` naming ``parallel.attn_head_chunks`` and the values that work unless it splits the heads
     every Ulysses rank holds after the all-to-all (``Hq / U`` query heads and ``max(Hkv, U) / U`` K/V heads
     when even; each rank's own counts with uneven heads, :mod:`usp.attention.heads`) into equal groups of whole
@@ -120,7 +122,11 @@ def _check_same_boundaries(cu_seqlens: torch.Tensor, cu: torch.Tensor, mesh: SPM
     global _last_agreed
     if mesh.sp_degree == 1:
         return
-    if _last_agreed is not None and _last_agreed[0]() is cu_seqlens and _last_agreed[1] == cu_seqlens._version:
+    if (
+        _last_agreed is not None
+        and _last_agreed[0]() is cu_seqlens
+        and _last_agreed[1] == cu_seqlens._version
+    ):
         return
     digest = hashlib.blake2b(cu.numpy().tobytes(), digest_size=8).digest()
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True), cu.numel()], dtype=torch.int64)
@@ -212,7 +218,13 @@ def usp_attention(
     kh = kv_seq_to_head(k, ulysses_group, heads, "ulysses_k")  # [B, S/R, Hkv_u, D], Hq_u % Hkv_u == 0
     vh = kv_seq_to_head(v, ulysses_group, heads, "ulysses_v")
     oh = ring_attention(
-        qh, kh, vh, group=mesh.ring_group, plans=plans, softmax_scale=scale, backend=kernel,
+        qh,
+        kh,
+        vh,
+        group=mesh.ring_group,
+        plans=plans,
+        softmax_scale=scale,
+        backend=kernel,
         head_chunks=attn_head_chunks,
     )
     return head_to_seq(oh, ulysses_group, "ulysses_out", heads.q_counts)  # [B, S/(R U), Hq, D]

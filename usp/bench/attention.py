@@ -79,17 +79,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=4, help="gloo ranks to spawn when not launched by torchrun")
     p.add_argument("--ulysses", type=comma_ints, default=[1, 2, 4], help="ulysses degrees, comma-separated")
     p.add_argument("--ring", type=comma_ints, default=[1, 2, 4], help="ring degrees, comma-separated")
-    p.add_argument("--layouts", type=comma_ring_layouts, default="zigzag,contiguous", help="ring layouts, comma-separated")
     p.add_argument(
-        "--seq", type=comma_lengths, default=[1024, 4096],
+        "--layouts",
+        type=comma_ring_layouts,
+        default="zigzag,contiguous",
+        help="ring layouts, comma-separated",
+    )
+    p.add_argument(
+        "--seq",
+        type=comma_lengths,
+        default=[1024, 4096],
         help="global sequence lengths, comma-separated (1024, 4K, 1M; default 1024,4096)",
-    )  # fmt: skip
+    )
     p.add_argument("--heads", type=comma_ints, default=[8], help="query heads")
     p.add_argument("--kv-heads", type=comma_ints, default=[2, 8], help="KV heads")
     p.add_argument("--head-dim", type=int, default=64, help="dimension of each head (default 64)")
     p.add_argument("--batch", type=int, default=1, help="sequences per forward (default 1)")
     p.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="q/k/v dtype (default float32)"
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="q/k/v dtype (default float32)",
     )
     p.add_argument("--no-causal", dest="causal", action="store_false", help="non-causal attention")
     p.add_argument(
@@ -107,9 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
         "lengths:2048,65536,2048x31, file:PATH); repeat for several mixtures; needs --batch 1",
     )
     p.add_argument(
-        "--backend", default="auto",
+        "--backend",
+        default="auto",
         help=f"local attention kernel, as model.attention_backend: {', '.join(ATTENTION_BACKENDS)} (default auto)",
-    )  # fmt: skip
+    )
     p.add_argument("--iters", type=int, default=3, help="timed iterations per case (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations before them (default 1)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -189,20 +200,38 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device, doc_spe
 
     work = ring_work(seq_len, r, mesh.ring_layout, args.causal, cu)
     analytic = analytic_bytes_sent(
-        batch=args.batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=args.head_dim,
-        ulysses_degree=u, ring_degree=r, element_size=q.element_size(), ring_steps=work[0]["steps"],
-    )  # fmt: skip
+        batch=args.batch,
+        seq_len=seq_len,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=args.head_dim,
+        ulysses_degree=u,
+        ring_degree=r,
+        element_size=q.element_size(),
+        ring_steps=work[0]["steps"],
+    )
     fwd_bytes = _gather_ints(fwd_stats.bytes_sent, device)
     fb_bytes = _gather_ints(fb_stats.bytes_sent, device)
     pairs = _gather_ints(fwd_stats.attention_pairs, device)
     fwd_flops = _gather_ints(fwd_stats.attention_flops, device)
     flops = _gather_ints(fb_stats.attention_flops, device)
     rank_ms = rank_attention_ms(
-        seq_len=seq_len, ring_degree=r, ulysses_degree=u, ring_rank=mesh.ring_rank, layout=mesh.ring_layout,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=args.head_dim, dtype=dtype, causal=args.causal,
-        cu_seqlens=cu, backend=kw["backend"] if kw["backend"] != "auto" else resolve_backend("auto", device, dtype),
-        device=device, iters=args.iters, warmup=args.warmup,
-    )  # fmt: skip
+        seq_len=seq_len,
+        ring_degree=r,
+        ulysses_degree=u,
+        ring_rank=mesh.ring_rank,
+        layout=mesh.ring_layout,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=args.head_dim,
+        dtype=dtype,
+        causal=args.causal,
+        cu_seqlens=cu,
+        backend=kw["backend"] if kw["backend"] != "auto" else resolve_backend("auto", device, dtype),
+        device=device,
+        iters=args.iters,
+        warmup=args.warmup,
+    )
     rank_ms_all = _gather_floats(rank_ms, device)
     n = r
     if not args.causal or n == 1:

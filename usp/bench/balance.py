@@ -56,7 +56,9 @@ def rank_attention_ms(
     split = ulysses_heads(num_heads, num_kv_heads, ulysses_degree)
     busiest = split.busiest_rank()  # uneven heads: the rank with the most heads sets the pace
     hq, hk = split.q_counts[busiest], split.local_kv_heads(busiest)
-    every = [plan_ring_blocks(seq_len, ring_degree, r, layout, causal, cu_seqlens) for r in range(ring_degree)]
+    every = [
+        plan_ring_blocks(seq_len, ring_degree, r, layout, causal, cu_seqlens) for r in range(ring_degree)
+    ]
     plans = every[ring_rank][: ring_steps_needed(every)]
     g = torch.Generator().manual_seed(ring_rank)
     q, dout = (torch.randn(1, part, hq, head_dim, generator=g).to(device, dtype) for _ in range(2))
@@ -113,10 +115,21 @@ def measure_layouts(
         pairs = ring_rank_pairs(seq_len, ring_degree, layout, cu)
         ms = [
             rank_attention_ms(
-                seq_len=seq_len, ring_degree=ring_degree, ulysses_degree=ulysses_degree, ring_rank=r,
-                layout=layout, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                dtype=torch.float32, causal=True, cu_seqlens=cu, backend=backend, device=device, iters=iters,
-            )  # fmt: skip
+                seq_len=seq_len,
+                ring_degree=ring_degree,
+                ulysses_degree=ulysses_degree,
+                ring_rank=r,
+                layout=layout,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=torch.float32,
+                causal=True,
+                cu_seqlens=cu,
+                backend=backend,
+                device=device,
+                iters=iters,
+            )
             for r in range(ring_degree)
         ]
         records.append(
@@ -155,10 +168,15 @@ def placement_cost(seq_len: int, ring_degree: int, spec: DocLengths, repeats: in
     pieces = balanced_placement(seq_len, ring_degree, cu)
     index = timed(lambda: pieces_to_positions(pieces[0]))
     return {
-        "doc_lengths": spec.text, "seq_len": seq_len, "ring": ring_degree, "num_docs": len(cu) - 1,
-        "placement_ms_min": place[0], "placement_ms_median": place[1],
-        "rank_positions_ms_min": index[0], "rank_positions_ms_median": index[1],
-    }  # fmt: skip
+        "doc_lengths": spec.text,
+        "seq_len": seq_len,
+        "ring": ring_degree,
+        "num_docs": len(cu) - 1,
+        "placement_ms_min": place[0],
+        "placement_ms_median": place[1],
+        "rank_positions_ms_min": index[0],
+        "rank_positions_ms_median": index[1],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
@@ -166,7 +184,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m usp.bench.balance", description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=16384)
     p.add_argument("--ring", type=comma_ints, default="4,8", help="ring degrees, comma-separated")
-    p.add_argument("--ulysses", type=comma_ints, default="1", help="ulysses degrees, comma-separated (heads are divided)")
+    p.add_argument(
+        "--ulysses", type=comma_ints, default="1", help="ulysses degrees, comma-separated (heads are divided)"
+    )
     p.add_argument("--layouts", type=comma_ring_layouts, default="zigzag,contiguous,balanced")
     p.add_argument("--doc-lengths", action="append", required=True, metavar="SPEC")
     p.add_argument("--heads", type=int, default=2)
@@ -195,9 +215,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         for r in args.ring:
             for u in args.ulysses:
                 found = measure_layouts(
-                    seq_len=args.seq, ring_degree=r, ulysses_degree=u, layouts=args.layouts, spec=spec,
-                    num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, iters=args.iters,
-                )  # fmt: skip
+                    seq_len=args.seq,
+                    ring_degree=r,
+                    ulysses_degree=u,
+                    layouts=args.layouts,
+                    spec=spec,
+                    num_heads=args.heads,
+                    num_kv_heads=args.kv_heads,
+                    head_dim=args.head_dim,
+                    iters=args.iters,
+                )
                 for rec in found:
                     print(
                         f"{rec['doc_lengths']:<40} docs={rec['num_docs']:<4} R={r} U={u} {rec['layout']:<10} "
@@ -208,7 +235,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 records += found
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": "cpu", "threads": 1, "torch": torch.__version__, "results": records}, f, indent=2)
+            json.dump(
+                {"device": "cpu", "threads": 1, "torch": torch.__version__, "results": records}, f, indent=2
+            )
     return records
 
 

@@ -42,8 +42,14 @@ def _reference(model, ids: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.
     losses = torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, vocab).float(), ids[:, 1:].reshape(-1), reduction="none"
     ).view(ids.size(0), -1)
-    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
-                           output_logits=True, return_dict_in_generate=True)
+    cfg = GenerationConfig(
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     g = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
     return losses, g.sequences[:, ids.size(1) :], torch.stack(g.logits, dim=1).float()
 
@@ -81,33 +87,48 @@ def main(argv: list[str] | None = None) -> int:
         mesh = init_sp_mesh(ulysses, ring, dp_degree=dist.get_world_size() // (ulysses * ring))
         model = apply_usp(load_causal_lm(model_dir, dtype=torch.float32).eval(), mesh)
         for length in args.prompt_lengths:
-            ids = torch.randint(3, model.config.vocab_size, (args.batch, length),
-                                generator=torch.Generator().manual_seed(length))  # fmt: skip
+            ids = torch.randint(
+                3,
+                model.config.vocab_size,
+                (args.batch, length),
+                generator=torch.Generator().manual_seed(length),
+            )
             ref_losses, ref_tokens, ref_logits = _reference(ref_model, ids, args.new_tokens)
             t0 = time.perf_counter()
             losses = token_losses(model, ids, mesh)
             forward_s = time.perf_counter() - t0
             res = decode(model, ids, mesh, args.new_tokens, keep_logits=True)
-            rows.append({
-                "layout": f"u{ulysses}r{ring}", "prompt": length, "batch": args.batch, "new_tokens": args.new_tokens,
-                "loss_max_abs_diff": float((losses[:, :-1] - ref_losses).abs().max()),
-                "loss_max_abs": float(ref_losses.abs().max()),
-                "tokens_equal": bool(torch.equal(res.tokens, ref_tokens)),
-                "logit_max_abs_diff": float((res.logits - ref_logits).abs().max()),
-                "logit_max_abs": float(ref_logits.abs().max()),
-                "forward_tokens_per_s": args.batch * length / forward_s,
-                "prefill_tokens_per_s": res.prefill_tokens / res.prefill_s,
-                "decode_tokens_per_s": args.batch * res.decode_steps / res.decode_s,
-                "kv_tokens_per_rank": res.kv_tokens,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "layout": f"u{ulysses}r{ring}",
+                    "prompt": length,
+                    "batch": args.batch,
+                    "new_tokens": args.new_tokens,
+                    "loss_max_abs_diff": float((losses[:, :-1] - ref_losses).abs().max()),
+                    "loss_max_abs": float(ref_losses.abs().max()),
+                    "tokens_equal": bool(torch.equal(res.tokens, ref_tokens)),
+                    "logit_max_abs_diff": float((res.logits - ref_logits).abs().max()),
+                    "logit_max_abs": float(ref_logits.abs().max()),
+                    "forward_tokens_per_s": args.batch * length / forward_s,
+                    "prefill_tokens_per_s": res.prefill_tokens / res.prefill_s,
+                    "decode_tokens_per_s": args.batch * res.decode_steps / res.decode_s,
+                    "kv_tokens_per_rank": res.kv_tokens,
+                }
+            )
     if rank == 0:
-        print(f"{'layout':7} {'prompt':>6} {'loss |d|':>9} {'tokens':>6} {'logit |d|':>9} {'prefill t/s':>11} "
-              f"{'decode t/s':>10}")  # fmt: skip
+        print(
+            f"{'layout':7} {'prompt':>6} {'loss |d|':>9} {'tokens':>6} {'logit |d|':>9} {'prefill t/s':>11} "
+            f"{'decode t/s':>10}"
+        )
         for r in rows:
-            print(f"{r['layout']:7} {r['prompt']:6d} {r['loss_max_abs_diff']:9.2e} {str(r['tokens_equal']):>6} "
-                  f"{r['logit_max_abs_diff']:9.2e} {r['prefill_tokens_per_s']:11.0f} {r['decode_tokens_per_s']:10.1f}")  # fmt: skip
+            print(
+                f"{r['layout']:7} {r['prompt']:6d} {r['loss_max_abs_diff']:9.2e} {str(r['tokens_equal']):>6} "
+                f"{r['logit_max_abs_diff']:9.2e} {r['prefill_tokens_per_s']:11.0f} {r['decode_tokens_per_s']:10.1f}"
+            )
         if args.out:
-            Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "rows": rows}, indent=2) + "\n")
+            Path(args.out).write_text(
+                json.dumps({"world_size": dist.get_world_size(), "rows": rows}, indent=2) + "\n"
+            )
     dist.destroy_process_group()
     return 0
 

@@ -82,8 +82,20 @@ def build_library(cache_dir: str | os.PathLike | None = None) -> Path:
     src = out.with_suffix(".cpp")
     src.write_text(_GUARD_SRC)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O0", "-std=c++17", f"-I{torch_dir / 'include'}",
-           str(src), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(tmp)]  # fmt: skip
+    cmd = [
+        os.environ.get("CXX", "g++"),
+        "-shared",
+        "-fPIC",
+        "-O0",
+        "-std=c++17",
+        f"-I{torch_dir / 'include'}",
+        str(src),
+        f"-L{torch_dir / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+        "-o",
+        str(tmp),
+    ]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True)
     except FileNotFoundError as e:
@@ -158,6 +170,7 @@ def _register_cuda_keys() -> None:
 
     if _CUDA_KEY_LIBS or torch.cuda._is_compiled() and torch.version.cuda:
         return
+
     def never(*args):
         raise AssertionError("a fake-CUDA placeholder kernel ran outside FakeTensorMode")
 
@@ -175,11 +188,16 @@ def fake_cuda_runtime() -> Iterator[None]:
 
     stream = _Stream()
     patches = {
-        "current_device": lambda: 0, "Stream": _Stream, "Event": _Event, "device_count": lambda: 1,
-        "current_stream": lambda device=None: stream, "default_stream": lambda device=None: stream,
-        "stream": lambda s=None: contextlib.nullcontext(), "synchronize": lambda device=None: None,
+        "current_device": lambda: 0,
+        "Stream": _Stream,
+        "Event": _Event,
+        "device_count": lambda: 1,
+        "current_stream": lambda device=None: stream,
+        "default_stream": lambda device=None: stream,
+        "stream": lambda s=None: contextlib.nullcontext(),
+        "synchronize": lambda device=None: None,
         "set_device": lambda d: None,
-    }  # fmt: skip
+    }
     saved = {k: getattr(torch.cuda, k) for k in patches}
     pin, record = torch.Tensor.pin_memory, torch.Tensor.record_stream
     for k, v in patches.items():

@@ -41,8 +41,9 @@ def _round(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def kernel_workspace_bytes(backend: str, *, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int,
-                           elem: int) -> int:  # fmt: skip
+def kernel_workspace_bytes(
+    backend: str, *, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, elem: int
+) -> int:
     """Bytes a backend's backward allocates inside the kernel call (module docstring), for one call on
     ``q [batch, sq, hq, d]`` and ``k, v [batch, sk, hkv, d]`` of ``elem``-byte elements."""
     if backend in FLASH_FAMILY:
@@ -82,8 +83,9 @@ def _flash_attn_as_sdpa_flash(name: str):
     from usp.attention import cuda_kernels
 
     if name == "forward":
-        return lambda q, k, v, causal, scale, segments: cuda_kernels.sdpa_forward("sdpa_flash", q, k, v, causal,
-                                                                                  scale, segments)  # fmt: skip
+        return lambda q, k, v, causal, scale, segments: cuda_kernels.sdpa_forward(
+            "sdpa_flash", q, k, v, causal, scale, segments
+        )
     return _with_workspace("flash_attn", lambda *a: cuda_kernels.sdpa_backward("sdpa_flash", *a))
 
 
@@ -94,8 +96,10 @@ def fake_attention_kernels() -> Iterator[None]:
     are not emulated (``ValueError``)."""
     from usp.attention import kernels
 
-    saved = {n: getattr(kernels, n) for n in ("sdpa_backward", "flash_attn_forward", "flash_attn_backward",
-                                              "flash_attn_import_error")}  # fmt: skip
+    saved = {
+        n: getattr(kernels, n)
+        for n in ("sdpa_backward", "flash_attn_forward", "flash_attn_backward", "flash_attn_import_error")
+    }
 
     def no_segments(fn):
         def call(*args):

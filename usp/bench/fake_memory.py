@@ -92,16 +92,24 @@ def build_config(args: argparse.Namespace) -> Any:
     from usp.config import TrainConfig
     from usp.units import parse_seq_len
 
-    bad = [o for o in args.overrides if "=" not in o or o.split(".")[0] not in ("parallel", "optim", "trainer",
-                                                                              "model", "data")]  # fmt: skip
+    bad = [
+        o
+        for o in args.overrides
+        if "=" not in o or o.split(".")[0] not in ("parallel", "optim", "trainer", "model", "data")
+    ]
     if bad:
         raise ValueError(f"overrides {bad} are not parallel.*, optim.*, trainer.* or model.* key=value pairs")
     base = OmegaConf.structured(TrainConfig)
     world = args.nodes * args.gpus_per_node
     keys = {o.split("=", 1)[0] for o in args.overrides}
-    defaults = [f"model.path={args.model}", f"trainer.seq_len={parse_seq_len(args.seq_len)}",
-                "data.document_masking=false", f"cluster.gpu={args.gpu}",
-                f"cluster.gpus_per_node={args.gpus_per_node}", f"cluster.num_nodes={args.nodes}"]  # fmt: skip
+    defaults = [
+        f"model.path={args.model}",
+        f"trainer.seq_len={parse_seq_len(args.seq_len)}",
+        "data.document_masking=false",
+        f"cluster.gpu={args.gpu}",
+        f"cluster.gpus_per_node={args.gpus_per_node}",
+        f"cluster.num_nodes={args.nodes}",
+    ]
     if "parallel.ulysses_degree" not in keys:
         defaults.append(f"parallel.ulysses_degree={min(args.gpus_per_node, world)}")
     if "parallel.ring_degree" not in keys:
@@ -167,16 +175,29 @@ def planned(cfg: Any, world: int, node_size: int, layers: int | None) -> Any:
     if tiles == "auto":
         from usp.mlp_tiles import resolve_mlp_tiles
 
-        tiles = resolve_mlp_tiles("auto", local_tokens=cfg.trainer.seq_len // (p.ulysses_degree * p.ring_degree),
-                                  hidden_size=spec.hidden_size)  # fmt: skip
+        tiles = resolve_mlp_tiles(
+            "auto",
+            local_tokens=cfg.trainer.seq_len // (p.ulysses_degree * p.ring_degree),
+            hidden_size=spec.hidden_size,
+        )
     return training_memory(
-        spec, get_device(cfg.cluster.gpu), seq_len=cfg.trainer.seq_len, ulysses_degree=p.ulysses_degree,
-        ring_degree=p.ring_degree, world_size=world, node_size=node_size, fsdp_mode=p.fsdp_mode,
-        activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,
-        micro_batch_size=cfg.trainer.micro_batch_size, loss_chunk_size=cfg.trainer.loss_chunk_size,
-        offload=states_on_host(cfg.optim.name, p.cpu_offload), mlp_tiles=int(tiles),
-        attn_head_chunks=p.attn_head_chunks, attention_backend=cfg.model.attention_backend,
-    )  # fmt: skip
+        spec,
+        get_device(cfg.cluster.gpu),
+        seq_len=cfg.trainer.seq_len,
+        ulysses_degree=p.ulysses_degree,
+        ring_degree=p.ring_degree,
+        world_size=world,
+        node_size=node_size,
+        fsdp_mode=p.fsdp_mode,
+        activation_checkpointing=p.activation_checkpointing,
+        ac_every_k=p.ac_every_k,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        loss_chunk_size=cfg.trainer.loss_chunk_size,
+        offload=states_on_host(cfg.optim.name, p.cpu_offload),
+        mlp_tiles=int(tiles),
+        attn_head_chunks=p.attn_head_chunks,
+        attention_backend=cfg.model.attention_backend,
+    )
 
 
 def fake_step(
@@ -213,12 +234,20 @@ def fake_step(
         with FakeTensorMode(allow_non_fake_inputs=True), fake_cuda_runtime(), fake_attention_kernels():
             model = _fake_model(hf, param_device="cuda")
             loss_model = parallelize(
-                model, mesh, attention_backend=cfg.model.attention_backend, fsdp_mode=p.fsdp_mode,
-                node_size=node_size, activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,
-                param_dtype=parse_dtype(cfg.model.dtype), reduce_dtype=parse_dtype(p.reduce_dtype, "parallel.reduce_dtype"),
-                loss_chunk_size=t.loss_chunk_size, cpu_offload=on_host, mlp_tiles=tiles,
+                model,
+                mesh,
+                attention_backend=cfg.model.attention_backend,
+                fsdp_mode=p.fsdp_mode,
+                node_size=node_size,
+                activation_checkpointing=p.activation_checkpointing,
+                ac_every_k=p.ac_every_k,
+                param_dtype=parse_dtype(cfg.model.dtype),
+                reduce_dtype=parse_dtype(p.reduce_dtype, "parallel.reduce_dtype"),
+                loss_chunk_size=t.loss_chunk_size,
+                cpu_offload=on_host,
+                mlp_tiles=tiles,
                 attn_head_chunks=p.attn_head_chunks,
-            )  # fmt: skip
+            )
             optim_cfg = cfg.optim
             if optim_cfg.name == "deepspeed_cpu_adam":  # its host m, v are torch AdamW's bytes (docstring)
                 from dataclasses import replace
@@ -251,12 +280,22 @@ def fake_step(
         dist.destroy_process_group()
     measured = {getattr(k, "value", str(k)): v / GIB for k, v in cuda.items() if k != "Total"}
     return {
-        "seq_len": seq, "world_size": world, "rank": rank, "ulysses_degree": U, "ring_degree": R,
-        "activation_checkpointing": p.activation_checkpointing, "mlp_tiles": tiles,
-        "attn_head_chunks": p.attn_head_chunks, "states_on_host": on_host, "layers": hf.num_hidden_layers,
-        "attention_backend": cfg.model.attention_backend, "peak_gib": cuda.get("Total", 0) / GIB,
-        "measured": measured, "host_gib": host / GIB, "modules": modules,
-    }  # fmt: skip
+        "seq_len": seq,
+        "world_size": world,
+        "rank": rank,
+        "ulysses_degree": U,
+        "ring_degree": R,
+        "activation_checkpointing": p.activation_checkpointing,
+        "mlp_tiles": tiles,
+        "attn_head_chunks": p.attn_head_chunks,
+        "states_on_host": on_host,
+        "layers": hf.num_hidden_layers,
+        "attention_backend": cfg.model.attention_backend,
+        "peak_gib": cuda.get("Total", 0) / GIB,
+        "measured": measured,
+        "host_gib": host / GIB,
+        "modules": modules,
+    }
 
 
 def planned_longest(model: str, gpu: str, nodes: int, gpus_per_node: int) -> list[str]:
@@ -267,9 +306,14 @@ def planned_longest(model: str, gpu: str, nodes: int, gpus_per_node: int) -> lis
     from usp.plan.maxlen import LOSS_CHUNK_CANDIDATES, max_seq_lens
     from usp.plan.models import load_model_spec
 
-    best = max_seq_lens(load_model_spec(model), get_device(gpu), world_size=nodes * gpus_per_node,
-                        node_size=gpus_per_node, states=STATE_PLACEMENTS,
-                        loss_chunk_sizes=LOSS_CHUNK_CANDIDATES)[0]  # fmt: skip
+    best = max_seq_lens(
+        load_model_spec(model),
+        get_device(gpu),
+        world_size=nodes * gpus_per_node,
+        node_size=gpus_per_node,
+        states=STATE_PLACEMENTS,
+        loss_chunk_sizes=LOSS_CHUNK_CANDIDATES,
+    )[0]
     return [o for o in best.overrides() if o.split(".")[0] in ("parallel", "optim", "trainer")]
 
 
@@ -389,7 +433,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, A
     probes = _probe_depths(args.probe_depths or "2,3")
     depth = args.layers if args.layers is not None else _model_depth(cfg.model.path)
     p = cfg.parallel
-    period = p.ac_every_k if p.activation_checkpointing == "every_k" else 1  # layers 0, k, 2k, ... checkpointed
+    period = (
+        p.ac_every_k if p.activation_checkpointing == "every_k" else 1
+    )  # layers 0, k, 2k, ... checkpointed
     if period > 1 and args.probe_depths is None:  # the default: two probes a period apart, on depth's residue
         lo = 2 + (depth - 2) % period
         probes = (lo, lo + period)
@@ -398,7 +444,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, A
         method = "extrapolate" if depth > probes[1] else "direct"
     if method == "extrapolate":
         if depth < probes[0]:
-            raise ValueError(f"--depth-method extrapolate: the depth {depth} is below --probe-depths {probes}")
+            raise ValueError(
+                f"--depth-method extrapolate: the depth {depth} is below --probe-depths {probes}"
+            )
         if (probes[1] - probes[0]) % period or (depth - probes[0]) % period:
             raise ValueError(
                 f"--probe-depths {probes}: with parallel.ac_every_k={period} the probes and the depth {depth} "
@@ -429,10 +477,14 @@ def format_report(rec: dict[str, Any]) -> str:
         f"fake-CUDA step: seq_len={rec['seq_len']} rank {rec['rank']} of {rec['world_size']} "
         f"(ulysses {rec['ulysses_degree']}, ring {rec['ring_degree']}), {rec['layers']} layers, "
         f"checkpointing={rec['activation_checkpointing']}, mlp_tiles={rec['mlp_tiles']}",
-        "  depth: " + (f"every layer traced ({rec['wall_s']} s)" if rec["depth_method"] == "direct" else
-                       f"traced at {rec['probe_depths'][0]} and {rec['probe_depths'][1]} layers "
-                       f"(peaks {rec['probe_peak_gib'][0]:.2f}, {rec['probe_peak_gib'][1]:.2f} GiB), each category "
-                       f"extended affinely to {rec['layers']} ({rec['wall_s']} s)"),  # fmt: skip
+        "  depth: "
+        + (
+            f"every layer traced ({rec['wall_s']} s)"
+            if rec["depth_method"] == "direct"
+            else f"traced at {rec['probe_depths'][0]} and {rec['probe_depths'][1]} layers "
+            f"(peaks {rec['probe_peak_gib'][0]:.2f}, {rec['probe_peak_gib'][1]:.2f} GiB), each category "
+            f"extended affinely to {rec['layers']} ({rec['wall_s']} s)"
+        ),
         "  measured at the peak (GiB)            planner (GiB)",
     ]
     meas = sorted(rec["categories"]["measured"].items(), key=lambda kv: -kv[1])
@@ -441,8 +493,10 @@ def format_report(rec: dict[str, Any]) -> str:
         left = f"{meas[i][0]:<22} {meas[i][1]:8.2f}" if i < len(meas) else " " * 31
         right = f"{plan[i][0]:<22} {plan[i][1]:8.2f}" if i < len(plan) else ""
         lines.append(f"  {left}        {right}")
-    lines.append(f"  {'peak (tensors)':<22} {rec['peak_gib']:8.2f}        {'tensor terms':<22} "
-                 f"{rec['planner_tensor_gib']:8.2f}")  # fmt: skip
+    lines.append(
+        f"  {'peak (tensors)':<22} {rec['peak_gib']:8.2f}        {'tensor terms':<22} "
+        f"{rec['planner_tensor_gib']:8.2f}"
+    )
     lines.append(
         f"  {'host':<22} {rec['host_gib']:8.2f}        {'planner total':<22} {rec['planner_gib']:8.2f}"
     )

@@ -31,7 +31,9 @@ def _pyplot():
     return plt
 
 
-def rank_grid_figure(out: Path, *, nodes: int = 2, gpus_per_node: int = 8, ulysses: int = 4, ring: int = 4) -> Path:
+def rank_grid_figure(
+    out: Path, *, nodes: int = 2, gpus_per_node: int = 8, ulysses: int = 4, ring: int = 4
+) -> Path:
     """Each GPU as a cell (a row per node), labelled with its rank and (dp, ring, ulysses) coordinates and
     coloured by its ring group; Ulysses groups are outlined."""
     from matplotlib.patches import Rectangle
@@ -47,7 +49,9 @@ def rank_grid_figure(out: Path, *, nodes: int = 2, gpus_per_node: int = 8, ulyss
         c = dims.coordinates(rank)
         ax.add_patch(Rectangle((gpu, -node), 0.94, 0.9, color=cmap(ring_of[rank] % 20), alpha=0.85))
         ax.text(gpu + 0.47, -node + 0.58, f"rank {rank}", ha="center", va="center", fontsize=9, weight="bold")
-        ax.text(gpu + 0.47, -node + 0.25, f"dp{c['dp']} r{c['ring']} u{c['ulysses']}", ha="center", fontsize=8)
+        ax.text(
+            gpu + 0.47, -node + 0.25, f"dp{c['dp']} r{c['ring']} u{c['ulysses']}", ha="center", fontsize=8
+        )
     for group in dims.groups("ulysses"):
         node, gpu = divmod(group[0], gpus_per_node)
         ax.add_patch(Rectangle((gpu - 0.03, -node - 0.04), len(group), 0.98, fill=False, lw=2.2, ec="black"))
@@ -67,27 +71,42 @@ def rank_grid_figure(out: Path, *, nodes: int = 2, gpus_per_node: int = 8, ulyss
     return path
 
 
-def memory_rows(model: str, *, seq_len: int, nodes: int, gpus_per_node: int,
-                gpu: str, top: int = 10) -> tuple[list[tuple[str, dict[str, float]]], float]:  # fmt: skip
+def memory_rows(
+    model: str, *, seq_len: int, nodes: int, gpus_per_node: int, gpu: str, top: int = 10
+) -> tuple[list[tuple[str, dict[str, float]]], float]:
     """``([(layout label, {memory term: GiB})], device GiB)`` for the planner's ``top`` fastest feasible layouts."""
     from usp.plan.hardware import get_device
     from usp.plan.models import load_model_spec
     from usp.plan.search import plan_layouts
 
     device = get_device(gpu)
-    estimates = plan_layouts(load_model_spec(model), device, seq_len=seq_len, world_size=nodes * gpus_per_node,
-                             node_size=gpus_per_node)  # fmt: skip
+    estimates = plan_layouts(
+        load_model_spec(model),
+        device,
+        seq_len=seq_len,
+        world_size=nodes * gpus_per_node,
+        node_size=gpus_per_node,
+    )
     rows = []
     for e in estimates[:top]:
-        ac = e.activation_checkpointing + (f"/{e.ac_every_k}" if e.activation_checkpointing == "every_k" else "")
+        ac = e.activation_checkpointing + (
+            f"/{e.ac_every_k}" if e.activation_checkpointing == "every_k" else ""
+        )
         label = f"u{e.ulysses_degree} r{e.ring_degree} dp{e.dp_degree} {e.fsdp_mode.split('_')[0]} {ac}"
         label += (f" t{e.mlp_tiles}" if e.mlp_tiles > 1 else "") + (" host" if e.states != "device" else "")
         rows.append((label, {k: v for k, v in e.memory_gib.items() if k != "total" and v > 0}))
     return rows, device.memory_gib
 
 
-def memory_breakdown_figure(out: Path, *, model: str = "llama-3.1-8b", seq_len: int = 131072,
-                            nodes: int = 2, gpus_per_node: int = 8, gpu: str = "h100-80g") -> Path:  # fmt: skip
+def memory_breakdown_figure(
+    out: Path,
+    *,
+    model: str = "llama-3.1-8b",
+    seq_len: int = 131072,
+    nodes: int = 2,
+    gpus_per_node: int = 8,
+    gpu: str = "h100-80g",
+) -> Path:
     """Stacked bars of the planner's memory terms per GPU for its fastest feasible layouts (fastest left)."""
     plt = _pyplot()
     rows, limit_gib = memory_rows(model, seq_len=seq_len, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu)
@@ -103,7 +122,9 @@ def memory_breakdown_figure(out: Path, *, model: str = "llama-3.1-8b", seq_len: 
     ax.text(len(rows) - 0.5, limit_gib, f" {gpu}: {limit_gib:.0f} GiB", color="red", va="bottom", ha="right")
     ax.set_xticks(range(len(rows)), [label for label, _ in rows], rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("GiB per GPU")
-    ax.set_title(f"{model} at {seq_len // 1024}K tokens on {nodes} x {gpus_per_node} {gpu}: planner memory terms, fastest left")
+    ax.set_title(
+        f"{model} at {seq_len // 1024}K tokens on {nodes} x {gpus_per_node} {gpu}: planner memory terms, fastest left"
+    )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     path = out / "memory_breakdown.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -138,7 +159,9 @@ def loss_curve_figure(out: Path, metrics: Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m usp.bench.figures", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="docs/figures", help="directory for the PNG files (default docs/figures)")
-    p.add_argument("--metrics", help="a run's metrics.jsonl for the loss curve (e.g. outputs/demo/metrics.jsonl)")
+    p.add_argument(
+        "--metrics", help="a run's metrics.jsonl for the loss curve (e.g. outputs/demo/metrics.jsonl)"
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

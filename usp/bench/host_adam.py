@@ -26,12 +26,18 @@ def _optimizer(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam([p], adamw_mode=True, **kw)
-    return torch.optim.AdamW([p], fused=True if name == "torch_fused" else None,
-                             foreach=True if name == "torch_foreach" else None, **kw)  # fmt: skip
+    return torch.optim.AdamW(
+        [p],
+        fused=True if name == "torch_fused" else None,
+        foreach=True if name == "torch_foreach" else None,
+        **kw,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(prog="python -m usp.bench.host_adam", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m usp.bench.host_adam", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--params", type=int, default=50_000_000)
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--steps", type=int, default=3)
@@ -49,8 +55,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             for _ in range(args.steps):
                 opt.step()
             seconds = (time.perf_counter() - start) / args.steps
-            rec = {"impl": name, "threads": threads, "params": args.params, "step_s": seconds,
-                   "params_per_s": args.params / seconds}  # fmt: skip
+            rec = {
+                "impl": name,
+                "threads": threads,
+                "params": args.params,
+                "step_s": seconds,
+                "params_per_s": args.params / seconds,
+            }
             out.append(rec)
             print(json.dumps(rec), flush=True)
     return out

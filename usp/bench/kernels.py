@@ -159,7 +159,9 @@ def sdpa_baseline(q, k, v, dout, scale) -> tuple[Callable[[], None] | None, dict
                 kt, vt = ks, vs
             else:
                 if expanded is None:
-                    expanded = tuple(t.detach().repeat_interleave(group, dim=1).requires_grad_() for t in (ks, vs))
+                    expanded = tuple(
+                        t.detach().repeat_interleave(group, dim=1).requires_grad_() for t in (ks, vs)
+                    )
                 kt, vt = expanded  # [B, Hq, S, D]
             try:
                 step(fused, kt, vt, gqa)
@@ -214,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     head_dim=args.head_dim,
                     iters=args.iters,
                     doc_len=seq // 8 + 3 if args.doc_len is None else args.doc_len,
-                )  # fmt: skip
+                )
             )
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -222,8 +224,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "torch": torch.__version__,
         "results": records,
     }
-    cols = ["backend", "dtype", "max_err_out", "max_err_lse", "max_err_dq", "max_err_dk", "max_err_dv",
-            "kernel_tflops", "sdpa_tflops", "kernel_over_sdpa"]  # fmt: skip
+    cols = [
+        "backend",
+        "dtype",
+        "max_err_out",
+        "max_err_lse",
+        "max_err_dq",
+        "max_err_dk",
+        "max_err_dv",
+        "kernel_tflops",
+        "sdpa_tflops",
+        "kernel_over_sdpa",
+    ]
     if records and "max_err_doc_out" in records[0]:
         cols[7:7] = ["max_err_doc_out", "max_err_doc_dq"]
     print(

@@ -22,7 +22,9 @@ from usp.parallel import ring_pieces, ring_rank_pairs
 DEFAULT_MIXTURES = ("lengths:128,4096,128x31", "lognormal:mean=512,sigma=1.0,seed=0")
 
 
-def draw(out: str, *, seq_len: int, ring_degree: int, mixtures: Sequence[str], layouts: Sequence[str]) -> None:
+def draw(
+    out: str, *, seq_len: int, ring_degree: int, mixtures: Sequence[str], layouts: Sequence[str]
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,7 +32,11 @@ def draw(out: str, *, seq_len: int, ring_degree: int, mixtures: Sequence[str], l
 
     rows = [(spec, layout) for spec in mixtures for layout in layouts]
     fig, axes = plt.subplots(
-        len(rows), 2, figsize=(12, 1.25 * len(rows) + 0.8), gridspec_kw={"width_ratios": [6, 1]}, squeeze=False
+        len(rows),
+        2,
+        figsize=(12, 1.25 * len(rows) + 0.8),
+        gridspec_kw={"width_ratios": [6, 1]},
+        squeeze=False,
     )
     colors = plt.get_cmap("tab10").colors
     for (spec, layout), (strip, bars) in zip(rows, axes):
@@ -43,7 +49,9 @@ def draw(out: str, *, seq_len: int, ring_degree: int, mixtures: Sequence[str], l
         strip.set_xlim(0, seq_len)
         strip.set_ylim(0, 1.4)
         strip.set_yticks([])
-        strip.set_title(f"{layout}: {spec} ({len(cu) - 1} documents, ticks = boundaries)", fontsize=9, loc="left")
+        strip.set_title(
+            f"{layout}: {spec} ({len(cu) - 1} documents, ticks = boundaries)", fontsize=9, loc="left"
+        )
         pairs = np.asarray(ring_rank_pairs(seq_len, ring_degree, layout, cu), dtype=float)
         rel = pairs / pairs.mean()
         bars.bar(range(ring_degree), rel, color=[colors[r % len(colors)] for r in range(ring_degree)])
@@ -51,7 +59,9 @@ def draw(out: str, *, seq_len: int, ring_degree: int, mixtures: Sequence[str], l
         bars.set_ylim(0, max(2.0, rel.max() * 1.1))
         bars.set_xticks(range(ring_degree))
         bars.set_title(f"work / mean, max {rel.max():.2f}", fontsize=9)
-    axes[-1][0].set_xlabel(f"position in the packed row (S = {seq_len}); colour = ring rank (R = {ring_degree})")
+    axes[-1][0].set_xlabel(
+        f"position in the packed row (S = {seq_len}); colour = ring rank (R = {ring_degree})"
+    )
     axes[-1][1].set_xlabel("ring rank")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -59,7 +69,9 @@ def draw(out: str, *, seq_len: int, ring_degree: int, mixtures: Sequence[str], l
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m usp.bench.layout_figure", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m usp.bench.layout_figure", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--out", default="docs/figures/ring_layouts.png")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--ring", type=int, default=4)

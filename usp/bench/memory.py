@@ -38,7 +38,9 @@ MIB = 1 << 20
 LOSS_CHUNK = 1024  # trainer.loss_chunk_size of every variant
 
 
-def measure(model_dir: str, *, seq_len: int, ac: str, tiles: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+def measure(
+    model_dir: str, *, seq_len: int, ac: str, tiles: int, device: torch.device, dtype: torch.dtype
+) -> dict[str, Any]:
     from usp.bench.track_memory import track_memory
     from usp.model import load_causal_lm
     from usp.parallel import init_sp_mesh
@@ -46,8 +48,15 @@ def measure(model_dir: str, *, seq_len: int, ac: str, tiles: int, device: torch.
 
     mesh = init_sp_mesh(1, 1, device_type=device.type)
     model = load_causal_lm(model_dir, dtype=torch.float32)
-    loss_model = parallelize(model, mesh, param_dtype=dtype, loss_chunk_size=LOSS_CHUNK, activation_checkpointing=ac,
-                             mlp_tiles=tiles, attention_backend="auto")  # fmt: skip
+    loss_model = parallelize(
+        model,
+        mesh,
+        param_dtype=dtype,
+        loss_chunk_size=LOSS_CHUNK,
+        activation_checkpointing=ac,
+        mlp_tiles=tiles,
+        attention_backend="auto",
+    )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (1, seq_len), generator=g).to(device)
     labels, pos = torch.roll(ids, -1, 1), torch.arange(seq_len, device=device)[None]
@@ -65,8 +74,9 @@ def measure(model_dir: str, *, seq_len: int, ac: str, tiles: int, device: torch.
         loss.backward()
     elapsed = time.perf_counter() - start
     store = loss_model.offload_store
-    planned_held, planned_peak = planned_bytes(model_dir, seq_len=seq_len, ac=ac, tiles=tiles,
-                                               compute_bytes=torch.finfo(dtype).bits // 8)  # fmt: skip
+    planned_held, planned_peak = planned_bytes(
+        model_dir, seq_len=seq_len, ac=ac, tiles=tiles, compute_bytes=torch.finfo(dtype).bits // 8
+    )
     return {
         "activation_checkpointing": ac,
         "mlp_tiles": tiles,
@@ -81,7 +91,9 @@ def measure(model_dir: str, *, seq_len: int, ac: str, tiles: int, device: torch.
     }
 
 
-def planned_bytes(model_dir: str, *, seq_len: int, ac: str, tiles: int, compute_bytes: int) -> tuple[float, float]:
+def planned_bytes(
+    model_dir: str, *, seq_len: int, ac: str, tiles: int, compute_bytes: int
+) -> tuple[float, float]:
     """The planner's held bytes and step peak (without CUDA context or margin) for one rank of this run."""
     from dataclasses import replace
 
@@ -90,11 +102,24 @@ def planned_bytes(model_dir: str, *, seq_len: int, ac: str, tiles: int, compute_
     from usp.plan.models import load_model_spec
 
     spec = load_model_spec(model_dir)
-    kw = dict(seq_len=seq_len, ulysses_degree=1, ring_degree=1, activation_checkpointing=ac, mlp_tiles=tiles,
-              compute_bytes=compute_bytes)  # fmt: skip
+    kw = dict(
+        seq_len=seq_len,
+        ulysses_degree=1,
+        ring_degree=1,
+        activation_checkpointing=ac,
+        mlp_tiles=tiles,
+        compute_bytes=compute_bytes,
+    )
     held = held_activation_bytes(spec, **kw)["total"]
-    mem = training_memory(spec, replace(GPUS["cpu"], reserved_gib=0.0), world_size=1, node_size=1,
-                          loss_chunk_size=LOSS_CHUNK, overhead_frac=0.0, **kw)  # fmt: skip
+    mem = training_memory(
+        spec,
+        replace(GPUS["cpu"], reserved_gib=0.0),
+        world_size=1,
+        node_size=1,
+        loss_chunk_size=LOSS_CHUNK,
+        overhead_frac=0.0,
+        **kw,
+    )
     return held, mem.activations + mem.attention_workspace + mem.loss_buffer + 4 * spec.num_params
 
 
@@ -123,13 +148,27 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     records = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            model_dir = str(build_tiny_llama(f"{tmp}/llama", hidden_size=args.hidden,
-                                             intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                                             num_attention_heads=4, num_key_value_heads=2,
-                                             head_dim=args.hidden // 4, max_position_embeddings=args.seq_len))  # fmt: skip
+            model_dir = str(
+                build_tiny_llama(
+                    f"{tmp}/llama",
+                    hidden_size=args.hidden,
+                    intermediate_size=args.intermediate,
+                    num_hidden_layers=args.layers,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=args.hidden // 4,
+                    max_position_embeddings=args.seq_len,
+                )
+            )
             for ac, tiles in VARIANTS:
-                rec = measure(model_dir, seq_len=args.seq_len, ac=ac, tiles=tiles, device=device,
-                              dtype=parse_dtype(args.dtype, "--dtype"))  # fmt: skip
+                rec = measure(
+                    model_dir,
+                    seq_len=args.seq_len,
+                    ac=ac,
+                    tiles=tiles,
+                    device=device,
+                    dtype=parse_dtype(args.dtype, "--dtype"),
+                )
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
     finally:

@@ -81,12 +81,25 @@ def median_seconds(step: Step, tensors, iters: int) -> float:
     return statistics.median(times)
 
 
-def bench_point(mesh: SPMesh, *, seq_len: int, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                head_dim: int, iters: int) -> dict:  # fmt: skip
+def bench_point(
+    mesh: SPMesh,
+    *,
+    seq_len: int,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    iters: int,
+) -> dict:
     tensors = make_inputs(seq_len, num_heads, num_kv_heads, head_dim, dtype)
     ours = usp_step(mesh)
-    point = {"seq_len": seq_len, "dtype": str(dtype).removeprefix("torch."), "num_heads": num_heads,
-             "num_kv_heads": num_kv_heads, "head_dim": head_dim}  # fmt: skip
+    point = {
+        "seq_len": seq_len,
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+    }
     point["usp_peak_bytes"] = peak_bytes(ours, tensors)
     point["sdpa_peak_bytes"] = peak_bytes(sdpa_step, tensors)
     point["peak_ratio"] = point["usp_peak_bytes"] / point["sdpa_peak_bytes"]
@@ -130,13 +143,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
     points = []
     for s in args.seq:
         for dt in dtypes:
-            p = bench_point(mesh, seq_len=int(s), dtype=dt, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                            head_dim=args.head_dim, iters=args.iters)  # fmt: skip
+            p = bench_point(
+                mesh,
+                seq_len=int(s),
+                dtype=dt,
+                num_heads=args.heads,
+                num_kv_heads=args.kv_heads,
+                head_dim=args.head_dim,
+                iters=args.iters,
+            )
             points.append(p)
             if not args.json:  # one row as each point is measured
                 t = f"{p['usp_s']:>7.3f} {p['sdpa_s']:>7.3f} {p['time_ratio']:>7.2f}" if "usp_s" in p else ""
-                print(f"{p['seq_len']:>7} {p['dtype']:>9} {p['usp_peak_bytes'] / 2**20:>9.2f} "
-                      f"{p['sdpa_peak_bytes'] / 2**20:>9.2f} {p['peak_ratio']:>7.3f} {t}", flush=True)  # fmt: skip
+                print(
+                    f"{p['seq_len']:>7} {p['dtype']:>9} {p['usp_peak_bytes'] / 2**20:>9.2f} "
+                    f"{p['sdpa_peak_bytes'] / 2**20:>9.2f} {p['peak_ratio']:>7.3f} {t}",
+                    flush=True,
+                )
     report = {"threads": torch.get_num_threads(), "points": points}
     if args.json:
         print(json.dumps(report))

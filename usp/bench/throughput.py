@@ -45,7 +45,9 @@ from usp.train.step import train_step
 from usp.units import GIB, parse_seq_len
 
 
-def hf_config(model: str, *, rope_theta: float | None = None, max_position_embeddings: int | None = None) -> Any:
+def hf_config(
+    model: str, *, rope_theta: float | None = None, max_position_embeddings: int | None = None
+) -> Any:
     """A transformers ``LlamaConfig`` for a preset name, or the ``AutoConfig`` of a path."""
     from transformers import AutoConfig, LlamaConfig
 
@@ -56,12 +58,18 @@ def hf_config(model: str, *, rope_theta: float | None = None, max_position_embed
         config = LlamaConfig(**fields, tie_word_embeddings=False)
     else:
         config = AutoConfig.from_pretrained(model, local_files_only=True)
-    return apply_rope_overrides(config, rope_theta=rope_theta, max_position_embeddings=max_position_embeddings)
+    return apply_rope_overrides(
+        config, rope_theta=rope_theta, max_position_embeddings=max_position_embeddings
+    )
 
 
 @torch.no_grad()
 def random_init_(
-    model: torch.nn.Module, device: torch.device, *, param_device: torch.device | None = None, std: float = 0.02
+    model: torch.nn.Module,
+    device: torch.device,
+    *,
+    param_device: torch.device | None = None,
+    std: float = 0.02,
 ) -> None:
     """Materialize a meta-device (possibly FSDP2-sharded) model with random weights.
 
@@ -81,15 +89,27 @@ def random_batch(vocab: int, seq_len: int, mesh: Any, generator: torch.Generator
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = -100
     pos = torch.arange(seq_len)[None]
-    batch = {k: shard_sequence(v, mesh) for k, v in {"input_ids": ids, "labels": labels, "position_ids": pos}.items()}
+    batch = {
+        k: shard_sequence(v, mesh)
+        for k, v in {"input_ids": ids, "labels": labels, "position_ids": pos}.items()
+    }
     batch["document_lengths"] = [[seq_len]]
     return batch
 
 
 def measure(
-    loss_model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: Any, *, seq_len: int, steps: int,
-    warmup: int, vocab: int, flops_per_token_args: dict[str, int], peak_flops: float, device: torch.device,
-) -> dict[str, Any]:  # fmt: skip
+    loss_model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mesh: Any,
+    *,
+    seq_len: int,
+    steps: int,
+    warmup: int,
+    vocab: int,
+    flops_per_token_args: dict[str, int],
+    peak_flops: float,
+    device: torch.device,
+) -> dict[str, Any]:
     """Time ``steps`` optimizer steps at ``seq_len`` (after ``warmup`` untimed ones)."""
     g = torch.Generator().manual_seed(seq_len)
     if device.type == "cuda":
@@ -129,14 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring", type=int, default=1)
     p.add_argument("--ac", choices=AC_MODES, default="full", help="parallel.activation_checkpointing")
     p.add_argument("--mlp-tiles", type=int, default=1, help="sequence tiles of the MLPs and norms (1 = off)")
-    p.add_argument("--optim", choices=OPTIMIZERS, default="adamw", help="optim.name (host-side states: offload)")
+    p.add_argument(
+        "--optim", choices=OPTIMIZERS, default="adamw", help="optim.name (host-side states: offload)"
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--loss-chunk-size", type=int, default=4096)
     p.add_argument("--backend", default="auto", help="attention kernel (model.attention_backend)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="auto")
-    p.add_argument("--gpu", default="cpu", help="cluster.gpu for the peak FLOP/s (cpu: detect the CUDA device)")
+    p.add_argument(
+        "--gpu", default="cpu", help="cluster.gpu for the peak FLOP/s (cpu: detect the CUDA device)"
+    )
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of params, grads, optimizer")
     p.add_argument("--rope-theta", type=float, default=None)
     p.add_argument("--find-max", action="store_true", help="grow the sequence until out of memory (one rank)")
@@ -168,15 +192,28 @@ def _main(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
         "head_dim": head_dim_of(config),
     }
     loss_model = parallelize(
-        model, mesh, attention_backend=args.backend, activation_checkpointing=args.ac,
-        param_dtype=parse_dtype(args.dtype, "--dtype"), loss_chunk_size=args.loss_chunk_size,
-        cpu_offload=args.cpu_offload, mlp_tiles=args.mlp_tiles,
-    )  # fmt: skip
+        model,
+        mesh,
+        attention_backend=args.backend,
+        activation_checkpointing=args.ac,
+        param_dtype=parse_dtype(args.dtype, "--dtype"),
+        loss_chunk_size=args.loss_chunk_size,
+        cpu_offload=args.cpu_offload,
+        mlp_tiles=args.mlp_tiles,
+    )
     random_init_(model, device, param_device=torch.device("cpu") if args.cpu_offload else None)
-    optimizer, _ = build_optimizer(loss_model, OptimConfig(name=args.optim, lr=1e-5, warmup_steps=0), max_steps=1_000_000)
+    optimizer, _ = build_optimizer(
+        loss_model, OptimConfig(name=args.optim, lr=1e-5, warmup_steps=0), max_steps=1_000_000
+    )
     peak = peak_flops_per_device(ClusterConfig(gpu=args.gpu), device.type)
-    kw = dict(steps=args.steps, warmup=args.warmup, vocab=config.vocab_size, flops_per_token_args=flop_args,
-              peak_flops=peak, device=device)  # fmt: skip
+    kw = dict(
+        steps=args.steps,
+        warmup=args.warmup,
+        vocab=config.vocab_size,
+        flops_per_token_args=flop_args,
+        peak_flops=peak,
+        device=device,
+    )
     results = []
 
     def emit(record: dict[str, Any]) -> None:
@@ -204,7 +241,9 @@ def _fits(loss_model: Any, optimizer: Any, mesh: Any, seq_len: int, kw: dict[str
         return False
 
 
-def _find_max(loss_model: Any, optimizer: Any, mesh: Any, args: argparse.Namespace, kw: dict[str, Any]) -> int:
+def _find_max(
+    loss_model: Any, optimizer: Any, mesh: Any, args: argparse.Namespace, kw: dict[str, Any]
+) -> int:
     """The longest multiple of ``--granularity`` (and of the layout's sequence multiple) up to
     ``--max-seq-len`` whose step fits (:func:`usp.longest.longest_passing`: doubling from the longest
     ``--seq-len``, which already ran, then bisection)."""
@@ -215,6 +254,7 @@ def _find_max(loss_model: Any, optimizer: Any, mesh: Any, args: argparse.Namespa
         return seq_len <= measured or _fits(loss_model, optimizer, mesh, seq_len, kw)
 
     return longest_passing(fits, start=max(unit, measured // unit * unit), unit=unit, limit=args.max_seq_len)
+
 
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record

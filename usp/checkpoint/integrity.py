@@ -42,7 +42,9 @@ def check_plain_data(obj: Any, where: str = "extra") -> None:
     if isinstance(obj, dict):
         for key, value in obj.items():
             if not isinstance(key, (str, int)):
-                raise TypeError(f"checkpoint {where}: key {key!r} is a {type(key).__name__}; use str or int keys.")
+                raise TypeError(
+                    f"checkpoint {where}: key {key!r} is a {type(key).__name__}; use str or int keys."
+                )
             check_plain_data(value, f"{where}[{key!r}]")
         return
     if isinstance(obj, (list, tuple)):
@@ -124,10 +126,14 @@ def _verify_own_files(ckpt: Path, rank: int, world: int) -> list[str]:
         return [str(e)] if rank == 0 else []
     version = marker.get("format_version")
     if version != FORMAT_VERSION:
-        return [] if rank else [
-            f"format {version!r} (this usp reads format {FORMAT_VERSION}; format 1 checkpoints of older usp "
-            f"versions hold pickled state and carry no checksums)"
-        ]
+        return (
+            []
+            if rank
+            else [
+                f"format {version!r} (this usp reads format {FORMAT_VERSION}; format 1 checkpoints of older usp "
+                f"versions hold pickled state and carry no checksums)"
+            ]
+        )
     files = marker.get("files")
     if not isinstance(files, dict) or not files:
         return [] if rank else [f"{COMPLETE_MARKER} lists no file checksums"]

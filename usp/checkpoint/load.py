@@ -91,7 +91,9 @@ def load_checkpoint(
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if scheduler is not None:
         if meta["scheduler"] is None:
-            raise ValueError(f"checkpoint {ckpt} was saved without a scheduler; pass scheduler=None to load it.")
+            raise ValueError(
+                f"checkpoint {ckpt} was saved without a scheduler; pass scheduler=None to load it."
+            )
         scheduler.load_state_dict(meta["scheduler"])
 
     saved_world = int(meta["world_size"])

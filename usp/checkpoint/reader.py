@@ -27,8 +27,10 @@ def load_plain(path: Path, what: str = "trainer.resume") -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as e:
-        raise ValueError(f"{what}: {path} is missing; the checkpoint is damaged. Point {what} at another "
-                         f"step_<N> directory.") from e
+        raise ValueError(
+            f"{what}: {path} is missing; the checkpoint is damaged. Point {what} at another "
+            f"step_<N> directory."
+        ) from e
     except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError (torn zip), EOFError, ...
         raise ValueError(
             f"{what}: {path} cannot be read as plain checkpoint data ({type(e).__name__}: "
@@ -81,7 +83,8 @@ class MetadataUnpickler(pickle.Unpickler):
             obj = super().find_class(module, name)
             if isinstance(obj, type) and obj.__module__ == module:  # DCP's own dataclasses and enums only
                 return obj
-        if (module, name) in _SAFE_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _SAFE_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} {REFUSED}")
-

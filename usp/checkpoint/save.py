@@ -86,11 +86,19 @@ def save_checkpoint(
     """
     try:
         return _save_checkpoint(
-            ckpt_root, step, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra, keep_last=keep_last
+            ckpt_root,
+            step,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            extra=extra,
+            keep_last=keep_last,
         )
     except Exception as e:
         tmp = Path(ckpt_root) / f"{TMP_PREFIX}{step}"
-        failure = as_setting_path_error(e, "trainer.checkpoint_dir", ckpt_root, f"writing checkpoint step {step} ({tmp})")
+        failure = as_setting_path_error(
+            e, "trainer.checkpoint_dir", ckpt_root, f"writing checkpoint step {step} ({tmp})"
+        )
         if failure is e:
             raise
         raise failure from e
@@ -138,7 +146,9 @@ def _save_checkpoint(
     except CheckpointException as e:  # raised on every rank; a BaseException, so make it an ordinary error
         # this rank's own error keeps its chain (the OSError behind torch's "unexpected pos"); DCP's copy of it,
         # gathered from the ranks, was pickled without it
-        raise RuntimeError(f"writing checkpoint step {step} failed: {first_failure(e)}") from (writer.error or e)
+        raise RuntimeError(f"writing checkpoint step {step} failed: {first_failure(e)}") from (
+            writer.error or e
+        )
 
     # 3. small per-rank and global files
     error = None
@@ -167,8 +177,14 @@ def _save_checkpoint(
         try:
             unlisted = sorted(set(checkpoint_files(tmp)) - set(files))
             assert not unlisted, f"checkpoint files without a checksum: {unlisted}"
-            marker = {"step": step, "world_size": world, "format_version": FORMAT_VERSION, "time": time.time(),
-                      "checksum": CHECKSUM, "files": files}  # fmt: skip
+            marker = {
+                "step": step,
+                "world_size": world,
+                "format_version": FORMAT_VERSION,
+                "time": time.time(),
+                "checksum": CHECKSUM,
+                "files": files,
+            }
             write_file(tmp / COMPLETE_MARKER, lambda f: f.write(json.dumps(marker).encode()))
             fsync_dir(tmp)
             publish_dir(tmp, final)

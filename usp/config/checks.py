@@ -118,7 +118,11 @@ def validate_choices(cfg: TrainConfig) -> None:
     if p.activation_checkpointing == "every_k" and p.ac_every_k < 1:
         raise ValueError(f"parallel.ac_every_k={p.ac_every_k} is invalid: use an integer >= 1.")
     check_mlp_tiles_setting(p.mlp_tiles)
-    if isinstance(p.attn_head_chunks, bool) or not isinstance(p.attn_head_chunks, int) or p.attn_head_chunks < 1:
+    if (
+        isinstance(p.attn_head_chunks, bool)
+        or not isinstance(p.attn_head_chunks, int)
+        or p.attn_head_chunks < 1
+    ):
         raise ValueError(
             f"parallel.attn_head_chunks={p.attn_head_chunks!r} is invalid: use an integer >= 1 (1 = off) dividing "
             "the query and key/value heads per rank after the Ulysses all-to-all."
@@ -141,7 +145,9 @@ def validate_choices(cfg: TrainConfig) -> None:
     for name in ("watchdog_factor", "watchdog_min_seconds", "watchdog_minutes"):
         value = getattr(t, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"trainer.{name}={value!r} is invalid: use a number >= 0 (0 turns the rule off).")
+            raise ValueError(
+                f"trainer.{name}={value!r} is invalid: use a number >= 0 (0 turns the rule off)."
+            )
     if isinstance(t.max_bad_steps, bool) or not isinstance(t.max_bad_steps, int) or t.max_bad_steps < 1:
         raise ValueError(
             f"trainer.max_bad_steps={t.max_bad_steps!r} is invalid: use an integer >= 1 (consecutive non-finite "

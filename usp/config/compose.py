@@ -134,11 +134,15 @@ def config_groups() -> list[str]:
 
 def _entry(config_name: str) -> _Entry:
     if config_name not in _ENTRIES:
-        raise ValueError(f"config_name={config_name!r} is not an entry point's config; use one of {sorted(_ENTRIES)}.")
+        raise ValueError(
+            f"config_name={config_name!r} is not an entry point's config; use one of {sorted(_ENTRIES)}."
+        )
     return _ENTRIES[config_name]
 
 
-def to_run_config(cfg: DictConfig, *, config_name: str = TRAIN_CONFIG, run_dir: str | None = None) -> TrainConfig:
+def to_run_config(
+    cfg: DictConfig, *, config_name: str = TRAIN_CONFIG, run_dir: str | None = None
+) -> TrainConfig:
     """The composed DictConfig of ``conf/<config_name>.yaml`` -> a checked :class:`TrainConfig` (the one
     conversion of a run).
 
@@ -163,11 +167,15 @@ def to_run_config(cfg: DictConfig, *, config_name: str = TRAIN_CONFIG, run_dir: 
             "these settings have no value (??? in the config): "
             + "; ".join(entry.missing_hints.get(key, f"{key}=...") for key in missing)
         )
-    typed = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)  # types cfg (a no-op if it has the schema)
+    typed = OmegaConf.merge(
+        OmegaConf.structured(TrainConfig), cfg
+    )  # types cfg (a no-op if it has the schema)
     obj = OmegaConf.to_object(typed)
     assert isinstance(obj, TrainConfig), type(obj)
     # evaluation reads no training data: everything else is checked as the trainer would
-    validate_choices(obj if entry.needs_data else dataclasses.replace(obj, data=DataConfig(build_tiny_corpus=True)))
+    validate_choices(
+        obj if entry.needs_data else dataclasses.replace(obj, data=DataConfig(build_tiny_corpus=True))
+    )
     return obj
 
 
@@ -181,7 +189,9 @@ def _compose(config_name: str, overrides: Sequence[str], *, return_hydra_config:
     with initialize_config_dir(
         config_dir=str(CONF_DIR), version_base=VERSION_BASE, job_name=_entry(config_name).job_name
     ):
-        cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)
+        cfg = compose(
+            config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config
+        )
     GlobalHydra.instance().clear()
     return cfg
 
@@ -225,9 +235,30 @@ def to_eval_config(cfg: DictConfig, *, run_dir: str | None = None) -> TrainConfi
     return to_run_config(cfg, config_name=EVAL_CONFIG, run_dir=run_dir)
 
 
-HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--multirun", "-m", "--shell-completion",
-               "--run", "-r", "--package", "-p", "--resolve", "--config-path", "-cp", "--config-name", "-cn",
-               "--config-dir", "-cd", "--experimental-rerun")  # fmt: skip
+HYDRA_FLAGS = (
+    "--cfg",
+    "-c",
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--info",
+    "-i",
+    "--multirun",
+    "-m",
+    "--shell-completion",
+    "--run",
+    "-r",
+    "--package",
+    "-p",
+    "--resolve",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--experimental-rerun",
+)
 """Hydra's own command-line flags: with one of them the app prints or inspects instead of running."""
 
 
@@ -252,7 +283,9 @@ Record = Callable[[BaseException], None]
 """Writes an error where the launcher shows it (torchrun's error file); given the error to show."""
 
 
-def fail_once(err: BaseException, prog: str, *, verbose: bool = False, record: Record | None = None) -> NoReturn:
+def fail_once(
+    err: BaseException, prog: str, *, verbose: bool = False, record: Record | None = None
+) -> NoReturn:
     """End the run on ``err``: :func:`usp.errors.report`'s one ``<prog>: error:`` line (once: rank 0 first,
     the other ranks after :data:`usp.errors.REPORT_GRACE_S`), the traceback in rank 0's log file (stderr too
     with ``--verbose``), and the reason given to ``record`` (a ``ValueError`` as it is, anything else as its

@@ -110,7 +110,9 @@ def unknown_key_error(key: str, fields: Iterable[str]) -> str:
         hint = f"usp calls it {FOREIGN_KEYS[last]}"
     else:
         close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
-        if not close:  # the right name under another group (optim.grad_accum_steps -> trainer.grad_accum_steps)
+        if (
+            not close
+        ):  # the right name under another group (optim.grad_accum_steps -> trainer.grad_accum_steps)
             by_last = {f.rsplit(".", 1)[-1]: f for f in fields}
             names = difflib.get_close_matches(last, list(by_last), n=1, cutoff=0.6)
             close = [by_last[names[0]]] if names else []
@@ -143,7 +145,11 @@ def check_composed_keys(cfg: Mapping, schema: type, *, ignore: Iterable[str] = (
             if path in open_prefixes:
                 continue
             child = node._get_node(k) if isinstance(node, DictConfig) else node[k]
-            if isinstance(child, DictConfig) and not OmegaConf.is_missing(node, k) and child._is_none() is False:
+            if (
+                isinstance(child, DictConfig)
+                and not OmegaConf.is_missing(node, k)
+                and child._is_none() is False
+            ):
                 walk(child, f"{path}.")
             elif isinstance(child, Mapping):
                 walk(child, f"{path}.")

@@ -244,9 +244,18 @@ class PasskeyConfig:
 
 
 RULER_TASKS: tuple[str, ...] = (
-    "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
-    "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
-)  # fmt: skip
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+)
 
 
 @dataclass

@@ -87,7 +87,12 @@ def collate_rows(
     masks = [r.get("loss_mask") for r in rows]
     labels = torch.stack(
         [
-            row_labels(ids[i], doc_lengths[i], document_masking, None if masks[i] is None else torch.as_tensor(np.asarray(masks[i])))
+            row_labels(
+                ids[i],
+                doc_lengths[i],
+                document_masking,
+                None if masks[i] is None else torch.as_tensor(np.asarray(masks[i])),
+            )
             for i in range(len(rows))
         ]
     )
@@ -99,7 +104,9 @@ def collate_rows(
     )
     cu_seqlens = cu_seqlens_of(doc_lengths[0]) if len(rows) == 1 and document_masking else None
     if mesh is not None and mesh.sp_degree > 1:  # balanced: placed from the row's boundaries
-        ids, labels, positions = (shard_sequence(t, mesh, dim=1, cu_seqlens=cu_seqlens) for t in (ids, labels, positions))
+        ids, labels, positions = (
+            shard_sequence(t, mesh, dim=1, cu_seqlens=cu_seqlens) for t in (ids, labels, positions)
+        )
     return {
         "input_ids": ids,
         "labels": labels,

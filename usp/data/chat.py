@@ -207,9 +207,12 @@ class ChatRenderer:
         self, messages: Sequence[Mapping[str, str]], keep_last_only: bool
     ) -> tuple[list[int], list[int]]:
         out = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+            list(messages),
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
             chat_template=self.template,
-        )  # fmt: skip
+        )
         ids, mask = list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
         if not any(mask):
             raise ValueError(

@@ -100,10 +100,16 @@ def _normalize(batch: dict[str, list], indices: list[int], spec: str, field: str
 
 
 def load_conversations(
-    inputs: Sequence[str], options: ChatOptions, *, weights: Sequence[float] | None = None, seed: int = 0,
-    streaming: bool = False, cache_dir: str | None = None, log: Callable[[str], None] | None = None,
+    inputs: Sequence[str],
+    options: ChatOptions,
+    *,
+    weights: Sequence[float] | None = None,
+    seed: int = 0,
+    streaming: bool = False,
+    cache_dir: str | None = None,
+    log: Callable[[str], None] | None = None,
     usage: list[dict[str, object]] | None = None,
-) -> Dataset | IterableDataset:  # fmt: skip
+) -> Dataset | IterableDataset:
     """Every input as one column ``messages`` (``[{role, content}]``), concatenated or mixed by ``weights``.
     A row that holds no conversation or an unknown role raises ``ValueError`` naming the input and row."""
     check_inputs(inputs, weights, setting="--input / data.inputs")
@@ -114,8 +120,13 @@ def load_conversations(
         columns = ds.column_names
         if columns is None:  # a stream of unknown schema: peek at one row
             columns = list(next(iter(ds.take(1)), {}).keys())
-        kwargs: dict[str, Any] = dict(batched=True, with_indices=True, fn_kwargs={"spec": spec, "field": options.messages_field},
-                                      remove_columns=columns, features=MESSAGE_FEATURES)  # fmt: skip
+        kwargs: dict[str, Any] = dict(
+            batched=True,
+            with_indices=True,
+            fn_kwargs={"spec": spec, "field": options.messages_field},
+            remove_columns=columns,
+            features=MESSAGE_FEATURES,
+        )
         if isinstance(ds, Dataset):
             kwargs["desc"] = "reading conversations"
         parts.append(ds.map(_normalize, **kwargs))
@@ -156,17 +167,32 @@ def conversation_windows(
 
 
 def pack_chat_to(
-    raw: Dataset | IterableDataset, work: Path, *, tokenizer: Any, seq_len: int, options: ChatOptions,
-    num_proc: int = 1, window: int = 4096,
-) -> tuple[Path, PackStats, int]:  # fmt: skip
+    raw: Dataset | IterableDataset,
+    work: Path,
+    *,
+    tokenizer: Any,
+    seq_len: int,
+    options: ChatOptions,
+    num_proc: int = 1,
+    window: int = 4096,
+) -> tuple[Path, PackStats, int]:
     """Render + mask (``num_proc`` processes) and pack ``raw`` into ``work/packed.arrow``; returns
     ``(file, stats, max token id)``."""
     renderer = options.renderer(tokenizer)
-    kwargs: dict[str, Any] = dict(batched=True, batch_size=64, fn_kwargs={"renderer": renderer},
-                                  remove_columns=[MESSAGES], features=CHAT_ENCODED)  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        batched=True,
+        batch_size=64,
+        fn_kwargs={"renderer": renderer},
+        remove_columns=[MESSAGES],
+        features=CHAT_ENCODED,
+    )
     if isinstance(raw, Dataset):
-        kwargs.update(num_proc=num_proc if num_proc > 1 and len(raw) > 1 else None, desc="rendering conversations",
-                      cache_file_name=str(work / "encoded.arrow"), load_from_cache_file=False)  # fmt: skip
+        kwargs.update(
+            num_proc=num_proc if num_proc > 1 and len(raw) > 1 else None,
+            desc="rendering conversations",
+            cache_file_name=str(work / "encoded.arrow"),
+            load_from_cache_file=False,
+        )
     encoded = raw.map(_encode, **kwargs)
     stats = PackStats(seq_len=seq_len)
     stats.extra["conversations_no_assistant"] = 0
@@ -178,10 +204,13 @@ def pack_chat_to(
         pa.ipc.new_stream(sink, CHAT_PACKED_FEATURES.arrow_schema) as w,
     ):
         for batch in pack_conversations(
-            conversation_windows(encoded, window, stats), seq_len, pad_id=pad_id,
-            long_conversations=options.long_conversations, split_long_conversations=options.split_long_conversations,
+            conversation_windows(encoded, window, stats),
+            seq_len,
+            pad_id=pad_id,
+            long_conversations=options.long_conversations,
+            split_long_conversations=options.split_long_conversations,
             stats=stats,
-        ):  # fmt: skip
+        ):
             col = batch.column(0).flatten().to_numpy(zero_copy_only=False)
             max_id = max(max_id, int(col.max()) if col.size else -1)
             w.write_batch(batch)
@@ -203,11 +232,22 @@ def chat_summary(stats: PackStats, output: Path | str) -> str:
 
 
 def prepare_chat_dataset(
-    inputs: Sequence[str], *, tokenizer: Any, seq_len: int, output: str | os.PathLike, options: ChatOptions,
-    weights: Sequence[float] | None = None, seed: int = 0, streaming: bool = False, num_proc: int = 1,
-    cache_dir: str | os.PathLike | None = None, max_documents: int | None = None, overwrite: bool = False,
-    window: int = 4096, log: Callable[[str], None] | None = None,
-) -> Any:  # fmt: skip
+    inputs: Sequence[str],
+    *,
+    tokenizer: Any,
+    seq_len: int,
+    output: str | os.PathLike,
+    options: ChatOptions,
+    weights: Sequence[float] | None = None,
+    seed: int = 0,
+    streaming: bool = False,
+    num_proc: int = 1,
+    cache_dir: str | os.PathLike | None = None,
+    max_documents: int | None = None,
+    overwrite: bool = False,
+    window: int = 4096,
+    log: Callable[[str], None] | None = None,
+) -> Any:
     """The chat counterpart of :func:`usp.data.prepare.prepare_dataset` (same publishing and summary file).
 
     Raises ``ValueError`` before reading any data for bad settings and a tokenizer without a chat template
@@ -223,7 +263,7 @@ def prepare_chat_dataset(
         preparation_key,
         read_stats,
         tokenizer_identity,
-    )  # fmt: skip
+    )
 
     log = log or (lambda msg: print(msg, flush=True))
     if not isinstance(seq_len, int) or seq_len < 1:
@@ -239,8 +279,16 @@ def prepare_chat_dataset(
         preparation_key, inputs, tokenizer, seq_len, options, weights, seed, streaming, max_documents
     )
     usage: list[dict[str, object]] = []
-    raw = load_conversations(inputs, options, weights=weights, seed=seed, streaming=streaming,
-                             cache_dir=None if cache_dir is None else str(cache_dir), log=log, usage=usage)  # fmt: skip
+    raw = load_conversations(
+        inputs,
+        options,
+        weights=weights,
+        seed=seed,
+        streaming=streaming,
+        cache_dir=None if cache_dir is None else str(cache_dir),
+        log=log,
+        usage=usage,
+    )
     if max_documents is not None:
         raw = (
             raw.take(max_documents)
@@ -250,8 +298,9 @@ def prepare_chat_dataset(
     work = temp_path(output, "work")
     work.mkdir(parents=True)
     try:
-        packed, stats, max_id = pack_chat_to(raw, work, tokenizer=tokenizer, seq_len=seq_len, options=options,
-                                             num_proc=num_proc, window=window)  # fmt: skip
+        packed, stats, max_id = pack_chat_to(
+            raw, work, tokenizer=tokenizer, seq_len=seq_len, options=options, num_proc=num_proc, window=window
+        )
         if stats.rows == 0:
             raise ValueError(
                 f"the inputs {list(inputs)} give no conversation to train on ({stats.documents_in} rendered, "
@@ -262,11 +311,19 @@ def prepare_chat_dataset(
         Dataset.from_file(str(packed)).save_to_disk(str(out_tmp))
         stats.seconds = time.perf_counter() - t0
         stats.extra.update(
-            inputs=list(inputs), weights=None if weights is None else list(weights), seed=seed,
-            tokenizer=getattr(tokenizer, "name_or_path", ""), format=FORMAT_VERSION, data_format="chat",
-            chat=asdict(options), preparation_key=key, tokenizer_identity=tokenizer_identity(tokenizer),
-            max_token_id=max_id, sources=usage, tokens_per_s=stats.document_tokens / max(stats.seconds, 1e-9),
-        )  # fmt: skip
+            inputs=list(inputs),
+            weights=None if weights is None else list(weights),
+            seed=seed,
+            tokenizer=getattr(tokenizer, "name_or_path", ""),
+            format=FORMAT_VERSION,
+            data_format="chat",
+            chat=asdict(options),
+            preparation_key=key,
+            tokenizer_identity=tokenizer_identity(tokenizer),
+            max_token_id=max_id,
+            sources=usage,
+            tokens_per_s=stats.document_tokens / max(stats.seconds, 1e-9),
+        )
         (out_tmp / STATS_FILE).write_text(json.dumps(stats.as_dict(), indent=2))
         if not _publish(out_tmp, output, key=key, overwrite=overwrite, log=log):
             return PreparedData(path=output, stats=PackStats(**read_stats(output)))
@@ -277,9 +334,16 @@ def prepare_chat_dataset(
 
 
 def chat_preparation_key(
-    preparation_key: Callable[..., str], inputs: Sequence[str], tokenizer: Any, seq_len: int, options: ChatOptions,
-    weights: Sequence[float] | None, seed: int, streaming: bool, max_documents: int | None,
-) -> str:  # fmt: skip
+    preparation_key: Callable[..., str],
+    inputs: Sequence[str],
+    tokenizer: Any,
+    seq_len: int,
+    options: ChatOptions,
+    weights: Sequence[float] | None,
+    seed: int,
+    streaming: bool,
+    max_documents: int | None,
+) -> str:
     """The text format's key, extended by the chat settings and the template's text."""
     path = options.template_path()
     chat = {
@@ -287,6 +351,14 @@ def chat_preparation_key(
         "template_text": read_chat_template(path) if path else getattr(tokenizer, "chat_template", None),
     }
     return preparation_key(
-        inputs, tokenizer=tokenizer, seq_len=seq_len, text_field=options.messages_field, weights=weights, seed=seed,
-        streaming=streaming, shaping=None, max_documents=max_documents, chat=chat,
-    )  # fmt: skip
+        inputs,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        text_field=options.messages_field,
+        weights=weights,
+        seed=seed,
+        streaming=streaming,
+        shaping=None,
+        max_documents=max_documents,
+        chat=chat,
+    )

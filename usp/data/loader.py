@@ -216,20 +216,37 @@ def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_di
             else:
                 build_tiny_corpus(inputs[0], seed=cfg.seed, text_field=cfg.text_field)
         if cfg.format == "chat":
-            return _prepare_chat(cfg, inputs, tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache_dir, hf_cache=hf_cache)
+            return _prepare_chat(
+                cfg, inputs, tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache_dir, hf_cache=hf_cache
+            )
         key = preparation_key(
-            inputs, tokenizer=tokenizer, seq_len=seq_len, text_field=cfg.text_field, weights=cfg.weights,
-            seed=cfg.seed, streaming=cfg.streaming, shaping=shaping,
-        )  # fmt: skip
+            inputs,
+            tokenizer=tokenizer,
+            seq_len=seq_len,
+            text_field=cfg.text_field,
+            weights=cfg.weights,
+            seed=cfg.seed,
+            streaming=cfg.streaming,
+            shaping=shaping,
+        )
         entry = cache_dir / "packed" / f"seq{seq_len}-{key}"
         if is_prepared_dataset(entry):
             logger.info("reusing prepared data at %s", entry)
             return entry
         prepare_dataset(
-            inputs, tokenizer=tokenizer, seq_len=seq_len, output=entry, text_field=cfg.text_field,
-            weights=cfg.weights, seed=cfg.seed, streaming=cfg.streaming, num_proc=cfg.num_proc,
-            cache_dir=hf_cache, shaping=shaping, log=logger.info,
-        )  # fmt: skip
+            inputs,
+            tokenizer=tokenizer,
+            seq_len=seq_len,
+            output=entry,
+            text_field=cfg.text_field,
+            weights=cfg.weights,
+            seed=cfg.seed,
+            streaming=cfg.streaming,
+            num_proc=cfg.num_proc,
+            cache_dir=hf_cache,
+            shaping=shaping,
+            log=logger.info,
+        )
         return entry
 
     return _run_once_on_rank0(resolve)
@@ -240,27 +257,42 @@ def chat_options(cfg: DataConfig) -> Any:
     from usp.data.chat_prepare import ChatOptions
 
     return ChatOptions(
-        messages_field=cfg.messages_field, chat_template=cfg.chat_template, loss_on=cfg.loss_on or "assistant",
-        long_conversations=cfg.long_conversations, split_long_conversations=cfg.split_long_conversations,
-    )  # fmt: skip
+        messages_field=cfg.messages_field,
+        chat_template=cfg.chat_template,
+        loss_on=cfg.loss_on or "assistant",
+        long_conversations=cfg.long_conversations,
+        split_long_conversations=cfg.split_long_conversations,
+    )
 
 
-def _prepare_chat(cfg: DataConfig, inputs: list[str], *, tokenizer: Any, seq_len: int, cache_dir: Path, hf_cache: str) -> Path:
+def _prepare_chat(
+    cfg: DataConfig, inputs: list[str], *, tokenizer: Any, seq_len: int, cache_dir: Path, hf_cache: str
+) -> Path:
     """On-the-fly ``--format chat`` preparation into ``cache_dir/packed/chat-seq<S>-<key>`` (reused when there)."""
     from usp.data.chat_prepare import chat_preparation_key, prepare_chat_dataset
 
     options = chat_options(cfg)
     options.check()
-    key = chat_preparation_key(preparation_key, inputs, tokenizer, seq_len, options, cfg.weights, cfg.seed,
-                               cfg.streaming, None)  # fmt: skip
+    key = chat_preparation_key(
+        preparation_key, inputs, tokenizer, seq_len, options, cfg.weights, cfg.seed, cfg.streaming, None
+    )
     entry = cache_dir / "packed" / f"chat-seq{seq_len}-{key}"
     if is_prepared_dataset(entry):
         logger.info("reusing prepared conversations at %s", entry)
         return entry
     prepare_chat_dataset(
-        inputs, tokenizer=tokenizer, seq_len=seq_len, output=entry, options=options, weights=cfg.weights,
-        seed=cfg.seed, streaming=cfg.streaming, num_proc=cfg.num_proc, cache_dir=hf_cache, log=logger.info,
-    )  # fmt: skip
+        inputs,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        output=entry,
+        options=options,
+        weights=cfg.weights,
+        seed=cfg.seed,
+        streaming=cfg.streaming,
+        num_proc=cfg.num_proc,
+        cache_dir=hf_cache,
+        log=logger.info,
+    )
     return entry
 
 
@@ -332,8 +364,11 @@ def split_rows(
             )
         logger.info(
             "data.validation_fraction=%s of %d rows rounds to %d; holding out %d rows (one validation step)",
-            validation_fraction, num_rows, n_val, min_rows,
-        )  # fmt: skip
+            validation_fraction,
+            num_rows,
+            n_val,
+            min_rows,
+        )
         n_val = min_rows
     perm = np.random.default_rng([seed, 0x5EED]).permutation(num_rows)
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
@@ -384,8 +419,13 @@ def build_dataloaders(
     check_tokenizer_matches(path, tokenizer, setting)
     need = dp_degree * micro_batch_size
     train_rows, val_rows = split_rows(len(dataset), cfg.validation_fraction, cfg.seed, min_rows=need)
-    common = dict(micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_degree=dp_degree, mesh=mesh,
-                  document_masking=cfg.document_masking)  # fmt: skip
+    common = dict(
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        mesh=mesh,
+        document_masking=cfg.document_masking,
+    )
     tail = int(read_stats(path).get("tokens_dropped", 0))
     train = PackedLoader(dataset, train_rows, seed=seed, infinite=True, tokens_dropped=tail, **common)
     assert cfg.validation_fraction == 0 or len(val_rows) >= need
@@ -394,6 +434,11 @@ def build_dataloaders(
         val = PackedLoader(dataset, val_rows, seed=seed, infinite=False, **common)
     logger.info(
         "data: %d rows x %d tokens from %s (%d train, %d validation); %d tail tokens dropped in preparation",
-        len(dataset), seq_len, path, len(train_rows), len(val_rows), tail,
-    )  # fmt: skip
+        len(dataset),
+        seq_len,
+        path,
+        len(train_rows),
+        len(val_rows),
+        tail,
+    )
     return train, val

@@ -127,15 +127,31 @@ def prepare_dataset(
     shaping = shaping or LengthShaping()
     t0 = time.perf_counter()
     key = preparation_key(
-        inputs, tokenizer=tokenizer, seq_len=seq_len, text_field=text_field, weights=weights, seed=seed,
-        streaming=streaming, shaping=shaping, add_bos=add_bos, max_documents=max_documents,
-    )  # fmt: skip
+        inputs,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        text_field=text_field,
+        weights=weights,
+        seed=seed,
+        streaming=streaming,
+        shaping=shaping,
+        add_bos=add_bos,
+        max_documents=max_documents,
+    )
     usage: list[dict[str, object]] = []
     skipped: dict[str, int] = {}
     raw = load_text_sources(
-        inputs, text_field=text_field, weights=weights, seed=seed, streaming=streaming, cache_dir=cache_dir,
-        log=log, usage=usage, skip_non_text=skip_non_text, skipped=skipped,
-    )  # fmt: skip
+        inputs,
+        text_field=text_field,
+        weights=weights,
+        seed=seed,
+        streaming=streaming,
+        cache_dir=cache_dir,
+        log=log,
+        usage=usage,
+        skip_non_text=skip_non_text,
+        skipped=skipped,
+    )
     if max_documents is not None:
         raw = (
             raw.take(max_documents)
@@ -396,19 +412,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop (and count) rows whose text field is not a string, instead of stopping with the first one",
     )
     chat = p.add_argument_group("conversations (--format chat; docs/data.md, 'Chat data')")
-    chat.add_argument("--format", default="text", choices=list(DATA_FORMATS), help="text documents or conversations")
-    chat.add_argument("--messages-field", default="messages", help="column holding the [{role, content}] list")
-    chat.add_argument("--chat-template", help="Jinja chat template file (or a shipped one: chatml, tiny_chatml)")
+    chat.add_argument(
+        "--format", default="text", choices=list(DATA_FORMATS), help="text documents or conversations"
+    )
+    chat.add_argument(
+        "--messages-field", default="messages", help="column holding the [{role, content}] list"
+    )
+    chat.add_argument(
+        "--chat-template", help="Jinja chat template file (or a shipped one: chatml, tiny_chatml)"
+    )
     chat.add_argument("--loss-on", default="assistant", help=f"target tokens: {', '.join(LOSS_ON)}")
-    chat.add_argument("--long-conversations", default="truncate", choices=list(LONG_CONVERSATIONS),
-                      help="a conversation longer than --seq-len: keep its first tokens, or drop it")  # fmt: skip
-    chat.add_argument("--split-long-conversations", action="store_true",
-                      help="cut conversations longer than --seq-len across rows instead")  # fmt: skip
+    chat.add_argument(
+        "--long-conversations",
+        default="truncate",
+        choices=list(LONG_CONVERSATIONS),
+        help="a conversation longer than --seq-len: keep its first tokens, or drop it",
+    )
+    chat.add_argument(
+        "--split-long-conversations",
+        action="store_true",
+        help="cut conversations longer than --seq-len across rows instead",
+    )
     p.add_argument("--ring-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument("--ulysses-degree", type=int, default=1, help="check --seq-len suits this training layout")
-    p.add_argument(
-        "--ring-layout", default="balanced", choices=list(RING_LAYOUTS), help="(for the check)"
-    )
+    p.add_argument("--ring-layout", default="balanced", choices=list(RING_LAYOUTS), help="(for the check)")
     return p
 
 
@@ -454,14 +481,26 @@ def _main_chat(args: argparse.Namespace, tokenizer: Any) -> int:
     from usp.data.chat_prepare import ChatOptions, prepare_chat_dataset
 
     options = ChatOptions(
-        messages_field=args.messages_field, chat_template=args.chat_template, loss_on=args.loss_on,
-        long_conversations=args.long_conversations, split_long_conversations=args.split_long_conversations,
-    )  # fmt: skip
+        messages_field=args.messages_field,
+        chat_template=args.chat_template,
+        loss_on=args.loss_on,
+        long_conversations=args.long_conversations,
+        split_long_conversations=args.split_long_conversations,
+    )
     prepare_chat_dataset(
-        args.input, tokenizer=tokenizer, seq_len=args.seq_len, output=args.output, options=options,
-        weights=args.weights, seed=args.seed, streaming=args.streaming, num_proc=args.num_proc,
-        cache_dir=args.cache_dir, max_documents=args.max_documents, overwrite=args.overwrite,
-    )  # fmt: skip
+        args.input,
+        tokenizer=tokenizer,
+        seq_len=args.seq_len,
+        output=args.output,
+        options=options,
+        weights=args.weights,
+        seed=args.seed,
+        streaming=args.streaming,
+        num_proc=args.num_proc,
+        cache_dir=args.cache_dir,
+        max_documents=args.max_documents,
+        overwrite=args.overwrite,
+    )
     return 0
 
 

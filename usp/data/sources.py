@@ -66,6 +66,7 @@ NON_TEXT_FIX = (
 """The advice for a text value that is not a string, for both entry points that read text (the trainer's
 ``data=jsonl`` has no skip setting: the rows are dropped by preparing the data once)."""
 
+
 def _builder_for(path: str) -> str | None:
     name = path.lower()
     for ext in _COMPRESSION:
@@ -512,7 +513,9 @@ def load_text_sources(
     ]
     features = datasets.Features({TEXT_COLUMN: datasets.Value("string")})
     parts = [p.cast(features) if p.features is not None and p.features != features else p for p in parts]
-    return combine_sources(parts, inputs, weights=weights, seed=seed, streaming=streaming, log=log, usage=usage)
+    return combine_sources(
+        parts, inputs, weights=weights, seed=seed, streaming=streaming, log=log, usage=usage
+    )
 
 
 def combine_sources(

@@ -223,9 +223,11 @@ def decode(
     if prefix:
         pos = torch.arange(prefix, device=device).expand(b, -1)
         hidden = decoder(
-            input_ids=shard_sequence(ids[:, :prefix], mesh), position_ids=shard_sequence(pos, mesh),
-            use_cache=False, usp_kv_cache=cache,
-        ).last_hidden_state  # [B, prefix / sp, H]  # fmt: skip
+            input_ids=shard_sequence(ids[:, :prefix], mesh),
+            position_ids=shard_sequence(pos, mesh),
+            use_cache=False,
+            usp_kv_cache=cache,
+        ).last_hidden_state  # [B, prefix / sp, H]
         cache.prefilled(prefix // mesh.sp_degree)
         if prefix == s:
             owner, index = _owner_of_last(prefix, mesh)
@@ -247,7 +249,9 @@ def decode(
         steps += 1
         cache.next_token()
         pos = torch.full((b, 1), position, dtype=torch.long, device=device)
-        hidden = decoder(input_ids=token, position_ids=pos, use_cache=False, usp_kv_cache=cache).last_hidden_state
+        hidden = decoder(
+            input_ids=token, position_ids=pos, use_cache=False, usp_kv_cache=cache
+        ).last_hidden_state
         return _logits(model, hidden[:, -1])  # [B, V], the same on every rank
 
     for p in range(prefix, s):  # the prompt's tail that does not fill the layout
@@ -270,9 +274,14 @@ def decode(
         torch.cuda.synchronize(device)
     t2 = time.perf_counter()
     return DecodeResult(
-        tokens=out, prefill_tokens=b * prefix, prefill_s=t1 - t0, decode_steps=steps, decode_s=t2 - t1,
-        kv_tokens=list(cache.held), logits=torch.stack(kept, dim=1) if keep_logits else None,
-    )  # fmt: skip
+        tokens=out,
+        prefill_tokens=b * prefix,
+        prefill_s=t1 - t0,
+        decode_steps=steps,
+        decode_s=t2 - t1,
+        kv_tokens=list(cache.held),
+        logits=torch.stack(kept, dim=1) if keep_logits else None,
+    )
 
 
 def generate(model: nn.Module, input_ids: torch.Tensor, mesh: SPMesh, max_new_tokens: int) -> torch.Tensor:

@@ -48,7 +48,9 @@ def _local_losses(
     for start in range(0, b * s, chunk_size):
         end = min(start + chunk_size, b * s)
         logits = head(flat_h[start:end]).to(acc)  # [chunk, V], log-softmax in fp32
-        out[start:end] = F.cross_entropy(logits, flat_y[start:end], ignore_index=IGNORE_INDEX, reduction="none")
+        out[start:end] = F.cross_entropy(
+            logits, flat_y[start:end], ignore_index=IGNORE_INDEX, reduction="none"
+        )
     return out.reshape(b, s)
 
 
@@ -74,7 +76,9 @@ def token_losses(
     forward when ``S`` does not suit the layout.
     """
     if input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise ValueError(f"input_ids must be an integer tensor [B, S], got {input_ids.dtype} {tuple(input_ids.shape)}.")
+        raise ValueError(
+            f"input_ids must be an integer tensor [B, S], got {input_ids.dtype} {tuple(input_ids.shape)}."
+        )
     b, s = input_ids.shape
     check_sequence_length(s, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_layout)
     device = next(model.parameters()).device
@@ -83,13 +87,18 @@ def token_losses(
     labels[:, :-1] = ids[:, 1:]  # targets on the global sequence, then sharded like the tokens
     pos = torch.arange(s, device=device).expand(b, -1)
     local = _local_losses(
-        model, shard_sequence(ids, mesh), shard_sequence(labels, mesh), shard_sequence(pos, mesh),
+        model,
+        shard_sequence(ids, mesh),
+        shard_sequence(labels, mesh),
+        shard_sequence(pos, mesh),
         chunk_size=chunk_size,
-    )  # fmt: skip
+    )
     return gather_sequence(local, mesh)  # [B, S]
 
 
-def bucket_losses(losses: torch.Tensor, bucket_size: int, *, valid_len: int | None = None) -> list[dict[str, Any]]:
+def bucket_losses(
+    losses: torch.Tensor, bucket_size: int, *, valid_len: int | None = None
+) -> list[dict[str, Any]]:
     """Mean loss and perplexity per position bucket ``[k * bucket_size, (k + 1) * bucket_size)``.
 
     ``losses`` ``[B, S]`` from :func:`token_losses`; only positions ``< valid_len`` (default ``S - 1``: the
@@ -105,7 +114,9 @@ def bucket_losses(losses: torch.Tensor, bucket_size: int, *, valid_len: int | No
         end = min(start + bucket_size, valid_len)
         chunk = losses[:, start:end].double()
         mean = float(chunk.mean())
-        rows.append({"start": start, "end": end, "tokens": chunk.numel(), "loss": mean, "ppl": math.exp(mean)})
+        rows.append(
+            {"start": start, "end": end, "tokens": chunk.numel(), "loss": mean, "ppl": math.exp(mean)}
+        )
     return rows
 
 
@@ -126,7 +137,13 @@ def _unsharded(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def loader_position_losses(
-    loss_model: nn.Module, loader: Any, mesh: SPMesh, device: torch.device, *, bucket_size: int, chunk_size: int = 4096
+    loss_model: nn.Module,
+    loader: Any,
+    mesh: SPMesh,
+    device: torch.device,
+    *,
+    bucket_size: int,
+    chunk_size: int = 4096,
 ) -> dict[str, Any]:
     """One pass over ``loader`` (the trainer's validation loader): token-weighted mean loss per bucket of
     position *in the document* (the batches' ``position_ids``), summed over every rank.
@@ -146,9 +163,13 @@ def loader_position_losses(
             pos = batch["position_ids"].to(device)
             cu = batch.get("cu_seqlens")
             losses = _local_losses(
-                model, batch["input_ids"].to(device), labels, pos,
-                cu_seqlens=None if cu is None else cu.to(dtype=torch.int32), chunk_size=chunk_size,
-            )  # fmt: skip
+                model,
+                batch["input_ids"].to(device),
+                labels,
+                pos,
+                cu_seqlens=None if cu is None else cu.to(dtype=torch.int32),
+                chunk_size=chunk_size,
+            )
             valid = labels != IGNORE_INDEX
             bucket = (pos[valid] // bucket_size).long()  # [targets]
             n = int(bucket.max()) + 1 if bucket.numel() else 0
@@ -173,10 +194,18 @@ def loader_position_losses(
 
 
 def val_ppl_by_position(
-    loss_model: nn.Module, loader: Any, mesh: SPMesh, device: torch.device, *, bucket_size: int, chunk_size: int = 4096
+    loss_model: nn.Module,
+    loader: Any,
+    mesh: SPMesh,
+    device: torch.device,
+    *,
+    bucket_size: int,
+    chunk_size: int = 4096,
 ) -> dict[str, float]:
     """The trainer's ``val_ppl_by_position`` metric: ``{"<bucket start>": perplexity}`` in position order
     (from :func:`loader_position_losses`). A flat mapping, so wandb charts one line per bucket
     (``val_ppl_by_position.<start>``) and metrics.jsonl keeps one small object per evaluation."""
-    table = loader_position_losses(loss_model, loader, mesh, device, bucket_size=bucket_size, chunk_size=chunk_size)
+    table = loader_position_losses(
+        loss_model, loader, mesh, device, bucket_size=bucket_size, chunk_size=chunk_size
+    )
     return {str(start): ppl for start, ppl in zip(table["start"], table["ppl"])}

@@ -61,10 +61,14 @@ def _frame_ids(tokenizer: Any, frame: ChatFrame | None) -> tuple[list[int], list
     """``(ids before the filler, ids after it)`` around ``needle`` and filler: plain or in the chat frame."""
     if frame is None:
         return bos_ids(tokenizer) + _ids(tokenizer, INTRO), _ids(tokenizer, QUESTION)
-    return _ids(tokenizer, frame.head + INTRO), _ids(tokenizer, ASK) + _ids(tokenizer, frame.tail + ANSWER_PREFIX)
+    return _ids(tokenizer, frame.head + INTRO), _ids(tokenizer, ASK) + _ids(
+        tokenizer, frame.tail + ANSWER_PREFIX
+    )
 
 
-def build_prompt(tokenizer: Any, length: int, depth: float, key: str, frame: ChatFrame | None = None) -> list[int]:
+def build_prompt(
+    tokenizer: Any, length: int, depth: float, key: str, frame: ChatFrame | None = None
+) -> list[int]:
     """Token ids of one passkey prompt, exactly ``length`` long (``frame``: the chat template's, or None for
     the plain prompt). ``ValueError`` naming ``eval.lengths`` when ``length`` cannot hold the intro, needle
     and question."""
@@ -125,7 +129,11 @@ def run_passkey(
     i = 0
     while i < len(trials):
         group = [trials[i]]
-        while i + len(group) < len(trials) and len(group) < cfg.micro_batch_size and trials[i + len(group)].length == group[0].length:
+        while (
+            i + len(group) < len(trials)
+            and len(group) < cfg.micro_batch_size
+            and trials[i + len(group)].length == group[0].length
+        ):
             group.append(trials[i + len(group)])
         ids = torch.tensor([t.input_ids for t in group], dtype=torch.long, device=device)  # [B, length]
         res = decode(model, ids, mesh, cfg.passkey.max_new_tokens)
@@ -135,8 +143,16 @@ def run_passkey(
         decode_s += res.decode_s
         for t, row in zip(group, res.tokens.tolist()):
             answer = answer_of(tokenizer, row)
-            results.append({"length": t.length, "depth": t.depth, "trial": t.trial, "passkey": t.key,
-                            "answer": answer, "correct": answer == t.key})  # fmt: skip
+            results.append(
+                {
+                    "length": t.length,
+                    "depth": t.depth,
+                    "trial": t.trial,
+                    "passkey": t.key,
+                    "answer": answer,
+                    "correct": answer == t.key,
+                }
+            )
         i += len(group)
     results = gather_shares(results, mesh)
     prefill_s, prefill_tokens = gather_timing(prefill_s, prefill_tokens, mesh)
@@ -146,8 +162,15 @@ def run_passkey(
         for depth in cfg.passkey.depths:
             rows = [r for r in results if r["length"] == length and r["depth"] == depth]
             correct = sum(r["correct"] for r in rows)
-            cells.append({"length": length, "depth": depth, "trials": len(rows), "correct": correct,
-                          "accuracy": correct / max(1, len(rows))})  # fmt: skip
+            cells.append(
+                {
+                    "length": length,
+                    "depth": depth,
+                    "trials": len(rows),
+                    "correct": correct,
+                    "accuracy": correct / max(1, len(rows)),
+                }
+            )
     return {
         "cells": cells,
         "accuracy": sum(r["correct"] for r in results) / max(1, len(results)),

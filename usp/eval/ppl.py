@@ -27,7 +27,9 @@ from usp.parallel import SPMesh
 def inputs_setting(cfg: TrainConfig) -> str:
     """The setting the ppl documents come from, for messages: ``eval.inputs``, ``data.inputs`` or the tiny
     corpus (``data.build_tiny_corpus``)."""
-    return "eval.inputs" if cfg.eval.inputs else "data.inputs" if cfg.data.inputs else "data.build_tiny_corpus"
+    return (
+        "eval.inputs" if cfg.eval.inputs else "data.inputs" if cfg.data.inputs else "data.build_tiny_corpus"
+    )
 
 
 def check_ppl_inputs(cfg: TrainConfig, model_config: Any) -> None:
@@ -64,7 +66,9 @@ def ppl_inputs(cfg: TrainConfig, cache_dir: Path) -> list[str]:
     )
 
 
-def read_documents(cfg: TrainConfig, tokenizer: Any, lengths: list[int], cache_dir: Path) -> dict[int, torch.Tensor]:
+def read_documents(
+    cfg: TrainConfig, tokenizer: Any, lengths: list[int], cache_dir: Path
+) -> dict[int, torch.Tensor]:
     """``{L: int64 [n_L, L]}``, the first ``eval.num_documents`` documents of at least ``L`` tokens, cut to
     ``L``. Raises ``ValueError`` naming ``eval.inputs`` / ``eval.lengths`` when a length finds no document."""
     from usp.data import load_text_sources
@@ -134,6 +138,9 @@ def run_ppl(
     seconds, tokens = gather_timing(seconds, tokens, mesh)
     return {
         "lengths": out,
-        "timing": {"forward_tokens": tokens, "forward_s": seconds,
-                   "forward_tokens_per_s": tokens / seconds if seconds > 0 else None},
-    }  # fmt: skip
+        "timing": {
+            "forward_tokens": tokens,
+            "forward_s": seconds,
+            "forward_tokens_per_s": tokens / seconds if seconds > 0 else None,
+        },
+    }

@@ -43,7 +43,9 @@ def gather_timing(seconds: float, tokens: int, mesh: SPMesh) -> tuple[float, int
     return max(s for s, _ in every), sum(n for _, n in every)
 
 
-def decode_timing(prefill_tokens: int, prefill_s: float, decode_tokens: int, decode_s: float, t0: float) -> dict:
+def decode_timing(
+    prefill_tokens: int, prefill_s: float, decode_tokens: int, decode_s: float, t0: float
+) -> dict:
     """The ``timing`` entry of a generation eval (passkey, ruler): tokens, seconds and tokens/s of the sharded
     prefill and the decode, and the wall time since ``t0`` (``time.perf_counter()``)."""
     return {

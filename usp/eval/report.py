@@ -39,8 +39,10 @@ def write_json(run_dir: Path, task: str, entry: dict[str, Any]) -> Path:
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
             aside = path.with_name(f"{EVAL_JSON}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
             os.replace(path, aside)
-            warning = (f"usp-eval: warning: {path} did not parse ({e}); kept it as {aside} and started a new "
-                       f"{EVAL_JSON} (the earlier entries are in the kept file)")  # fmt: skip
+            warning = (
+                f"usp-eval: warning: {path} did not parse ({e}); kept it as {aside} and started a new "
+                f"{EVAL_JSON} (the earlier entries are in the kept file)"
+            )
             logger.warning(warning)
             print(warning, file=sys.stderr, flush=True)
             data = {}
@@ -61,9 +63,17 @@ def plot_ppl(result: dict[str, Any], path: Path, *, original_context: int | None
         ax.plot(xs, [b["ppl"] for b in entry["buckets"]], marker="o", markersize=3, label=f"length {length}")
     longest = max(int(length) for length in result["lengths"])
     if original_context and original_context <= longest:
-        ax.axvline(original_context, color="gray", linestyle="--", label=f"original context {original_context}")
+        ax.axvline(
+            original_context, color="gray", linestyle="--", label=f"original context {original_context}"
+        )
     elif original_context:  # beyond every evaluated position: say so rather than stretch the axis
-        ax.plot([], [], color="gray", linestyle="--", label=f"original context {original_context} (beyond the plot)")
+        ax.plot(
+            [],
+            [],
+            color="gray",
+            linestyle="--",
+            label=f"original context {original_context} (beyond the plot)",
+        )
     ax.set_xlabel("position (tokens)")
     ax.set_ylabel("perplexity")
     ax.set_title("Perplexity by position")
@@ -116,12 +126,22 @@ def start_wandb_run(cfg: WandbConfig, run_dir: Path, task: str, config: dict) ->
             f"logging.wandb.mode={cfg.mode} needs the wandb package: pip install 'usp[wandb]', or set "
             "logging.wandb.mode=disabled."
         ) from err
-    run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, tags=[*cfg.tags, "eval", task],
-                     mode=cfg.mode, dir=str(run_dir), job_type=f"eval-{task}", config=config)  # fmt: skip
+    run = wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        name=cfg.name,
+        tags=[*cfg.tags, "eval", task],
+        mode=cfg.mode,
+        dir=str(run_dir),
+        job_type=f"eval-{task}",
+        config=config,
+    )
     return wandb, run
 
 
-def log_wandb(cfg: WandbConfig, run_dir: Path, task: str, entry: dict[str, Any], image: Path, config: dict) -> None:
+def log_wandb(
+    cfg: WandbConfig, run_dir: Path, task: str, entry: dict[str, Any], image: Path, config: dict
+) -> None:
     """One wandb run per evaluation: a table of buckets (ppl) or cells (passkey), the plot, the summary."""
     started = start_wandb_run(cfg, run_dir, task, config)
     if started is None:
@@ -139,8 +159,14 @@ def log_wandb(cfg: WandbConfig, run_dir: Path, task: str, entry: dict[str, Any],
         for c in result["cells"]:
             table.add_data(c["length"], c["depth"], c["trials"], c["correct"], c["accuracy"])
         summary = {"passkey/accuracy": result["accuracy"]}
-    run.log({f"eval/{task}": table, f"eval/{task}_plot": wandb.Image(str(image)), **summary,
-             **{f"timing/{k}": v for k, v in entry["timing"].items() if v is not None}})  # fmt: skip
+    run.log(
+        {
+            f"eval/{task}": table,
+            f"eval/{task}_plot": wandb.Image(str(image)),
+            **summary,
+            **{f"timing/{k}": v for k, v in entry["timing"].items() if v is not None},
+        }
+    )
     run.finish()
 
 

@@ -61,8 +61,10 @@ def resolve_model_source(path: str) -> ModelSource:
     """``model.path`` -> :class:`ModelSource`. A training checkpoint (``step_N`` or a checkpoints dir) takes
     its architecture and tokenizer from the base model recorded in it. ``ValueError`` naming ``model.path``."""
     p = Path(path)
-    is_ckpt = p.is_dir() and not (p / "config.json").exists() and (
-        is_complete_checkpoint(p) or latest_checkpoint(p) is not None
+    is_ckpt = (
+        p.is_dir()
+        and not (p / "config.json").exists()
+        and (is_complete_checkpoint(p) or latest_checkpoint(p) is not None)
     )
     if not is_ckpt:
         return ModelSource(p, None, check_model_dir(path))
@@ -90,7 +92,9 @@ def resolve_lengths(cfg: TrainConfig, layout: ResolvedDegrees | None = None) -> 
     if cfg.eval.task == "ppl":
         return [s]
     p = cfg.parallel
-    ring, ulysses = (layout.ring_degree, layout.ulysses_degree) if layout else (p.ring_degree, p.ulysses_degree)
+    ring, ulysses = (
+        (layout.ring_degree, layout.ulysses_degree) if layout else (p.ring_degree, p.ulysses_degree)
+    )
     m = sequence_multiple(int(ring), int(ulysses), p.ring_layout)
     return sorted({max(m, (x // m) * m) for x in (s // 4, s // 2, s, 2 * s)})
 
@@ -139,7 +143,9 @@ def load_model(source: ModelSource, cfg: TrainConfig, device: torch.device) -> t
     if source.checkpoint is None:
         model = load_causal_lm(source.config_dir, dtype=dtype, config=source.config)
     else:
-        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            source.config, dtype=torch.float32, attn_implementation="sdpa"
+        )
         try:
             load_checkpoint(source.checkpoint, model=model, optimizer=None, scheduler=None)
         except ValueError as e:
@@ -172,9 +178,11 @@ def prepare(
 
     source = resolve_model_source(cfg.model.path)
     apply_rope_overrides(
-        source.config, rope_theta=cfg.model.rope_theta, rope_scaling=cfg.model.rope_scaling,
+        source.config,
+        rope_theta=cfg.model.rope_theta,
+        rope_scaling=cfg.model.rope_scaling,
         max_position_embeddings=cfg.model.max_position_embeddings,
-    )  # fmt: skip
+    )
     if source.checkpoint is None:
         check_weight_headers(cfg.model.path)
     layout = resolve_degrees(cfg, source.config, world, device)
@@ -202,17 +210,25 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(cfg.run_dir)
-    lengths, layout, source, tokenizer = on_every_rank(lambda: prepare(cfg, world, device), "eval config validation")
+    lengths, layout, source, tokenizer = on_every_rank(
+        lambda: prepare(cfg, world, device), "eval config validation"
+    )
     task = cfg.eval.task
     if task == "passkey":
-        trials = on_every_rank(lambda: passkey_task.build_trials(tokenizer, lengths, cfg.eval), "passkey prompts")
+        trials = on_every_rank(
+            lambda: passkey_task.build_trials(tokenizer, lengths, cfg.eval), "passkey prompts"
+        )
     elif task == "ruler":
         from usp.eval.ruler import run as ruler_task
 
-        builder = on_every_rank(lambda: ruler_task.prepare_ruler(tokenizer, lengths, cfg.eval), "ruler prompts")
+        builder = on_every_rank(
+            lambda: ruler_task.prepare_ruler(tokenizer, lengths, cfg.eval), "ruler prompts"
+        )
     else:
         cache_dir = Path(cfg.data.cache_dir or run_dir / "data_cache")
-        documents = on_rank0(lambda: ppl_task.read_documents(cfg, tokenizer, lengths, cache_dir), "reading eval.inputs")
+        documents = on_rank0(
+            lambda: ppl_task.read_documents(cfg, tokenizer, lengths, cache_dir), "reading eval.inputs"
+        )
 
     mesh = build_mesh(cfg, layout, device)
     t0 = time.perf_counter()
@@ -220,17 +236,31 @@ def _run(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     apply_usp(model, mesh, backend=cfg.model.attention_backend)
     load_s = time.perf_counter() - t0
     if rank == 0:
-        logger.info("evaluating %s (%s) on %d ranks: %s; lengths %s", cfg.model.path, task, world, mesh.describe(), lengths)
+        logger.info(
+            "evaluating %s (%s) on %d ranks: %s; lengths %s",
+            cfg.model.path,
+            task,
+            world,
+            mesh.describe(),
+            lengths,
+        )
     memory = None
     if task == "passkey":
         result = passkey_task.run_passkey(model, tokenizer, mesh, trials, cfg.eval)
     elif task == "ruler":
-        memory = ruler_task.memory_per_length(source.config, lengths, mesh, parse_dtype(cfg.model.dtype).itemsize)
+        memory = ruler_task.memory_per_length(
+            source.config, lengths, mesh, parse_dtype(cfg.model.dtype).itemsize
+        )
         if rank == 0:
             for n, m in memory.items():
-                logger.info("ruler at %s tokens, per GPU (planner terms): KV cache %.3f GiB, prefill activations "
-                            "%.3f GiB, weights %.3f GiB", n, m["kv_cache_gib"], m["prefill_activations_gib"],
-                            m["weights_gib"])  # fmt: skip
+                logger.info(
+                    "ruler at %s tokens, per GPU (planner terms): KV cache %.3f GiB, prefill activations "
+                    "%.3f GiB, weights %.3f GiB",
+                    n,
+                    m["kv_cache_gib"],
+                    m["prefill_activations_gib"],
+                    m["weights_gib"],
+                )
         result = ruler_task.run_ruler(model, tokenizer, mesh, builder, lengths, cfg.eval)
     else:
         result = ppl_task.run_ppl(

@@ -69,34 +69,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("mode", choices=MODES, help="local: one process; torchrun: one node; slurm: several nodes")
     p.add_argument(
-        "--nproc-per-node", "--gpus-per-node", dest="nproc_per_node", type=int, default=None, metavar="N",
+        "--nproc-per-node",
+        "--gpus-per-node",
+        dest="nproc_per_node",
+        type=int,
+        default=None,
+        metavar="N",
         help="processes (GPUs) per node; torchrun default: GPUs listed by nvidia-smi (or CUDA_VISIBLE_DEVICES); "
         "slurm default: a cluster.gpus_per_node override, else the allocation's SLURM_GPUS_ON_NODE, else the "
         "run config's cluster.gpus_per_node (the recipe's)",
-    )  # fmt: skip
-    p.add_argument("--nodes", type=int, default=None, help="slurm: number of nodes (default: a cluster.num_nodes override, else the allocation's SLURM_NNODES, else the run config's cluster.num_nodes, the recipe's)")
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="slurm: number of nodes (default: a cluster.num_nodes override, else the allocation's SLURM_NNODES, else the run config's cluster.num_nodes, the recipe's)",
+    )
     p.add_argument("--partition", help="slurm: sbatch --partition")
     p.add_argument("--time", help="slurm: sbatch --time (e.g. 04:00:00)")
     p.add_argument("--account", help="slurm: sbatch --account")
     p.add_argument("--job-name", dest="job_name", default=None, help="slurm: sbatch --job-name (default usp)")
     p.add_argument("--gres", action="store_true", help="slurm: request GPUs with --gres=gpu:N")
-    p.add_argument("--submit", action="store_true", help="slurm: submit with sbatch even inside an allocation")
+    p.add_argument(
+        "--submit", action="store_true", help="slurm: submit with sbatch even inside an allocation"
+    )
     p.add_argument("--script", default=None, help="slurm: the batch script (default launch/slurm.sbatch)")
     p.add_argument("--cpu", action="store_true", help="local/torchrun: CPU processes on gloo")
     p.add_argument(
-        "--max-restarts", dest="max_restarts", type=int, default=0, metavar="R",
+        "--max-restarts",
+        dest="max_restarts",
+        type=int,
+        default=0,
+        metavar="R",
         help="torchrun/slurm: restart all ranks up to R times after one fails; they resume from the last "
         "checkpoint (default 0)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--skip-memory-check", dest="skip_memory_check", action="store_true",
+        "--skip-memory-check",
+        dest="skip_memory_check",
+        action="store_true",
         help="submit even when the planner predicts the layout does not fit the device memory",
-    )  # fmt: skip
+    )
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the command; run nothing")
     p.add_argument(
-        "--entry", choices=tuple(commands.ENTRY_MODULES), default="train",
+        "--entry",
+        choices=tuple(commands.ENTRY_MODULES),
+        default="train",
         help="train: usp.train (default); eval: usp.eval (usp-eval: eval=ppl|passkey|ruler, model.path=RUN/hf)",
-    )  # fmt: skip
+    )
     return p
 
 
@@ -128,7 +148,9 @@ def _flag_or_cluster(
     if isinstance(given, bool) or not isinstance(given, int) or given < 1:
         raise LaunchError(f"{key}={given!r} is invalid: use an integer >= 1.")
     if value is not None and value != given:
-        raise LaunchError(f"{flag}={value} but {key}={given}: the job and the run config disagree; make them equal.")
+        raise LaunchError(
+            f"{flag}={value} but {key}={given}: the job and the run config disagree; make them equal."
+        )
     return given
 
 
@@ -166,7 +188,9 @@ def compose_run_config(overrides: Sequence[str], entry: str = "train") -> TrainC
     try:
         return compose(list(overrides), config_name="eval" if entry == "eval" else "train")
     except (HydraException, OmegaConfBaseException) as exc:
-        raise LaunchError(f"the overrides do not compose into a run config: {_one_line_hydra_error(exc)}") from exc
+        raise LaunchError(
+            f"the overrides do not compose into a run config: {_one_line_hydra_error(exc)}"
+        ) from exc
     except ValueError as exc:
         raise LaunchError(str(exc)) from exc
 
@@ -184,21 +208,27 @@ def _check_dirs(overrides: Sequence[str], cfg: TrainConfig, entry: str, *, on_th
         return
     dirs = [("hydra.run.dir", run_dir)]
     if entry == "train":
-        dirs.append(("trainer.checkpoint_dir", cfg.trainer.checkpoint_dir or str(Path(run_dir) / "checkpoints")))
+        dirs.append(
+            ("trainer.checkpoint_dir", cfg.trainer.checkpoint_dir or str(Path(run_dir) / "checkpoints"))
+        )
     for setting, path in dirs:
         try:
             check_writable_dir(path, setting)
         except ValueError as exc:
             if on_this_machine:
                 raise LaunchError(str(exc)) from exc
-            print(f"usp-launch: warning: {exc} (from this machine; the job's nodes may see it otherwise)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"usp-launch: warning: {exc} (from this machine; the job's nodes may see it otherwise)",
+                file=sys.stderr,
+            )
 
 
 def _launching(nodes: int, nproc_per_node: int, node_size: object) -> str:
     """What usp-launch is about to start, for a layout error: the world size and the node size's origin."""
-    where = (f"usp-launch starts {nodes} node(s) x {nproc_per_node} process(es) per node = "
-             f"{nodes * nproc_per_node} ranks")  # fmt: skip
+    where = (
+        f"usp-launch starts {nodes} node(s) x {nproc_per_node} process(es) per node = "
+        f"{nodes * nproc_per_node} ranks"
+    )
     if node_size is None:
         return f"{where}, node size {nproc_per_node} = LOCAL_WORLD_SIZE"
     return f"{where}, node size parallel.node_size={node_size}"
@@ -270,7 +300,9 @@ def plan_command(
     if args.mode == "local" and args.max_restarts:
         raise LaunchError("--max-restarts: `local` runs one plain process, without torchrun; use `torchrun`.")
     if args.mode != "slurm":
-        misplaced = [f"--{name.replace('_', '-')}" for name in SLURM_ONLY if getattr(args, name) not in (None, False)]
+        misplaced = [
+            f"--{name.replace('_', '-')}" for name in SLURM_ONLY if getattr(args, name) not in (None, False)
+        ]
         if misplaced:
             raise LaunchError(
                 f"{', '.join(misplaced)}: only for `usp-launch slurm`; "
@@ -297,7 +329,14 @@ def plan_command(
                 f"--nproc-per-node={args.nproc_per_node}: `local` runs one process. "
                 f"Use `usp-launch torchrun --nproc-per-node {args.nproc_per_node}` for several."
             )
-        _check(overrides, cfg, nodes=1, nproc_per_node=1, memory=not args.skip_memory_check, train=_is_train(args))
+        _check(
+            overrides,
+            cfg,
+            nodes=1,
+            nproc_per_node=1,
+            memory=not args.skip_memory_check,
+            train=_is_train(args),
+        )
         return commands.local_command(overrides, python=sys.executable, module=module)
 
     if args.mode == "torchrun":
@@ -311,7 +350,14 @@ def plan_command(
                     "no GPUs found (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them): pass "
                     "--nproc-per-node N, or --cpu --nproc-per-node N for CPU processes on gloo."
                 )
-        _check(overrides, cfg, nodes=1, nproc_per_node=nproc, memory=not args.skip_memory_check, train=_is_train(args))
+        _check(
+            overrides,
+            cfg,
+            nodes=1,
+            nproc_per_node=nproc,
+            memory=not args.skip_memory_check,
+            train=_is_train(args),
+        )
         return commands.torchrun_command(
             overrides, nproc_per_node=nproc, max_restarts=args.max_restarts, module=module
         )
@@ -325,8 +371,11 @@ def plan_command(
 def _srun_in_allocation(
     args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | None, env: dict[str, str], job_id: str
 ) -> list[str]:
-    sbatch_only = [f"--{n.replace('_', '-')}" for n in ("partition", "time", "account", "job_name", "gres", "script")
-                   if getattr(args, n) not in (None, False)]  # fmt: skip
+    sbatch_only = [
+        f"--{n.replace('_', '-')}"
+        for n in ("partition", "time", "account", "job_name", "gres", "script")
+        if getattr(args, n) not in (None, False)
+    ]
     if sbatch_only:
         raise LaunchError(
             f"{', '.join(sbatch_only)} are sbatch options, but this shell is inside SLURM job {job_id}, where "
@@ -334,7 +383,9 @@ def _srun_in_allocation(
         )
     allocated = int(env["SLURM_NNODES"]) if env.get("SLURM_NNODES", "").isdigit() else None
     if allocated is None:
-        raise LaunchError(f"SLURM_JOB_ID={job_id} is set but SLURM_NNODES is not: cannot tell the node count.")
+        raise LaunchError(
+            f"SLURM_JOB_ID={job_id} is set but SLURM_NNODES is not: cannot tell the node count."
+        )
     nodes = _flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes", cfg) or allocated
     if nodes != allocated:
         # srun would pick `nodes` of the allocation, not necessarily the rendezvous head among them
@@ -352,14 +403,26 @@ def _srun_in_allocation(
             f"SLURM job {job_id} shows no GPUs (SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE unset): "
             f"pass --gpus-per-node N, or allocate with --gpus-per-node=N."
         )
-    _check(overrides, cfg, nodes=nodes, nproc_per_node=nproc, memory=not args.skip_memory_check, train=_is_train(args))
+    _check(
+        overrides,
+        cfg,
+        nodes=nodes,
+        nproc_per_node=nproc,
+        memory=not args.skip_memory_check,
+        train=_is_train(args),
+    )
     cpus = int(env["SLURM_CPUS_ON_NODE"]) if env.get("SLURM_CPUS_ON_NODE", "").isdigit() else None
     head = commands.first_hostname(env.get("SLURM_JOB_NODELIST", ""), shutil.which("scontrol"))
     return commands.srun_command(
-        overrides, nodes=nodes, nproc_per_node=nproc, job_id=job_id, head=head, cpus_per_task=cpus,
+        overrides,
+        nodes=nodes,
+        nproc_per_node=nproc,
+        job_id=job_id,
+        head=head,
+        cpus_per_task=cpus,
         max_restarts=args.max_restarts,
         module=commands.ENTRY_MODULES[getattr(args, "entry", "train")],
-    )  # fmt: skip
+    )
 
 
 def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | None) -> list[str]:
@@ -373,10 +436,19 @@ def _sbatch(args: argparse.Namespace, overrides: list[str], cfg: TrainConfig | N
         )
     nodes = nodes or cfg.cluster.num_nodes
     gpus = gpus or cfg.cluster.gpus_per_node
-    _check(overrides, cfg, nodes=nodes, nproc_per_node=gpus, memory=not args.skip_memory_check, train=_is_train(args))
+    _check(
+        overrides,
+        cfg,
+        nodes=nodes,
+        nproc_per_node=gpus,
+        memory=not args.skip_memory_check,
+        train=_is_train(args),
+    )
     script = Path(args.script) if args.script else commands.default_sbatch_script()
     if not script.is_file():
-        raise LaunchError(f"--script {script}: no such file. Pass --script PATH to your copy of slurm.sbatch.")
+        raise LaunchError(
+            f"--script {script}: no such file. Pass --script PATH to your copy of slurm.sbatch."
+        )
     return commands.sbatch_command(
         overrides,
         script=commands.display_path(script, Path.cwd()),
@@ -398,8 +470,12 @@ def _run(cmd: list[str]) -> int:
     env = dict(os.environ, PATH=os.pathsep.join([bindir, os.environ.get("PATH", "")]))
     exe = shutil.which(cmd[0], path=env["PATH"])
     if exe is None:
-        where = "a SLURM login node" if cmd[0] in ("sbatch", "srun") else "an environment with torch installed"
-        raise LaunchError(f"`{cmd[0]}` is not on PATH: run this on {where}, or use --dry-run to print the command.")
+        where = (
+            "a SLURM login node" if cmd[0] in ("sbatch", "srun") else "an environment with torch installed"
+        )
+        raise LaunchError(
+            f"`{cmd[0]}` is not on PATH: run this on {where}, or use --dry-run to print the command."
+        )
     print(f"usp-launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     # Ctrl-C reaches the job too (the terminal's process group), which checkpoints and exits: wait for it
     # instead of dying first. A Python handler, not SIG_IGN: the child starts with the default again.
@@ -416,7 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     after_dashes: list[str] = []
     tail = words[words.index("--") :] if "--" in words else []
     head = words[: len(words) - len(tail)]
-    verbose = pop_verbose(head)  # usp-launch's own --verbose: before a literal -- (after it: the entry's words)
+    verbose = pop_verbose(
+        head
+    )  # usp-launch's own --verbose: before a literal -- (after it: the entry's words)
     words = [*head, *tail]
     if "--" in words:
         cut = words.index("--")

@@ -105,9 +105,15 @@ def torchrun_command(
     run dir's last checkpoint (give ``hydra.run.dir`` or ``run_name`` to resume across launches too).
     """
     return [
-        "torchrun", "--standalone", "--nproc-per-node", str(nproc_per_node), *_restarts(max_restarts),
-        "-m", module, *overrides,
-    ]  # fmt: skip
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc_per_node),
+        *_restarts(max_restarts),
+        "-m",
+        module,
+        *overrides,
+    ]
 
 
 def srun_command(
@@ -136,21 +142,32 @@ def srun_command(
     :func:`torchrun_command` (every node's ranks restart together, through the c10d rendezvous).
     """
     return [
-        "srun", f"--nodes={nodes}", "--ntasks-per-node=1",
+        "srun",
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
         *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []),
         "--kill-on-bad-exit=1",
         "torchrun",
-        "--nnodes", str(nodes),
-        "--nproc-per-node", str(nproc_per_node),
-        "--rdzv-id", job_id,
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{head}:{rdzv_port(job_id)}",
-        "--max-restarts", str(max_restarts),
-        "--signals-to-handle", SIGNALS_TO_HANDLE,
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-        "-m", module,
+        "--nnodes",
+        str(nodes),
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--rdzv-id",
+        job_id,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{head}:{rdzv_port(job_id)}",
+        "--max-restarts",
+        str(max_restarts),
+        "--signals-to-handle",
+        SIGNALS_TO_HANDLE,
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+        "-m",
+        module,
         *overrides,
-    ]  # fmt: skip
+    ]
 
 
 def sbatch_command(
@@ -185,9 +202,15 @@ def sbatch_command(
     dashes = ["--"] if any(word.startswith("-") for word in overrides) else []
     entry_flag = [] if entry == "train" else ["--entry", entry]  # the script runs usp.train unless told
     return [
-        *cmd, script, "--nproc-per-node", str(gpus_per_node), *_restarts(max_restarts), *entry_flag, *dashes,
+        *cmd,
+        script,
+        "--nproc-per-node",
+        str(gpus_per_node),
+        *_restarts(max_restarts),
+        *entry_flag,
+        *dashes,
         *overrides,
-    ]  # fmt: skip
+    ]
 
 
 def default_sbatch_script() -> Path:

@@ -34,7 +34,9 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except OverrideParseException as exc:
         lines = str(exc).splitlines()[:-1]  # without Hydra's link to its grammar
-        why = " ".join(ln.strip() for ln in lines if ln.strip() and not ln.startswith("Error parsing override"))
+        why = " ".join(
+            ln.strip() for ln in lines if ln.strip() and not ln.startswith("Error parsing override")
+        )
         raise ValueError(
             f"{exc.override!r} is not a Hydra override ({why}): write key=value "
             f"(e.g. recipe=tiny, parallel.ring_degree=2; quote a value with spaces or commas)."

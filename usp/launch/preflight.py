@@ -67,7 +67,11 @@ def check_known_degrees(degrees: Mapping[str, Any], *, world_size: int, local_wo
     from usp.parallel import ParallelDims
 
     ulysses, ring = degrees.get("ulysses_degree"), degrees.get("ring_degree")
-    dp, node, cross = degrees.get("dp_degree"), degrees.get("node_size"), degrees.get("allow_cross_node_ulysses")
+    dp, node, cross = (
+        degrees.get("dp_degree"),
+        degrees.get("node_size"),
+        degrees.get("allow_cross_node_ulysses"),
+    )
     ParallelDims(
         world_size=world_size,
         ulysses_degree=ulysses if _integer(ulysses) else 1,
@@ -102,9 +106,12 @@ def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) ->
     node_size = _node_size(p.node_size, world_size=world_size, local_world_size=local_world_size)
     if "auto" in (p.ulysses_degree, p.ring_degree):
         plan = request.plan_auto(
-            json.loads(config_json.read_text()), world_size=world_size, node_size=node_size, gpu=cfg.cluster.gpu,
+            json.loads(config_json.read_text()),
+            world_size=world_size,
+            node_size=node_size,
+            gpu=cfg.cluster.gpu,
             memory_gib=cfg.cluster.memory_gib,
-        )  # fmt: skip
+        )
         return (
             f"layout: the planner picks ulysses {plan['ulysses_degree']} x ring {plan['ring_degree']} x dp "
             f"{plan['dp_degree']}, {plan['fsdp_mode']}, activation checkpointing {plan['activation_checkpointing']} "
@@ -161,11 +168,14 @@ def check_eval(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> s
         return "eval checks: the degrees are auto (chosen at start-up), so lengths and heads are checked then"
     U, R = int(p.ulysses_degree), int(p.ring_degree)
     layout = ResolvedDegrees(
-        ulysses_degree=U, ring_degree=R, dp_degree=world_size // (U * R),
+        ulysses_degree=U,
+        ring_degree=R,
+        dp_degree=world_size // (U * R),
         node_size=_node_size(p.node_size, world_size=world_size, local_world_size=local_world_size),
         fsdp_mode=p.fsdp_mode,
-        activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,
-    )  # fmt: skip
+        activation_checkpointing=p.activation_checkpointing,
+        ac_every_k=p.ac_every_k,
+    )
     check_eval_settings(cfg, layout)
     if not Path(cfg.model.path).exists():
         return f"eval checks: model.path={cfg.model.path} is not readable here, so the heads are checked at start-up"

@@ -19,7 +19,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 # (q/k/v projections, RoPE on global position ids, causal), so apply_usp works for them unchanged.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float16": torch.float16,
+}
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
@@ -102,7 +106,9 @@ def apply_rope_overrides(
     ``rope_scaling`` may use ``type`` or ``rope_type``.
     """
     if rope_scaling is not None and not isinstance(rope_scaling, dict):
-        raise ValueError(f"model.rope_scaling={rope_scaling!r} must be a mapping such as {{rope_type: linear, factor: 4.0}}.")
+        raise ValueError(
+            f"model.rope_scaling={rope_scaling!r} must be a mapping such as {{rope_type: linear, factor: 4.0}}."
+        )
     scaling = dict(rope_scaling or {})
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
@@ -130,7 +136,10 @@ def rope_settings(config: PretrainedConfig) -> dict[str, Any]:
     """The RoPE settings in effect, whichever spelling the config uses (for logs and tests)."""
     if getattr(config, "rope_parameters", None) is not None:
         return dict(config.rope_parameters)
-    return {"rope_theta": getattr(config, "rope_theta", None), **(getattr(config, "rope_scaling", None) or {})}
+    return {
+        "rope_theta": getattr(config, "rope_theta", None),
+        **(getattr(config, "rope_scaling", None) or {}),
+    }
 
 
 def check_rope_for_sequence_parallel(config: PretrainedConfig, sp_degree: int) -> None:
@@ -169,7 +178,10 @@ def load_causal_lm(
     if config is None:
         config = check_model_dir(path)
     apply_rope_overrides(
-        config, rope_theta=rope_theta, rope_scaling=rope_scaling, max_position_embeddings=max_position_embeddings
+        config,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
     )
     config.use_cache = False
     try:
@@ -228,7 +240,9 @@ def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
             )
         fresh = type(module)(config=module.config)
         for buf_name, buf in fresh.named_buffers(recurse=False):
-            module._buffers[buf_name] = buf.to(device)  # on the compute device, even when params are offloaded
+            module._buffers[buf_name] = buf.to(
+                device
+            )  # on the compute device, even when params are offloaded
         if hasattr(fresh, "attention_scaling"):
             module.attention_scaling = fresh.attention_scaling
 
@@ -244,7 +258,9 @@ def weight_devices(device: torch.device, *, cpu_offload: bool = False) -> tuple[
 
 
 @torch.no_grad()
-def materialize_empty(model: nn.Module, *, device: torch.device, param_device: torch.device | None = None) -> None:
+def materialize_empty(
+    model: nn.Module, *, device: torch.device, param_device: torch.device | None = None
+) -> None:
     """Allocate a meta-device (possibly FSDP2-sharded) model: parameters and persistent buffers (uninitialised)
     on ``param_device`` (default ``device``), then the RoPE buffers rebuilt from the config on ``device``."""
     model.to_empty(device=param_device or device)
@@ -334,7 +350,9 @@ def _load_safetensors_shards(model: PreTrainedModel, path: str | os.PathLike) ->
     except CheckpointException as e:  # raised on every rank when any rank failed to read
         failures = getattr(e, "failures", {}) or {}
         first = next(iter(failures.values()), e)
-        raise ValueError(f"model.path={str(path)!r}: {_unreadable(first, f'rank(s) {sorted(failures)}')}") from e
+        raise ValueError(
+            f"model.path={str(path)!r}: {_unreadable(first, f'rank(s) {sorted(failures)}')}"
+        ) from e
 
 
 def _load_broadcast_from_rank0(model: PreTrainedModel, path: str | os.PathLike) -> None:
@@ -353,7 +371,9 @@ def _load_broadcast_from_rank0(model: PreTrainedModel, path: str | os.PathLike) 
         sources, mismatch = _weights_mismatch(model, set(state))
         error = error or mismatch
         state = {key: state[src] for key, src in sources.items() if src in state}
-    raise_if_any_failed(None if error is None else ValueError(f"model.path={str(path)!r}: {error}"), "loading weights")
+    raise_if_any_failed(
+        None if error is None else ValueError(f"model.path={str(path)!r}: {error}"), "loading weights"
+    )
     set_model_state_dict(
         model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
     )

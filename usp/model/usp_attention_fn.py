@@ -80,7 +80,9 @@ def usp_attention_forward(
     steps itself (attention over every rank's K/V shard, merged exactly).
     """
     state: USPAttentionState | None = getattr(module, _STATE_ATTR, None)
-    assert state is not None, "the 'usp' attention function runs only on modules prepared by usp.model.apply_usp"
+    assert state is not None, (
+        "the 'usp' attention function runs only on modules prepared by usp.model.apply_usp"
+    )
     if cu_seq_lens_k is not None and (cu_seq_lens_q is None or not torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
         raise ValueError(
             "usp attention is self-attention over packed documents: cu_seq_lens_k must equal cu_seq_lens_q "
@@ -93,8 +95,12 @@ def usp_attention_forward(
             "parallelism); pack documents and pass position_ids (restarting per document) and cu_seqlens."
         )
     if dropout:
-        raise ValueError(f"attention dropout {dropout} is not supported by usp attention; set attention_dropout=0.")
-    kv_cache = kwargs.get("usp_kv_cache")  # distributed decoding (usp.eval.decode): a forward kwarg, no global
+        raise ValueError(
+            f"attention dropout {dropout} is not supported by usp attention; set attention_dropout=0."
+        )
+    kv_cache = kwargs.get(
+        "usp_kv_cache"
+    )  # distributed decoding (usp.eval.decode): a forward kwarg, no global
     if kv_cache is not None and kv_cache.decoding:
         return kv_cache.decode_attention(module.layer_idx, query, key, value, scaling), None
     window = kwargs.get("sliding_window")
@@ -109,7 +115,14 @@ def usp_attention_forward(
     k = key.transpose(1, 2)  # [B, S_local, Hkv, D]
     v = value.transpose(1, 2)
     out = usp_attention(
-        q, k, v, mesh=state.mesh, causal=True, softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens,
+        q,
+        k,
+        v,
+        mesh=state.mesh,
+        causal=True,
+        softmax_scale=scaling,
+        backend=state.backend,
+        cu_seqlens=cu_seqlens,
         attn_head_chunks=state.attn_head_chunks,
     )
     if kv_cache is not None:  # prefill: keep this rank's K/V shard for the decode steps
@@ -128,8 +141,12 @@ def packed_sequence_kwargs(cu_seqlens: torch.Tensor | None) -> dict[str, object]
     if cu_seqlens is None:
         return {}
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
-    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": longest,
-            "max_length_k": longest}  # fmt: skip
+    return {
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -171,7 +188,9 @@ def apply_usp(
     from usp.attention import check_attn_head_chunks
 
     hq = config.num_attention_heads
-    check_attn_head_chunks(attn_head_chunks, hq, getattr(config, "num_key_value_heads", None) or hq, mesh.ulysses_degree)
+    check_attn_head_chunks(
+        attn_head_chunks, hq, getattr(config, "num_key_value_heads", None) or hq, mesh.ulysses_degree
+    )
     modules = _attention_modules(model)
     if len(modules) != config.num_hidden_layers:
         raise ValueError(

@@ -211,7 +211,9 @@ def balanced_placement(seq_len: int, ring_degree: int, cu: np.ndarray) -> list[n
         rank[order], split[order] = r[order], sp[order]
     whole = ~split
     r, a, b = rank[whole], starts[whole], starts[whole] + lengths[whole]  # in position order
-    cut = [_stream_pieces(starts, lengths, o, c, split) for o, c in ((light, cuts_light), (heavy, cuts_heavy))]
+    cut = [
+        _stream_pieces(starts, lengths, o, c, split) for o, c in ((light, cuts_light), (heavy, cuts_heavy))
+    ]
     cr, ca, cb = (np.concatenate(x) for x in zip(*cut))
     nonempty = cb > ca
     cr, ca, cb = cr[nonempty], ca[nonempty], cb[nonempty]

@@ -75,7 +75,9 @@ class ParallelDims:
         if dp == -1:
             object.__setattr__(self, "dp_degree", ws // sp)
         elif not isinstance(dp, int) or dp < 1:
-            raise ValueError(f"parallel.dp_degree={dp!r} is invalid: use an integer >= 1, or -1 for the remaining ranks.")
+            raise ValueError(
+                f"parallel.dp_degree={dp!r} is invalid: use an integer >= 1, or -1 for the remaining ranks."
+            )
         elif dp * sp != ws:
             raise ValueError(
                 f"parallel.dp_degree={dp} x ulysses_degree={self.ulysses_degree} x ring_degree={self.ring_degree} "
@@ -158,7 +160,9 @@ class SPMesh:
         if not self._flat:
             override = None if self.group_options is None else (None, self.group_options)
             self._flat["sp"] = self.device_mesh["ring", "ulysses"]._flatten("sp", backend_override=override)
-            self._flat["fsdp"] = self.device_mesh["dp", "ring", "ulysses"]._flatten("fsdp", backend_override=override)
+            self._flat["fsdp"] = self.device_mesh["dp", "ring", "ulysses"]._flatten(
+                "fsdp", backend_override=override
+            )
 
     # --- degrees and coordinates -------------------------------------------------------------------
     @property
@@ -240,7 +244,10 @@ class SPMesh:
         grid = torch.arange(world).reshape(world // node_size, node_size)  # [nodes, ranks per node]
         override = None if self.group_options is None else ((None, self.group_options),) * 2
         return DeviceMesh(
-            self.device_mesh.device_type, grid, mesh_dim_names=("replicate", "shard"), backend_override=override
+            self.device_mesh.device_type,
+            grid,
+            mesh_dim_names=("replicate", "shard"),
+            backend_override=override,
         )
 
     def sequence_multiple(self) -> int:

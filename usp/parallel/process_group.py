@@ -71,9 +71,13 @@ def configure_cuda_allocator(env: MutableMapping[str, str] | None = None) -> str
     reads the variable once, at its first allocation); log which one the run uses. Returns the value."""
     env = os.environ if env is None else env
     if env is os.environ and torch.cuda.is_initialized():
-        log.warning("CUDA was initialised before usp could set %s: the allocator keeps its settings", ALLOC_CONF_VAR)
+        log.warning(
+            "CUDA was initialised before usp could set %s: the allocator keeps its settings", ALLOC_CONF_VAR
+        )
     if ALLOC_CONF_VAR in env:
-        log.info("%s=%s (set by the user; usp's default is %s)", ALLOC_CONF_VAR, env[ALLOC_CONF_VAR], ALLOC_CONF)
+        log.info(
+            "%s=%s (set by the user; usp's default is %s)", ALLOC_CONF_VAR, env[ALLOC_CONF_VAR], ALLOC_CONF
+        )
     else:
         env[ALLOC_CONF_VAR] = ALLOC_CONF
         log.info("%s=%s (set by usp: unset before; set it to choose another)", ALLOC_CONF_VAR, ALLOC_CONF)

@@ -66,7 +66,11 @@ def local_token_indices(
 
 
 def sp_permutation(
-    seq_len: int, ring_degree: int, ulysses_degree: int, ring_layout: str, cu_seqlens: torch.Tensor | None = None
+    seq_len: int,
+    ring_degree: int,
+    ulysses_degree: int,
+    ring_layout: str,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Global positions of all sp ranks' slices concatenated in sp-rank order (``ring_rank * U + u``)."""
     check_sequence_length(seq_len, ring_degree, ulysses_degree, ring_layout)
@@ -74,7 +78,9 @@ def sp_permutation(
     return torch.from_numpy(np.concatenate([pieces_to_positions(p) for p in pieces]))
 
 
-def _layout_boundaries(x: torch.Tensor, dim: int, mesh: SPMesh, cu_seqlens: torch.Tensor | None, seq_len: int):
+def _layout_boundaries(
+    x: torch.Tensor, dim: int, mesh: SPMesh, cu_seqlens: torch.Tensor | None, seq_len: int
+):
     """``cu_seqlens`` validated for the mesh's layout (``None`` when the layout does not use it)."""
     if cu_seqlens is None or mesh.ring_layout != "balanced" or mesh.ring_degree == 1:
         return None
@@ -105,7 +111,13 @@ def shard_sequence(
     check_sequence_length(seq_len, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_layout)
     cu = _layout_boundaries(x, dim, mesh, cu_seqlens, seq_len)
     idx = local_token_indices(
-        seq_len, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_rank, mesh.ulysses_rank, mesh.ring_layout, cu
+        seq_len,
+        mesh.ring_degree,
+        mesh.ulysses_degree,
+        mesh.ring_rank,
+        mesh.ulysses_rank,
+        mesh.ring_layout,
+        cu,
     )
     return x.index_select(dim, idx.to(x.device)).contiguous()
 

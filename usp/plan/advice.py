@@ -21,7 +21,11 @@ def _fits(work: Workload, space: SearchSpace, device: DeviceSpec) -> LayoutEstim
 
 
 def explain_no_fit(
-    work: Workload, space: SearchSpace, device: DeviceSpec, candidates: list[LayoutEstimate], rejected: list[str]
+    work: Workload,
+    space: SearchSpace,
+    device: DeviceSpec,
+    candidates: list[LayoutEstimate],
+    rejected: list[str],
 ) -> str:
     """Why nothing fits (the smallest need and its breakdown, or every rejection) and what would: more GPUs,
     a shorter sequence, full checkpointing (when it was ruled out), the states on the host (or that with a
@@ -49,7 +53,9 @@ def explain_no_fit(
     lines.append("What would fit:")
     n_header = len(lines)
     for factor in (2, 4, 8, 16, 32, 64):
-        hit = _fits(work, replace(space, world_size=W * factor, ulysses_degree=None, ring_degree=None), device)
+        hit = _fits(
+            work, replace(space, world_size=W * factor, ulysses_degree=None, ring_degree=None), device
+        )
         if hit:
             lines.append(
                 f"  - more GPUs: {W * factor // node} nodes of {node} ({W * factor} GPUs), e.g. "
@@ -92,15 +98,15 @@ def explain_no_fit(
                 f"  - activation checkpointing: parallel.activation_checkpointing=full "
                 f"({hit.mem_gib_per_gpu:.1f} GiB)"
             )
-    offload = (
-        f"optim.name={OFFLOAD_OPTIMIZER} (parameters, gradients and optimizer states on the host, the step there)"
-    )
+    offload = f"optim.name={OFFLOAD_OPTIMIZER} (parameters, gradients and optimizer states on the host, the step there)"
     host = replace(space, states=("cpu_offload",))
     tried = space.states == host.states  # already searched with the states on the host
     hit = None if tried else _fits(work, host, device)
     if hit:
         lines.append(f"  - offload: {offload} ({hit.mem_gib_per_gpu:.1f} GiB/GPU on device)")
-    elif work.loss_chunk_size > 1024:  # smaller [chunk, vocab] logits of the chunked loss, with the states offloaded
+    elif (
+        work.loss_chunk_size > 1024
+    ):  # smaller [chunk, vocab] logits of the chunked loss, with the states offloaded
         small = _fits(replace(work, loss_chunk_size=1024), host, device)
         if small:
             lines.append(

@@ -56,25 +56,37 @@ def auto_degrees(
     device = get_device(gpu or "h100-80g", memory_gib=memory_gib, host_mem_gib=host_mem_gib)
     node = min(node_size, world_size)
     work = Workload(
-        model, seq_len, compute_bytes=compute_bytes, loss_chunk_size=loss_chunk_size, ring_layout=ring_layout,
+        model,
+        seq_len,
+        compute_bytes=compute_bytes,
+        loss_chunk_size=loss_chunk_size,
+        ring_layout=ring_layout,
         headroom_gib=headroom_gib,
-    )  # fmt: skip
+    )
     space = SearchSpace(
-        world_size, node, ulysses_degree=ulysses_degree, ring_degree=ring_degree,
+        world_size,
+        node,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
         fsdp_modes=None if fsdp_mode is None else (fsdp_mode,),
-        ac_modes=None if activation_checkpointing is None else (activation_checkpointing,), ac_every_k=ac_every_k,
+        ac_modes=None if activation_checkpointing is None else (activation_checkpointing,),
+        ac_every_k=ac_every_k,
         mlp_tiles=None if mlp_tiles == "auto" else int(mlp_tiles),
         attn_head_chunks=None if attn_head_chunks == "auto" else int(attn_head_chunks),
         states=("cpu_offload" if cpu_offload else "device",),
-    )  # fmt: skip
+    )
     layouts = search_layouts(work, space, device)
     best = layouts[0]
     fixed = {
         k: v
-        for k, v in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree), ("fsdp_mode", fsdp_mode),
-                     ("activation_checkpointing", activation_checkpointing))
+        for k, v in (
+            ("ulysses_degree", ulysses_degree),
+            ("ring_degree", ring_degree),
+            ("fsdp_mode", fsdp_mode),
+            ("activation_checkpointing", activation_checkpointing),
+        )
         if v is not None
-    }  # fmt: skip
+    }
     reason = (
         f"fastest of {len(layouts)} layouts that fit {device.name} ({device.memory_gib:g} GiB) at seq_len={seq_len} "
         f"on {world_size} ranks ({node} per node)"

@@ -50,15 +50,24 @@ def fit_attention_efficiency(records: list[BenchRecord], device: DeviceSpec) -> 
 def predict_run(run: TrainingRun, device: DeviceSpec) -> LayoutEstimate:
     """What the cost model says about the run's layout (micro batch 1 x accumulation as the global batch)."""
     work = Workload(
-        run.model, run.seq_len, global_batch=run.global_batch, compute_bytes=run.compute_bytes,
+        run.model,
+        run.seq_len,
+        global_batch=run.global_batch,
+        compute_bytes=run.compute_bytes,
         loss_chunk_size=run.loss_chunk_size,
-    )  # fmt: skip
+    )
     cand = Candidate(
-        run.ulysses_degree, run.ring_degree, world_size=run.world_size, node_size=run.node_size,
-        fsdp_mode=run.fsdp_mode, activation_checkpointing=run.activation_checkpointing, ac_every_k=run.ac_every_k,
-        mlp_tiles=run.mlp_tiles, attn_head_chunks=run.attn_head_chunks,
+        run.ulysses_degree,
+        run.ring_degree,
+        world_size=run.world_size,
+        node_size=run.node_size,
+        fsdp_mode=run.fsdp_mode,
+        activation_checkpointing=run.activation_checkpointing,
+        ac_every_k=run.ac_every_k,
+        mlp_tiles=run.mlp_tiles,
+        attn_head_chunks=run.attn_head_chunks,
         states="cpu_offload" if run.states_on_host else "device",
-    )  # fmt: skip
+    )
     return estimate_layout(work, cand, device)
 
 

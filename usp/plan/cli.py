@@ -80,7 +80,9 @@ def build_plan_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", required=True, help=f"HF config.json / checkpoint dir, or a preset: {', '.join(PRESETS)}"
     )
-    p.add_argument("--seq-len", type=parse_seq_len, default=None, help="tokens per sequence (131072, 128K, 1M)")
+    p.add_argument(
+        "--seq-len", type=parse_seq_len, default=None, help="tokens per sequence (131072, 128K, 1M)"
+    )
     p.add_argument(
         "--max-seq-len",
         action="store_true",
@@ -88,7 +90,10 @@ def build_plan_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nodes", type=int, default=1, help="nodes of the cluster (default 1)")
     p.add_argument(
-        "--gpus-per-node", type=int, default=8, help="GPUs per node; Ulysses groups stay inside a node (default 8)"
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="GPUs per node; Ulysses groups stay inside a node (default 8)",
     )
     _device_args(p)
     p.add_argument(
@@ -115,21 +120,30 @@ def build_plan_parser() -> argparse.ArgumentParser:
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="model.dtype"
     )
     p.add_argument(
-        "--overhead-frac", type=float, default=0.05, help="allocator fragmentation allowance (fraction of the tensor peak)"
+        "--overhead-frac",
+        type=float,
+        default=0.05,
+        help="allocator fragmentation allowance (fraction of the tensor peak)",
     )
     p.add_argument("--calibration", default=None, help="JSON written by 'usp-plan calibrate --out'")
-    p.add_argument("--host-mem-gib", type=float, default=None, help="host RAM per node, GiB (cluster.host_mem_gib)")
+    p.add_argument(
+        "--host-mem-gib", type=float, default=None, help="host RAM per node, GiB (cluster.host_mem_gib)"
+    )
     p.add_argument("--host-link-gbps", type=float, default=None, help="PCIe GB/s per GPU and direction")
     p.add_argument(
-        "--headroom-gib", type=float, default=None, help="device memory a layout must leave free (default 7.5%%)"
+        "--headroom-gib",
+        type=float,
+        default=None,
+        help="device memory a layout must leave free (default 7.5%%)",
     )
     p.add_argument(
         "--mlp-tiles", default="auto", help="parallel.mlp_tiles: an integer >= 1, or auto (tile when needed)"
     )
     p.add_argument(
-        "--attn-head-chunks", default="auto",
+        "--attn-head-chunks",
+        default="auto",
         help="parallel.attn_head_chunks: an integer >= 1, or auto (chunk the ring's heads when needed)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--states",
         default=None,
@@ -185,8 +199,12 @@ def paste_overrides(
         out.append(f"trainer.seq_len={seq_len}")
     if model.max_position_embeddings and seq_len > model.max_position_embeddings:
         out.append(f"model.max_position_embeddings={seq_len}")
-    out += ["trainer.micro_batch_size=1", f"trainer.grad_accum_steps={estimate.grad_accum_steps}",
-            f"cluster.num_nodes={nodes}", f"cluster.gpus_per_node={gpus_per_node}"]  # fmt: skip
+    out += [
+        "trainer.micro_batch_size=1",
+        f"trainer.grad_accum_steps={estimate.grad_accum_steps}",
+        f"cluster.num_nodes={nodes}",
+        f"cluster.gpus_per_node={gpus_per_node}",
+    ]
     if gpu in GPUS:
         out.append(f"cluster.gpu={gpu}")
     return out
@@ -194,8 +212,10 @@ def paste_overrides(
 
 def _batch_note(layouts: list[LayoutEstimate], global_batch: int | None) -> str:
     if global_batch is not None:
-        return (f"global batch: {global_batch} sequences per optimizer step (--global-batch), trainer.grad_accum_steps "
-                f"= {global_batch} / dp per row")  # fmt: skip
+        return (
+            f"global batch: {global_batch} sequences per optimizer step (--global-batch), trainer.grad_accum_steps "
+            f"= {global_batch} / dp per row"
+        )
     return (
         "global batch: one sequence per dp rank, so rows with different dp take steps of different sizes; compare "
         "tok/s/GPU, or fix the batch with --global-batch N (rows then differ in trainer.grad_accum_steps)"
@@ -254,15 +274,27 @@ def format_table(
         )
     )
     rows.append("Hydra overrides for the best layout (they paste onto any recipe):")
-    pasted = paste_overrides(best.overrides(), best, model=model, seq_len=seq_len, nodes=nodes,
-                             gpus_per_node=world // nodes, gpu=device.name)  # fmt: skip
+    pasted = paste_overrides(
+        best.overrides(),
+        best,
+        model=model,
+        seq_len=seq_len,
+        nodes=nodes,
+        gpus_per_node=world // nodes,
+        gpu=device.name,
+    )
     rows.append("  " + " ".join(pasted))
     return "\n".join(rows)
 
 
 def format_max_seq_len(
-    model: ModelSpec, device: DeviceSpec, world: int, answers: list[MaxSeqLenEstimate], top: int,
-    *, nodes: int | None = None,
+    model: ModelSpec,
+    device: DeviceSpec,
+    world: int,
+    answers: list[MaxSeqLenEstimate],
+    top: int,
+    *,
+    nodes: int | None = None,
 ) -> str:
     best = answers[0]
     head = (
@@ -277,7 +309,9 @@ def format_max_seq_len(
     rows = [head, cols]
     for i, a in enumerate(answers[:top], 1):
         e = a.estimate
-        ckpt = e.activation_checkpointing + (f"/{e.ac_every_k}" if e.activation_checkpointing == "every_k" else "")
+        ckpt = e.activation_checkpointing + (
+            f"/{e.ac_every_k}" if e.activation_checkpointing == "every_k" else ""
+        )
         rows.append(
             f"{i:>3} {a.max_seq_len:>10} {e.ulysses_degree:>7} {e.ring_degree:>5} {e.dp_degree:>4} "
             f"{e.fsdp_mode:<12} {ckpt:<8} {e.mlp_tiles:>5} {e.attn_head_chunks:>5} {e.states:<17} {a.loss_chunk_size:>5} {e.mem_gib_per_gpu:>8.1f} "
@@ -295,8 +329,15 @@ def format_max_seq_len(
     )
     rows.append("Overrides for the longest layout (they paste onto any recipe):")
     nodes = nodes or 1
-    pasted = paste_overrides(best.overrides(), e, model=model, seq_len=best.max_seq_len, nodes=nodes,
-                             gpus_per_node=world // nodes, gpu=device.name)  # fmt: skip
+    pasted = paste_overrides(
+        best.overrides(),
+        e,
+        model=model,
+        seq_len=best.max_seq_len,
+        nodes=nodes,
+        gpus_per_node=world // nodes,
+        gpu=device.name,
+    )
     rows.append("  " + " ".join(pasted))
     return "\n".join(rows)
 
@@ -374,7 +415,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--max-seq-len (find the longest length that fits)."
             )
         if args.headroom_gib is not None and args.headroom_gib < 0:
-            raise ValueError(f"--headroom-gib={args.headroom_gib} must be >= 0 (GiB of device memory left free).")
+            raise ValueError(
+                f"--headroom-gib={args.headroom_gib} must be >= 0 (GiB of device memory left free)."
+            )
         tiles = None if args.mlp_tiles == "auto" else int(args.mlp_tiles) if args.mlp_tiles.isdigit() else -1
         if tiles is not None and tiles < 1:
             raise ValueError(f"--mlp-tiles={args.mlp_tiles!r} is invalid: use an integer >= 1 or auto.")
@@ -387,12 +430,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype_bytes = compute_bytes(args.dtype)
         if args.max_seq_len:
             answers = max_seq_lens(
-                model, device, world_size=world, node_size=args.gpus_per_node, ring_layout=args.ring_layout,
-                ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree, states=states, mlp_tiles=tiles,
-                loss_chunk_sizes=LOSS_CHUNK_CANDIDATES if args.loss_chunk_size is None else (args.loss_chunk_size,),
-                overhead_frac=args.overhead_frac, compute_bytes=dtype_bytes,
-                headroom_gib=args.headroom_gib, seq_multiple=args.seq_multiple, attn_head_chunks=head_chunks,
-            )  # fmt: skip
+                model,
+                device,
+                world_size=world,
+                node_size=args.gpus_per_node,
+                ring_layout=args.ring_layout,
+                ulysses_degree=args.ulysses_degree,
+                ring_degree=args.ring_degree,
+                states=states,
+                mlp_tiles=tiles,
+                loss_chunk_sizes=LOSS_CHUNK_CANDIDATES
+                if args.loss_chunk_size is None
+                else (args.loss_chunk_size,),
+                overhead_frac=args.overhead_frac,
+                compute_bytes=dtype_bytes,
+                headroom_gib=args.headroom_gib,
+                seq_multiple=args.seq_multiple,
+                attn_head_chunks=head_chunks,
+            )
             print(
                 json.dumps([a.to_dict() for a in answers[: args.top]], indent=2)
                 if args.json
@@ -414,7 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else format_inference(model, device, args.seq_len, plans)
             )
             return 0
-        documents = None if args.doc_lengths is None else DocumentWork.from_spec(args.doc_lengths, args.seq_len)
+        documents = (
+            None if args.doc_lengths is None else DocumentWork.from_spec(args.doc_lengths, args.seq_len)
+        )
         layouts = plan_layouts(
             model,
             device,
@@ -437,8 +494,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             print(json.dumps([e.to_dict() for e in layouts], indent=2))
         else:
-            print(format_table(model, device, args.seq_len, world, layouts, args.top, nodes=args.nodes,
-                               global_batch=args.global_batch))  # fmt: skip
+            print(
+                format_table(
+                    model,
+                    device,
+                    args.seq_len,
+                    world,
+                    layouts,
+                    args.top,
+                    nodes=args.nodes,
+                    global_batch=args.global_batch,
+                )
+            )
             if documents is not None:
                 print(format_documents(documents, layouts[0], args.ring_layout))
         return 0

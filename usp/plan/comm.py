@@ -87,7 +87,9 @@ def ulysses_comm(
     if U == 1:
         return {"ulysses_bytes": 0.0, "ulysses_s": 0.0}
     local_tokens = seq_len / (U * ring_degree)
-    per_layer = local_tokens * model.ulysses_a2a_heads(U) * model.head_dim * compute_bytes  # forward + backward
+    per_layer = (
+        local_tokens * model.ulysses_a2a_heads(U) * model.head_dim * compute_bytes
+    )  # forward + backward
     total = per_layer * model.num_layers
     return {"ulysses_bytes": total, "ulysses_s": total / (device.intra_node_gbps * GB)}
 

@@ -69,9 +69,11 @@ class LayoutEstimate:
         """How many memory-saving tricks the layout uses (checkpoint offload, MLP tiles, offloaded states, head
         chunks)."""
         used = (
-            self.activation_checkpointing == "offload", self.mlp_tiles > 1, self.states != "device",
+            self.activation_checkpointing == "offload",
+            self.mlp_tiles > 1,
+            self.states != "device",
             self.attn_head_chunks > 1,
-        )  # fmt: skip
+        )
         return sum(used)
 
     def overrides(self) -> list[str]:
@@ -136,9 +138,16 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
     L = model.num_layers
     n_ckpt = checkpointed_layers(L, cand.activation_checkpointing, cand.ac_every_k)
     comp = compute_time(
-        model, device, seq_len=seq_len, ulysses_degree=U, ring_degree=R, ring_layout=work.ring_layout,
-        recompute_layers=n_ckpt, mlp_recompute_layers=L if cand.mlp_tiles > 1 else 0, documents=work.documents,
-    )  # fmt: skip
+        model,
+        device,
+        seq_len=seq_len,
+        ulysses_degree=U,
+        ring_degree=R,
+        ring_layout=work.ring_layout,
+        recompute_layers=n_ckpt,
+        mlp_recompute_layers=L if cand.mlp_tiles > 1 else 0,
+        documents=work.documents,
+    )
     host = host_bytes(work, cand)
     # One layer's forward (what a checkpoint's copy out hides behind) and its recompute + backward (the copy in)
     attn_fwd_layer = comp["attention_s"] / ((1 + ATTN_BWD_OVER_FWD_HW) * L + n_ckpt)
@@ -148,9 +157,15 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
     off = offload_seconds(work, cand, device, layer_fwd_s=layer_fwd, layer_bwd_s=layer_bwd)
     uly = ulysses_comm(model, device, seq_len=seq_len, ulysses_degree=U, ring_degree=R, compute_bytes=B)
     ring = ring_comm(
-        model, device, seq_len=seq_len, ulysses_degree=U, ring_degree=R, node_size=node_size,
-        attention_s=comp["attention_s"], compute_bytes=B,
-    )  # fmt: skip
+        model,
+        device,
+        seq_len=seq_len,
+        ulysses_degree=U,
+        ring_degree=R,
+        node_size=node_size,
+        attention_s=comp["attention_s"],
+        compute_bytes=B,
+    )
     fsdp = fsdp_comm(
         model, device, world_size=world_size, node_size=node_size, fsdp_mode=cand.fsdp_mode, compute_bytes=B
     )
@@ -217,7 +232,9 @@ def head_chunk_candidates(model: ModelSpec, ulysses_degree: int) -> list[int]:
     return [c for c in HEAD_CHUNK_CANDIDATES if c in ok]
 
 
-def head_chunks_to_try(model: ModelSpec, ulysses_degree: int, ring_degree: int, fixed: int | None) -> list[int]:
+def head_chunks_to_try(
+    model: ModelSpec, ulysses_degree: int, ring_degree: int, fixed: int | None
+) -> list[int]:
     """Head chunk counts a search tries for this pair, fewest first: :func:`head_chunk_candidates` at every
     ring degree (without a ring the chunks still split the kernel's own buffers), or ``[fixed]``; ``[]`` when
     the fixed count does not split the pair's heads. ``ring_degree`` is kept for the callers."""
@@ -273,13 +290,17 @@ def enumerate_candidates(
     for U in divisors(world_size) if space.ulysses_degree is None else [space.ulysses_degree]:
         for R in divisors(world_size // U) if space.ring_degree is None else [space.ring_degree]:
             tag = f"ulysses={U} ring={R}"
-            dims, why = split_layout(model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size)
+            dims, why = split_layout(
+                model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size
+            )
             if dims is None:
                 rejected.append(f"{tag}: {why}")
                 continue
             m = sequence_multiple(R, U, work.ring_layout)
             if seq_len % m:
-                rejected.append(f"{tag}: seq_len={seq_len} is not a multiple of {m} ({work.ring_layout} layout)")
+                rejected.append(
+                    f"{tag}: seq_len={seq_len} is not a multiple of {m} ({work.ring_layout} layout)"
+                )
                 continue
             if work.global_batch is not None and work.global_batch % dims.dp_degree:
                 rejected.append(
@@ -288,21 +309,32 @@ def enumerate_candidates(
                 continue
             local = seq_len // (U * R)
             if space.mlp_tiles is not None and local % space.mlp_tiles:
-                rejected.append(f"{tag}: parallel.mlp_tiles={space.mlp_tiles} does not divide {local} local tokens")
+                rejected.append(
+                    f"{tag}: parallel.mlp_tiles={space.mlp_tiles} does not divide {local} local tokens"
+                )
                 continue
             tiles = [t for t in MLP_TILE_CANDIDATES if local % t == 0] if space.mlp_tiles is None else []
             head_chunks = head_chunks_to_try(model, U, R, space.attn_head_chunks)
             if not head_chunks:
-                rejected.append(f"{tag}: parallel.attn_head_chunks={space.attn_head_chunks} does not split its heads")
+                rejected.append(
+                    f"{tag}: parallel.attn_head_chunks={space.attn_head_chunks} does not split its heads"
+                )
                 continue
             for fsdp_mode in fsdp_modes:
                 for ac, k in acs:
                     for where in space.states:
                         cand = Candidate(
-                            U, R, world_size=world_size, node_size=node_size, fsdp_mode=fsdp_mode,
-                            activation_checkpointing=ac, ac_every_k=k, mlp_tiles=space.mlp_tiles or 1,
-                            attn_head_chunks=head_chunks[0], states=where,
-                        )  # fmt: skip
+                            U,
+                            R,
+                            world_size=world_size,
+                            node_size=node_size,
+                            fsdp_mode=fsdp_mode,
+                            activation_checkpointing=ac,
+                            ac_every_k=k,
+                            mlp_tiles=space.mlp_tiles or 1,
+                            attn_head_chunks=head_chunks[0],
+                            states=where,
+                        )
                         est = estimate_layout(work, cand, device)
                         out.append(est)
                         for t in [] if est.fits else tiles:  # auto: tiles only when needed

@@ -88,8 +88,9 @@ GPUS: dict[str, DeviceSpec] = {
     "a100-80g": DeviceSpec("a100-80g", 80.0, 312.0, 300.0, 25.0, 2.039),
     "h100-80g": DeviceSpec("h100-80g", 80.0, 989.0, 450.0, 50.0, 3.35, **_GEN5_NODE),
     "h200": DeviceSpec("h200", 141.0, 989.0, 450.0, 50.0, 4.8, **_GEN5_NODE),
-    "b200": DeviceSpec("b200", 180.0, 2250.0, 900.0, 50.0, 8.0, host_link_gbps=50.0, host_mem_gib=2048.0,
-                       host_mem_gbps=350.0),
+    "b200": DeviceSpec(
+        "b200", 180.0, 2250.0, 900.0, 50.0, 8.0, host_link_gbps=50.0, host_mem_gib=2048.0, host_mem_gbps=350.0
+    ),
     # A few CPU cores running the gloo backend: modest FLOP/s, slow "links" (shared-memory copies), a fixed
     # cost per layer (eager PyTorch on small tensors) and ~0.45 GiB of Python/torch runtime per rank. The
     # efficiencies and overhead are the fit to four tiny-recipe runs on a shared 2-core machine (docs/planning.md).

@@ -134,7 +134,9 @@ def plan_inference(
     reasons: list[str] = []
     for U in [u for u in range(1, world_size + 1) if world_size % u == 0]:
         R = world_size // U
-        dims, why = split_layout(model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size)
+        dims, why = split_layout(
+            model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size
+        )
         if dims is None:
             reasons.append(f"ulysses={U}: {why}")
             continue

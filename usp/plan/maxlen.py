@@ -142,15 +142,28 @@ def max_seq_lens(
         raise ValueError(f"states {bad} are invalid; choose from {STATE_PLACEMENTS}.")
     node = min(node_size, world_size)
     space = SearchSpace(
-        world_size, node, ulysses_degree=ulysses_degree, ring_degree=ring_degree, fsdp_modes=fsdp_modes,
-        ac_modes=ac_modes, mlp_tiles=mlp_tiles, attn_head_chunks=attn_head_chunks, states=tuple(states),
-    )  # fmt: skip
+        world_size,
+        node,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        fsdp_modes=fsdp_modes,
+        ac_modes=ac_modes,
+        mlp_tiles=mlp_tiles,
+        attn_head_chunks=attn_head_chunks,
+        states=tuple(states),
+    )
     for name, value in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
         if value is not None and (value < 1 or world_size % value):
             raise ValueError(f"--{name.replace('_', '-')}={value} must divide the world size {world_size}.")
     # the length and the loss chunk are what the search varies
-    work = Workload(model, limit, compute_bytes=compute_bytes, ring_layout=ring_layout,
-                    overhead_frac=overhead_frac, headroom_gib=headroom_gib)  # fmt: skip
+    work = Workload(
+        model,
+        limit,
+        compute_bytes=compute_bytes,
+        ring_layout=ring_layout,
+        overhead_frac=overhead_frac,
+        headroom_gib=headroom_gib,
+    )
     out = longest_per_candidate(work, space, device, chunks, seq_multiple, limit)
     if not out:
         raise ValueError(
@@ -177,7 +190,9 @@ def longest_per_candidate(
     for U in divisors(world_size) if space.ulysses_degree is None else [space.ulysses_degree]:
         for R in divisors(world_size // U) if space.ring_degree is None else [space.ring_degree]:
             pairs += 1
-            dims, why = split_layout(model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node)
+            dims, why = split_layout(
+                model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node
+            )
             if dims is None:
                 rejected.append(f"ulysses={U} ring={R}: {why}")
                 continue
@@ -192,12 +207,21 @@ def longest_per_candidate(
                 for ac, k in acs:
                     for where in space.states:
                         base = Candidate(
-                            U, R, world_size=world_size, node_size=node, fsdp_mode=fsdp_mode,
-                            activation_checkpointing=ac, ac_every_k=k, states=where,
-                        )  # fmt: skip
+                            U,
+                            R,
+                            world_size=world_size,
+                            node_size=node,
+                            fsdp_mode=fsdp_mode,
+                            activation_checkpointing=ac,
+                            ac_every_k=k,
+                            states=where,
+                        )
 
                         def estimate(
-                            seq: int, tiles: int = most_tiles, chunk: int = chunks[0], heads: int = head_chunks[-1],
+                            seq: int,
+                            tiles: int = most_tiles,
+                            chunk: int = chunks[0],
+                            heads: int = head_chunks[-1],
                             base: Candidate = base,
                         ) -> LayoutEstimate:
                             return estimate_layout(

@@ -283,7 +283,9 @@ def read_training_run(
     if isinstance(tokens, (int, float)) and tokens % seq_len == 0:
         batch = int(tokens // seq_len)  # sequences per optimizer step, as measured
     mems = [r["peak_mem_gib"] for r in steady if isinstance(r.get("peak_mem_gib"), (int, float))]
-    request = PlanRequest.from_dict({**cfg, "parallel": par}, seq_len=seq_len, ulysses_degree=U, ring_degree=R)
+    request = PlanRequest.from_dict(
+        {**cfg, "parallel": par}, seq_len=seq_len, ulysses_degree=U, ring_degree=R
+    )
     tiles = request.mlp_tiles
     if tiles == "auto":
         from usp.mlp_tiles import resolve_mlp_tiles  # the trainer's rule for auto

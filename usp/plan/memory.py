@@ -119,11 +119,15 @@ def check_mlp_tiles(mlp_tiles: int, local_tokens: float) -> None:
     """``parallel.mlp_tiles`` must be an integer >= 1 that splits the local tokens evenly (the rule and its
     messages: :mod:`usp.mlp_tiles`; the planner costs resolved counts, so ``auto`` is refused here)."""
     if mlp_tiles == "auto" or isinstance(mlp_tiles, str):
-        raise ValueError(f"parallel.mlp_tiles={mlp_tiles!r}: the planner costs a tile count (an integer >= 1).")
+        raise ValueError(
+            f"parallel.mlp_tiles={mlp_tiles!r}: the planner costs a tile count (an integer >= 1)."
+        )
     check_mlp_tiles_setting(mlp_tiles)
     if mlp_tiles > 1 and local_tokens % mlp_tiles:
         if local_tokens == int(local_tokens):
-            resolve_mlp_tiles(mlp_tiles, local_tokens=int(local_tokens), hidden_size=1)  # raises, naming divisors
+            resolve_mlp_tiles(
+                mlp_tiles, local_tokens=int(local_tokens), hidden_size=1
+            )  # raises, naming divisors
         raise ValueError(
             f"parallel.mlp_tiles={mlp_tiles} does not divide the {local_tokens:g} local tokens per rank; use a "
             "divisor of seq_len / (ulysses_degree x ring_degree)."
@@ -156,9 +160,14 @@ def held_activation_bytes(
     work = Workload(model, seq_len, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes)
     ranks = ulysses_degree * ring_degree
     cand = Candidate(
-        ulysses_degree, ring_degree, world_size=ranks, node_size=ranks,
-        activation_checkpointing=activation_checkpointing, ac_every_k=ac_every_k, mlp_tiles=mlp_tiles,
-    )  # fmt: skip
+        ulysses_degree,
+        ring_degree,
+        world_size=ranks,
+        node_size=ranks,
+        activation_checkpointing=activation_checkpointing,
+        ac_every_k=ac_every_k,
+        mlp_tiles=mlp_tiles,
+    )
     return held_bytes(work, cand)
 
 
@@ -185,14 +194,26 @@ def training_memory(
 ) -> MemoryBreakdown:
     """:func:`peak_memory` of this workload and layout; ``offload`` puts the sharded states on the host."""
     work = Workload(
-        model, seq_len, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes,
-        loss_chunk_size=loss_chunk_size, overhead_frac=overhead_frac, attention_backend=attention_backend,
-    )  # fmt: skip
+        model,
+        seq_len,
+        micro_batch_size=micro_batch_size,
+        compute_bytes=compute_bytes,
+        loss_chunk_size=loss_chunk_size,
+        overhead_frac=overhead_frac,
+        attention_backend=attention_backend,
+    )
     cand = Candidate(
-        ulysses_degree, ring_degree, world_size=world_size, node_size=node_size, fsdp_mode=fsdp_mode,
-        activation_checkpointing=activation_checkpointing, ac_every_k=ac_every_k, mlp_tiles=mlp_tiles,
-        attn_head_chunks=attn_head_chunks, states="cpu_offload" if offload else "device",
-    )  # fmt: skip
+        ulysses_degree,
+        ring_degree,
+        world_size=world_size,
+        node_size=node_size,
+        fsdp_mode=fsdp_mode,
+        activation_checkpointing=activation_checkpointing,
+        ac_every_k=ac_every_k,
+        mlp_tiles=mlp_tiles,
+        attn_head_chunks=attn_head_chunks,
+        states="cpu_offload" if offload else "device",
+    )
     return peak_memory(work, cand, device)
 
 
@@ -202,9 +223,18 @@ def held_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
     layers that are not checkpointed, the input of those that are, nothing of the inputs ``offload`` moved to
     the host), ``rotary`` (cos and sin) and ``final_norm`` (what the final norm and the loss keep: with tiles
     only the pre-norm hidden, ``B h`` per token); ``total`` their sum."""
-    model, seq_len, micro_batch_size, compute_bytes = work.model, work.seq_len, work.micro_batch_size, work.compute_bytes
+    model, seq_len, micro_batch_size, compute_bytes = (
+        work.model,
+        work.seq_len,
+        work.micro_batch_size,
+        work.compute_bytes,
+    )
     ulysses_degree, ring_degree = cand.ulysses_degree, cand.ring_degree
-    activation_checkpointing, ac_every_k, mlp_tiles = cand.activation_checkpointing, cand.ac_every_k, cand.mlp_tiles
+    activation_checkpointing, ac_every_k, mlp_tiles = (
+        cand.activation_checkpointing,
+        cand.ac_every_k,
+        cand.mlp_tiles,
+    )
     B, h = compute_bytes, model.hidden_size
     s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
     check_mlp_tiles(mlp_tiles, s)
@@ -265,7 +295,9 @@ def attention_kernel_bytes(work: Workload, cand: Candidate) -> float:
     copies and their gradients counted too)."""
     model, B = work.model, work.compute_bytes
     U, R = cand.ulysses_degree, cand.ring_degree
-    sq = work.seq_len / R * work.micro_batch_size  # after the all-to-all: the ring part, H / U heads; the largest
+    sq = (
+        work.seq_len / R * work.micro_batch_size
+    )  # after the all-to-all: the ring part, H / U heads; the largest
     # call is a ring step over the whole part
     hq, kv, d = model.num_heads / U, max(model.num_kv_heads, U) / U, model.head_dim
     rows = math.ceil(sq / 128) * 128
@@ -288,9 +320,19 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     groups of heads in turn, dividing the kernel's buffers (and on a ring its K/V, dK/dV and fp32
     accumulators) by it; ``compute_bytes`` is 2 for bf16 compute, 4 for an fp32 run. Host bytes:
     :func:`usp.plan.offload.host_memory`."""
-    model, seq_len, micro_batch_size, compute_bytes = work.model, work.seq_len, work.micro_batch_size, work.compute_bytes
+    model, seq_len, micro_batch_size, compute_bytes = (
+        work.model,
+        work.seq_len,
+        work.micro_batch_size,
+        work.compute_bytes,
+    )
     loss_chunk_size, overhead_frac = work.loss_chunk_size, work.overhead_frac
-    world_size, node_size, fsdp_mode, offload = cand.world_size, cand.node_size, cand.fsdp_mode, cand.states_on_host
+    world_size, node_size, fsdp_mode, offload = (
+        cand.world_size,
+        cand.node_size,
+        cand.fsdp_mode,
+        cand.states_on_host,
+    )
     activation_checkpointing, ac_every_k = cand.activation_checkpointing, cand.ac_every_k
     mlp_tiles, attn_head_chunks = cand.mlp_tiles, cand.attn_head_chunks
     ulysses_degree, ring_degree = cand.ulysses_degree, cand.ring_degree
@@ -322,9 +364,16 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     per_layer = activation_bytes_per_token_layer(model, U, B, tiled=tiled) * s
     n_ckpt = checkpointed_layers(L, activation_checkpointing, ac_every_k)
     held = held_activation_bytes(
-        model, seq_len=seq_len, ulysses_degree=U, ring_degree=R, activation_checkpointing=activation_checkpointing,
-        ac_every_k=ac_every_k, mlp_tiles=mlp_tiles, micro_batch_size=micro_batch_size, compute_bytes=B,
-    )  # fmt: skip
+        model,
+        seq_len=seq_len,
+        ulysses_degree=U,
+        ring_degree=R,
+        activation_checkpointing=activation_checkpointing,
+        ac_every_k=ac_every_k,
+        mlp_tiles=mlp_tiles,
+        micro_batch_size=micro_batch_size,
+        compute_bytes=B,
+    )
     # the top layer's backward comes first: its full activations (held, or recomputed from its checkpoint)
     # replace what it held; the layers below still hold theirs
     top_checkpointed = checkpointed_layers(L, activation_checkpointing, ac_every_k) > 0 and (
@@ -336,7 +385,9 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     else:
         top_held = top_full = 0.0
     # checkpoint offload: the input being copied out (forward) or prefetched (backward) and the one in use
-    in_flight = min(n_ckpt, OFFLOAD_DEVICE_CHECKPOINTS) * h * s * B if activation_checkpointing == "offload" else 0
+    in_flight = (
+        min(n_ckpt, OFFLOAD_DEVICE_CHECKPOINTS) * h * s * B if activation_checkpointing == "offload" else 0
+    )
     tile = mlp_bytes_per_token(model, B) * s / mlp_tiles if tiled else 0.0
     layer_acts = held["layers"] + held["rotary"]
 
@@ -373,7 +424,11 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     # peak 3, the bottom layer's backward: the layers above have freed their activations but left their fp32
     # gradient shards (on the device unless the states are offloaded); the bottom layer's full activations
     grads_above = 0.0 if offload else 4 * model.layer_params * (L - 1) / shard
-    bottom = held["rotary"] + per_layer - (h * B * s if tiled and n_ckpt and activation_checkpointing != "offload" else 0.0)
+    bottom = (
+        held["rotary"]
+        + per_layer
+        - (h * B * s if tiled and n_ckpt and activation_checkpointing != "offload" else 0.0)
+    )
     bottom += (h * B * s if n_ckpt and activation_checkpointing != "offload" else 0.0) + in_flight + tile
     peak_bottom = (states + grads_above, layer_gathers, bottom, workspace, 0.0)
     # peak 4, the root's reduce-scatter after the whole backward: every layer's fp32 gradient shard, the

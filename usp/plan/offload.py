@@ -50,7 +50,12 @@ def host_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
     shard = shard_degree(cand.world_size, cand.node_size, cand.fsdp_mode)
     states = offloaded_state_bytes(model, shard) if cand.states_on_host else 0.0
     rank = ckpt + states
-    return {"checkpoints": ckpt, "states": states, "rank": rank, "node": rank * min(cand.node_size, cand.world_size)}
+    return {
+        "checkpoints": ckpt,
+        "states": states,
+        "rank": rank,
+        "node": rank * min(cand.node_size, cand.world_size),
+    }
 
 
 def pinned_block_bytes(nbytes: float) -> float:
@@ -118,14 +123,29 @@ def offload_seconds(
 
 
 def _placement(
-    model: ModelSpec, *, seq_len: int, ulysses_degree: int, ring_degree: int, world_size: int, node_size: int,
-    fsdp_mode: str, activation_checkpointing: str, offload: bool, micro_batch_size: int, compute_bytes: int,
-) -> tuple[Workload, Candidate]:  # fmt: skip
+    model: ModelSpec,
+    *,
+    seq_len: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    world_size: int,
+    node_size: int,
+    fsdp_mode: str,
+    activation_checkpointing: str,
+    offload: bool,
+    micro_batch_size: int,
+    compute_bytes: int,
+) -> tuple[Workload, Candidate]:
     work = Workload(model, seq_len, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes)
     cand = Candidate(
-        ulysses_degree, ring_degree, world_size=world_size, node_size=node_size, fsdp_mode=fsdp_mode,
-        activation_checkpointing=activation_checkpointing, states="cpu_offload" if offload else "device",
-    )  # fmt: skip
+        ulysses_degree,
+        ring_degree,
+        world_size=world_size,
+        node_size=node_size,
+        fsdp_mode=fsdp_mode,
+        activation_checkpointing=activation_checkpointing,
+        states="cpu_offload" if offload else "device",
+    )
     return work, cand
 
 
@@ -144,11 +164,21 @@ def host_memory(
     compute_bytes: int = 2,
 ) -> dict[str, float]:
     """:func:`host_bytes` of this workload and layout; ``offload`` puts the sharded states on the host."""
-    return host_bytes(*_placement(
-        model, seq_len=seq_len, ulysses_degree=ulysses_degree, ring_degree=ring_degree, world_size=world_size,
-        node_size=node_size, fsdp_mode=fsdp_mode, activation_checkpointing=activation_checkpointing,
-        offload=offload, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes,
-    ))  # fmt: skip
+    return host_bytes(
+        *_placement(
+            model,
+            seq_len=seq_len,
+            ulysses_degree=ulysses_degree,
+            ring_degree=ring_degree,
+            world_size=world_size,
+            node_size=node_size,
+            fsdp_mode=fsdp_mode,
+            activation_checkpointing=activation_checkpointing,
+            offload=offload,
+            micro_batch_size=micro_batch_size,
+            compute_bytes=compute_bytes,
+        )
+    )
 
 
 def offload_time(
@@ -170,8 +200,16 @@ def offload_time(
 ) -> dict[str, float]:
     """:func:`offload_seconds` of this workload and layout."""
     work, cand = _placement(
-        model, seq_len=seq_len, ulysses_degree=ulysses_degree, ring_degree=ring_degree, world_size=world_size,
-        node_size=node_size, fsdp_mode=fsdp_mode, activation_checkpointing=activation_checkpointing,
-        offload=offload, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes,
-    )  # fmt: skip
+        model,
+        seq_len=seq_len,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        world_size=world_size,
+        node_size=node_size,
+        fsdp_mode=fsdp_mode,
+        activation_checkpointing=activation_checkpointing,
+        offload=offload,
+        micro_batch_size=micro_batch_size,
+        compute_bytes=compute_bytes,
+    )
     return offload_seconds(work, cand, device, layer_fwd_s=layer_fwd_s, layer_bwd_s=layer_bwd_s)

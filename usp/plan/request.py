@@ -42,8 +42,10 @@ def compute_bytes(dtype: str) -> int:
     prefixed names too). ``ValueError`` for anything else."""
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPE_BYTES:
-        raise ValueError(f"model.dtype={dtype!r} is not a compute dtype the planner knows; use one of "
-                         f"{sorted(_DTYPE_BYTES)}.")  # fmt: skip
+        raise ValueError(
+            f"model.dtype={dtype!r} is not a compute dtype the planner knows; use one of "
+            f"{sorted(_DTYPE_BYTES)}."
+        )
     return _DTYPE_BYTES[name]
 
 
@@ -86,13 +88,22 @@ class PlanRequest:
         """The request of a composed training config."""
         p, t = cfg.parallel, cfg.trainer
         return cls(
-            seq_len=t.seq_len, compute_bytes=compute_bytes(cfg.model.dtype), ring_layout=p.ring_layout,
-            loss_chunk_size=t.loss_chunk_size, grad_accum_steps=t.grad_accum_steps,
-            micro_batch_size=t.micro_batch_size, mlp_tiles=p.mlp_tiles, attn_head_chunks=p.attn_head_chunks,
-            states_on_host=states_on_host(cfg.optim.name, p.cpu_offload), host_mem_gib=cfg.cluster.host_mem_gib,
-            ulysses_degree=p.ulysses_degree, ring_degree=p.ring_degree, fsdp_mode=p.fsdp_mode,
-            activation_checkpointing=p.activation_checkpointing, ac_every_k=p.ac_every_k,
-        )  # fmt: skip
+            seq_len=t.seq_len,
+            compute_bytes=compute_bytes(cfg.model.dtype),
+            ring_layout=p.ring_layout,
+            loss_chunk_size=t.loss_chunk_size,
+            grad_accum_steps=t.grad_accum_steps,
+            micro_batch_size=t.micro_batch_size,
+            mlp_tiles=p.mlp_tiles,
+            attn_head_chunks=p.attn_head_chunks,
+            states_on_host=states_on_host(cfg.optim.name, p.cpu_offload),
+            host_mem_gib=cfg.cluster.host_mem_gib,
+            ulysses_degree=p.ulysses_degree,
+            ring_degree=p.ring_degree,
+            fsdp_mode=p.fsdp_mode,
+            activation_checkpointing=p.activation_checkpointing,
+            ac_every_k=p.ac_every_k,
+        )
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], **overrides: Any) -> PlanRequest:
@@ -107,11 +118,19 @@ class PlanRequest:
             "micro_batch_size": int(trainer.get("micro_batch_size", _TRAINER_DEFAULTS.micro_batch_size)),
             "states_on_host": states_on_host(
                 str((cfg.get("optim") or {}).get("name", "adamw")), bool(par.get("cpu_offload", False))
-            ),  # fmt: skip
+            ),
             "host_mem_gib": (cfg.get("cluster") or {}).get("host_mem_gib"),
         }
-        for name in ("ring_layout", "mlp_tiles", "attn_head_chunks", "ulysses_degree", "ring_degree", "fsdp_mode",
-                     "activation_checkpointing", "ac_every_k"):  # fmt: skip
+        for name in (
+            "ring_layout",
+            "mlp_tiles",
+            "attn_head_chunks",
+            "ulysses_degree",
+            "ring_degree",
+            "fsdp_mode",
+            "activation_checkpointing",
+            "ac_every_k",
+        ):
             if name in par:
                 values[name] = par[name]
         known = {f.name for f in fields(cls)}
@@ -124,11 +143,15 @@ class PlanRequest:
         user fixed: a degree that is not ``auto``; ``fsdp_mode`` and ``activation_checkpointing`` when they
         differ from the config's defaults (``full_shard``, ``none``: at the default the planner chooses)."""
         out: dict[str, Any] = {
-            "seq_len": self.seq_len, "compute_bytes": self.compute_bytes, "ring_layout": self.ring_layout,
-            "loss_chunk_size": self.loss_chunk_size, "mlp_tiles": self.mlp_tiles,
-            "attn_head_chunks": self.attn_head_chunks, "cpu_offload": self.states_on_host,
+            "seq_len": self.seq_len,
+            "compute_bytes": self.compute_bytes,
+            "ring_layout": self.ring_layout,
+            "loss_chunk_size": self.loss_chunk_size,
+            "mlp_tiles": self.mlp_tiles,
+            "attn_head_chunks": self.attn_head_chunks,
+            "cpu_offload": self.states_on_host,
             "host_mem_gib": self.host_mem_gib,
-        }  # fmt: skip
+        }
         for name in ("ulysses_degree", "ring_degree"):
             value = getattr(self, name)
             if value != "auto":
@@ -141,12 +164,23 @@ class PlanRequest:
         return out
 
     def plan_auto(
-        self, model_config: dict[str, Any], *, world_size: int, node_size: int, gpu: str,
+        self,
+        model_config: dict[str, Any],
+        *,
+        world_size: int,
+        node_size: int,
+        gpu: str,
         memory_gib: float | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """:func:`usp.plan.auto_degrees` for this request (``ValueError`` when no layout fits)."""
-        return auto_degrees(model_config, world_size=world_size, node_size=node_size, gpu=gpu, memory_gib=memory_gib,
-                            **self.auto_constraints())  # fmt: skip
+        return auto_degrees(
+            model_config,
+            world_size=world_size,
+            node_size=node_size,
+            gpu=gpu,
+            memory_gib=memory_gib,
+            **self.auto_constraints(),
+        )
 
     def device(self, gpu: str, memory_gib: float | None = None) -> DeviceSpec:
         """``cluster.gpu``'s :class:`~usp.plan.hardware.DeviceSpec` with ``cluster.memory_gib`` and this request's
@@ -154,9 +188,15 @@ class PlanRequest:
         return get_device(gpu, memory_gib=memory_gib, host_mem_gib=self.host_mem_gib)
 
     def evaluate(
-        self, model: ModelSpec, device: DeviceSpec, *, world_size: int, node_size: int, mlp_tiles: int,
+        self,
+        model: ModelSpec,
+        device: DeviceSpec,
+        *,
+        world_size: int,
+        node_size: int,
+        mlp_tiles: int,
         global_batch: int | None = None,
-    ) -> LayoutEstimate:  # fmt: skip
+    ) -> LayoutEstimate:
         """:func:`usp.plan.evaluate_layout` of this request's fixed layout on ``device`` (:meth:`device`); ``mlp_tiles``: the resolved tile count
         (the trainer's rule resolves ``auto`` for fixed degrees). ``global_batch`` (sequences per optimizer
         step) defaults to dp x ``micro_batch_size`` x ``grad_accum_steps``: the figure ``usp-plan --global-batch``
@@ -167,13 +207,24 @@ class PlanRequest:
         if global_batch is None:
             global_batch = max(1, world_size // (U * R)) * self.micro_batch_size * self.grad_accum_steps
         return evaluate_layout(
-            model, device, seq_len=self.seq_len, ulysses_degree=U,
-            ring_degree=R, world_size=world_size, node_size=node_size, fsdp_mode=self.fsdp_mode,
-            activation_checkpointing=self.activation_checkpointing, ac_every_k=self.ac_every_k,
-            global_batch=global_batch, ring_layout=self.ring_layout, loss_chunk_size=self.loss_chunk_size,
-            offload=self.states_on_host, compute_bytes=self.compute_bytes, mlp_tiles=mlp_tiles,
+            model,
+            device,
+            seq_len=self.seq_len,
+            ulysses_degree=U,
+            ring_degree=R,
+            world_size=world_size,
+            node_size=node_size,
+            fsdp_mode=self.fsdp_mode,
+            activation_checkpointing=self.activation_checkpointing,
+            ac_every_k=self.ac_every_k,
+            global_batch=global_batch,
+            ring_layout=self.ring_layout,
+            loss_chunk_size=self.loss_chunk_size,
+            offload=self.states_on_host,
+            compute_bytes=self.compute_bytes,
+            mlp_tiles=mlp_tiles,
             attn_head_chunks=int(self.attn_head_chunks),
-        )  # fmt: skip
+        )
 
 
 __all__ = ["PlanRequest", "compute_bytes"]

@@ -63,14 +63,28 @@ def evaluate_layout(
     free device memory the fit requires (default :attr:`DeviceSpec.default_headroom_gib`);
     ``attn_head_chunks``: ``parallel.attn_head_chunks`` (:func:`head_chunk_candidates`)."""
     work = Workload(
-        model, seq_len, global_batch=global_batch, compute_bytes=compute_bytes, loss_chunk_size=loss_chunk_size,
-        ring_layout=ring_layout, documents=documents, overhead_frac=overhead_frac, headroom_gib=headroom_gib,
-    )  # fmt: skip
+        model,
+        seq_len,
+        global_batch=global_batch,
+        compute_bytes=compute_bytes,
+        loss_chunk_size=loss_chunk_size,
+        ring_layout=ring_layout,
+        documents=documents,
+        overhead_frac=overhead_frac,
+        headroom_gib=headroom_gib,
+    )
     cand = Candidate(
-        ulysses_degree, ring_degree, world_size=world_size, node_size=node_size, fsdp_mode=fsdp_mode,
-        activation_checkpointing=activation_checkpointing, ac_every_k=ac_every_k, mlp_tiles=mlp_tiles,
-        attn_head_chunks=attn_head_chunks, states="cpu_offload" if offload else "device",
-    )  # fmt: skip
+        ulysses_degree,
+        ring_degree,
+        world_size=world_size,
+        node_size=node_size,
+        fsdp_mode=fsdp_mode,
+        activation_checkpointing=activation_checkpointing,
+        ac_every_k=ac_every_k,
+        mlp_tiles=mlp_tiles,
+        attn_head_chunks=attn_head_chunks,
+        states="cpu_offload" if offload else "device",
+    )
     return estimate_layout(work, cand, device)
 
 
@@ -104,19 +118,38 @@ def enumerate_layouts(
     if states is None:
         states = ("cpu_offload",) if offload else ("device",)
     work = Workload(
-        model, seq_len, global_batch=global_batch, compute_bytes=compute_bytes, loss_chunk_size=loss_chunk_size,
-        ring_layout=ring_layout, documents=documents, overhead_frac=overhead_frac, headroom_gib=headroom_gib,
-    )  # fmt: skip
+        model,
+        seq_len,
+        global_batch=global_batch,
+        compute_bytes=compute_bytes,
+        loss_chunk_size=loss_chunk_size,
+        ring_layout=ring_layout,
+        documents=documents,
+        overhead_frac=overhead_frac,
+        headroom_gib=headroom_gib,
+    )
     space = SearchSpace(
-        world_size, node_size, ulysses_degree=ulysses_degree, ring_degree=ring_degree, fsdp_modes=fsdp_modes,
-        ac_modes=ac_modes, ac_every_k=ac_every_k, mlp_tiles=mlp_tiles, attn_head_chunks=attn_head_chunks,
+        world_size,
+        node_size,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        fsdp_modes=fsdp_modes,
+        ac_modes=ac_modes,
+        ac_every_k=ac_every_k,
+        mlp_tiles=mlp_tiles,
+        attn_head_chunks=attn_head_chunks,
         states=states,
-    )  # fmt: skip
+    )
     return enumerate_candidates(work, space, device)
 
 
 def _check_search(work: Workload, space: SearchSpace) -> None:
-    seq_len, world_size, node_size, global_batch = work.seq_len, space.world_size, space.node_size, work.global_batch
+    seq_len, world_size, node_size, global_batch = (
+        work.seq_len,
+        space.world_size,
+        space.node_size,
+        work.global_batch,
+    )
     if seq_len < 1:
         raise ValueError(f"--seq-len={seq_len} must be >= 1.")
     if world_size < 1 or node_size < 1:
@@ -177,14 +210,28 @@ def plan_layouts(
     Raises :class:`NoFeasibleLayoutError` (a ``ValueError``) saying why nothing fits and what would.
     """
     work = Workload(
-        model, seq_len, global_batch=global_batch, compute_bytes=compute_bytes, loss_chunk_size=loss_chunk_size,
-        ring_layout=ring_layout, documents=documents, overhead_frac=overhead_frac, headroom_gib=headroom_gib,
-    )  # fmt: skip
+        model,
+        seq_len,
+        global_batch=global_batch,
+        compute_bytes=compute_bytes,
+        loss_chunk_size=loss_chunk_size,
+        ring_layout=ring_layout,
+        documents=documents,
+        overhead_frac=overhead_frac,
+        headroom_gib=headroom_gib,
+    )
     space = SearchSpace(
-        world_size, node_size, ulysses_degree=ulysses_degree, ring_degree=ring_degree, fsdp_modes=fsdp_modes,
-        ac_modes=ac_modes, ac_every_k=ac_every_k, mlp_tiles=mlp_tiles, attn_head_chunks=attn_head_chunks,
+        world_size,
+        node_size,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        fsdp_modes=fsdp_modes,
+        ac_modes=ac_modes,
+        ac_every_k=ac_every_k,
+        mlp_tiles=mlp_tiles,
+        attn_head_chunks=attn_head_chunks,
         states=("device",) if states is None else states,
-    )  # fmt: skip
+    )
     return search_layouts(work, space, device)
 
 

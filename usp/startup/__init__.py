@@ -15,4 +15,10 @@ from usp.startup.checks import check_model_for_degrees
 from usp.startup.degrees import ResolvedDegrees, build_mesh, resolve_degrees
 from usp.startup.shell import run_in_process_group
 
-__all__ = ["ResolvedDegrees", "build_mesh", "check_model_for_degrees", "resolve_degrees", "run_in_process_group"]
+__all__ = [
+    "ResolvedDegrees",
+    "build_mesh",
+    "check_model_for_degrees",
+    "resolve_degrees",
+    "run_in_process_group",
+]

@@ -48,7 +48,9 @@ class ResolvedDegrees:
     reason: str = "set in the config"
 
 
-def resolve_degrees(cfg: TrainConfig, model_config: Any, world_size: int, device: torch.device) -> ResolvedDegrees:
+def resolve_degrees(
+    cfg: TrainConfig, model_config: Any, world_size: int, device: torch.device
+) -> ResolvedDegrees:
     """``cfg.parallel`` -> the run's :class:`ResolvedDegrees` (``ValueError`` naming the setting and the fix).
 
     With ``auto`` the planner keeps what the user fixed (:meth:`usp.plan.request.PlanRequest.auto_constraints`,
@@ -61,29 +63,42 @@ def resolve_degrees(cfg: TrainConfig, model_config: Any, world_size: int, device
     p = cfg.parallel
     node_size = resolve_node_size(p.node_size, world_size)
     chosen: dict[str, Any] = {
-        "ulysses_degree": p.ulysses_degree, "ring_degree": p.ring_degree, "dp_degree": p.dp_degree,
-        "fsdp_mode": p.fsdp_mode, "activation_checkpointing": p.activation_checkpointing, "ac_every_k": p.ac_every_k,
+        "ulysses_degree": p.ulysses_degree,
+        "ring_degree": p.ring_degree,
+        "dp_degree": p.dp_degree,
+        "fsdp_mode": p.fsdp_mode,
+        "activation_checkpointing": p.activation_checkpointing,
+        "ac_every_k": p.ac_every_k,
         "attn_head_chunks": p.attn_head_chunks,
-    }  # fmt: skip
+    }
     reason, planned_tiles = "set in the config", None
     if "auto" in (p.ulysses_degree, p.ring_degree):
         gpu = cfg.cluster.gpu if device.type == "cuda" else "cpu"
         plan = PlanRequest.from_config(cfg).plan_auto(
-            model_config.to_dict(), world_size=world_size, node_size=node_size, gpu=gpu,
+            model_config.to_dict(),
+            world_size=world_size,
+            node_size=node_size,
+            gpu=gpu,
             memory_gib=cfg.cluster.memory_gib,
-        )  # fmt: skip
+        )
         chosen.update((k, v) for k, v in plan.items() if k in chosen)
         reason, planned_tiles = f"planner: {plan.get('reason', '')}", plan.get("mlp_tiles")  # tiles: if auto
     dims = ParallelDims(
-        world_size=world_size, ulysses_degree=chosen["ulysses_degree"], ring_degree=chosen["ring_degree"],
-        dp_degree=chosen["dp_degree"], node_size=node_size, allow_cross_node_ulysses=p.allow_cross_node_ulysses,
-    )  # fmt: skip
+        world_size=world_size,
+        ulysses_degree=chosen["ulysses_degree"],
+        ring_degree=chosen["ring_degree"],
+        dp_degree=chosen["dp_degree"],
+        node_size=node_size,
+        allow_cross_node_ulysses=p.allow_cross_node_ulysses,
+    )
     check_sequence_length(cfg.trainer.seq_len, dims.ring_degree, dims.ulysses_degree, p.ring_layout)
     if planned_tiles is not None:  # the planner's choice for mlp_tiles=auto, as it planned it
         mlp_tiles = int(planned_tiles)
     else:
         local_tokens = cfg.trainer.seq_len // dims.sp_degree
-        mlp_tiles = resolve_mlp_tiles(p.mlp_tiles, local_tokens=local_tokens, hidden_size=model_config.hidden_size)
+        mlp_tiles = resolve_mlp_tiles(
+            p.mlp_tiles, local_tokens=local_tokens, hidden_size=model_config.hidden_size
+        )
     return ResolvedDegrees(
         ulysses_degree=dims.ulysses_degree,
         ring_degree=dims.ring_degree,
@@ -102,7 +117,12 @@ def build_mesh(cfg: TrainConfig, degrees: ResolvedDegrees, device: torch.device)
     """The run's :class:`usp.parallel.SPMesh` for ``degrees`` (collective: every rank), with
     ``parallel.ring_layout``, ``parallel.allow_cross_node_ulysses`` and ``parallel.timeout_minutes``."""
     return init_sp_mesh(
-        degrees.ulysses_degree, degrees.ring_degree, dp_degree=degrees.dp_degree, node_size=degrees.node_size,
-        ring_layout=cfg.parallel.ring_layout, allow_cross_node_ulysses=cfg.parallel.allow_cross_node_ulysses,
-        device_type=device.type, timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
-    )  # fmt: skip
+        degrees.ulysses_degree,
+        degrees.ring_degree,
+        dp_degree=degrees.dp_degree,
+        node_size=degrees.node_size,
+        ring_layout=cfg.parallel.ring_layout,
+        allow_cross_node_ulysses=cfg.parallel.allow_cross_node_ulysses,
+        device_type=device.type,
+        timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
+    )

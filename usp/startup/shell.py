@@ -15,7 +15,10 @@ T = TypeVar("T")
 
 
 def run_in_process_group(
-    cfg: TrainConfig, job: Callable[[TrainConfig, torch.device], T], *, cpu_offload: Callable[[torch.device], bool] | None = None
+    cfg: TrainConfig,
+    job: Callable[[TrainConfig, torch.device], T],
+    *,
+    cpu_offload: Callable[[torch.device], bool] | None = None,
 ) -> T:
     """``job(cfg, device)`` on ``trainer.device`` inside a process group (:func:`usp.parallel.process_group.init_distributed`:
     reuse an initialized one, else the launcher's, else a one-process world; ``parallel.backend``,
@@ -24,9 +27,11 @@ def run_in_process_group(
     backend then also needs a CPU path)."""
     device = resolve_device(cfg.trainer.device)
     created = init_distributed(
-        device, cfg.parallel.backend, timeout_minutes=cfg.parallel.timeout_minutes,
+        device,
+        cfg.parallel.backend,
+        timeout_minutes=cfg.parallel.timeout_minutes,
         cpu_offload=bool(cpu_offload(device)) if cpu_offload is not None else False,
-    )  # fmt: skip
+    )
     try:
         return job(cfg, device)
     finally:

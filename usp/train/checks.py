@@ -54,8 +54,10 @@ def build_tiny_if_asked(cfg: TrainConfig, rank: int) -> None:
                 "model.path=%s is your checkpoint, but model.build_tiny=true (recipe=tiny or model=tiny): the tiny "
                 "recipe's optimizer (optim.lr=%g, optim.warmup_steps=%d) is meant for a random model and will "
                 "damage a trained one; use model=hf optim=finetune (docs/training.md).",
-                path, cfg.optim.lr, cfg.optim.warmup_steps,
-            )  # fmt: skip
+                path,
+                cfg.optim.lr,
+                cfg.optim.warmup_steps,
+            )
         return
     if rank == 0 and not (path / "config.json").exists():
         from usp.tiny import build_tiny_llama
@@ -70,21 +72,28 @@ def fsdp_cpu_offload(cfg: TrainConfig, device: torch.device) -> bool:
     return device.type == "cuda" and states_on_host(cfg.optim.name, cfg.parallel.cpu_offload)
 
 
-def _check_memory_tricks(cfg: TrainConfig, model_config: Any, layout: ResolvedDegrees, world_size: int) -> None:
+def _check_memory_tricks(
+    cfg: TrainConfig, model_config: Any, layout: ResolvedDegrees, world_size: int
+) -> None:
     """The resolved MLP tiles need DeepSpeed; the head chunks must split the heads per rank; the host memory
     that ``activation_checkpointing=offload`` takes on a node must be there (``ValueError`` naming the setting)."""
     check_tiling_available(layout.mlp_tiles)
     hq = model_config.num_attention_heads
     check_attn_head_chunks(
-        layout.attn_head_chunks, hq, getattr(model_config, "num_key_value_heads", None) or hq, layout.ulysses_degree
+        layout.attn_head_chunks,
+        hq,
+        getattr(model_config, "num_key_value_heads", None) or hq,
+        layout.ulysses_degree,
     )
     if layout.activation_checkpointing == "offload":
         local_tokens = cfg.trainer.seq_len // (layout.ulysses_degree * layout.ring_degree)
         check_host_memory(
-            num_layers=model_config.num_hidden_layers, local_tokens=local_tokens * cfg.trainer.micro_batch_size,
-            hidden_size=model_config.hidden_size, compute_bytes=parse_dtype(cfg.model.dtype).itemsize,
+            num_layers=model_config.num_hidden_layers,
+            local_tokens=local_tokens * cfg.trainer.micro_batch_size,
+            hidden_size=model_config.hidden_size,
+            compute_bytes=parse_dtype(cfg.model.dtype).itemsize,
             ranks_per_node=min(layout.node_size, world_size),
-        )  # fmt: skip
+        )
 
 
 def _check_trainer(cfg: TrainConfig) -> None:
@@ -134,7 +143,9 @@ def start_up_warnings(cfg: TrainConfig) -> list[str]:
     return out
 
 
-def check_training_run(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[Any, ResolvedDegrees]:
+def check_training_run(
+    cfg: TrainConfig, world_size: int, device: torch.device
+) -> tuple[Any, ResolvedDegrees]:
     """Every check that needs no weights, data or collectives; returns ``(model_config, degrees)``.
 
     Called once per run, on every rank, before anything expensive. Reads ``cfg``, never changes it. Raises
@@ -143,12 +154,16 @@ def check_training_run(cfg: TrainConfig, world_size: int, device: torch.device) 
     validate_choices(cfg)  # the config's own rules (the entry point ran them too; a direct run() had not)
     model_config = check_model_dir(cfg.model.path)
     apply_rope_overrides(  # the RoPE the run will train with: the planner and the checks below see it
-        model_config, rope_theta=cfg.model.rope_theta, rope_scaling=cfg.model.rope_scaling,
+        model_config,
+        rope_theta=cfg.model.rope_theta,
+        rope_scaling=cfg.model.rope_scaling,
         max_position_embeddings=cfg.model.max_position_embeddings,
-    )  # fmt: skip
+    )
     compute_dtype = parse_dtype(cfg.model.dtype, "model.dtype")
     try:
-        resolve_backend(cfg.model.attention_backend, device, compute_dtype, head_dim=head_dim_of(model_config))
+        resolve_backend(
+            cfg.model.attention_backend, device, compute_dtype, head_dim=head_dim_of(model_config)
+        )
     except ValueError as e:
         raise ValueError(f"model.attention_backend={cfg.model.attention_backend!r}: {e}") from e
     _check_trainer(cfg)

@@ -46,7 +46,9 @@ def _check_out_dir(out_dir: Path) -> None:
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
-        raise ValueError(f"export out_dir={str(out_dir)!r} is a file. Choose a directory path for the HF export.")
+        raise ValueError(
+            f"export out_dir={str(out_dir)!r} is a file. Choose a directory path for the HF export."
+        )
     if any(out_dir.iterdir()) and not (out_dir / EXPORT_MARKER).is_file():
         raise ValueError(
             f"export out_dir={str(out_dir)!r} exists, is not empty and is not an earlier usp export; refusing to "
@@ -59,7 +61,10 @@ def _tied_output_key(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
     config = getattr(model, "config", None)
     if not getattr(config, "tie_word_embeddings", False):
         return None
-    get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    get_out, get_in = (
+        getattr(model, "get_output_embeddings", None),
+        getattr(model, "get_input_embeddings", None),
+    )
     if get_out is None or get_in is None or get_out() is None:
         return None
     names = {id(m): n for n, m in model.named_modules()}
@@ -69,7 +74,9 @@ def _tied_output_key(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
 
 def _plain_config(model: torch.nn.Module, dtype: torch.dtype | None) -> Any:
     config = copy.deepcopy(model.config)
-    for cfg in [config] + [getattr(config, k) for k in ("text_config", "vision_config") if hasattr(config, k)]:
+    for cfg in [config] + [
+        getattr(config, k) for k in ("text_config", "vision_config") if hasattr(config, k)
+    ]:
         try:
             cfg._attn_implementation = SAFE_ATTENTION
         except (AttributeError, ValueError):  # a custom implementation may be unknown here; scrubbed below
@@ -106,7 +113,11 @@ def _scrub_attention(config_json: Path) -> None:
 
 
 def _write_files(
-    tmp: Path, tensors: dict[str, torch.Tensor], model: Any, saved_dtype: torch.dtype | None, tokenizer: Any,
+    tmp: Path,
+    tensors: dict[str, torch.Tensor],
+    model: Any,
+    saved_dtype: torch.dtype | None,
+    tokenizer: Any,
     max_shard_size: int | str,
 ) -> None:
     """Fill the (empty) directory ``tmp`` with the export: weights, config, generation config, tokenizer, marker."""
@@ -155,15 +166,21 @@ def export_hf(
             drop = _tied_output_key(model, state_dict)
             if drop is not None:
                 del state_dict[drop]
-            tensors = state_dict  # cast entry by entry, in place: peak is one copy plus one tensor, not two copies
+            tensors = (
+                state_dict  # cast entry by entry, in place: peak is one copy plus one tensor, not two copies
+            )
             for k in list(tensors):
                 v = tensors[k].detach().cpu()
                 tensors[k] = v.to(dtype) if dtype is not None and v.is_floating_point() else v
                 del v  # the fp32 original is freed as soon as its entry is replaced
             dtypes = {v.dtype for v in tensors.values() if v.is_floating_point()}
             saved_dtype = dtypes.pop() if len(dtypes) == 1 else None
-            write_dir(out_dir, lambda tmp: _write_files(tmp, tensors, model, saved_dtype, tokenizer, max_shard_size),
-                      tag=TMP_TAG, unique=False)  # fmt: skip
+            write_dir(
+                out_dir,
+                lambda tmp: _write_files(tmp, tensors, model, saved_dtype, tokenizer, max_shard_size),
+                tag=TMP_TAG,
+                unique=False,
+            )
         except Exception as e:  # noqa: BLE001 - reported to every rank
             error = e
     raise_if_any_failed(error, f"exporting the Hugging Face checkpoint to {out_dir}")

@@ -55,7 +55,9 @@ class StepGuard:
         self._history: collections.deque[float] = collections.deque(maxlen=SPIKE_WINDOW)
         self._last: tuple[int, float, float] = (0, 0.0, 0.0)
 
-    def update(self, step: int, *, loss: float, grad_norm: float, skipped: bool, no_targets: bool = False) -> None:
+    def update(
+        self, step: int, *, loss: float, grad_norm: float, skipped: bool, no_targets: bool = False
+    ) -> None:
         """Record optimizer step ``step`` (1-based): count and log a skipped step, or watch for a spike. Call
         :meth:`stop_if_exhausted` once the step is logged. A step skipped for having no target token
         (``no_targets``) counts in :attr:`total` but not towards ``max_bad_steps`` (nothing went non-finite)."""
@@ -66,8 +68,10 @@ class StepGuard:
             logger.warning(
                 "step %d: no target token in the whole step (every rank, every micro-batch): optimizer step skipped "
                 "(%d such steps, %d skipped in this run); check data.loss_on and the conversations' lengths",
-                step, self.no_target_steps, self.total,
-            )  # fmt: skip
+                step,
+                self.no_target_steps,
+                self.total,
+            )
             return
         if skipped:
             self.consecutive += 1
@@ -75,8 +79,13 @@ class StepGuard:
             logger.warning(
                 "step %d: loss %s, gradient norm %s: not finite, optimizer step skipped (%d in a row, "
                 "trainer.max_bad_steps=%d; %d skipped in this run)",
-                step, loss, grad_norm, self.consecutive, self.max_bad_steps, self.total,
-            )  # fmt: skip
+                step,
+                loss,
+                grad_norm,
+                self.consecutive,
+                self.max_bad_steps,
+                self.total,
+            )
             return
         self.consecutive = 0
         if self.spike_factor > 0 and len(self._history) >= SPIKE_MIN_HISTORY:
@@ -86,8 +95,13 @@ class StepGuard:
                 logger.warning(
                     "step %d: loss spike: %.4f is %.1fx the median %.4f of the last %d steps "
                     "(trainer.loss_spike_factor=%g)",
-                    step, loss, loss / median, median, len(self._history), self.spike_factor,
-                )  # fmt: skip
+                    step,
+                    loss,
+                    loss / median,
+                    median,
+                    len(self._history),
+                    self.spike_factor,
+                )
         if math.isfinite(loss):
             self._history.append(loss)
 

@@ -73,14 +73,18 @@ def chunked_cross_entropy_sum(
     only ``hidden`` is kept for backward (:class:`usp.train.tiling.DeferrableNorm`).
     """
     if chunk_size < 1:
-        raise ValueError(f"trainer.loss_chunk_size={chunk_size} must be >= 1 (tokens per cross-entropy chunk).")
+        raise ValueError(
+            f"trainer.loss_chunk_size={chunk_size} must be >= 1 (tokens per cross-entropy chunk)."
+        )
     assert hidden.shape[:-1] == labels.shape, f"hidden {tuple(hidden.shape)} vs labels {tuple(labels.shape)}"
     h = hidden.reshape(-1, hidden.size(-1))  # [B*S, H]
     y = labels.reshape(-1)  # [B*S]
     total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for start in range(0, h.size(0), chunk_size):
         end = min(start + chunk_size, h.size(0))
-        total = total + checkpoint(_chunk_ce_sum, h[start:end], weight, bias, y[start:end], norm, use_reentrant=False)
+        total = total + checkpoint(
+            _chunk_ce_sum, h[start:end], weight, bias, y[start:end], norm, use_reentrant=False
+        )
     return total
 
 
@@ -89,7 +93,9 @@ def count_targets(labels: torch.Tensor) -> int:
     return int((labels != IGNORE_INDEX).sum().item())
 
 
-def global_target_count(local_count: int, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> int:
+def global_target_count(
+    local_count: int, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
+) -> int:
     """Sum of ``local_count`` over ``group`` (every rank of the job: dp x ring x ulysses); one all_reduce."""
     t = torch.tensor([local_count], dtype=torch.int64, device=device)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -110,7 +116,9 @@ class ChunkedCausalLMLoss(nn.Module):
     def __init__(self, model: PreTrainedModel, *, chunk_size: int):
         super().__init__()
         if chunk_size < 1:
-            raise ValueError(f"trainer.loss_chunk_size={chunk_size} must be >= 1 (tokens per cross-entropy chunk).")
+            raise ValueError(
+                f"trainer.loss_chunk_size={chunk_size} must be >= 1 (tokens per cross-entropy chunk)."
+            )
         self.model = model
         self.chunk_size = chunk_size
 
@@ -135,6 +143,12 @@ class ChunkedCausalLMLoss(nn.Module):
             out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         hidden = out.last_hidden_state  # [B, S_local, H], after the final norm (before it when deferred)
         head = self.model.get_output_embeddings()
-        loss_sum = chunked_cross_entropy_sum(hidden, head.weight, labels, chunk_size=self.chunk_size, bias=head.bias,
-                                             norm=None if final_norm is None else final_norm.norm)  # fmt: skip
+        loss_sum = chunked_cross_entropy_sum(
+            hidden,
+            head.weight,
+            labels,
+            chunk_size=self.chunk_size,
+            bias=head.bias,
+            norm=None if final_norm is None else final_norm.norm,
+        )
         return loss_sum / num_targets

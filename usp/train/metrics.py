@@ -116,7 +116,9 @@ class MetricsLogger:
         if start_step is not None:
             dropped = drop_records_after(self.path, start_step)
             if dropped:
-                logger.info("metrics.jsonl: dropped %d record(s) after step %d (resumed there)", dropped, start_step)
+                logger.info(
+                    "metrics.jsonl: dropped %d record(s) after step %d (resumed there)", dropped, start_step
+                )
         write_text(self.run_dir / "layout.json", json.dumps(layout, indent=2, default=str) + "\n")
         if wandb_cfg.mode != "disabled":
             self._wandb = init_wandb(wandb_cfg, self.run_dir, config, layout)
@@ -167,7 +169,10 @@ class MetricsLogger:
             **(
                 {}
                 if trained_tokens is None
-                else {"trained_tokens": int(trained_tokens), "trained_tokens_per_s": trained_tokens / step_time_s}
+                else {
+                    "trained_tokens": int(trained_tokens),
+                    "trained_tokens_per_s": trained_tokens / step_time_s,
+                }
             ),
             "tflops_per_gpu": flops_per_gpu_s / 1e12,
             "mfu": step_mfu,
@@ -196,10 +201,18 @@ class MetricsLogger:
             logger.info(
                 "step %d/%d loss %.4f grad_norm %.3f lr %.3g | %.0f tok/s (%.0f /gpu) %.2f TFLOP/s/gpu MFU %.1f%% "
                 "| %.3f s/step, peak %.2f GiB",
-                record["step"], self.total_steps, record["loss"], record["grad_norm"], record["lr"],
-                record["tokens_per_s"], record["tokens_per_s_per_gpu"], record["tflops_per_gpu"],
-                100 * record["mfu"], record["step_time_s"], record["peak_mem_gib"],
-            )  # fmt: skip
+                record["step"],
+                self.total_steps,
+                record["loss"],
+                record["grad_norm"],
+                record["lr"],
+                record["tokens_per_s"],
+                record["tokens_per_s_per_gpu"],
+                record["tflops_per_gpu"],
+                100 * record["mfu"],
+                record["step_time_s"],
+                record["peak_mem_gib"],
+            )
         return record
 
     def close(self) -> None:

@@ -44,7 +44,17 @@ GIB = 1024**3
 class _Packed:
     """A layer input parked in host memory (what the saved-tensor pack hook returns)."""
 
-    __slots__ = ("__weakref__", "store", "layer", "index", "host", "slot_gen", "device_copy", "ready", "dtype")
+    __slots__ = (
+        "__weakref__",
+        "store",
+        "layer",
+        "index",
+        "host",
+        "slot_gen",
+        "device_copy",
+        "ready",
+        "dtype",
+    )
 
     def __init__(self, store: HostCheckpointStore, layer: int, index: int, host: torch.Tensor, slot_gen: int):
         self.store, self.layer, self.index, self.host, self.slot_gen = store, layer, index, host, slot_gen
@@ -114,7 +124,9 @@ class HostCheckpointStore:
             cudart = torch.cuda.cudart()
             err = cudart.cudaHostRegister(ptr, nbytes, 0)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of the {nbytes / GIB:.2f} GiB offload arena failed ({err})")
+                raise RuntimeError(
+                    f"cudaHostRegister of the {nbytes / GIB:.2f} GiB offload arena failed ({err})"
+                )
             weakref.finalize(arena, cudart.cudaHostUnregister, ptr)  # slots are views: they keep it alive
         return arena
 
@@ -165,7 +177,9 @@ class HostCheckpointStore:
             current.wait_event(packed.ready)
             t.record_stream(current)
         self._live.pop(packed.index, None)
-        previous = self._live.get(packed.index - 1)  # backward walks the layers in reverse: fetch the next one
+        previous = self._live.get(
+            packed.index - 1
+        )  # backward walks the layers in reverse: fetch the next one
         previous = previous() if previous is not None else None
         if previous is not None:
             self._fetch(previous)
@@ -222,9 +236,14 @@ def available_host_bytes() -> int:
 
 
 def check_host_memory(
-    *, num_layers: int, local_tokens: int, hidden_size: int, compute_bytes: int, ranks_per_node: int,
+    *,
+    num_layers: int,
+    local_tokens: int,
+    hidden_size: int,
+    compute_bytes: int,
+    ranks_per_node: int,
     available_bytes: int | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """``ValueError`` when the node's offload slots (every rank on it) exceed its available host memory.
 
     Returns the bytes the node needs. Call before building the model (no tensors are allocated here).

@@ -27,16 +27,20 @@ from usp.train.deepspeed_parts import import_deepspeed_part
 
 def _import_cpu_adam() -> type:
     return import_deepspeed_part(
-        "deepspeed.ops.adam", "DeepSpeedCPUAdam", setting="optim.name=deepspeed_cpu_adam",
+        "deepspeed.ops.adam",
+        "DeepSpeedCPUAdam",
+        setting="optim.name=deepspeed_cpu_adam",
         alternative="optim.name=adamw_cpu_offload (torch's fused AdamW on the host)",
-    )  # fmt: skip
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def sharded_cpu_adam(groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+def sharded_cpu_adam(
+    groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float
+) -> torch.optim.Optimizer:
     """DeepSpeed's ``DeepSpeedCPUAdam`` (AdamW mode) over FSDP2's sharded DTensor parameters on the host.
 
     DeepSpeed's ``step`` hands ``p.data`` to its C++ op, which needs plain tensors; this subclass passes each
@@ -70,10 +74,19 @@ def sharded_cpu_adam(groups: list[dict], *, lr: float, betas: tuple[float, float
                         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                     state["step"] += 1
                     self.ds_opt_adam.adam_update(
-                        self.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                        group["bias_correction"], _local(p), _local(p.grad), _local(state["exp_avg"]),
+                        self.opt_id,
+                        state["step"],
+                        group["lr"],
+                        beta1,
+                        beta2,
+                        group["eps"],
+                        group["weight_decay"],
+                        group["bias_correction"],
+                        _local(p),
+                        _local(p.grad),
+                        _local(state["exp_avg"]),
                         _local(state["exp_avg_sq"]),
-                    )  # fmt: skip
+                    )
             return loss
 
     return ShardedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)

@@ -49,7 +49,11 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
 
 
 def apply_activation_checkpointing(
-    layers: Iterable[nn.Module], mode: str, every_k: int = 2, *, offload_store: HostCheckpointStore | None = None
+    layers: Iterable[nn.Module],
+    mode: str,
+    every_k: int = 2,
+    *,
+    offload_store: HostCheckpointStore | None = None,
 ) -> int:
     """Recompute the chosen decoder layers in backward; returns how many layers were marked.
 
@@ -157,6 +161,11 @@ def parallelize(
     else:
         device_mesh = mesh.fsdp_mesh
     apply_fsdp(
-        loss_model, layers, device_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload
+        loss_model,
+        layers,
+        device_mesh,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        cpu_offload=cpu_offload,
     )
     return loss_model

@@ -81,8 +81,11 @@ def newest_intact_checkpoint(ckpt_root: Path, *, set_aside: bool = False) -> Pat
 
     intact, skipped = find_intact_checkpoint(ckpt_root)
     if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
-        logger.warning("trainer.resume=auto: skipped %d checkpoint(s) that fail verification: %s",
-                       len(skipped), describe_skipped(skipped))  # fmt: skip
+        logger.warning(
+            "trainer.resume=auto: skipped %d checkpoint(s) that fail verification: %s",
+            len(skipped),
+            describe_skipped(skipped),
+        )
     if intact is None and skipped:
         raise ValueError(
             f"trainer.resume=auto: no checkpoint under {ckpt_root} verifies ({describe_skipped(skipped)}). "

@@ -21,7 +21,13 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "numpy": (
+            str(name),
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ),
     }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)

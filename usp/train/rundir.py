@@ -43,9 +43,19 @@ LAUNCH_NAMES: frozenset[str] = frozenset({".hydra", "usp-train.log", LOCK_FILE})
 """What may be in a run dir before the trainer starts: Hydra's output dir and job log (rank 0 writes them
 before ``run``), and the lock file."""
 USP_NAMES: frozenset[str] = frozenset(
-    {RUN_MARKER, "checkpoints", "metrics.jsonl", "metrics.jsonl.tmp", "layout.json", "hf", ".hf.tmp-export",
-     "data_cache", "tiny-llama", "wandb"}
-)  # fmt: skip
+    {
+        RUN_MARKER,
+        "checkpoints",
+        "metrics.jsonl",
+        "metrics.jsonl.tmp",
+        "layout.json",
+        "hf",
+        ".hf.tmp-export",
+        "data_cache",
+        "tiny-llama",
+        "wandb",
+    }
+)
 """What usp itself writes into a run dir (default paths)."""
 
 
@@ -99,8 +109,12 @@ def write_run_marker(run_dir: Path) -> None:
     marker = run_dir / RUN_MARKER
     if marker.exists():
         return
-    info = {"format": "usp-run", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
-            "pid": os.getpid()}  # fmt: skip
+    info = {
+        "format": "usp-run",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
     write_text(marker, json.dumps(info) + "\n")
 
 
@@ -135,9 +149,16 @@ class DirLock:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 os.close(fd)
                 raise
-            logger.warning("%s: the filesystem has no file locks (%s); one run per directory is not enforced",
-                           self.path, e)  # fmt: skip
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            logger.warning(
+                "%s: the filesystem has no file locks (%s); one run per directory is not enforced",
+                self.path,
+                e,
+            )
+        info = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self._fd = fd
@@ -222,7 +243,9 @@ def _step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def check_checkpoints_of_other_runs(ckpt_root: Path, resume_from: Path | None, *, run_dir: Path | None = None) -> None:
+def check_checkpoints_of_other_runs(
+    ckpt_root: Path, resume_from: Path | None, *, run_dir: Path | None = None
+) -> None:
     """``ValueError`` if this run would share ``ckpt_root`` with checkpoints it did not resume from.
 
     ``resume_from=None`` (a fresh start): any ``step_<N>`` there belongs to an earlier run. A resume from a

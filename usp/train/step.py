@@ -92,16 +92,28 @@ def train_step(
     tokens = sum(b["input_ids"].numel() for b in micro_batches) * mesh.sp_degree * mesh.dp_degree
     doc_lengths: list[list[int]] = []
     for b in micro_batches:
-        doc_lengths.extend(b.get("document_lengths") or [[b["input_ids"].size(1) * mesh.sp_degree]] * b["input_ids"].size(0))
+        doc_lengths.extend(
+            b.get("document_lengths") or [[b["input_ids"].size(1) * mesh.sp_degree]] * b["input_ids"].size(0)
+        )
     if num_targets == 0:  # every rank agrees (a global count): no forward, no division by zero, no update
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:
             scheduler.step()
-        return StepResult(loss=math.nan, grad_norm=math.nan, lr=lr, num_targets=0, tokens=tokens,
-                          step_time_s=time.perf_counter() - start, document_lengths=doc_lengths, skipped=True,
-                          no_targets=True)  # fmt: skip
+        return StepResult(
+            loss=math.nan,
+            grad_norm=math.nan,
+            lr=lr,
+            num_targets=0,
+            tokens=tokens,
+            step_time_s=time.perf_counter() - start,
+            document_lengths=doc_lengths,
+            skipped=True,
+            no_targets=True,
+        )
 
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # float64 so fp64 runs are reported exactly
+    loss_sum = torch.zeros(
+        (), dtype=torch.float64, device=device
+    )  # float64 so fp64 runs are reported exactly
     for b in batches:
         loss = loss_model(
             b["input_ids"],

@@ -54,9 +54,11 @@ from usp.train.deepspeed_parts import import_deepspeed_part
 
 def _require_tiled_mlp() -> Any:
     return import_deepspeed_part(
-        "deepspeed.runtime.sequence_parallel.ulysses_sp", "TiledMLP", setting="parallel.mlp_tiles > 1",
+        "deepspeed.runtime.sequence_parallel.ulysses_sp",
+        "TiledMLP",
+        setting="parallel.mlp_tiles > 1",
         alternative="parallel.mlp_tiles=1",
-    )  # fmt: skip
+    )
 
 
 def check_tiling_available(tiles: int) -> None:

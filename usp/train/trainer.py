@@ -71,9 +71,12 @@ def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: tor
         labels = batch["labels"].to(device)
         cu = batch.get("cu_seqlens")
         loss_sum = loss_model(
-            batch["input_ids"].to(device), labels, position_ids=batch["position_ids"].to(device),
-            cu_seqlens=None if cu is None else cu.to(dtype=torch.int32), num_targets=1.0,  # host-side
-        )  # fmt: skip
+            batch["input_ids"].to(device),
+            labels,
+            position_ids=batch["position_ids"].to(device),
+            cu_seqlens=None if cu is None else cu.to(dtype=torch.int32),
+            num_targets=1.0,  # host-side
+        )
         total[0] += loss_sum.double()
         total[1] += (labels != IGNORE_INDEX).sum()
     dist.all_reduce(total, group=mesh.group("fsdp"))
@@ -96,16 +99,22 @@ def _due(every: int, done: int) -> bool:
     return bool(every) and done % every == 0
 
 
-def _step_flops(document_lengths: list[list[int]], shape: _ModelShape, mesh: SPMesh, device: torch.device) -> float:
+def _step_flops(
+    document_lengths: list[list[int]], shape: _ModelShape, mesh: SPMesh, device: torch.device
+) -> float:
     """The step's model FLOPs over every replica: each data-parallel replica counts its own documents, summed
     over the replicas (one all-reduce on the dp group when ``dp_degree > 1``)."""
     flops = torch.tensor(
         training_flops(
-            dense_params=shape.dense_params, num_layers=shape.num_layers, num_heads=shape.num_heads,
-            head_dim=shape.head_dim, document_lengths=document_lengths,
+            dense_params=shape.dense_params,
+            num_layers=shape.num_layers,
+            num_heads=shape.num_heads,
+            head_dim=shape.head_dim,
+            document_lengths=document_lengths,
         ),
-        dtype=torch.float64, device=device,
-    )  # fmt: skip
+        dtype=torch.float64,
+        device=device,
+    )
     if mesh.dp_degree > 1:
         dist.all_reduce(flops, group=mesh.dp_group)
     return float(flops)
@@ -115,9 +124,10 @@ def _step_imbalance(document_lengths: list[list[int]], mesh: SPMesh, device: tor
     """``attn_work_imbalance``: the slowest replica's attention work max / mean over its ring ranks (a MAX
     all-reduce on the dp group when ``dp_degree > 1``)."""
     imbalance = torch.tensor(
-        attention_work_imbalance(document_lengths, mesh.ring_degree, mesh.ring_layout), dtype=torch.float64,
+        attention_work_imbalance(document_lengths, mesh.ring_degree, mesh.ring_layout),
+        dtype=torch.float64,
         device=device,
-    )  # fmt: skip
+    )
     if mesh.dp_degree > 1:
         dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=mesh.dp_group)
     return float(imbalance)
@@ -131,9 +141,13 @@ def _validation(
     out: dict[str, Any] = {"val_loss": evaluate(loss_model, val_loader, mesh, device)}
     if cfg.trainer.eval_ppl_by_position:
         out["val_ppl_by_position"] = val_ppl_by_position(
-            loss_model, val_loader, mesh, device, bucket_size=cfg.eval.bucket_size,
+            loss_model,
+            val_loader,
+            mesh,
+            device,
+            bucket_size=cfg.eval.bucket_size,
             chunk_size=cfg.trainer.loss_chunk_size,
-        )  # fmt: skip
+        )
     return out
 
 
@@ -177,32 +191,45 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     cache_dir = cfg.data.cache_dir or str(run_dir / "data_cache")
     train_loader, val_loader = on_every_rank(
         lambda: build_dataloaders(
-            cfg.data, tokenizer=tokenizer, seq_len=cfg.trainer.seq_len, mesh=mesh,
-            micro_batch_size=cfg.trainer.micro_batch_size, seed=cfg.trainer.seed, cache_dir=cache_dir,
+            cfg.data,
+            tokenizer=tokenizer,
+            seq_len=cfg.trainer.seq_len,
+            mesh=mesh,
+            micro_batch_size=cfg.trainer.micro_batch_size,
+            seed=cfg.trainer.seed,
+            cache_dir=cache_dir,
         ),
         "building the data loaders",
-    )  # fmt: skip
+    )
 
     # fp32 master weights, never whole on any rank: an empty (meta) model is sharded, then filled (the RoPE
     # overrides were applied to model_config by validate)
     model = build_empty_causal_lm(model_config)
     dense_params = count_dense_params(model)
     loss_model = parallelize(
-        model, mesh, attention_backend=cfg.model.attention_backend, fsdp_mode=layout.fsdp_mode,
-        node_size=layout.node_size, activation_checkpointing=layout.activation_checkpointing,
-        ac_every_k=layout.ac_every_k, param_dtype=parse_dtype(cfg.model.dtype),
+        model,
+        mesh,
+        attention_backend=cfg.model.attention_backend,
+        fsdp_mode=layout.fsdp_mode,
+        node_size=layout.node_size,
+        activation_checkpointing=layout.activation_checkpointing,
+        ac_every_k=layout.ac_every_k,
+        param_dtype=parse_dtype(cfg.model.dtype),
         reduce_dtype=parse_dtype(cfg.parallel.reduce_dtype, "parallel.reduce_dtype"),
-        loss_chunk_size=cfg.trainer.loss_chunk_size, cpu_offload=host_states,
+        loss_chunk_size=cfg.trainer.loss_chunk_size,
+        cpu_offload=host_states,
         mlp_tiles=layout.mlp_tiles,
         attn_head_chunks=layout.attn_head_chunks,
-    )  # fmt: skip
+    )
     param_device, _ = weight_devices(device, cpu_offload=host_states)  # offload: shards on the CPU
     load_sharded_weights(model, cfg.model.path, device=device, param_device=param_device)
     optimizer, scheduler = build_optimizer(loss_model, cfg.optim, max_steps=cfg.trainer.max_steps)
 
     start_step = 0
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, verify=False)
+        state = load_checkpoint(
+            resume_from, model=model, optimizer=optimizer, scheduler=scheduler, verify=False
+        )
         reapply_schedule(optimizer, scheduler, cfg.optim.lr)  # this run's schedule from its first step
         start_step = state["step"]
         extra = state["extra"]
@@ -217,20 +244,41 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     model_shape = _ModelShape(dense_params, layers, hf_config.num_attention_heads, head_dim_of(hf_config))
     layout_info = {**mesh.describe(), **dataclasses.asdict(layout)}
     metrics = MetricsLogger(
-        run_dir, rank=rank, world_size=world, peak_flops=peak_flops, wandb_cfg=cfg.logging.wandb,
-        config=dataclasses.asdict(cfg), layout=layout_info, total_steps=cfg.trainer.max_steps,
-        progress_bar=cfg.logging.progress_bar, start_step=start_step, device=device,
-    )  # fmt: skip
+        run_dir,
+        rank=rank,
+        world_size=world,
+        peak_flops=peak_flops,
+        wandb_cfg=cfg.logging.wandb,
+        config=dataclasses.asdict(cfg),
+        layout=layout_info,
+        total_steps=cfg.trainer.max_steps,
+        progress_bar=cfg.logging.progress_bar,
+        start_step=start_step,
+        device=device,
+    )
     if rank == 0:
         logger.info(
             "training %s (%.1fM params, %d layers) on %d ranks: dp %d x ring %d (%s) x ulysses %d, node size %s, "
             "fsdp %s, activation checkpointing %s, mlp tiles %d, optimizer %s; seq_len %d, %d sequence(s)/step; steps %d -> %d; run dir %s",
-            cfg.model.path, sum(p.numel() for p in model.parameters()) / 1e6, layers, world, mesh.dp_degree,
-            mesh.ring_degree, mesh.ring_layout, mesh.ulysses_degree, layout.node_size, layout.fsdp_mode,
-            layout.activation_checkpointing, layout.mlp_tiles, cfg.optim.name, cfg.trainer.seq_len,
-            mesh.dp_degree * cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps, start_step,
-            cfg.trainer.max_steps, run_dir,
-        )  # fmt: skip
+            cfg.model.path,
+            sum(p.numel() for p in model.parameters()) / 1e6,
+            layers,
+            world,
+            mesh.dp_degree,
+            mesh.ring_degree,
+            mesh.ring_layout,
+            mesh.ulysses_degree,
+            layout.node_size,
+            layout.fsdp_mode,
+            layout.activation_checkpointing,
+            layout.mlp_tiles,
+            cfg.optim.name,
+            cfg.trainer.seq_len,
+            mesh.dp_degree * cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps,
+            start_step,
+            cfg.trainer.max_steps,
+            run_dir,
+        )
     losses: list[float] = []
     val_losses: dict[int, float] = {}
     records: list[dict[str, Any]] = []
@@ -247,37 +295,62 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             watchdog.begin_step(step)
             micro = [next(batches) for _ in range(cfg.trainer.grad_accum_steps)]
             res = train_step(
-                loss_model, optimizer, scheduler, micro, mesh=mesh, grad_clip=cfg.optim.grad_clip, device=device
+                loss_model,
+                optimizer,
+                scheduler,
+                micro,
+                mesh=mesh,
+                grad_clip=cfg.optim.grad_clip,
+                device=device,
             )
             preempted = stop.agreed(device)  # every rank, every step: a signal to any rank stops all here
             flops = _step_flops(res.document_lengths, model_shape, mesh, device)
             watchdog.end_step()
             done = step + 1
-            guard.update(done, loss=res.loss, grad_norm=res.grad_norm, skipped=res.skipped, no_targets=res.no_targets)
+            guard.update(
+                done, loss=res.loss, grad_norm=res.grad_norm, skipped=res.skipped, no_targets=res.no_targets
+            )
             extra: dict[str, Any] = {
-                "num_targets": res.num_targets, "skipped_steps": guard.total,
+                "num_targets": res.num_targets,
+                "skipped_steps": guard.total,
                 "attn_work_imbalance": _step_imbalance(res.document_lengths, mesh, device),
-            }  # fmt: skip
+            }
             if _due(cfg.trainer.eval_every, done) and val_loader is not None:
                 extra.update(_validation(cfg, loss_model, val_loader, mesh, device))
                 val_losses[done] = extra["val_loss"]
             if done % cfg.logging.log_every == 0 or done == cfg.trainer.max_steps:
                 records.append(
                     metrics.log_step(
-                        done, loss=res.loss, grad_norm=res.grad_norm, lr=res.lr, tokens=res.tokens,
-                        flops=flops, step_time_s=max(res.step_time_s, 1e-9), extra=extra,
+                        done,
+                        loss=res.loss,
+                        grad_norm=res.grad_norm,
+                        lr=res.lr,
+                        tokens=res.tokens,
+                        flops=flops,
+                        step_time_s=max(res.step_time_s, 1e-9),
+                        extra=extra,
                         trained_tokens=res.num_targets,
-                    )  # fmt: skip
+                    )
                 )
             losses.append(res.loss)
             guard.stop_if_exhausted(last_ckpt)
             if _due(cfg.trainer.checkpoint_every, done) or done == cfg.trainer.max_steps or preempted:
-                check_finite_weights(model, step=done, what=f"checkpoint step_{done}", last_checkpoint=last_ckpt)
+                check_finite_weights(
+                    model, step=done, what=f"checkpoint step_{done}", last_checkpoint=last_ckpt
+                )
                 last_ckpt = save_checkpoint(
-                    ckpt_root, done, model=model, optimizer=optimizer, scheduler=scheduler,
-                    extra={"data": train_loader.state_dict(), "rng": rng_state(device), "fingerprint": fingerprint},
+                    ckpt_root,
+                    done,
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    extra={
+                        "data": train_loader.state_dict(),
+                        "rng": rng_state(device),
+                        "fingerprint": fingerprint,
+                    },
                     keep_last=cfg.trainer.keep_last,
-                )  # fmt: skip
+                )
                 watchdog.beat()
             if preempted:
                 break
@@ -285,20 +358,39 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         guards.close()
         metrics.close()
 
-    result = {"losses": losses, "start_step": start_step, "run_dir": str(run_dir), "layout": layout_info,
-              "val_losses": val_losses, "metrics": records}  # fmt: skip
+    result = {
+        "losses": losses,
+        "start_step": start_step,
+        "run_dir": str(run_dir),
+        "layout": layout_info,
+        "val_losses": val_losses,
+        "metrics": records,
+    }
     if preempted:
         if rank == 0:
             logger.warning(
                 "stopped by %s after step %d: checkpoint %s; exiting with status %d, requeue (or relaunch with "
-                "the same run dir) to continue from it", stop.received.name if stop.received else "a signal",
-                done, last_ckpt, REQUEUE_EXIT_CODE,
-            )  # fmt: skip
-        return {**result, "final_step": done, "checkpoint": str(last_ckpt), "export_dir": None, "preempted": True}
+                "the same run dir) to continue from it",
+                stop.received.name if stop.received else "a signal",
+                done,
+                last_ckpt,
+                REQUEUE_EXIT_CODE,
+            )
+        return {
+            **result,
+            "final_step": done,
+            "checkpoint": str(last_ckpt),
+            "export_dir": None,
+            "preempted": True,
+        }
     export_dir = None
     if cfg.trainer.export_hf:
-        check_finite_weights(model, step=max(start_step, cfg.trainer.max_steps), what="the Hugging Face export",
-                             last_checkpoint=last_ckpt)  # fmt: skip
+        check_finite_weights(
+            model,
+            step=max(start_step, cfg.trainer.max_steps),
+            what="the Hugging Face export",
+            last_checkpoint=last_ckpt,
+        )
         export_dir = export_hf(
             model, tokenizer=tokenizer, out_dir=run_dir / "hf", dtype=parse_dtype(cfg.model.dtype)
         )
@@ -307,11 +399,17 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         logger.info(
             "done: step %d, loss %s -> %s, median %s tok/s; metrics %s, checkpoint %s, export %s",
             max(start_step, cfg.trainer.max_steps),
-            f"{losses[0]:.4f}" if losses else "-", f"{losses[-1]:.4f}" if losses else "-",
-            f"{steady[len(steady) // 2]:.0f}" if steady else "-", metrics.path, last_ckpt, export_dir,
-        )  # fmt: skip
+            f"{losses[0]:.4f}" if losses else "-",
+            f"{losses[-1]:.4f}" if losses else "-",
+            f"{steady[len(steady) // 2]:.0f}" if steady else "-",
+            metrics.path,
+            last_ckpt,
+            export_dir,
+        )
     return {
-        **result, "final_step": max(start_step, cfg.trainer.max_steps),
+        **result,
+        "final_step": max(start_step, cfg.trainer.max_steps),
         "checkpoint": None if last_ckpt is None else str(last_ckpt),
-        "export_dir": None if export_dir is None else str(export_dir), "preempted": False,
-    }  # fmt: skip
+        "export_dir": None if export_dir is None else str(export_dir),
+        "preempted": False,
+    }

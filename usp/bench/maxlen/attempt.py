@@ -53,26 +53,57 @@ def _inject_fail_above(limit: int) -> Any:
 
     def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if isinstance(module, torch.nn.Embedding) and args and args[0].numel() > limit:
-            raise torch.OutOfMemoryError(f"injected by fail_above={limit}: a step of {args[0].numel()} tokens")
+            raise torch.OutOfMemoryError(
+                f"injected by fail_above={limit}: a step of {args[0].numel()} tokens"
+            )
 
     return register_module_forward_pre_hook(hook)
 
 
-def attempt_overrides(seq_len: int, *, model_dir: Path, corpus: Path, cache_dir: Path, dtype: str, optim: str,
-                      mlp_tiles: str, loss_chunk_size: int, steps: int, max_position: int, cpu: bool) -> list[str]:  # fmt: skip
+def attempt_overrides(
+    seq_len: int,
+    *,
+    model_dir: Path,
+    corpus: Path,
+    cache_dir: Path,
+    dtype: str,
+    optim: str,
+    mlp_tiles: str,
+    loss_chunk_size: int,
+    steps: int,
+    max_position: int,
+    cpu: bool,
+) -> list[str]:
     """The trainer's Hydra overrides for one attempt: one rank, offload checkpointing, the tile setting, the
     optimizer; one document-unmasked row of ``seq_len`` tokens (dense causal attention, as the planner
     assumes); no evaluation, export, resume or watchdog."""
     return [
-        f"model.path={model_dir}", f"model.dtype={dtype}", f"model.max_position_embeddings={max(seq_len, max_position)}",
-        "data=jsonl", f"data.inputs=['{corpus}']", "data.document_masking=false", f"data.cache_dir={cache_dir}",
-        "data.num_proc=1", "parallel=single", "parallel.activation_checkpointing=offload",
-        f"parallel.mlp_tiles={mlp_tiles}", "optim=adamw", f"optim.name={optim}", "optim.warmup_steps=0",
-        "trainer=long_context", f"trainer.seq_len={seq_len}", f"trainer.max_steps={steps}",
-        f"trainer.loss_chunk_size={loss_chunk_size}", "trainer.checkpoint_every=0", "trainer.export_hf=false",
-        "trainer.resume=null", f"trainer.device={'cpu' if cpu else 'cuda'}", "trainer.watchdog_factor=0",
-        "trainer.watchdog_minutes=0", "logging.progress_bar=false",
-    ]  # fmt: skip
+        f"model.path={model_dir}",
+        f"model.dtype={dtype}",
+        f"model.max_position_embeddings={max(seq_len, max_position)}",
+        "data=jsonl",
+        f"data.inputs=['{corpus}']",
+        "data.document_masking=false",
+        f"data.cache_dir={cache_dir}",
+        "data.num_proc=1",
+        "parallel=single",
+        "parallel.activation_checkpointing=offload",
+        f"parallel.mlp_tiles={mlp_tiles}",
+        "optim=adamw",
+        f"optim.name={optim}",
+        "optim.warmup_steps=0",
+        "trainer=long_context",
+        f"trainer.seq_len={seq_len}",
+        f"trainer.max_steps={steps}",
+        f"trainer.loss_chunk_size={loss_chunk_size}",
+        "trainer.checkpoint_every=0",
+        "trainer.export_hf=false",
+        "trainer.resume=null",
+        f"trainer.device={'cpu' if cpu else 'cuda'}",
+        "trainer.watchdog_factor=0",
+        "trainer.watchdog_minutes=0",
+        "logging.progress_bar=false",
+    ]
 
 
 def run_attempt(spec: dict[str, Any]) -> dict[str, Any]:
@@ -125,8 +156,14 @@ def launch(spec: dict[str, Any], *, timeout_s: float, log_path: str | os.PathLik
     start = time.perf_counter()
     timed_out = False
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "usp.bench.maxlen.attempt", str(spec_path)], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=root)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "usp.bench.maxlen.attempt", str(spec_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            cwd=root,
+        )
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -140,8 +177,12 @@ def launch(spec: dict[str, Any], *, timeout_s: float, log_path: str | os.PathLik
     if result.is_file():
         return {**json.loads(result.read_text()), "wall_s": wall}
     status = "timeout" if timed_out else "killed" if rc < 0 else "error"
-    return {"seq_len": spec["seq_len"], "status": status, "error": f"exit status {rc}, no result (see {log_path})",
-            "wall_s": wall}  # fmt: skip
+    return {
+        "seq_len": spec["seq_len"],
+        "status": status,
+        "error": f"exit status {rc}, no result (see {log_path})",
+        "wall_s": wall,
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama-3.1-8b", help="a preset name or a config.json / checkpoint dir")
     p.add_argument("--tiny", action="store_true", help="the tiny Llama on the CPU, fp32, 256-token granules")
     p.add_argument(
-        "--num-layers", default=None, help="a shallower model of the same width: N, or auto (deepest the host holds)"
+        "--num-layers",
+        default=None,
+        help="a shallower model of the same width: N, or auto (deepest the host holds)",
     )
     p.add_argument("--out", default="bench_results/maxlen/maxlen.json", help="the JSON report")
     p.add_argument(
@@ -88,15 +90,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     layers_note = "set by --num-layers" if args.num_layers not in (None, "auto") else "the model's"
     if args.num_layers not in (None, "auto") and not str(args.num_layers).isdigit():
         raise ValueError(f"--num-layers={args.num_layers!r}: use a whole number >= 1, or auto.")
-    fields = model_fields(model, num_layers=None if args.num_layers in (None, "auto") else int(args.num_layers))
+    fields = model_fields(
+        model, num_layers=None if args.num_layers in (None, "auto") else int(args.num_layers)
+    )
     if args.num_layers == "auto" and host_states:
         deepest = deepest_fitting(fields, host_mem_gib=host_gib, seq_len=g, compute_bytes=compute_bytes)
         if deepest < fields["num_hidden_layers"]:
-            layers_note = (f"auto: {deepest} of {fields['num_hidden_layers']} layers, the deepest whose offloaded "
-                           f"states this host ({host_gib:.0f} GiB) holds with room for pinned layer inputs")  # fmt: skip
+            layers_note = (
+                f"auto: {deepest} of {fields['num_hidden_layers']} layers, the deepest whose offloaded "
+                f"states this host ({host_gib:.0f} GiB) holds with room for pinned layer inputs"
+            )
             fields["num_hidden_layers"] = deepest
-    if host_states and deepest_fitting(fields, host_mem_gib=host_gib, seq_len=g, compute_bytes=compute_bytes,
-                                       keep_frac=0.0) < fields["num_hidden_layers"]:  # fmt: skip
+    if (
+        host_states
+        and deepest_fitting(
+            fields, host_mem_gib=host_gib, seq_len=g, compute_bytes=compute_bytes, keep_frac=0.0
+        )
+        < fields["num_hidden_layers"]
+    ):
         raise ValueError(
             f"this host's memory ({host_gib:.0f} GiB, {0.85 * host_gib:.0f} usable) cannot hold the offloaded "
             f"optimizer states of {model} with {fields['num_hidden_layers']} layers (16 bytes per parameter): "
@@ -104,15 +115,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"on the device (--optim adamw)."
         )
     num_layers = None if layers_note == "the model's" else fields["num_hidden_layers"]
-    model_dir = (
-        work / f"model-{Path(model).name}{'' if num_layers is None else f'-L{num_layers}'}-{dtype}"
-    )
+    model_dir = work / f"model-{Path(model).name}{'' if num_layers is None else f'-L{num_layers}'}-{dtype}"
 
     setup = subprocess.run(  # in a child: this process never holds a CUDA context
-        [sys.executable, "-m", "usp.bench.maxlen.setup", "--model", model, "--out", str(model_dir), "--dtype", dtype]
+        [
+            sys.executable,
+            "-m",
+            "usp.bench.maxlen.setup",
+            "--model",
+            model,
+            "--out",
+            str(model_dir),
+            "--dtype",
+            dtype,
+        ]
         + ([] if num_layers is None else ["--num-layers", str(num_layers)]),
-        capture_output=True, text=True, check=True, cwd=ROOT, timeout=args.budget,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        timeout=args.budget,
+    )
     info = json.loads(setup.stdout.strip().splitlines()[-1])
     dev = info["device"]
     gpu = args.gpu or (gpu_from_device_name(dev["name"]) if dev["cuda"] else "cpu")
@@ -121,8 +144,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"the planner does not know the GPU {dev['name']!r}: pass --gpu (h100-80g, h200, ...)."
         )
     config = json.loads((model_dir / "config.json").read_text())  # what the trainer trains
-    planner = Planner(str(model_dir), gpu=gpu, memory_gib=dev["memory_gib"], host_mem_gib=host_gib, mlp_tiles=args.mlp_tiles,
-                      loss_chunk_size=args.loss_chunk_size, compute_bytes=compute_bytes)  # fmt: skip
+    planner = Planner(
+        str(model_dir),
+        gpu=gpu,
+        memory_gib=dev["memory_gib"],
+        host_mem_gib=host_gib,
+        mlp_tiles=args.mlp_tiles,
+        loss_chunk_size=args.loss_chunk_size,
+        compute_bytes=compute_bytes,
+    )
     optim, optim_reason = choose_optim(
         args.optim,
         cpu_adam_error=lambda: cpu_adam_error(max(1.0, min(args.build_timeout, deadline - time.monotonic()))),
@@ -132,11 +162,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     start = args.start
     if start is None:  # the planner's limit, shortened until its predicted steps take half an attempt's time
         start = round_down(min(raw or args.max_len, args.max_len), g)
-        while start > g and args.steps * planner.estimate(start, host_states).step_time_s > args.attempt_timeout / 2:
+        while (
+            start > g
+            and args.steps * planner.estimate(start, host_states).step_time_s > args.attempt_timeout / 2
+        ):
             start = round_down(start / args.factor, g)
-    print(f"maxlen: {model} ({planner.spec.num_params / 1e9:.2f}B params) on {dev['name']} (planner device {gpu}, "
-          f"host {host_gib:.0f} GiB); optim.name={optim} ({optim_reason}); planner max {planned} (no headroom: "
-          f"{raw}); start {start}; setup {time.monotonic() - began:.0f} s", flush=True)  # fmt: skip
+    print(
+        f"maxlen: {model} ({planner.spec.num_params / 1e9:.2f}B params) on {dev['name']} (planner device {gpu}, "
+        f"host {host_gib:.0f} GiB); optim.name={optim} ({optim_reason}); planner max {planned} (no headroom: "
+        f"{raw}); start {start}; setup {time.monotonic() - began:.0f} s",
+        flush=True,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     runs = out.parent / f"{out.stem}-attempts"
@@ -144,24 +180,42 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def try_len(seq_len: int) -> Attempt:
         pred = planner.predict(seq_len, host_states)
         if not pred["host_fits"]:
-            return Attempt(seq_len, "host_mem", error=f"planner: {pred['host_mem_gib_per_node']:.1f} GiB of host "
-                           f"memory needed, {0.85 * host_gib:.1f} usable: not run", planner=pred)  # fmt: skip
+            return Attempt(
+                seq_len,
+                "host_mem",
+                error=f"planner: {pred['host_mem_gib_per_node']:.1f} GiB of host "
+                f"memory needed, {0.85 * host_gib:.1f} usable: not run",
+                planner=pred,
+            )
         timeout = min(args.attempt_timeout, deadline - time.monotonic())
         corpus = work / "corpus" / f"seq{seq_len}.jsonl"
         if not corpus.is_file():
             write_corpus(corpus, tokenizer, min_tokens=seq_len + seq_len // 16 + 1024)
         overrides = attempt_overrides(
-            seq_len, model_dir=model_dir.resolve(), corpus=corpus.resolve(), cache_dir=(work / "data_cache").resolve(),
-            dtype=dtype, optim=optim, mlp_tiles=args.mlp_tiles, loss_chunk_size=args.loss_chunk_size,
-            steps=args.steps, max_position=int(config.get("max_position_embeddings") or 0), cpu=not dev["cuda"],
-        )  # fmt: skip
+            seq_len,
+            model_dir=model_dir.resolve(),
+            corpus=corpus.resolve(),
+            cache_dir=(work / "data_cache").resolve(),
+            dtype=dtype,
+            optim=optim,
+            mlp_tiles=args.mlp_tiles,
+            loss_chunk_size=args.loss_chunk_size,
+            steps=args.steps,
+            max_position=int(config.get("max_position_embeddings") or 0),
+            cpu=not dev["cuda"],
+        )
         run_dir = (runs / f"seq{seq_len}").resolve()
         if run_dir.exists():
             import shutil
 
             shutil.rmtree(run_dir)
-        spec = {"seq_len": seq_len, "overrides": overrides, "run_dir": str(run_dir),
-                "result": str(runs.resolve() / f"seq{seq_len}.result.json"), "fail_above": args.fail_above}  # fmt: skip
+        spec = {
+            "seq_len": seq_len,
+            "overrides": overrides,
+            "run_dir": str(run_dir),
+            "result": str(runs.resolve() / f"seq{seq_len}.result.json"),
+            "fail_above": args.fail_above,
+        }
         result = launch(spec, timeout_s=timeout, log_path=runs / f"seq{seq_len}.log")
         if result["status"] == "timeout" and timeout < args.attempt_timeout:
             result["status"] = "budget"  # cut by the search's budget, not by its own limit: no bound
@@ -173,33 +227,74 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return a
 
     best, stopped, attempts = search(
-        try_len, start=start, granularity=g, max_len=args.max_len, factor=args.factor,
+        try_len,
+        start=start,
+        granularity=g,
+        max_len=args.max_len,
+        factor=args.factor,
         time_left=lambda: deadline - time.monotonic() >= args.min_attempt_s,
-    )  # fmt: skip
+    )
     found = next((a for a in attempts if a.ok and a.seq_len == best), None)
-    above = sorted((a for a in attempts if not a.ok and (best is None or a.seq_len > best)), key=lambda a: a.seq_len)
-    limited_by = above[0].status if above else stopped  # what stopped the next longer length (oom, timeout ...)
+    above = sorted(
+        (a for a in attempts if not a.ok and (best is None or a.seq_len > best)), key=lambda a: a.seq_len
+    )
+    limited_by = (
+        above[0].status if above else stopped
+    )  # what stopped the next longer length (oom, timeout ...)
     report = {
-        "max_seq_len": best, "stopped": stopped, "limited_by": limited_by, "best": None if found is None else asdict(found),
+        "max_seq_len": best,
+        "stopped": stopped,
+        "limited_by": limited_by,
+        "best": None if found is None else asdict(found),
         "attempts": [asdict(a) for a in attempts],
-        "planner": {"max_seq_len": planned, "max_seq_len_no_headroom": raw, "device": gpu,
-                    "at_max_seq_len": None if best is None else planner.predict(best, host_states)},
-        "settings": {"model": model, "num_layers": config["num_hidden_layers"], "num_layers_note": layers_note, "params": planner.spec.num_params,
-                     "activation_checkpointing": "offload", "mlp_tiles": args.mlp_tiles, "optim": optim,
-                     "optim_reason": optim_reason, "dtype": dtype, "loss_chunk_size": args.loss_chunk_size,
-                     "steps": args.steps, "granularity": g, "factor": args.factor, "start": start,
-                     "budget_s": args.budget, "attempt_timeout_s": args.attempt_timeout, "fail_above": args.fail_above},
-        "machine": {"device": dev["name"], "memory_gib": dev["memory_gib"], "host_mem_gib": round(host_gib, 1)},
-        "date": time.strftime("%Y-%m-%d", time.gmtime()), "elapsed_s": round(time.monotonic() - began, 1),
+        "planner": {
+            "max_seq_len": planned,
+            "max_seq_len_no_headroom": raw,
+            "device": gpu,
+            "at_max_seq_len": None if best is None else planner.predict(best, host_states),
+        },
+        "settings": {
+            "model": model,
+            "num_layers": config["num_hidden_layers"],
+            "num_layers_note": layers_note,
+            "params": planner.spec.num_params,
+            "activation_checkpointing": "offload",
+            "mlp_tiles": args.mlp_tiles,
+            "optim": optim,
+            "optim_reason": optim_reason,
+            "dtype": dtype,
+            "loss_chunk_size": args.loss_chunk_size,
+            "steps": args.steps,
+            "granularity": g,
+            "factor": args.factor,
+            "start": start,
+            "budget_s": args.budget,
+            "attempt_timeout_s": args.attempt_timeout,
+            "fail_above": args.fail_above,
+        },
+        "machine": {
+            "device": dev["name"],
+            "memory_gib": dev["memory_gib"],
+            "host_mem_gib": round(host_gib, 1),
+        },
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "elapsed_s": round(time.monotonic() - began, 1),
         "command": "python -m usp.bench.maxlen " + " ".join(argv if argv is not None else sys.argv[1:]),
-    }  # fmt: skip
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str))
     print(table(attempts))
-    summary = "none trained" if found is None else (
-        f"{best} tokens (step {found.step_time_s:.2f} s, {found.tokens_per_s:.0f} tokens/s, MFU {100 * found.mfu:.1f}%, "
-        f"peak {fmt_cell(found.peak_mem_gib, '.2f')} GiB allocated, {fmt_cell(found.peak_mem_reserved_gib, '.2f')} reserved)")  # fmt: skip
-    print(f"longest trained: {summary}; next longer: {limited_by}; planner: {planned} ({raw} without headroom); stopped: {stopped} after "
-          f"{len(attempts)} attempt(s), {report['elapsed_s']:.0f} s; report {out}", flush=True)  # fmt: skip
+    summary = (
+        "none trained"
+        if found is None
+        else (
+            f"{best} tokens (step {found.step_time_s:.2f} s, {found.tokens_per_s:.0f} tokens/s, MFU {100 * found.mfu:.1f}%, "
+            f"peak {fmt_cell(found.peak_mem_gib, '.2f')} GiB allocated, {fmt_cell(found.peak_mem_reserved_gib, '.2f')} reserved)"
+        )
+    )
+    print(
+        f"longest trained: {summary}; next longer: {limited_by}; planner: {planned} ({raw} without headroom); stopped: {stopped} after "
+        f"{len(attempts)} attempt(s), {report['elapsed_s']:.0f} s; report {out}",
+        flush=True,
+    )
     return report
-

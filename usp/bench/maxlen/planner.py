@@ -28,8 +28,17 @@ class Planner:
     """:mod:`usp.plan` for one rank of this machine with the search's settings (offload checkpointing, the
     given tile setting, states on the host or not, bf16 or fp32 compute)."""
 
-    def __init__(self, model: str | dict[str, Any], *, gpu: str, memory_gib: float | None, host_mem_gib: float,
-                 mlp_tiles: str, loss_chunk_size: int, compute_bytes: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str | dict[str, Any],
+        *,
+        gpu: str,
+        memory_gib: float | None,
+        host_mem_gib: float,
+        mlp_tiles: str,
+        loss_chunk_size: int,
+        compute_bytes: int,
+    ) -> None:
         from usp.plan import get_device, load_model_spec
 
         self.spec = load_model_spec(model)
@@ -44,16 +53,30 @@ class Planner:
         from usp.plan import evaluate_layout
 
         return evaluate_layout(
-            self.spec, self.device, seq_len=seq_len, ulysses_degree=1, ring_degree=1, world_size=1, node_size=1,
-            activation_checkpointing="offload", offload=host_states, mlp_tiles=self.tiles(seq_len),
-            loss_chunk_size=self.loss_chunk_size, compute_bytes=self.compute_bytes,
-        )  # fmt: skip
+            self.spec,
+            self.device,
+            seq_len=seq_len,
+            ulysses_degree=1,
+            ring_degree=1,
+            world_size=1,
+            node_size=1,
+            activation_checkpointing="offload",
+            offload=host_states,
+            mlp_tiles=self.tiles(seq_len),
+            loss_chunk_size=self.loss_chunk_size,
+            compute_bytes=self.compute_bytes,
+        )
 
     def predict(self, seq_len: int, host_states: bool) -> dict[str, Any]:
         e = self.estimate(seq_len, host_states)
-        return {"mem_gib_per_gpu": round(e.mem_gib_per_gpu, 3), "host_mem_gib_per_node": round(e.host_mem_gib_per_node, 3),
-                "step_time_s": round(e.step_time_s, 3), "mfu": round(e.mfu, 4), "fits": e.fits,
-                "host_fits": e.host_fits}  # fmt: skip
+        return {
+            "mem_gib_per_gpu": round(e.mem_gib_per_gpu, 3),
+            "host_mem_gib_per_node": round(e.host_mem_gib_per_node, 3),
+            "step_time_s": round(e.step_time_s, 3),
+            "mfu": round(e.mfu, 4),
+            "fits": e.fits,
+            "host_fits": e.host_fits,
+        }
 
     def max_seq_len(self, host_states: bool, granularity: int, headroom_gib: float | None) -> int | None:
         """:func:`usp.plan.max_seq_len` for these settings (None when nothing fits)."""
@@ -62,11 +85,21 @@ class Planner:
         tiles = None if self.mlp_tiles == "auto" else int(self.mlp_tiles)
         try:
             return max_seq_len(
-                self.spec, self.device, world_size=1, node_size=1, ulysses_degree=1, ring_degree=1,
-                ac_modes=("offload",), states=("cpu_offload" if host_states else "device",), mlp_tiles=tiles,
-                loss_chunk_sizes=(self.loss_chunk_size,), compute_bytes=self.compute_bytes,
-                headroom_gib=headroom_gib, seq_multiple=granularity, limit=1 << 26,
-            ).max_seq_len  # fmt: skip
+                self.spec,
+                self.device,
+                world_size=1,
+                node_size=1,
+                ulysses_degree=1,
+                ring_degree=1,
+                ac_modes=("offload",),
+                states=("cpu_offload" if host_states else "device",),
+                mlp_tiles=tiles,
+                loss_chunk_sizes=(self.loss_chunk_size,),
+                compute_bytes=self.compute_bytes,
+                headroom_gib=headroom_gib,
+                seq_multiple=granularity,
+                limit=1 << 26,
+            ).max_seq_len
         except ValueError:
             return None
 
@@ -78,12 +111,16 @@ def choose_optim(setting: str, *, cpu_adam_error: Callable[[], str | None]) -> t
         err = cpu_adam_error()
         if err is None:
             return "deepspeed_cpu_adam", f"{setting}: DeepSpeed's CPU Adam builds"
-        return "adamw_cpu_offload", f"DeepSpeed's CPU Adam did not build ({err}): torch's fused AdamW on the host"
+        return (
+            "adamw_cpu_offload",
+            f"DeepSpeed's CPU Adam did not build ({err}): torch's fused AdamW on the host",
+        )
     return setting, "set by --optim"
 
 
-def deepest_fitting(fields: dict[str, Any], *, host_mem_gib: float, seq_len: int, compute_bytes: int,
-                    keep_frac: float = 0.25) -> int:  # fmt: skip
+def deepest_fitting(
+    fields: dict[str, Any], *, host_mem_gib: float, seq_len: int, compute_bytes: int, keep_frac: float = 0.25
+) -> int:
     """The most decoder layers (at most the model's) whose offloaded states and pinned layer inputs at
     ``seq_len`` take at most ``1 - keep_frac`` of the usable host memory (the planner's terms,
     :func:`usp.plan.host_memory`), leaving ``keep_frac`` for the pinned inputs of longer sequences; 0 when
@@ -94,8 +131,17 @@ def deepest_fitting(fields: dict[str, Any], *, host_mem_gib: float, seq_len: int
     usable = HOST_USABLE_FRAC * host_mem_gib * GIB * (1 - keep_frac)
     for layers in range(int(fields["num_hidden_layers"]), 0, -1):
         spec = load_model_spec({"vocab_size": 512, **fields, "num_hidden_layers": layers})
-        need = host_memory(spec, seq_len=seq_len, ulysses_degree=1, ring_degree=1, world_size=1, node_size=1,
-                           activation_checkpointing="offload", offload=True, compute_bytes=compute_bytes)["node"]  # fmt: skip
+        need = host_memory(
+            spec,
+            seq_len=seq_len,
+            ulysses_degree=1,
+            ring_degree=1,
+            world_size=1,
+            node_size=1,
+            activation_checkpointing="offload",
+            offload=True,
+            compute_bytes=compute_bytes,
+        )["node"]
         if need <= usable:
             return layers
     return 0

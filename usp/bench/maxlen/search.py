@@ -38,8 +38,15 @@ class Attempt:
         return self.status == "ok"
 
 
-def search(try_len: Callable[[int], Attempt], *, start: int, granularity: int, max_len: int, factor: float = 1.25,
-           time_left: Callable[[], bool] = lambda: True) -> tuple[int | None, str, list[Attempt]]:  # fmt: skip
+def search(
+    try_len: Callable[[int], Attempt],
+    *,
+    start: int,
+    granularity: int,
+    max_len: int,
+    factor: float = 1.25,
+    time_left: Callable[[], bool] = lambda: True,
+) -> tuple[int | None, str, list[Attempt]]:
     """The longest length (a multiple of ``granularity``, at most ``max_len``) for which ``try_len`` succeeds,
     assuming success is monotone (shorter fits when longer does).
 
@@ -77,11 +84,18 @@ def attempt_from(result: dict[str, Any], planner: dict[str, Any]) -> Attempt:
         return max(values) if values else None
 
     return Attempt(
-        seq_len=int(result["seq_len"]), status=result["status"], mlp_tiles=(result.get("layout") or {}).get("mlp_tiles"),
-        wall_s=round(float(result.get("wall_s", 0.0)), 1), step_time_s=last.get("step_time_s"),
-        tokens_per_s=last.get("tokens_per_s"), mfu=last.get("mfu"), peak_mem_gib=peak("peak_mem_gib"),
-        peak_mem_reserved_gib=peak("peak_mem_reserved_gib"), error=result.get("error"), planner=planner,
-    )  # fmt: skip
+        seq_len=int(result["seq_len"]),
+        status=result["status"],
+        mlp_tiles=(result.get("layout") or {}).get("mlp_tiles"),
+        wall_s=round(float(result.get("wall_s", 0.0)), 1),
+        step_time_s=last.get("step_time_s"),
+        tokens_per_s=last.get("tokens_per_s"),
+        mfu=last.get("mfu"),
+        peak_mem_gib=peak("peak_mem_gib"),
+        peak_mem_reserved_gib=peak("peak_mem_reserved_gib"),
+        error=result.get("error"),
+        planner=planner,
+    )
 
 
 def fmt_cell(x: Any, spec: str) -> str:
@@ -91,8 +105,10 @@ def fmt_cell(x: Any, spec: str) -> str:
 
 def table(attempts: Sequence[Attempt]) -> str:
     """The attempts, longest first, as a Markdown table (measured, then the planner's figures)."""
-    head = ("| seq_len | status | tiles | step s | tokens/s | MFU | peak alloc GiB | peak reserved GiB | planner GiB "
-            "| planner step s | planner MFU | wall s |")  # fmt: skip
+    head = (
+        "| seq_len | status | tiles | step s | tokens/s | MFU | peak alloc GiB | peak reserved GiB | planner GiB "
+        "| planner step s | planner MFU | wall s |"
+    )
     rows = [head, "|" + " --- |" * (head.count("|") - 1)]
     for a in sorted(attempts, key=lambda a: -a.seq_len):
         p = a.planner
@@ -102,5 +118,5 @@ def table(attempts: Sequence[Attempt]) -> str:
             f"{'%' if a.mfu is not None else ''} | {fmt_cell(a.peak_mem_gib, '.2f')} | {fmt_cell(a.peak_mem_reserved_gib, '.2f')} | "
             f"{fmt_cell(p.get('mem_gib_per_gpu'), '.2f')} | {fmt_cell(p.get('step_time_s'), '.2f')} | "
             f"{fmt_cell(None if p.get('mfu') is None else 100 * p['mfu'], '.1f')} | {a.wall_s:.0f} |"
-        )  # fmt: skip
+        )
     return "\n".join(rows)

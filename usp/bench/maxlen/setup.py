@@ -44,9 +44,19 @@ def model_fields(model: str, *, num_layers: int | None = None) -> dict[str, Any]
             raise ValueError(
                 f"--model={model!r} is neither 'tiny', a preset ({sorted(PRESETS)}) nor a config.json."
             )
-        keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta",
-                "tie_word_embeddings", "max_position_embeddings")  # fmt: skip
+        keep = (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "rms_norm_eps",
+            "rope_theta",
+            "tie_word_embeddings",
+            "max_position_embeddings",
+        )
         fields = {k: v for k, v in json.loads(path.read_text()).items() if k in keep and v is not None}
     if num_layers is not None:
         if num_layers < 1:
@@ -55,8 +65,14 @@ def model_fields(model: str, *, num_layers: int | None = None) -> dict[str, Any]
     return fields
 
 
-def write_random_checkpoint(path: str | os.PathLike, fields: dict[str, Any], *, seed: int = 0, std: float = 0.02,
-                            dtype: str = "bfloat16") -> Path:  # fmt: skip
+def write_random_checkpoint(
+    path: str | os.PathLike,
+    fields: dict[str, Any],
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+    dtype: str = "bfloat16",
+) -> Path:
     """A Llama checkpoint at ``path`` with random weights (normal, ``std``; norms 1) in ``dtype``, unless one made
     from the same ``fields``, ``seed`` and ``dtype`` is already there.
 
@@ -79,8 +95,12 @@ def write_random_checkpoint(path: str | os.PathLike, fields: dict[str, Any], *, 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer = build_tiny_tokenizer(tmp)
-    config = LlamaConfig(**{"vocab_size": len(tokenizer), **fields}, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = LlamaConfig(
+        **{"vocab_size": len(tokenizer), **fields},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     config.save_pretrained(str(tmp))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -160,8 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     start = time.perf_counter()
-    write_random_checkpoint(args.out, model_fields(args.model, num_layers=args.num_layers), seed=args.seed,
-                            dtype=args.dtype)  # fmt: skip
+    write_random_checkpoint(
+        args.out, model_fields(args.model, num_layers=args.num_layers), seed=args.seed, dtype=args.dtype
+    )
     print(
         json.dumps({"device": device_info(), "checkpoint_s": round(time.perf_counter() - start, 1)}),
         flush=True,

@@ -17,28 +17,85 @@ from pathlib import Path
 NOISE = "The water is calm. The hills are green. The road goes on. Here we are again."
 
 _SUBJECTS = (
-    "a small team", "the first version", "most good ideas", "a careful reader", "the market", "an old friend",
-    "every founder", "the best teachers", "a new city", "the library", "this kind of work", "the real problem",
-    "a patient editor", "the second draft", "people who build things", "a quiet morning", "the committee",
-    "good software", "a long walk", "the history of science",
-)  # fmt: skip
+    "a small team",
+    "the first version",
+    "most good ideas",
+    "a careful reader",
+    "the market",
+    "an old friend",
+    "every founder",
+    "the best teachers",
+    "a new city",
+    "the library",
+    "this kind of work",
+    "the real problem",
+    "a patient editor",
+    "the second draft",
+    "people who build things",
+    "a quiet morning",
+    "the committee",
+    "good software",
+    "a long walk",
+    "the history of science",
+)
 _VERBS = (
-    "rarely looks like", "tends to become", "often starts as", "slowly turns into", "is mostly about",
-    "depends on", "grows out of", "usually hides", "can teach you", "seldom survives", "makes room for",
-    "keeps coming back to", "was never meant to be", "quietly rewards",
-)  # fmt: skip
+    "rarely looks like",
+    "tends to become",
+    "often starts as",
+    "slowly turns into",
+    "is mostly about",
+    "depends on",
+    "grows out of",
+    "usually hides",
+    "can teach you",
+    "seldom survives",
+    "makes room for",
+    "keeps coming back to",
+    "was never meant to be",
+    "quietly rewards",
+)
 _OBJECTS = (
-    "a side project", "an honest question", "the work itself", "a few loyal users", "a list of mistakes",
-    "the habit of writing", "a map of the problem", "an unfinished essay", "a better question", "plain luck",
-    "the things nobody else wants to do", "a clear explanation", "a slow and steady rhythm", "real curiosity",
-    "a fair amount of boredom", "the courage to start over",
-)  # fmt: skip
+    "a side project",
+    "an honest question",
+    "the work itself",
+    "a few loyal users",
+    "a list of mistakes",
+    "the habit of writing",
+    "a map of the problem",
+    "an unfinished essay",
+    "a better question",
+    "plain luck",
+    "the things nobody else wants to do",
+    "a clear explanation",
+    "a slow and steady rhythm",
+    "real curiosity",
+    "a fair amount of boredom",
+    "the courage to start over",
+)
 _TAILS = (
-    "", "", "", " in the long run", " if you let it", " more than anyone admits", " for a while",
-    " when nobody is watching", " at least at first", " in most cases",
-)  # fmt: skip
-_OPENERS = ("", "", "", "In practice, ", "Looking back, ", "Oddly enough, ", "For that reason, ", "Still, ",
-            "As a rule, ", "Sooner or later, ")  # fmt: skip
+    "",
+    "",
+    "",
+    " in the long run",
+    " if you let it",
+    " more than anyone admits",
+    " for a while",
+    " when nobody is watching",
+    " at least at first",
+    " in most cases",
+)
+_OPENERS = (
+    "",
+    "",
+    "",
+    "In practice, ",
+    "Looking back, ",
+    "Oddly enough, ",
+    "For that reason, ",
+    "Still, ",
+    "As a rule, ",
+    "Sooner or later, ",
+)
 
 
 def essay_sentence(rng: random.Random) -> str:

@@ -58,12 +58,20 @@ def plot_by_length(result: dict[str, Any], path: Path, *, original_context: int 
     xs = [int(n) for n in result["mean"]]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(xs, list(result["mean"].values()), marker="o", label="mean over tasks")
-    ax.axhline(result["threshold_score"], color="gray", linestyle="--",
-               label=f"threshold {result['threshold']:g} x shortest = {result['threshold_score']:.2f}")  # fmt: skip
+    ax.axhline(
+        result["threshold_score"],
+        color="gray",
+        linestyle="--",
+        label=f"threshold {result['threshold']:g} x shortest = {result['threshold_score']:.2f}",
+    )
     if original_context:
         inside = min(xs) <= original_context <= max(xs)
-        ax.axvline(original_context, color="black", linestyle=":",
-                   label=f"original context {original_context}" + ("" if inside else " (outside the lengths)"))  # fmt: skip
+        ax.axvline(
+            original_context,
+            color="black",
+            linestyle=":",
+            label=f"original context {original_context}" + ("" if inside else " (outside the lengths)"),
+        )
     if len(set(xs)) > 1:
         ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
@@ -112,12 +120,25 @@ def log_wandb(
         columns=["task", "length", "index", "references", "prediction", "score", "prompt_tokens"]
     )
     for t in result["trials"]:
-        trials.add_data(t["task"], t["length"], t["index"], ", ".join(t["references"]), t["prediction"], t["score"],
-                        t["prompt_tokens"])  # fmt: skip
+        trials.add_data(
+            t["task"],
+            t["length"],
+            t["index"],
+            ", ".join(t["references"]),
+            t["prediction"],
+            t["score"],
+            t["prompt_tokens"],
+        )
     summary = {f"ruler/mean/{n}": v for n, v in result["mean"].items()}
     if result["effective_length"] is not None:
         summary["ruler/effective_length"] = result["effective_length"]
-    run.log({"eval/ruler": scores, "eval/ruler_trials": trials,
-             **{f"eval/{p.stem}": wandb.Image(str(p)) for p in images}, **summary,
-             **{f"timing/{k}": v for k, v in entry["timing"].items() if v is not None}})  # fmt: skip
+    run.log(
+        {
+            "eval/ruler": scores,
+            "eval/ruler_trials": trials,
+            **{f"eval/{p.stem}": wandb.Image(str(p)) for p in images},
+            **summary,
+            **{f"timing/{k}": v for k, v in entry["timing"].items() if v is not None},
+        }
+    )
     run.finish()

@@ -70,10 +70,16 @@ def sample_keys(cfg: EvalConfig, lengths: list[int]) -> list[tuple[str, int, int
 def memory_per_length(config: Any, lengths: list[int], mesh: SPMesh, dtype_bytes: int) -> dict[str, dict]:
     longest_answer = max(spec.max_new_tokens for spec, _ in TASKS.values())
     return {
-        str(n): eval_memory_per_gpu(config, n, longest_answer, ulysses_degree=mesh.ulysses_degree,
-                                    ring_degree=mesh.ring_degree, dtype_bytes=dtype_bytes)
+        str(n): eval_memory_per_gpu(
+            config,
+            n,
+            longest_answer,
+            ulysses_degree=mesh.ulysses_degree,
+            ring_degree=mesh.ring_degree,
+            dtype_bytes=dtype_bytes,
+        )
         for n in lengths
-    }  # fmt: skip
+    }
 
 
 def _stopper(tokenizer: Any, stop_ids: set[int]):
@@ -146,10 +152,19 @@ def run_ruler(
         decode_s += res.decode_s
         for s, row in zip(group, res.tokens.tolist()):
             prediction = prediction_of(tokenizer, row, stop_ids)
-            results.append({"task": s.task, "length": s.length, "index": s.index, "prompt": s.prompt,
-                            "references": s.references, "prediction": prediction,
-                            "score": score(s.task, prediction, s.references), "prompt_tokens": len(s.input_ids),
-                            "new_tokens": len(row)})  # fmt: skip
+            results.append(
+                {
+                    "task": s.task,
+                    "length": s.length,
+                    "index": s.index,
+                    "prompt": s.prompt,
+                    "references": s.references,
+                    "prediction": prediction,
+                    "score": score(s.task, prediction, s.references),
+                    "prompt_tokens": len(s.input_ids),
+                    "new_tokens": len(row),
+                }
+            )
         last = group[-1]
         upcoming = (
             (pending.task, pending.length) if pending is not None else mine[i][:2] if i < len(mine) else None
@@ -171,7 +186,10 @@ def run_ruler(
         "threshold": cfg.ruler.threshold,
         "threshold_score": bar,
         "trials": results,
-        "timing": {"prompt_build_s": build_s, **decode_timing(prefill_tokens, prefill_s, decode_tokens, decode_s, t0)},
+        "timing": {
+            "prompt_build_s": build_s,
+            **decode_timing(prefill_tokens, prefill_s, decode_tokens, decode_s, t0),
+        },
     }
 
 

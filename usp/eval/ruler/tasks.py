@@ -127,8 +127,15 @@ def insert_at_depths(units: list[str], needles: list[tuple[float, str]], snap: b
     return " ".join(out)
 
 
-def _niah(kind: str, *, keys: int = 1, values: int = 1, queries: int = 1, uuid_keys: bool = False,
-          needle_haystack: bool = False) -> Factory:  # fmt: skip
+def _niah(
+    kind: str,
+    *,
+    keys: int = 1,
+    values: int = 1,
+    queries: int = 1,
+    uuid_keys: bool = False,
+    needle_haystack: bool = False,
+) -> Factory:
     noun = {"number": "numbers", "uuid": "uuids"}[kind]
     value_of = number_value if kind == "number" else uuid_value
 
