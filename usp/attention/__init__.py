@@ -1,4 +1,4 @@
-"""USP attention: Ulysses all-to-all x zigzag ring attention, exact forward and backward.
+"""USP attention: Ulysses all-to-all x ring attention (balanced, zigzag or contiguous layout), exact forward and backward.
 
 Public entry: :func:`usp_attention`. Building blocks: :mod:`.kernels` (local ``(out, lse)`` kernel interface;
 CUDA kernels in :mod:`.cuda_kernels`, document masks in :mod:`.masks`), :mod:`.ulysses` (all-to-all),

@@ -3,7 +3,7 @@
 For each point: fwd and fwd+bwd wall time (mean over ``--iters``, slowest rank), bytes each rank sent per call
 MEASURED by the instrumented communication layer (:func:`usp.attention.record_comm`) next to the analytic
 minimum (:func:`usp.attention.cost.analytic_bytes_sent`; the ratio must be 1.00), and per-rank attention work
-max/mean: exact (q, k) pairs computed (measured), and computed block area (the seed's block count; contiguous
+max/mean: exact (q, k) pairs computed (measured), and computed block area (the block-level count; contiguous
 causal shows ``N / ((N + 1) / 2)``, zigzag ``1.00 <= (2N + 1) / (2N)``).
 
 With ``--doc-lengths SPEC`` (repeatable; :mod:`usp.data.doc_lengths`: ``lognormal:mean=8192``,

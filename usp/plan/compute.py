@@ -10,7 +10,7 @@ Conventions (2 FLOPs per multiply-add):
 
 Causal work per rank of a ring of ``N`` (tile-level masking, diagonal blocks cost half):
 zigzag gives every rank ``N/2`` block-equivalents, perfectly balanced; contiguous makes the last rank wait
-``N - 1/2`` of them, so its imbalance is ``(2N - 1) / N``. The seed article counts diagonal blocks as whole
+``N - 1/2`` of them, so its imbalance is ``(2N - 1) / N``. A block-level count takes diagonal blocks as whole
 blocks and gets ``4N / (2N + 1)`` for the zigzag speedup (:func:`seed_zigzag_speedup`); both are 1.88 at N=8.
 
 Packed documents (``usp-plan --doc-lengths SPEC``, :class:`DocumentWork`): attention never crosses a
@@ -33,7 +33,7 @@ ATTN_BWD_OVER_FWD_MODEL = 2.0
 def attention_fwd_flops(
     model: ModelSpec, q_tokens: float, kv_tokens: float, heads: int | None = None
 ) -> float:
-    """Unmasked attention FLOPs of one layer: ``4 * q * kv * heads * head_dim`` (the seed's per-step count)."""
+    """Unmasked attention FLOPs of one layer: ``4 * q * kv * heads * head_dim`` (per ring step)."""
     h = model.num_heads if heads is None else heads
     return 4.0 * q_tokens * kv_tokens * h * model.head_dim
 

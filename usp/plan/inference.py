@@ -1,7 +1,7 @@
-"""Long-context inference arithmetic (the seed article's Part 4): KV cache per GPU, batch capacity, prefill, decode.
+"""Long-context inference arithmetic (the 70B-at-1M inference case of docs/planning.md, 'Inference'): KV cache per GPU, batch capacity, prefill, decode.
 
 One request is sharded over every GPU (``ulysses x ring = world``), weights are FSDP-sharded in bf16 and
-gathered layer by layer. Sizes are in 1e9-byte GB, as the seed counts them.
+gathered layer by layer. Sizes are in 1e9-byte GB, as that case counts them.
 
 - KV cache per GPU: ``S / ring`` tokens x (KV heads / ulysses, at least 1 after GQA replication) x ``d`` x
   2 (K, V) x layers x 2 bytes. Ulysses at 8 and ring at 8 give the same figure; only the ring keeps
@@ -46,9 +46,9 @@ class InferenceEstimate:
     tokens_per_s_per_gpu: float
     mfu: float
     decode_hbm_s_per_token: float
-    """Weights and local KV read from HBM per generated token (the seed's figure)."""
+    """Weights and local KV read from HBM per generated token (the figure docs/planning.md quotes)."""
     decode_allgather_s_per_token: float
-    """FSDP all-gather of every layer per generated token, on top (why the seed moves decode to TP)."""
+    """FSDP all-gather of every layer per generated token, on top (why that case moves decode to tensor parallelism)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
