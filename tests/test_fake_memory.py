@@ -17,6 +17,15 @@ from usp.bench.fake_kernels import kernel_workspace_bytes
 from usp.plan.models import load_model_spec
 
 GIB = 1024**3
+
+
+def _fake_cuda_reason() -> str | None:
+    from usp.bench.fake_cuda import unsupported_reason
+
+    return unsupported_reason()
+
+
+pytestmark = pytest.mark.skipif(_fake_cuda_reason() is not None, reason=str(_fake_cuda_reason()))
 CASES = [  # (nodes, gpus per node, checkpointing, tiles)
     (1, 1, "none", 1),
     (1, 1, "full", 8),

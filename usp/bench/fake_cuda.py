@@ -108,6 +108,20 @@ def build_library(cache_dir: str | os.PathLike | None = None) -> Path:
     return out
 
 
+def unsupported_reason() -> str | None:
+    """Why the fake CUDA device cannot run in this environment (``None`` when it can). A CUDA build of torch
+    with no GPU visible refuses it: its real CUDA hooks, which the shim does not replace, reject device 0 once
+    autograd's device threads start (seen with torch 2.14.1+cu130 on a CPU-only machine)."""
+    import torch
+
+    if torch.version.cuda is not None and not torch.cuda.is_available():
+        return (
+            f"the fake CUDA step needs torch's CPU build, or a GPU: this torch {torch.__version__} is a CUDA "
+            "build and sees no GPU (install torch's CPU build, e.g. pip install torch==2.13.0, in a venv)"
+        )
+    return None
+
+
 def preload() -> None:
     """Load the fake CUDA guard and hooks into this process before torch is imported (module docstring)."""
     if _LOADED:

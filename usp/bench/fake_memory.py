@@ -212,7 +212,7 @@ def fake_step(
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from usp.bench.fake_cuda import fake_cuda_runtime
+    from usp.bench.fake_cuda import fake_cuda_runtime, unsupported_reason
     from usp.bench.fake_kernels import fake_attention_kernels
     from usp.config import states_on_host
     from usp.mlp_tiles import resolve_mlp_tiles
@@ -221,6 +221,9 @@ def fake_step(
     from usp.train.optim import build_optimizer
     from usp.train.parallelize import parallelize
 
+    why = unsupported_reason()
+    if why:
+        raise RuntimeError(why)
     p, t = cfg.parallel, cfg.trainer
     U, R = int(p.ulysses_degree), int(p.ring_degree)
     seq = t.seq_len
