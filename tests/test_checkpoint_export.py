@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from tests.mesh_cache import cached_sp_mesh
-from tests.tolerance import assert_close_scaled
+from tests.tolerance import assert_close_scaled, rounding_tolerance
 from usp.tiny import build_tiny_llama
 from usp.train.export import EXPORT_MARKER, export_hf
 
@@ -69,7 +69,10 @@ def _check_export(model_dir: str, out_dir, ref: dict) -> None:
         torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
     with torch.no_grad():
         logits = loaded(input_ids=_probe_ids(loaded.config.vocab_size)).logits
-    assert_close_scaled(logits, ref["logits"], 1e-5)
+    # same weights, same fp32 model: only summation order differs (the longest reduction: the MLP's)
+    assert_close_scaled(
+        logits, ref["logits"], rounding_tolerance(torch.float32, loaded.config.intermediate_size)
+    )
     text = "the ring 12 13 14 ulysses"
     assert (
         AutoTokenizer.from_pretrained(str(out_dir))(text)["input_ids"]
@@ -140,7 +143,8 @@ def test_export_tied_embeddings_stored_once(tmp_path):
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     ids = _probe_ids(64)
     with torch.no_grad():
-        assert_close_scaled(loaded(input_ids=ids).logits, model(input_ids=ids).logits, 1e-5)
+        tol = rounding_tolerance(torch.float32, config.intermediate_size)
+        assert_close_scaled(loaded(input_ids=ids).logits, model(input_ids=ids).logits, tol)
 
 
 def test_export_casts_to_requested_dtype(tiny_dir, tmp_path):
