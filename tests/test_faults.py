@@ -109,7 +109,7 @@ def test_fresh_start_over_an_earlier_run_is_refused(dist_pools, setup, tmp_path)
 
 
 def test_which_checkpoints_a_run_may_share_its_dir_with(tmp_path):
-    from usp.train.rundir import check_checkpoints_of_other_runs
+    from usp.train.resume import check_checkpoints_of_other_runs
 
     root = tmp_path / "checkpoints"
     check_checkpoints_of_other_runs(root, None)  # nothing there: fresh is fine
@@ -146,7 +146,7 @@ def test_locked_run_dir_is_refused_on_every_rank(dist_pools, setup, tmp_path):
 def test_dir_lock_names_its_holder_and_is_released(tmp_path):
     import socket
 
-    from usp.train.rundir import DirLock
+    from usp.train.dir_lock import DirLock
 
     with DirLock(tmp_path / "ckpts", "trainer.checkpoint_dir").acquire():
         with pytest.raises(

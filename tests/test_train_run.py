@@ -105,6 +105,22 @@ def test_run_world1_trains_checkpoints_and_exports(straight, setup):
     assert exported.config.num_hidden_layers == 2
 
 
+def run_keeping_nothing(cfg: TrainConfig) -> dict:
+    out = run(cfg, save_final=False)
+    return {k: out[k] for k in ("final_step", "checkpoint", "export_dir", "losses")}
+
+
+def test_save_final_false_writes_no_checkpoint(dist_pools, setup, tmp_path):
+    """``run(cfg, save_final=False)`` (what ``usp.bench.maxlen`` runs): the steps run, nothing is saved."""
+    cfg = make_config(setup["model"], str(tmp_path / "run"), setup["cache"])
+    cfg.trainer.max_steps, cfg.trainer.checkpoint_every, cfg.trainer.export_hf = 2, 0, False
+    out = dist_pools(1).run(run_keeping_nothing, cfg)[0]
+    assert out["final_step"] == 2 and len(out["losses"]) == 2
+    assert out["checkpoint"] is None and out["export_dir"] is None
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir())
+
+
 def test_resume_gives_identical_losses(dist_pools, setup, straight):
     run_dir = f"{setup['root']}/interrupted"
     cfg = make_config(setup["model"], run_dir, setup["cache"])
@@ -296,7 +312,7 @@ def test_run_passes_timeout_minutes(monkeypatch, tmp_path):
         return False
 
     monkeypatch.setattr(shell, "init_distributed", fake_init)
-    monkeypatch.setattr(trainer, "_run", lambda cfg, device: {"ok": True})
+    monkeypatch.setattr(trainer, "_run", lambda cfg, device, **kw: {"ok": True})
     cfg = make_config("/m", str(tmp_path), str(tmp_path))
     cfg.parallel.timeout_minutes = 123
     assert trainer.run(cfg) == {"ok": True}

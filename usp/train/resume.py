@@ -10,7 +10,8 @@
 - ``null``: fresh.
 
 Whatever the choice, a run never shares its checkpoint dir with checkpoints it does not continue
-(:func:`usp.train.rundir.check_checkpoints_of_other_runs`).
+(:func:`check_checkpoints_of_other_runs`): keep-last pruning, ``resume=auto`` after a crash and the export
+would otherwise mix two runs; it is refused with the command that moves the other run aside.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from usp.checkpoint import find_intact_checkpoint, read_saved_extra, resolve_checkpoint, verify_checkpoint
 from usp.config import TrainConfig
 from usp.parallel.agree import on_every_rank, on_rank0
 
@@ -38,7 +40,6 @@ def run_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
 def check_fingerprint(cfg: TrainConfig, ckpt: Path) -> None:
     """``ValueError`` when the checkpoint ``ckpt`` was saved by a run with another ``model.path`` or
     ``trainer.seq_len`` (its ``extra["fingerprint"]``); checkpoints without a fingerprint pass."""
-    from usp.checkpoint import read_saved_extra
 
     saved = read_saved_extra(ckpt).get("fingerprint")
     if saved is None:
@@ -76,8 +77,6 @@ def newest_intact_checkpoint(ckpt_root: Path, *, set_aside: bool = False) -> Pat
     """The newest checkpoint under ``ckpt_root`` that verifies, ``None`` if there is none; rank 0 logs the
     newer ones it skipped and why (and, with ``set_aside``, renames them: :func:`set_aside_damaged`).
     ``ValueError`` (every rank) if checkpoints exist but none verifies. Collective under a process group."""
-    from usp.checkpoint import find_intact_checkpoint
-    from usp.train.rundir import describe_skipped
 
     intact, skipped = find_intact_checkpoint(ckpt_root)
     if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -115,12 +114,11 @@ def check_auto_resume(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
 def choose_resume(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
     """The checkpoint this run starts from (``None``: fresh), the same on every rank; collective.
 
-    ``auto``: :func:`check_auto_resume`. A path: its ``step_<N>`` (a root: its newest complete one), which must
-    verify (``ValueError`` naming the damaged file otherwise). Then a run never shares the checkpoint dir with
-    checkpoints it does not continue (:func:`usp.train.rundir.check_checkpoints_of_other_runs`).
+        ``auto``: :func:`check_auto_resume`. A path: its ``step_<N>`` (a root: its newest complete one), which must
+        verify (``ValueError`` naming the damaged file otherwise). Then a run never shares the checkpoint dir with
+        checkpoints it does not continue (:func:`check_checkpoints_of_other_runs`): keep-last pruning, ``resume=auto`` after a crash and the export
+    would otherwise mix two runs; it is refused with the command that moves the other run aside.
     """
-    from usp.checkpoint import resolve_checkpoint, verify_checkpoint
-    from usp.train.rundir import check_checkpoints_of_other_runs
 
     resume = cfg.trainer.resume
     resume_from: Path | None = None
@@ -142,3 +140,49 @@ def choose_resume(cfg: TrainConfig, ckpt_root: Path) -> Path | None:
         "trainer.checkpoint_dir",
     )
     return resume_from
+
+
+def _step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
+    found = []
+    if ckpt_root.is_dir():
+        for child in ckpt_root.iterdir():
+            if child.is_dir() and child.name.startswith("step_") and child.name[5:].isdigit():
+                found.append((int(child.name[5:]), child))
+    return sorted(found)
+
+
+def check_checkpoints_of_other_runs(
+    ckpt_root: Path, resume_from: Path | None, *, run_dir: Path | None = None
+) -> None:
+    """``ValueError`` if this run would share ``ckpt_root`` with checkpoints it did not resume from.
+
+    ``resume_from=None`` (a fresh start): any ``step_<N>`` there belongs to an earlier run. A resume from a
+    checkpoint outside ``ckpt_root`` (a new stage): the same. A resume from ``ckpt_root/step_<N>``: the ones
+    with a higher step belong to an abandoned branch (``resume=auto`` would take them after a crash, and
+    keep-last would keep them instead of this run's). When ``ckpt_root`` is ``<run_dir>/checkpoints`` the
+    advice is to move the whole run dir aside (its metrics.jsonl and hf/ belong to the old run too).
+    """
+    existing = _step_dirs(ckpt_root)
+    if resume_from is not None:
+        resume_from = Path(resume_from).resolve()
+        if resume_from.parent == ckpt_root.resolve():
+            step = int(resume_from.name[5:]) if resume_from.name[5:].isdigit() else -1
+            existing = [(s, p) for s, p in existing if s > step]
+    if not existing:
+        return
+    names = ", ".join(p.name for _, p in existing[-4:]) + (" ..." if len(existing) > 4 else "")
+    inside = run_dir is not None and ckpt_root.resolve().parent == Path(run_dir).resolve()
+    moved = Path(run_dir) if inside else ckpt_root
+    aside = f"mv {moved} {moved}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+    start = "a fresh start" if resume_from is None else f"resuming from {resume_from}"
+    raise ValueError(
+        f"{start} would share trainer.checkpoint_dir={str(ckpt_root)!r} with checkpoints this run did not "
+        f"come from ({names}): keep-last would prune them or this run's, and trainer.resume=auto after a crash "
+        f"would continue the wrong run. Move the earlier run aside ({aside}), or give this run its own "
+        f"directory (hydra.run.dir=... or trainer.checkpoint_dir=...), or continue them with trainer.resume=auto."
+    )
+
+
+def describe_skipped(skipped: list[tuple[Path, list[str]]]) -> str:
+    """One line per checkpoint that failed verification, for logs and errors."""
+    return "; ".join(f"{path.name}: {', '.join(problems)}" for path, problems in skipped)

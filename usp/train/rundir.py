@@ -1,4 +1,4 @@
-"""One run per directory: the start-up check of the run dir, its lock, and which checkpoints a run may touch.
+"""One run per directory: the start-up check of the run dir and its claim (check, lock, marker).
 
 A run dir (``hydra.run.dir``) belongs to one run at a time and to usp only:
 
@@ -6,23 +6,15 @@ A run dir (``hydra.run.dir``) belongs to one run at a time and to usp only:
   it found). A usp run dir carries :data:`RUN_MARKER`; a directory without it is accepted only if it holds
   nothing but what a launch writes before the trainer starts (Hydra's ``.hydra/`` and log, the lock), or is
   the run dir of an older usp (only usp's own names, and usp checkpoints or usp's ``layout.json``).
-- :class:`DirLock` is an exclusive ``fcntl.flock`` on ``<dir>/.usp.lock`` taken by rank 0 for the life of the
-  job (the run dir, and the checkpoint dir when it lies elsewhere). The kernel drops the lock when the holder
-  dies, however it dies, so a killed job never leaves the directory locked; the file names the holder's host
-  and pid, which the refusal quotes.
-- :func:`check_checkpoints_of_other_runs`: a fresh start (or a resume from elsewhere) never runs in a
-  checkpoint dir that holds another run's checkpoints, since keep-last pruning, ``resume=auto`` after a crash
-  and the export would then mix the two runs. It is refused with the command that moves them aside.
+- :func:`claim_run_dir` takes a :class:`usp.train.dir_lock.DirLock` (rank 0, for the life of the job) on the
+  run dir, and on the checkpoint dir when it lies elsewhere, and marks the run dir as usp's.
 
-The checkpoint dir must be on a filesystem every rank sees; ``flock`` works across nodes on NFS (Linux maps it
-to POSIX locks) and on Lustre mounted with ``-o flock``. Where the filesystem has no locks the run goes on
-with a warning.
+Which checkpoints a run may touch (never another run's) is :mod:`usp.train.resume`'s rule
+(:func:`usp.train.resume.check_checkpoints_of_other_runs`).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
@@ -32,13 +24,13 @@ from pathlib import Path
 
 from usp.atomic import write_text
 from usp.config import TrainConfig
-from usp.errors import check_writable_dir, path_error
+from usp.errors import check_writable_dir
+from usp.train.dir_lock import LOCK_FILE, DirLock
 
 logger = logging.getLogger(__name__)
 
 RUN_MARKER = "usp-run.json"
 """Written into the run dir at the first start: ``{"format": "usp-run", "created", "host", "pid"}``."""
-LOCK_FILE = ".usp.lock"
 LAUNCH_NAMES: frozenset[str] = frozenset({".hydra", "usp-train.log", LOCK_FILE})
 """What may be in a run dir before the trainer starts: Hydra's output dir and job log (rank 0 writes them
 before ``run``), and the lock file."""
@@ -118,75 +110,6 @@ def write_run_marker(run_dir: Path) -> None:
     write_text(marker, json.dumps(info) + "\n")
 
 
-# --- the lock --------------------------------------------------------------------------------------------
-class DirLock:
-    """An exclusive, non-blocking ``flock`` on ``<directory>/.usp.lock``, held until :meth:`release` (or the
-    holder's death). :meth:`acquire` raises ``ValueError`` quoting the holder's host and pid if another process
-    holds it. A context manager."""
-
-    def __init__(self, directory: str | os.PathLike, setting: str = "hydra.run.dir") -> None:
-        self.directory = Path(directory)
-        self.path = self.directory / LOCK_FILE
-        self.setting = setting
-        self._fd: int | None = None
-
-    def acquire(self) -> DirLock:
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:  # a directory this user cannot create or write: the setting, the path, the errno
-            raise path_error(self.setting, self.directory, e) from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ValueError(
-                f"{self.setting}={str(self.directory)!r} is in use by another run ({self._holder()}): two jobs in "
-                f"one directory would delete and resume each other's checkpoints. Wait for that job to end (its "
-                f"lock goes when it exits or dies), or give this run its own directory ({self.setting}=...)."
-            ) from None
-        except OSError as e:
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                os.close(fd)
-                raise
-            logger.warning(
-                "%s: the filesystem has no file locks (%s); one run per directory is not enforced",
-                self.path,
-                e,
-            )
-        info = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        self._fd = fd
-        return self
-
-    def _holder(self) -> str:
-        try:
-            info = json.loads(self.path.read_text())
-            return f"held by pid {info['pid']} on host {info['host']} since {info['since']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            return f"{self.path} is locked; its holder did not record itself yet"
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        fd, self._fd = self._fd, None
-        try:
-            os.ftruncate(fd, 0)
-        finally:
-            os.close(fd)  # closing the descriptor drops the flock
-
-    def __enter__(self) -> DirLock:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
 class RunDirClaim:
     """What :func:`claim_run_dir` returns: the locks a rank holds (none on ranks > 0); a context manager."""
 
@@ -231,50 +154,3 @@ def claim_run_dir(cfg: TrainConfig, rank: int) -> RunDirClaim:
         RunDirClaim(locks).release()
         raise
     return RunDirClaim(locks)
-
-
-# --- whose checkpoints ---------------------------------------------------------------------------------
-def _step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
-    found = []
-    if ckpt_root.is_dir():
-        for child in ckpt_root.iterdir():
-            if child.is_dir() and child.name.startswith("step_") and child.name[5:].isdigit():
-                found.append((int(child.name[5:]), child))
-    return sorted(found)
-
-
-def check_checkpoints_of_other_runs(
-    ckpt_root: Path, resume_from: Path | None, *, run_dir: Path | None = None
-) -> None:
-    """``ValueError`` if this run would share ``ckpt_root`` with checkpoints it did not resume from.
-
-    ``resume_from=None`` (a fresh start): any ``step_<N>`` there belongs to an earlier run. A resume from a
-    checkpoint outside ``ckpt_root`` (a new stage): the same. A resume from ``ckpt_root/step_<N>``: the ones
-    with a higher step belong to an abandoned branch (``resume=auto`` would take them after a crash, and
-    keep-last would keep them instead of this run's). When ``ckpt_root`` is ``<run_dir>/checkpoints`` the
-    advice is to move the whole run dir aside (its metrics.jsonl and hf/ belong to the old run too).
-    """
-    existing = _step_dirs(ckpt_root)
-    if resume_from is not None:
-        resume_from = Path(resume_from).resolve()
-        if resume_from.parent == ckpt_root.resolve():
-            step = int(resume_from.name[5:]) if resume_from.name[5:].isdigit() else -1
-            existing = [(s, p) for s, p in existing if s > step]
-    if not existing:
-        return
-    names = ", ".join(p.name for _, p in existing[-4:]) + (" ..." if len(existing) > 4 else "")
-    inside = run_dir is not None and ckpt_root.resolve().parent == Path(run_dir).resolve()
-    moved = Path(run_dir) if inside else ckpt_root
-    aside = f"mv {moved} {moved}.old-{time.strftime('%Y%m%d-%H%M%S')}"
-    start = "a fresh start" if resume_from is None else f"resuming from {resume_from}"
-    raise ValueError(
-        f"{start} would share trainer.checkpoint_dir={str(ckpt_root)!r} with checkpoints this run did not "
-        f"come from ({names}): keep-last would prune them or this run's, and trainer.resume=auto after a crash "
-        f"would continue the wrong run. Move the earlier run aside ({aside}), or give this run its own "
-        f"directory (hydra.run.dir=... or trainer.checkpoint_dir=...), or continue them with trainer.resume=auto."
-    )
-
-
-def describe_skipped(skipped: list[tuple[Path, list[str]]]) -> str:
-    """One line per checkpoint that failed verification, for logs and errors."""
-    return "; ".join(f"{path.name}: {', '.join(problems)}" for path, problems in skipped)

@@ -5,12 +5,12 @@ A fresh process per length: an out-of-memory error can leave the CUDA caching al
 later, shorter attempt in the same process could fail where a fresh one fits. The attempt is the product's
 own run: the trainer's config composed from Hydra overrides (:func:`usp.config.compose.compose_config`, then
 :func:`usp.config.validate_layout`) and :func:`usp.train.trainer.run` (validation, data preparation, sharded
-model, weights from the checkpoint, the training loop, ``metrics.jsonl``). Two things are changed, both
-outside the measured steps:
+model, weights from the checkpoint, the training loop, ``metrics.jsonl``). Two things differ from a training
+run, both outside the measured steps:
 
-- the final checkpoint is not written (``usp.train.trainer.save_checkpoint`` replaced by a no-op in this
-  process; with ``trainer.export_hf=false``): for Llama-3.1-8B it would write 96 GB of weights and optimizer
-  states after the step;
+- nothing is saved: ``run(cfg, save_final=False)`` with ``trainer.checkpoint_every=0`` and
+  ``trainer.export_hf=false`` (for Llama-3.1-8B the final checkpoint would write 96 GB of weights and
+  optimizer states after the step);
 - ``fail_above`` (tests only): a forward of more tokens raises ``torch.OutOfMemoryError`` as a real step would
   (a global module forward pre-hook on the token embedding, ``torch.nn.modules.module``'s public hook: the
   trainer's step is not replaced), so the search logic can be checked on CPU against a known limit.
@@ -110,14 +110,13 @@ def run_attempt(spec: dict[str, Any]) -> dict[str, Any]:
     """Compose, validate and train as ``spec`` says; returns ``{"records", "layout"}`` (raises on failure)."""
     from usp.config import validate_layout
     from usp.config.compose import compose_config
-    from usp.train import trainer
+    from usp.train.trainer import run
 
     cfg = compose_config(spec["overrides"], run_dir=spec["run_dir"])
     validate_layout(cfg, world_size=1, local_world_size=1)
-    trainer.save_checkpoint = lambda *args, **kwargs: None  # the name the trainer calls
     if spec.get("fail_above") is not None:
         _inject_fail_above(int(spec["fail_above"]))
-    result = trainer.run(cfg)
+    result = run(cfg, save_final=False)
     return {"records": result["metrics"], "layout": result["layout"]}
 
 
