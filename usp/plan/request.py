@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from usp.config import ParallelConfig, TrainerConfig, states_on_host
 from usp.plan.auto import auto_degrees
-from usp.plan.estimate import LayoutEstimate
+from usp.plan.estimate import LayoutEstimate, estimate_layout
 from usp.plan.hardware import DeviceSpec, get_device
+from usp.plan.layout import Candidate, Workload
 from usp.plan.models import ModelSpec
-from usp.plan.search import evaluate_layout
 
 if TYPE_CHECKING:
     from usp.config import TrainConfig
@@ -206,25 +206,27 @@ class PlanRequest:
         U, R = int(self.ulysses_degree), int(self.ring_degree)
         if global_batch is None:
             global_batch = max(1, world_size // (U * R)) * self.micro_batch_size * self.grad_accum_steps
-        return evaluate_layout(
+        work = Workload(
             model,
-            device,
-            seq_len=self.seq_len,
-            ulysses_degree=U,
-            ring_degree=R,
-            world_size=world_size,
-            node_size=node_size,
+            self.seq_len,
+            global_batch=global_batch,
+            compute_bytes=self.compute_bytes,
+            loss_chunk_size=self.loss_chunk_size,
+            ring_layout=self.ring_layout,
+        )
+        cand = Candidate(
+            U,
+            R,
+            world_size,
+            node_size,
             fsdp_mode=self.fsdp_mode,
             activation_checkpointing=self.activation_checkpointing,
             ac_every_k=self.ac_every_k,
-            global_batch=global_batch,
-            ring_layout=self.ring_layout,
-            loss_chunk_size=self.loss_chunk_size,
-            offload=self.states_on_host,
-            compute_bytes=self.compute_bytes,
             mlp_tiles=mlp_tiles,
             attn_head_chunks=int(self.attn_head_chunks),
+            states="cpu_offload" if self.states_on_host else "device",
         )
+        return estimate_layout(work, cand, device)
 
 
 __all__ = ["PlanRequest", "compute_bytes"]
