@@ -19,7 +19,7 @@ Before this module each caller built the keywords itself, and the copies drifted
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from usp.config import ParallelConfig, TrainerConfig, states_on_host
@@ -85,25 +85,9 @@ class PlanRequest:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> PlanRequest:
-        """The request of a composed training config."""
-        p, t = cfg.parallel, cfg.trainer
-        return cls(
-            seq_len=t.seq_len,
-            compute_bytes=compute_bytes(cfg.model.dtype),
-            ring_layout=p.ring_layout,
-            loss_chunk_size=t.loss_chunk_size,
-            grad_accum_steps=t.grad_accum_steps,
-            micro_batch_size=t.micro_batch_size,
-            mlp_tiles=p.mlp_tiles,
-            attn_head_chunks=p.attn_head_chunks,
-            states_on_host=states_on_host(cfg.optim.name, p.cpu_offload),
-            host_mem_gib=cfg.cluster.host_mem_gib,
-            ulysses_degree=p.ulysses_degree,
-            ring_degree=p.ring_degree,
-            fsdp_mode=p.fsdp_mode,
-            activation_checkpointing=p.activation_checkpointing,
-            ac_every_k=p.ac_every_k,
-        )
+        """The request of a composed training config: :meth:`from_dict` of its sections (one reading of the
+        keys, so the two cannot drift)."""
+        return cls.from_dict(asdict(cfg))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], **overrides: Any) -> PlanRequest:
