@@ -68,3 +68,46 @@ def test_cli_library_and_request_agree(recipe, capsys):
     assert row["mem_gib_per_gpu"] == pytest.approx(via_request.mem_gib_per_gpu, abs=1e-3)
     for term, gib in via_request.memory_gib.items():
         assert row["memory_gib"][term] == pytest.approx(gib, abs=1e-3), term
+
+
+def test_request_reads_every_planner_key_of_the_config():
+    """``PlanRequest.from_config`` reads a composed config as ``from_dict`` reads a saved one (one reading of the
+    keys): every planner key set away from its default arrives."""
+    cfg = compose_config(
+        [
+            "recipe=llama31_8b_128k",
+            *USER_SETTINGS,
+            "model.dtype=float32",
+            "trainer.seq_len=65536",
+            "trainer.loss_chunk_size=1024",
+            "trainer.grad_accum_steps=3",
+            "trainer.micro_batch_size=2",
+            "parallel.ring_layout=contiguous",
+            "parallel.mlp_tiles=4",
+            "parallel.attn_head_chunks=2",
+            "parallel.cpu_offload=true",
+            "cluster.host_mem_gib=512",
+            "parallel.ulysses_degree=4",
+            "parallel.ring_degree=auto",
+            "parallel.fsdp_mode=hybrid_shard",
+            "parallel.activation_checkpointing=every_k",
+            "parallel.ac_every_k=3",
+        ]
+    )
+    assert PlanRequest.from_config(cfg) == PlanRequest(
+        seq_len=65536,
+        compute_bytes=4,
+        ring_layout="contiguous",
+        loss_chunk_size=1024,
+        grad_accum_steps=3,
+        micro_batch_size=2,
+        mlp_tiles=4,
+        attn_head_chunks=2,
+        states_on_host=True,
+        host_mem_gib=512,
+        ulysses_degree=4,
+        ring_degree="auto",
+        fsdp_mode="hybrid_shard",
+        activation_checkpointing="every_k",
+        ac_every_k=3,
+    )

@@ -23,10 +23,11 @@ from usp.plan import (
     plan_layouts,
     training_memory,
 )
-from usp.plan.estimate import estimate_layout
+from usp.plan.estimate import enumerate_candidates, estimate_layout
+from usp.plan.layout import from_keywords
 from usp.plan.memory import held_bytes, peak_memory
 from usp.plan.offload import host_bytes, offload_seconds
-from usp.plan.search import search_layouts
+from usp.plan.search import enumerate_layouts, search_layouts
 
 MODEL = load_model_spec("llama-3.1-8b")
 H100 = get_device("h100-80g")
@@ -139,6 +140,36 @@ def test_plan_layouts_is_search_layouts_on_the_records():
     assert {e.activation_checkpointing for e in ranked} <= {"full", "offload"} and {
         e.ulysses_degree for e in ranked
     } == {4}
+
+
+def test_from_keywords_routes_each_field_and_refuses_the_rest():
+    kw = dict(seq_len=65536, ulysses_degree=2, ring_degree=4, world_size=16, node_size=8, mlp_tiles=4)
+    work, cand = from_keywords(MODEL, Candidate, **kw, global_batch=4, offload=True)
+    assert work == Workload(MODEL, 65536, global_batch=4)
+    assert cand == Candidate(2, 4, 16, 8, mlp_tiles=4, states="cpu_offload")
+    _, space = from_keywords(MODEL, SearchSpace, seq_len=65536, world_size=16, node_size=8, offload=True)
+    assert space.states == ("cpu_offload",)
+    _, space = from_keywords(MODEL, SearchSpace, seq_len=65536, world_size=16, node_size=8, states=None)
+    assert space.states == ("device",)
+    # a keyword no record has (a typo) is refused with the fields that exist, not ignored
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['mlp_tile'\].*'mlp_tiles'"):
+        training_memory(MODEL, H100, **{**kw, "mlp_tile": 4})
+    with pytest.raises(TypeError, match="ac_modes"):  # a search field is not a layout's
+        evaluate_layout(MODEL, H100, **kw, ac_modes=("full",))
+    with pytest.raises(ValueError, match="pass one"):
+        from_keywords(MODEL, Candidate, **kw, offload=True, states="device")
+    # the searches and estimates cost one sequence per micro step
+    with pytest.raises(ValueError, match="micro_batch_size=2.*global_batch"):
+        plan_layouts(MODEL, H100, seq_len=65536, world_size=16, node_size=8, micro_batch_size=2)
+
+
+def test_enumerate_layouts_is_enumerate_candidates_on_the_records():
+    kw = dict(seq_len=131072, world_size=16, node_size=8, ring_degree=2, ac_modes=("full",))
+    layouts, rejected = enumerate_layouts(MODEL, H100, **kw, offload=True)
+    space = SearchSpace(16, 8, ring_degree=2, ac_modes=("full",), states=("cpu_offload",))
+    want, want_rejected = enumerate_candidates(Workload(MODEL, 131072), space, H100)
+    assert [e.to_dict() for e in layouts] == [e.to_dict() for e in want] and rejected == want_rejected
+    assert layouts and {e.states for e in layouts} == {"cpu_offload"}
 
 
 def _plan_imports(path: Path) -> tuple[set[str], set[str]]:

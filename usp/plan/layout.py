@@ -8,14 +8,15 @@
 - :class:`SearchSpace`: the candidates a search tries (the cluster and what the user pinned; ``None`` = the
   planner chooses).
 
-The public functions (:func:`usp.plan.evaluate_layout`, :func:`usp.plan.training_memory`, ...) keep their
-keyword arguments; each builds these records and hands them on. Change one field with
+The keyword forms (:func:`usp.plan.evaluate_layout`, :func:`usp.plan.training_memory`, ...) take the records'
+fields as keywords; :func:`from_keywords` is the one place that turns them into records. Change one field with
 :func:`dataclasses.replace` (``replace(work, seq_len=2 * work.seq_len)``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 from usp.plan.compute import DocumentWork
 from usp.plan.models import ModelSpec
@@ -106,4 +107,36 @@ class SearchSpace:
     """Placements of :data:`STATE_PLACEMENTS` tried."""
 
 
-__all__ = ["STATE_PLACEMENTS", "Candidate", "SearchSpace", "Workload"]
+Layout = TypeVar("Layout", Candidate, SearchSpace)
+
+
+def from_keywords(
+    model: ModelSpec, layout: type[Layout], /, *, offload: bool = False, **keywords: Any
+) -> tuple[Workload, Layout]:
+    """The records of a keyword-form call (:func:`usp.plan.evaluate_layout`, :func:`usp.plan.plan_layouts`, ...):
+    each keyword goes to the :class:`Workload` field or the ``layout`` field (:class:`Candidate` or
+    :class:`SearchSpace`) of its name, and the fields not given keep their defaults. ``offload=True`` is
+    shorthand for the states on the host (``states="cpu_offload"``, a search's ``states=("cpu_offload",)``);
+    ``states=None`` is the default placement. ``TypeError`` for a keyword neither record has, or a required
+    field missing; ``ValueError`` for ``offload`` with ``states``."""
+    work_fields = {f.name for f in fields(Workload)} - {"model"}
+    layout_fields = {f.name for f in fields(layout)}
+    unknown = set(keywords) - work_fields - layout_fields
+    if unknown:
+        raise TypeError(
+            f"unknown keyword(s) {sorted(unknown)}: the keywords are the fields of Workload {sorted(work_fields)}, "
+            f"of {layout.__name__} {sorted(layout_fields)}, and offload."
+        )
+    if keywords.get("states") is None:
+        keywords.pop("states", None)
+        if offload:
+            keywords["states"] = "cpu_offload" if layout is Candidate else ("cpu_offload",)
+    elif offload:
+        raise ValueError(
+            f"offload=True and states={keywords['states']!r}: pass one (offload=True means the states on the host)."
+        )
+    work = Workload(model, **{k: v for k, v in keywords.items() if k in work_fields})
+    return work, layout(**{k: v for k, v in keywords.items() if k in layout_fields})
+
+
+__all__ = ["STATE_PLACEMENTS", "Candidate", "SearchSpace", "Workload", "from_keywords"]

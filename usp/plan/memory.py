@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 from usp.mlp_tiles import check_mlp_tiles_setting, resolve_mlp_tiles
 from usp.modes import AC_MODES
 from usp.plan.comm import ACT_BYTES, kv_block_bytes
 from usp.plan.hardware import GIB, DeviceSpec
-from usp.plan.layout import Candidate, Workload
+from usp.plan.layout import Candidate, Workload, from_keywords
 from usp.plan.models import ModelSpec
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master param + fp32 grad + Adam m and v
@@ -141,79 +142,25 @@ def device_states_bytes(model: ModelSpec, shard: int, *, offload: bool = False) 
     return model.num_params * STATE_BYTES_PER_PARAM / shard
 
 
-# Keyword forms: the public API. The planner itself passes a Workload and a Candidate to the functions below.
+# Keyword forms: the public API, the fields of a Workload and a Candidate as keywords (from_keywords). The
+# planner itself passes the records to the functions below.
 
 
-def held_activation_bytes(
-    model: ModelSpec,
-    *,
-    seq_len: int,
-    ulysses_degree: int,
-    ring_degree: int,
-    activation_checkpointing: str = "none",
-    ac_every_k: int = 2,
-    mlp_tiles: int = 1,
-    micro_batch_size: int = 1,
-    compute_bytes: int = ACT_BYTES,
-) -> dict[str, float]:
-    """:func:`held_bytes` of this workload and layout (no sharding enters the held bytes)."""
-    work = Workload(model, seq_len, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes)
-    ranks = ulysses_degree * ring_degree
-    cand = Candidate(
-        ulysses_degree,
-        ring_degree,
-        world_size=ranks,
-        node_size=ranks,
-        activation_checkpointing=activation_checkpointing,
-        ac_every_k=ac_every_k,
-        mlp_tiles=mlp_tiles,
+def held_activation_bytes(model: ModelSpec, **keywords: Any) -> dict[str, float]:
+    """:func:`held_bytes` of the workload and layout these keywords describe (:func:`usp.plan.layout.from_keywords`:
+    ``seq_len``, ``ulysses_degree``, ``ring_degree``, ``activation_checkpointing``, ``mlp_tiles``, ...). No
+    sharding enters the held bytes: ``world_size`` and ``node_size`` default to ``ulysses_degree x ring_degree``."""
+    ranks = keywords.get("ulysses_degree", 1) * keywords.get("ring_degree", 1)
+    return held_bytes(
+        *from_keywords(model, Candidate, **({"world_size": ranks, "node_size": ranks} | keywords))
     )
-    return held_bytes(work, cand)
 
 
-def training_memory(
-    model: ModelSpec,
-    device: DeviceSpec,
-    *,
-    seq_len: int,
-    ulysses_degree: int,
-    ring_degree: int,
-    world_size: int,
-    node_size: int,
-    fsdp_mode: str = "full_shard",
-    activation_checkpointing: str = "none",
-    ac_every_k: int = 2,
-    micro_batch_size: int = 1,
-    loss_chunk_size: int = 4096,
-    overhead_frac: float = FRAGMENTATION_FRAC,
-    offload: bool = False,
-    compute_bytes: int = ACT_BYTES,
-    mlp_tiles: int = 1,
-    attn_head_chunks: int = 1,
-    attention_backend: str = "flash_attn",
-) -> MemoryBreakdown:
-    """:func:`peak_memory` of this workload and layout; ``offload`` puts the sharded states on the host."""
-    work = Workload(
-        model,
-        seq_len,
-        micro_batch_size=micro_batch_size,
-        compute_bytes=compute_bytes,
-        loss_chunk_size=loss_chunk_size,
-        overhead_frac=overhead_frac,
-        attention_backend=attention_backend,
-    )
-    cand = Candidate(
-        ulysses_degree,
-        ring_degree,
-        world_size=world_size,
-        node_size=node_size,
-        fsdp_mode=fsdp_mode,
-        activation_checkpointing=activation_checkpointing,
-        ac_every_k=ac_every_k,
-        mlp_tiles=mlp_tiles,
-        attn_head_chunks=attn_head_chunks,
-        states="cpu_offload" if offload else "device",
-    )
+def training_memory(model: ModelSpec, device: DeviceSpec, **keywords: Any) -> MemoryBreakdown:
+    """:func:`peak_memory` of the workload and layout these keywords describe (:func:`usp.plan.layout.from_keywords`:
+    ``seq_len``, the degrees, ``world_size``, ``node_size``, ``activation_checkpointing``, ``mlp_tiles``,
+    ``compute_bytes``, ...); ``offload=True`` puts the sharded states on the host."""
+    work, cand = from_keywords(model, Candidate, **keywords)
     return peak_memory(work, cand, device)
 
 

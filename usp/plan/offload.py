@@ -27,9 +27,10 @@ operating system, the data loader and the Python processes keep the rest).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from usp.plan.hardware import GB, GIB, DeviceSpec
-from usp.plan.layout import Candidate, Workload
+from usp.plan.layout import Candidate, Workload, from_keywords
 from usp.plan.memory import checkpointed_layers, shard_degree
 from usp.plan.models import ModelSpec
 
@@ -119,97 +120,24 @@ def offload_seconds(
     return out
 
 
-# Keyword forms (the public API): each builds a Workload and a Candidate.
+# Keyword forms (the public API): the fields of a Workload and a Candidate as keywords (from_keywords).
 
 
-def _placement(
-    model: ModelSpec,
-    *,
-    seq_len: int,
-    ulysses_degree: int,
-    ring_degree: int,
-    world_size: int,
-    node_size: int,
-    fsdp_mode: str,
-    activation_checkpointing: str,
-    offload: bool,
-    micro_batch_size: int,
-    compute_bytes: int,
-) -> tuple[Workload, Candidate]:
-    work = Workload(model, seq_len, micro_batch_size=micro_batch_size, compute_bytes=compute_bytes)
-    cand = Candidate(
-        ulysses_degree,
-        ring_degree,
-        world_size=world_size,
-        node_size=node_size,
-        fsdp_mode=fsdp_mode,
-        activation_checkpointing=activation_checkpointing,
-        states="cpu_offload" if offload else "device",
-    )
-    return work, cand
-
-
-def host_memory(
-    model: ModelSpec,
-    *,
-    seq_len: int,
-    ulysses_degree: int,
-    ring_degree: int,
-    world_size: int,
-    node_size: int,
-    fsdp_mode: str = "full_shard",
-    activation_checkpointing: str = "none",
-    offload: bool = False,
-    micro_batch_size: int = 1,
-    compute_bytes: int = 2,
-) -> dict[str, float]:
-    """:func:`host_bytes` of this workload and layout; ``offload`` puts the sharded states on the host."""
-    return host_bytes(
-        *_placement(
-            model,
-            seq_len=seq_len,
-            ulysses_degree=ulysses_degree,
-            ring_degree=ring_degree,
-            world_size=world_size,
-            node_size=node_size,
-            fsdp_mode=fsdp_mode,
-            activation_checkpointing=activation_checkpointing,
-            offload=offload,
-            micro_batch_size=micro_batch_size,
-            compute_bytes=compute_bytes,
-        )
-    )
+def host_memory(model: ModelSpec, **keywords: Any) -> dict[str, float]:
+    """:func:`host_bytes` of the workload and layout these keywords describe (:func:`usp.plan.layout.from_keywords`:
+    ``seq_len``, the degrees, ``world_size``, ``node_size``, ...); ``offload=True`` puts the sharded states on
+    the host."""
+    return host_bytes(*from_keywords(model, Candidate, **keywords))
 
 
 def offload_time(
     model: ModelSpec,
     device: DeviceSpec,
     *,
-    seq_len: int,
-    ulysses_degree: int,
-    ring_degree: int,
-    world_size: int,
-    node_size: int,
-    fsdp_mode: str = "full_shard",
-    activation_checkpointing: str = "none",
-    offload: bool = False,
     layer_fwd_s: float = 0.0,
     layer_bwd_s: float = 0.0,
-    micro_batch_size: int = 1,
-    compute_bytes: int = 2,
+    **keywords: Any,
 ) -> dict[str, float]:
-    """:func:`offload_seconds` of this workload and layout."""
-    work, cand = _placement(
-        model,
-        seq_len=seq_len,
-        ulysses_degree=ulysses_degree,
-        ring_degree=ring_degree,
-        world_size=world_size,
-        node_size=node_size,
-        fsdp_mode=fsdp_mode,
-        activation_checkpointing=activation_checkpointing,
-        offload=offload,
-        micro_batch_size=micro_batch_size,
-        compute_bytes=compute_bytes,
-    )
+    """:func:`offload_seconds` of the workload and layout these keywords describe (as :func:`host_memory`)."""
+    work, cand = from_keywords(model, Candidate, **keywords)
     return offload_seconds(work, cand, device, layer_fwd_s=layer_fwd_s, layer_bwd_s=layer_bwd_s)

@@ -19,15 +19,15 @@ Before this module each caller built the keywords itself, and the copies drifted
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from usp.config import ParallelConfig, TrainerConfig, states_on_host
 from usp.plan.auto import auto_degrees
-from usp.plan.estimate import LayoutEstimate
+from usp.plan.estimate import LayoutEstimate, estimate_layout
 from usp.plan.hardware import DeviceSpec, get_device
+from usp.plan.layout import Candidate, Workload
 from usp.plan.models import ModelSpec
-from usp.plan.search import evaluate_layout
 
 if TYPE_CHECKING:
     from usp.config import TrainConfig
@@ -85,25 +85,9 @@ class PlanRequest:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> PlanRequest:
-        """The request of a composed training config."""
-        p, t = cfg.parallel, cfg.trainer
-        return cls(
-            seq_len=t.seq_len,
-            compute_bytes=compute_bytes(cfg.model.dtype),
-            ring_layout=p.ring_layout,
-            loss_chunk_size=t.loss_chunk_size,
-            grad_accum_steps=t.grad_accum_steps,
-            micro_batch_size=t.micro_batch_size,
-            mlp_tiles=p.mlp_tiles,
-            attn_head_chunks=p.attn_head_chunks,
-            states_on_host=states_on_host(cfg.optim.name, p.cpu_offload),
-            host_mem_gib=cfg.cluster.host_mem_gib,
-            ulysses_degree=p.ulysses_degree,
-            ring_degree=p.ring_degree,
-            fsdp_mode=p.fsdp_mode,
-            activation_checkpointing=p.activation_checkpointing,
-            ac_every_k=p.ac_every_k,
-        )
+        """The request of a composed training config: :meth:`from_dict` of its sections (one reading of the
+        keys, so the two cannot drift)."""
+        return cls.from_dict(asdict(cfg))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], **overrides: Any) -> PlanRequest:
@@ -206,25 +190,27 @@ class PlanRequest:
         U, R = int(self.ulysses_degree), int(self.ring_degree)
         if global_batch is None:
             global_batch = max(1, world_size // (U * R)) * self.micro_batch_size * self.grad_accum_steps
-        return evaluate_layout(
+        work = Workload(
             model,
-            device,
-            seq_len=self.seq_len,
-            ulysses_degree=U,
-            ring_degree=R,
-            world_size=world_size,
-            node_size=node_size,
+            self.seq_len,
+            global_batch=global_batch,
+            compute_bytes=self.compute_bytes,
+            loss_chunk_size=self.loss_chunk_size,
+            ring_layout=self.ring_layout,
+        )
+        cand = Candidate(
+            U,
+            R,
+            world_size,
+            node_size,
             fsdp_mode=self.fsdp_mode,
             activation_checkpointing=self.activation_checkpointing,
             ac_every_k=self.ac_every_k,
-            global_batch=global_batch,
-            ring_layout=self.ring_layout,
-            loss_chunk_size=self.loss_chunk_size,
-            offload=self.states_on_host,
-            compute_bytes=self.compute_bytes,
             mlp_tiles=mlp_tiles,
             attn_head_chunks=int(self.attn_head_chunks),
+            states="cpu_offload" if self.states_on_host else "device",
         )
+        return estimate_layout(work, cand, device)
 
 
 __all__ = ["PlanRequest", "compute_bytes"]

@@ -6,13 +6,15 @@ picks them only when needed (or when they are faster by more than the band). Cos
 enumerating the candidates: :mod:`usp.plan.estimate`; what is costed: :mod:`usp.plan.layout`.
 
 :func:`evaluate_layout`, :func:`enumerate_layouts` and :func:`plan_layouts` are the keyword forms (the public
-API); each builds a :class:`Workload`, a :class:`Candidate` or a :class:`SearchSpace` and hands it on.
+API): :func:`usp.plan.layout.from_keywords` builds a :class:`Workload` and a :class:`Candidate` or a
+:class:`SearchSpace` from their keywords, and the typed functions take those.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from usp.plan.advice import explain_no_fit
-from usp.plan.compute import DocumentWork
 from usp.plan.estimate import (
     AC_CANDIDATES,
     HEAD_CHUNK_CANDIDATES,
@@ -24,7 +26,7 @@ from usp.plan.estimate import (
     split_layout,
 )
 from usp.plan.hardware import DeviceSpec
-from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
+from usp.plan.layout import STATE_PLACEMENTS, Candidate, Layout, SearchSpace, Workload, from_keywords
 from usp.plan.models import ModelSpec
 
 TIE_TOLERANCE = 0.02
@@ -34,113 +36,37 @@ class NoFeasibleLayoutError(ValueError):
     """No layout fits; the message says why and what would (more GPUs, shorter sequence, offload...)."""
 
 
-def evaluate_layout(
-    model: ModelSpec,
-    device: DeviceSpec,
-    *,
-    seq_len: int,
-    ulysses_degree: int,
-    ring_degree: int,
-    world_size: int,
-    node_size: int,
-    fsdp_mode: str = "full_shard",
-    activation_checkpointing: str = "none",
-    ac_every_k: int = 2,
-    global_batch: int | None = None,
-    ring_layout: str = "zigzag",
-    loss_chunk_size: int = 4096,
-    overhead_frac: float = 0.05,
-    offload: bool = False,
-    compute_bytes: int = 2,
-    mlp_tiles: int = 1,
-    headroom_gib: float | None = None,
-    documents: DocumentWork | None = None,
-    attn_head_chunks: int = 1,
-) -> LayoutEstimate:
-    """Memory and time of one layout (:func:`usp.plan.estimate.estimate_layout`). ``global_batch`` in sequences;
-    default one per dp rank. ``compute_bytes``: 2 for bf16 compute (``model.dtype``), 4 for float32.
-    ``offload``: the sharded states and the optimizer step on the host (FSDP2 CPU offload); ``headroom_gib``:
-    free device memory the fit requires (default :attr:`DeviceSpec.default_headroom_gib`);
-    ``attn_head_chunks``: ``parallel.attn_head_chunks`` (:func:`head_chunk_candidates`)."""
-    work = Workload(
-        model,
-        seq_len,
-        global_batch=global_batch,
-        compute_bytes=compute_bytes,
-        loss_chunk_size=loss_chunk_size,
-        ring_layout=ring_layout,
-        documents=documents,
-        overhead_frac=overhead_frac,
-        headroom_gib=headroom_gib,
-    )
-    cand = Candidate(
-        ulysses_degree,
-        ring_degree,
-        world_size=world_size,
-        node_size=node_size,
-        fsdp_mode=fsdp_mode,
-        activation_checkpointing=activation_checkpointing,
-        ac_every_k=ac_every_k,
-        mlp_tiles=mlp_tiles,
-        attn_head_chunks=attn_head_chunks,
-        states="cpu_offload" if offload else "device",
-    )
-    return estimate_layout(work, cand, device)
+def _records(model: ModelSpec, layout: type[Layout], keywords: dict[str, Any]) -> tuple[Workload, Layout]:
+    """:func:`usp.plan.layout.from_keywords` for the estimates and searches, which cost one sequence per micro
+    step (``global_batch`` sets the accumulation)."""
+    work, rest = from_keywords(model, layout, **keywords)
+    if work.micro_batch_size != 1:
+        raise ValueError(
+            f"micro_batch_size={work.micro_batch_size}: the planner's estimates cost one sequence per micro step; "
+            "set global_batch (sequences per optimizer step) instead."
+        )
+    return work, rest
+
+
+def evaluate_layout(model: ModelSpec, device: DeviceSpec, **keywords: Any) -> LayoutEstimate:
+    """Memory and time of one layout (:func:`usp.plan.estimate.estimate_layout`); ``keywords``: the fields of
+    :class:`Workload` and :class:`Candidate` (:func:`usp.plan.layout.from_keywords`), e.g. ``seq_len``, the
+    degrees, ``world_size``, ``node_size``, ``global_batch`` (sequences; default one per dp rank),
+    ``compute_bytes`` (2 for bf16 compute, 4 for float32), ``headroom_gib`` (free device memory the fit
+    requires; default :attr:`DeviceSpec.default_headroom_gib`), ``attn_head_chunks``
+    (:func:`head_chunk_candidates`); ``offload=True``: the sharded states and the optimizer step on the host
+    (FSDP2 CPU offload)."""
+    return estimate_layout(*_records(model, Candidate, keywords), device)
 
 
 def enumerate_layouts(
-    model: ModelSpec,
-    device: DeviceSpec,
-    *,
-    seq_len: int,
-    world_size: int,
-    node_size: int,
-    global_batch: int | None = None,
-    ring_layout: str = "zigzag",
-    ulysses_degree: int | None = None,
-    ring_degree: int | None = None,
-    ac_modes: tuple[str, ...] | None = None,
-    offload: bool = False,
-    loss_chunk_size: int = 4096,
-    overhead_frac: float = 0.05,
-    compute_bytes: int = 2,
-    fsdp_modes: tuple[str, ...] | None = None,
-    ac_every_k: int | None = None,
-    mlp_tiles: int | None = None,
-    states: tuple[str, ...] | None = None,
-    headroom_gib: float | None = None,
-    documents: DocumentWork | None = None,
-    attn_head_chunks: int | None = None,
+    model: ModelSpec, device: DeviceSpec, **keywords: Any
 ) -> tuple[list[LayoutEstimate], list[str]]:
     """Every valid candidate, fitting or not, and the reasons the others were rejected before costing
-    (:func:`usp.plan.estimate.enumerate_candidates`; the restrictions are :class:`SearchSpace`'s fields).
-    ``states`` default: on the device; ``offload=True`` means ``("cpu_offload",)``."""
-    if states is None:
-        states = ("cpu_offload",) if offload else ("device",)
-    work = Workload(
-        model,
-        seq_len,
-        global_batch=global_batch,
-        compute_bytes=compute_bytes,
-        loss_chunk_size=loss_chunk_size,
-        ring_layout=ring_layout,
-        documents=documents,
-        overhead_frac=overhead_frac,
-        headroom_gib=headroom_gib,
-    )
-    space = SearchSpace(
-        world_size,
-        node_size,
-        ulysses_degree=ulysses_degree,
-        ring_degree=ring_degree,
-        fsdp_modes=fsdp_modes,
-        ac_modes=ac_modes,
-        ac_every_k=ac_every_k,
-        mlp_tiles=mlp_tiles,
-        attn_head_chunks=attn_head_chunks,
-        states=states,
-    )
-    return enumerate_candidates(work, space, device)
+    (:func:`usp.plan.estimate.enumerate_candidates`); ``keywords``: the fields of :class:`Workload` and
+    :class:`SearchSpace` (the restrictions; ``None`` lets the planner choose). ``states`` default: on the
+    device; ``offload=True`` means ``("cpu_offload",)``."""
+    return enumerate_candidates(*_records(model, SearchSpace, keywords), device)
 
 
 def _check_search(work: Workload, space: SearchSpace) -> None:
@@ -180,59 +106,15 @@ def rank_layouts(layouts: list[LayoutEstimate], tie_tolerance: float = TIE_TOLER
     return sorted(layouts, key=key)
 
 
-def plan_layouts(
-    model: ModelSpec,
-    device: DeviceSpec,
-    *,
-    seq_len: int,
-    world_size: int,
-    node_size: int,
-    global_batch: int | None = None,
-    ring_layout: str = "zigzag",
-    ulysses_degree: int | None = None,
-    ring_degree: int | None = None,
-    ac_modes: tuple[str, ...] | None = None,
-    loss_chunk_size: int = 4096,
-    overhead_frac: float = 0.05,
-    compute_bytes: int = 2,
-    fsdp_modes: tuple[str, ...] | None = None,
-    ac_every_k: int | None = None,
-    mlp_tiles: int | None = None,
-    states: tuple[str, ...] | None = None,
-    headroom_gib: float | None = None,
-    documents: DocumentWork | None = None,
-    attn_head_chunks: int | None = None,
-) -> list[LayoutEstimate]:
-    """Layouts that fit, fastest first (:func:`rank_layouts`: within 2% throughput, fewer tricks, less memory
-    first). ``mlp_tiles`` and ``attn_head_chunks`` None are ``auto``; ``states`` the placements to try (default
+def plan_layouts(model: ModelSpec, device: DeviceSpec, **keywords: Any) -> list[LayoutEstimate]:
+    """Layouts that fit, fastest first (:func:`search_layouts` of the :class:`Workload` and :class:`SearchSpace`
+    these keywords build, as :func:`enumerate_layouts`'s): within 2% throughput, fewer tricks, less memory
+    first. ``mlp_tiles`` and ``attn_head_chunks`` None are ``auto``; ``states`` the placements to try (default
     on the device); ``documents``: packed documents (``--doc-lengths``), attention over them.
 
     Raises :class:`NoFeasibleLayoutError` (a ``ValueError``) saying why nothing fits and what would.
     """
-    work = Workload(
-        model,
-        seq_len,
-        global_batch=global_batch,
-        compute_bytes=compute_bytes,
-        loss_chunk_size=loss_chunk_size,
-        ring_layout=ring_layout,
-        documents=documents,
-        overhead_frac=overhead_frac,
-        headroom_gib=headroom_gib,
-    )
-    space = SearchSpace(
-        world_size,
-        node_size,
-        ulysses_degree=ulysses_degree,
-        ring_degree=ring_degree,
-        fsdp_modes=fsdp_modes,
-        ac_modes=ac_modes,
-        ac_every_k=ac_every_k,
-        mlp_tiles=mlp_tiles,
-        attn_head_chunks=attn_head_chunks,
-        states=("device",) if states is None else states,
-    )
-    return search_layouts(work, space, device)
+    return search_layouts(*_records(model, SearchSpace, keywords), device)
 
 
 def search_layouts(work: Workload, space: SearchSpace, device: DeviceSpec) -> list[LayoutEstimate]:
