@@ -50,22 +50,13 @@ class Planner:
         return resolve_mlp_tiles(self.mlp_tiles, local_tokens=seq_len, hidden_size=self.spec.hidden_size)
 
     def estimate(self, seq_len: int, host_states: bool) -> Any:
-        from usp.plan import evaluate_layout
+        from usp.plan.estimate import estimate_layout
+        from usp.plan.layout import Workload
 
-        return evaluate_layout(
-            self.spec,
-            self.device,
-            seq_len=seq_len,
-            ulysses_degree=1,
-            ring_degree=1,
-            world_size=1,
-            node_size=1,
-            activation_checkpointing="offload",
-            offload=host_states,
-            mlp_tiles=self.tiles(seq_len),
-            loss_chunk_size=self.loss_chunk_size,
-            compute_bytes=self.compute_bytes,
+        work = Workload(
+            self.spec, seq_len=seq_len, loss_chunk_size=self.loss_chunk_size, compute_bytes=self.compute_bytes
         )
+        return estimate_layout(work, one_gpu_offload(host_states, mlp_tiles=self.tiles(seq_len)), self.device)
 
     def predict(self, seq_len: int, host_states: bool) -> dict[str, Any]:
         e = self.estimate(seq_len, host_states)
@@ -104,6 +95,21 @@ class Planner:
             return None
 
 
+def one_gpu_offload(host_states: bool, *, mlp_tiles: int = 1) -> Any:
+    """The layout every attempt runs: one GPU, checkpoint offload, the states on the host or the device."""
+    from usp.plan.layout import Candidate
+
+    return Candidate(
+        1,
+        1,
+        world_size=1,
+        node_size=1,
+        activation_checkpointing="offload",
+        mlp_tiles=mlp_tiles,
+        states="cpu_offload" if host_states else "device",
+    )
+
+
 def choose_optim(setting: str, *, cpu_adam_error: Callable[[], str | None]) -> tuple[str, str]:
     """``(optim.name, why)``: ``auto`` and ``deepspeed_cpu_adam`` step on the host with DeepSpeed's CPU Adam,
     or with torch's fused AdamW there (``adamw_cpu_offload``) when DeepSpeed's op does not build."""
@@ -125,22 +131,15 @@ def deepest_fitting(
     ``seq_len`` take at most ``1 - keep_frac`` of the usable host memory (the planner's terms,
     :func:`usp.plan.host_memory`), leaving ``keep_frac`` for the pinned inputs of longer sequences; 0 when
     not even one layer does. ``--num-layers auto``."""
-    from usp.plan import host_memory, load_model_spec
-    from usp.plan.offload import HOST_USABLE_FRAC
+    from usp.plan import load_model_spec
+    from usp.plan.layout import Workload
+    from usp.plan.offload import HOST_USABLE_FRAC, host_bytes
 
     usable = HOST_USABLE_FRAC * host_mem_gib * GIB * (1 - keep_frac)
     for layers in range(int(fields["num_hidden_layers"]), 0, -1):
         spec = load_model_spec({"vocab_size": 512, **fields, "num_hidden_layers": layers})
-        need = host_memory(
-            spec,
-            seq_len=seq_len,
-            ulysses_degree=1,
-            ring_degree=1,
-            world_size=1,
-            node_size=1,
-            activation_checkpointing="offload",
-            offload=True,
-            compute_bytes=compute_bytes,
+        need = host_bytes(
+            Workload(spec, seq_len=seq_len, compute_bytes=compute_bytes), one_gpu_offload(host_states=True)
         )["node"]
         if need <= usable:
             return layers
