@@ -2,8 +2,8 @@
 
 For every candidate of :func:`usp.plan.search.enumerate_layouts` without the sequence length (Ulysses and ring
 degrees, FSDP mode, checkpointing, where the states live), the longest length that fits is found by doubling
-then bisection: every memory term grows with the sequence, so "fits" is monotone in it. Lengths are multiples
-of the layout's granularity: the sequence multiple the trainer requires (``2 x ring x ulysses`` for zigzag),
+then bisection (:func:`usp.longest.longest_passing`): every memory term grows with the sequence, so "fits" is
+monotone in it. Lengths are multiples of the layout's granularity: the sequence multiple the trainer requires (``2 x ring x ulysses`` for zigzag),
 ``ulysses x ring x`` the largest MLP tile count (so every tile count divides the local tokens) and
 ``--seq-multiple`` (1024 by default). With ``mlp_tiles`` on ``auto`` a length fits when it fits with the most
 tiles; the answer then reports the fewest tiles that fit. Ring attention's head chunks
@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from usp.longest import longest_passing
 from usp.parallel.mesh import sequence_multiple
 from usp.plan.estimate import (
     AC_CANDIDATES,
@@ -82,24 +83,6 @@ class MaxSeqLenEstimate:
             "time_s": e.time_s,
             "overrides": self.overrides(),
         }
-
-
-def _longest(fits: Any, granularity: int, limit: int) -> int:
-    """Largest multiple ``k x granularity <= limit`` with ``fits(k x granularity)``, or 0 when none does."""
-    if granularity > limit or not fits(granularity):
-        return 0
-    lo = 1  # fits
-    hi = 2
-    while hi * granularity <= limit and fits(hi * granularity):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit // granularity + 1)  # first multiple known not to fit (or past the limit)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid * granularity):
-            lo = mid
-        else:
-            hi = mid
-    return lo * granularity
 
 
 def max_seq_lens(
@@ -231,7 +214,8 @@ def longest_per_candidate(
                             )
 
                         by_chunk = [
-                            (_longest(lambda x, c=c: estimate(x, chunk=c).fits, g, limit), c) for c in chunks
+                            (longest_passing(lambda x, c=c: estimate(x, chunk=c).fits, g, g, limit), c)
+                            for c in chunks
                         ]
                         seq = max(x for x, _ in by_chunk)
                         if not seq:
