@@ -18,7 +18,7 @@ from typing import Any
 from usp.attention.ring import head_chunk_options
 from usp.parallel.mesh import ParallelDims, sequence_multiple
 from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
-from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, compute_time, model_flops_per_token
+from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, compute_time, mfu, model_flops_per_token
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
 from usp.plan.memory import checkpointed_layers, peak_memory
@@ -176,7 +176,8 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
     micro += off["ckpt_offload_exposed_s"]
     step = micro * accum + off["host_adam_s"]
     tokens_per_gpu = batch * seq_len / step / world_size
-    mfu = model_flops_per_token(model, seq_len, work.documents) * tokens_per_gpu / device.peak_flops
+    step_flops = model_flops_per_token(model, seq_len, work.documents) * batch * seq_len
+    _, step_mfu = mfu(step_flops, step, world_size, device.peak_flops)
     times = {
         "dense_s": comp["dense_s"] * accum,
         "attention_s": comp["attention_s"] * accum,
@@ -204,7 +205,7 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
         fits=mem.total_gib + headroom <= device.memory_gib and host_fits,
         step_time_s=step,
         tokens_per_s_per_gpu=tokens_per_gpu,
-        mfu=mfu,
+        mfu=step_mfu,
         memory_gib=mem.as_gib(),
         time_s=times,
         mlp_tiles=cand.mlp_tiles,

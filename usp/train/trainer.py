@@ -42,11 +42,12 @@ from usp.eval.losses import val_ppl_by_position
 from usp.model import build_empty_causal_lm, load_sharded_weights, parse_dtype, weight_devices
 from usp.parallel import SPMesh
 from usp.parallel.agree import on_every_rank
+from usp.plan.compute import training_flops
 from usp.plan.models import head_dim_of
 from usp.startup import build_mesh, run_in_process_group
 from usp.train.checks import build_tiny_if_asked, check_training_run, fsdp_cpu_offload, start_up_warnings
 from usp.train.export import export_hf
-from usp.train.flops import attention_work_imbalance, count_dense_params, training_flops
+from usp.train.flops import attention_work_imbalance, count_matmul_params
 from usp.train.guard import StepGuard, check_finite_weights
 from usp.train.loss import IGNORE_INDEX
 from usp.train.metrics import MetricsLogger
@@ -86,9 +87,9 @@ def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: tor
 # --- one concern each, for the loop -----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _ModelShape:
-    """What a step's model FLOPs depend on (:func:`usp.train.flops.training_flops`)."""
+    """What a step's model FLOPs depend on (:func:`usp.plan.compute.training_flops`)."""
 
-    dense_params: int
+    matmul_params: int
     num_layers: int
     num_heads: int
     head_dim: int
@@ -106,7 +107,7 @@ def _step_flops(
     over the replicas (one all-reduce on the dp group when ``dp_degree > 1``)."""
     flops = torch.tensor(
         training_flops(
-            dense_params=shape.dense_params,
+            matmul_params=shape.matmul_params,
             num_layers=shape.num_layers,
             num_heads=shape.num_heads,
             head_dim=shape.head_dim,
@@ -205,7 +206,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     # fp32 master weights, never whole on any rank: an empty (meta) model is sharded, then filled (the RoPE
     # overrides were applied to model_config by validate)
     model = build_empty_causal_lm(model_config)
-    dense_params = count_dense_params(model)
+    matmul_params = count_matmul_params(model)
     loss_model = parallelize(
         model,
         mesh,
@@ -241,7 +242,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
 
     hf_config = model.config
     layers = len(decoder_layers(model))
-    model_shape = _ModelShape(dense_params, layers, hf_config.num_attention_heads, head_dim_of(hf_config))
+    model_shape = _ModelShape(matmul_params, layers, hf_config.num_attention_heads, head_dim_of(hf_config))
     layout_info = {**mesh.describe(), **dataclasses.asdict(layout)}
     metrics = MetricsLogger(
         run_dir,
