@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "usp"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("units", "modes", "mlp_tiles", "longest", "errors", "atomic", "tiny", "real"),
+    ("units", "modes", "mlp_tiles", "longest", "host", "errors", "atomic", "tiny", "real"),
     ("parallel",),
     ("attention",),
     ("model",),

@@ -9,7 +9,9 @@ import math
 import pytest
 
 from usp.config import ClusterConfig, WandbConfig
-from usp.train.flops import count_dense_params, training_flops
+from usp.plan.compute import mfu, training_flops
+from usp.plan.models import ModelSpec, load_model_spec
+from usp.train.flops import count_matmul_params
 from usp.train.metrics import METRIC_FIELDS, MetricsLogger
 from usp.train.peak_flops import PEAK_TFLOPS, peak_flops_per_device
 
@@ -19,22 +21,43 @@ DISABLED = WandbConfig(mode="disabled")
 def test_training_flops_two_documents_by_hand():
     # one packed sequence of two documents (3 and 5 tokens) and a second sequence of one document (4 tokens)
     # dense: 6 * 1000 params * 12 tokens = 72_000
-    # attention: 12 * L=2 * H=4 * D=8 * (9 + 25 + 16) = 768 * 50 = 38_400, halved when causal: 19_200
-    kwargs = dict(dense_params=1000, num_layers=2, num_heads=4, head_dim=8, document_lengths=[[3, 5], [4]])
-    assert training_flops(**kwargs) == 72_000 + 19_200
-    assert training_flops(**kwargs, causal=False) == 72_000 + 38_400
+    # attention: 12 * L=2 * H=4 * D=8 = 768 per pair; causal pairs 3*4/2 + 5*6/2 + 4*5/2 = 6 + 15 + 10 = 31
+    # (every key up to and including the query), all pairs 9 + 25 + 16 = 50
+    kwargs = dict(matmul_params=1000, num_layers=2, num_heads=4, head_dim=8, document_lengths=[[3, 5], [4]])
+    assert training_flops(**kwargs) == 72_000 + 768 * 31
+    assert training_flops(**kwargs, causal=False) == 72_000 + 768 * 50
 
 
 def test_packing_documents_costs_less_attention_than_one_long_document():
-    common = dict(dense_params=0, num_layers=1, num_heads=1, head_dim=1)
-    # 8^2 = 64 vs 4^2 + 4^2 = 32: two 4-token documents cost half the attention of one 8-token document
-    one = training_flops(**common, document_lengths=[[8]])
-    assert one == 2 * training_flops(**common, document_lengths=[[4, 4]]) == 12 * 64 / 2
+    common = dict(matmul_params=0, num_layers=1, num_heads=1, head_dim=1)
+    # 8 * 9 / 2 = 36 causal pairs vs 2 * (4 * 5 / 2) = 20: two 4-token documents cost far less attention
+    assert training_flops(**common, document_lengths=[[8]]) == 12 * 36
+    assert training_flops(**common, document_lengths=[[4, 4]]) == 12 * 20
 
 
 def test_training_flops_rejects_negative_lengths():
     with pytest.raises(ValueError, match="document lengths"):
-        training_flops(dense_params=1, num_layers=1, num_heads=1, head_dim=1, document_lengths=[[-1]])
+        training_flops(matmul_params=1, num_layers=1, num_heads=1, head_dim=1, document_lengths=[[-1]])
+
+
+def test_planner_and_trainer_count_the_same_flops():
+    # the planner's per-token count is the trainer's count of one causal row, or of the packed rows
+    from usp.plan.compute import DocumentWork, model_flops_per_token
+
+    spec = load_model_spec("llama-3.1-8b")
+    args = dict(
+        matmul_params=spec.matmul_params,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        head_dim=spec.head_dim,
+    )
+    seq = 131072
+    assert model_flops_per_token(spec, seq) * seq == training_flops(**args, document_lengths=[[seq]])
+    docs = DocumentWork.from_spec("lognormal:mean=8192", seq, num_rows=4)
+    per_row = training_flops(**args, document_lengths=docs.rows) / 4
+    assert model_flops_per_token(spec, seq, docs) * seq == pytest.approx(per_row, rel=1e-12)
+    assert model_flops_per_token(spec, seq, docs) < model_flops_per_token(spec, seq)
+    assert mfu(8e12, 2.0, 4, 1e12) == (1e12, 1.0)
 
 
 def test_peak_table_and_overrides():
@@ -50,17 +73,21 @@ def test_peak_table_and_overrides():
         peak_flops_per_device(ClusterConfig(gpu="tpu"), "cuda")
 
 
-def test_count_dense_params_excludes_the_input_embedding_unless_tied():
+def test_matmul_params_are_the_linear_weights_tied_or_not():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = dict(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=50
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=50
     )
-    untied = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
-    total = sum(p.numel() for p in untied.parameters())
-    assert count_dense_params(untied) == total - 50 * 16
-    tied = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True))
-    assert count_dense_params(tied) == sum(p.numel() for p in tied.parameters())
+    for tied in (False, True):
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=tied))
+        total = sum(p.numel() for p in model.parameters())
+        norms = (2 * 2 + 1) * 16  # two RMSNorms per layer and the final one
+        embedding = 0 if tied else 50 * 16  # a tied LM head is the embedding table, counted once as the head
+        assert count_matmul_params(model) == total - norms - embedding
+        # the planner's count of the same shape (ModelSpec from the config)
+        spec = ModelSpec.from_hf_config(model.config.to_dict())
+        assert count_matmul_params(model) == spec.matmul_params
 
 
 def _logger(run_dir, rank=0, world_size=4, peak=1e12, **kw):

@@ -1,9 +1,13 @@
-"""The small rules every layer shares, each defined once (usp.units, usp.modes, usp.mlp_tiles, usp.parallel.mesh)."""
+"""The small rules every layer shares, each defined once (usp.units, usp.modes, usp.mlp_tiles, usp.host,
+usp.parallel.mesh)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from usp import host
 from usp.mlp_tiles import check_mlp_tiles_setting, resolve_mlp_tiles
 from usp.modes import RING_LAYOUTS, check_ring_layout, chunks_per_ring_rank
 from usp.parallel.mesh import resolve_node_size, sequence_multiple
@@ -51,3 +55,16 @@ def test_head_dim_fallback() -> None:
     assert head_dim_of({"hidden_size": 4096, "num_attention_heads": 32}) == 128
     assert head_dim_of({"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 64}) == 64
     assert head_dim_of(SimpleNamespace(hidden_size=576, num_attention_heads=9, head_dim=None)) == 64
+
+
+def test_meminfo_read(tmp_path) -> None:
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    8192 kB\n")
+    assert host.meminfo_bytes("MemTotal", str(info)) == 16384 * 1024
+    assert host.meminfo_bytes("MemAvailable", str(info)) == 8192 * 1024
+    with pytest.raises(OSError, match="no Mem"):
+        host.meminfo_bytes("Mem", str(info))  # a prefix is not a field
+    assert host.available_host_bytes(str(info)) == 8192 * 1024
+    assert host.available_host_bytes(str(tmp_path / "absent")) == os.sysconf("SC_AVPHYS_PAGES") * os.sysconf(
+        "SC_PAGE_SIZE"
+    )

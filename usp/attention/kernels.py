@@ -38,11 +38,11 @@ from usp.attention.cuda_kernels import (
 from usp.attention.masks import dense_mask
 from usp.attention.segmented import (
     accumulation_dtype,
+    clear_uncovered_rows_,
     host_segments,
     per_segment_calls,
     segmentwise_backward,
     segmentwise_forward,
-    uncovered_rows,
 )
 from usp.modes import ATTENTION_BACKENDS, CUDA_BACKENDS, AttentionBackend
 
@@ -280,9 +280,8 @@ def attention_forward(
         out, lse = flash_attn_forward(q, k, v, causal, softmax_scale, segments)
     else:
         out, lse = sdpa_forward(backend, q, k, v, causal, softmax_scale, segments)
-    for a, b in uncovered_rows(segs, q.size(1)) if segs is not None else ():
-        lse[:, :, a:b] = float("-inf")  # ranges from the host list: no device sync, no [Sq] mask
-        out[:, a:b] = 0.0
+    if segs is not None:
+        clear_uncovered_rows_(out, lse, segs)
     return out, lse
 
 

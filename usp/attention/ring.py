@@ -122,14 +122,17 @@ def _first_lse(b: int, h: int, n: int, rows: slice, lse: torch.Tensor, dtype: to
     return full
 
 
-def _local_forward(q, k, v, spec, softmax_scale, backend):
-    """No ring (one step: ring degree 1, or documents that need no other part): the kernel's own ``(out,
-    lse)``, no accumulator, no merge. Only when the block leaves rows out (never at ring degree 1) are they
-    filled with ``out = 0``, ``lse = -inf`` around it."""
-    b, n, hq, d = q.shape
-    acc = accumulation_dtype(q.dtype)
-    if spec is None:
-        return q.new_zeros(q.shape), torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
+def _empty_forward(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention that computes nothing: ``out = 0`` (q's dtype), ``lse = -inf`` (``[B, h, L]``, fp32)."""
+    b, n, hq, _ = q.shape
+    return q.new_zeros(q.shape), torch.full(
+        (b, hq, n), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device
+    )
+
+
+def _block_forward(q, k, v, spec: BlockSpec, softmax_scale, backend):
+    """The kernel on one block (``spec``'s query rows of ``q`` against its key rows of ``k, v``), its work
+    recorded: ``(out, lse)`` of those rows."""
     qs, ks = spec.q_slice, spec.k_slice
     o, lse = attention_forward(
         q[:, qs],
@@ -140,19 +143,15 @@ def _local_forward(q, k, v, spec, softmax_scale, backend):
         backend=backend,
         segments=spec.segments,
     )
-    record_attention_work(spec.pairs() * b * hq, d, backward=False)
-    if _covers(qs, n):
-        return o, lse
-    return _first_block(q.shape, qs, o, q.dtype), _first_lse(b, hq, n, qs, lse, acc)
+    record_attention_work(spec.pairs() * q.size(0) * q.size(2), q.size(3), backward=False)
+    return o, lse
 
 
-def _local_backward(dout, q, k, v, out, lse, spec, softmax_scale, backend):
-    """No ring: the kernel's backward once, its ``dq, dk, dv`` returned as they are."""
-    if spec is None:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    b, n, hq, d = q.shape
+def _block_backward(dout, q, k, v, out, lse, spec: BlockSpec, softmax_scale, backend):
+    """The kernel's backward on one block (as :func:`_block_forward`), its work recorded: ``dq`` of the block's
+    query rows, ``dk, dv`` of its key rows."""
     qs, ks = spec.q_slice, spec.k_slice
-    dq, dk, dv = attention_backward(
+    grads = attention_backward(
         dout[:, qs],
         q[:, qs],
         k[:, ks],
@@ -164,7 +163,31 @@ def _local_backward(dout, q, k, v, out, lse, spec, softmax_scale, backend):
         backend=backend,
         segments=spec.segments,
     )
-    record_attention_work(spec.pairs() * b * hq, d, backward=True)
+    record_attention_work(spec.pairs() * q.size(0) * q.size(2), q.size(3), backward=True)
+    return grads
+
+
+def _local_forward(q, k, v, spec, softmax_scale, backend):
+    """No ring (one step: ring degree 1, or documents that need no other part): the kernel's own ``(out,
+    lse)``, no accumulator, no merge. Only when the block leaves rows out (never at ring degree 1) are they
+    filled with ``out = 0``, ``lse = -inf`` around it."""
+    if spec is None:
+        return _empty_forward(q)
+    b, n, hq, _ = q.shape
+    qs = spec.q_slice
+    o, lse = _block_forward(q, k, v, spec, softmax_scale, backend)
+    if _covers(qs, n):
+        return o, lse
+    return _first_block(q.shape, qs, o, q.dtype), _first_lse(b, hq, n, qs, lse, accumulation_dtype(q.dtype))
+
+
+def _local_backward(dout, q, k, v, out, lse, spec, softmax_scale, backend):
+    """No ring: the kernel's backward once, its ``dq, dk, dv`` returned as they are."""
+    if spec is None:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    n = q.size(1)
+    qs, ks = spec.q_slice, spec.k_slice
+    dq, dk, dv = _block_backward(dout, q, k, v, out, lse, spec, softmax_scale, backend)
     if not _covers(qs, n):
         dq = _first_block(q.shape, qs, dq, q.dtype)
     if not _covers(ks, k.size(1)):
@@ -180,7 +203,7 @@ def _ring_forward(q, k, v, group, plans, softmax_scale, backend):
     ring = len(plans)
     if ring == 1:
         return _local_forward(q, k, v, plans[0], softmax_scale, backend)
-    b, n, hq, d = q.shape
+    b, n, hq, _ = q.shape  # [B, L, h, D]
     acc = accumulation_dtype(q.dtype)
     out_acc = lse_acc = None
     exchange = RingExchange(group, "ring_kv", _TAG_KV)
@@ -190,26 +213,17 @@ def _ring_forward(q, k, v, group, plans, softmax_scale, backend):
             exchange.start([kc, vc])  # the next block travels while this one is computed
         spec: BlockSpec | None = plans[step]
         if spec is not None:
-            qs, ks = spec.q_slice, spec.k_slice
-            o, lse = attention_forward(
-                q[:, qs],
-                kc[:, ks],
-                vc[:, ks],
-                causal=spec.causal,
-                softmax_scale=softmax_scale,
-                backend=backend,
-                segments=spec.segments,
-            )
+            qs = spec.q_slice
+            o, lse = _block_forward(q, kc, vc, spec, softmax_scale, backend)
             if out_acc is None:
                 out_acc, lse_acc = _first_block(q.shape, qs, o, acc), _first_lse(b, hq, n, qs, lse, acc)
             else:
                 merge_block_(out_acc[:, qs], lse_acc[:, :, qs], o, lse)
             del o, lse
-            record_attention_work(spec.pairs() * b * hq, d, backward=False)
         if step + 1 < ring:
             kc, vc = exchange.wait()
     if out_acc is None:  # no rank computes anything (not produced by the planners): an empty attention
-        return q.new_zeros(q.shape), torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
+        return _empty_forward(q)
     return out_acc.to(q.dtype), lse_acc
 
 
@@ -228,7 +242,6 @@ def _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend
     steps = len(plans)
     if steps == 1:
         return _local_backward(dout, q, k, v, out, lse, plans[0], softmax_scale, backend)
-    b, _, hq, d = q.shape
     acc = accumulation_dtype(q.dtype)
     dq_acc = dk_acc = dv_acc = None
     kv_exchange = RingExchange(group, "ring_kv_bwd", _TAG_KV)
@@ -243,20 +256,8 @@ def _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend
         grads = None
         if spec is not None:
             qs, ks = spec.q_slice, spec.k_slice
-            grads = attention_backward(
-                dout[:, qs],
-                q[:, qs],
-                kc[:, ks],
-                vc[:, ks],
-                out[:, qs],
-                lse[:, :, qs],
-                causal=spec.causal,
-                softmax_scale=softmax_scale,
-                backend=backend,
-                segments=spec.segments,
-            )
+            grads = _block_backward(dout, q, kc, vc, out, lse, spec, softmax_scale, backend)
             dq_acc = _accumulate(dq_acc, q.shape, qs, grads[0], acc)
-            record_attention_work(spec.pairs() * b * hq, d, backward=True)
         if step > 0:
             dk_acc, dv_acc = dkv_exchange.wait()  # the accumulator of the K/V part we hold now
         if grads is not None:

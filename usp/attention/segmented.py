@@ -80,6 +80,15 @@ def uncovered_rows(segments: list[Segment], sq: int) -> list[tuple[int, int]]:
     return gaps
 
 
+def clear_uncovered_rows_(out: torch.Tensor, lse: torch.Tensor, segments: list[Segment]) -> None:
+    """In place: ``out = 0`` and ``lse = -inf`` on the query rows outside every segment (they attend to
+    nothing), whatever a kernel wrote there. ``out [B, Sq, h, D]``, ``lse [B, h, Sq]``; the ranges come from the
+    host list: no device sync, no ``[Sq]`` mask."""
+    for a, b in uncovered_rows(segments, out.size(1)):
+        out[:, a:b] = 0.0
+        lse[:, :, a:b] = float("-inf")
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy a small host tensor to ``device``; to CUDA through pinned memory, so the host does not wait.
 
@@ -151,9 +160,7 @@ def segmentwise_forward(
         o, l_seg = dense_forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal, scale, inner)
         out[:, q0:q1] = o
         lse[:, :, q0:q1] = l_seg
-    for a, b_ in uncovered_rows(segments, sq):  # gaps inside a group got whatever the kernel wrote
-        out[:, a:b_] = 0.0
-        lse[:, :, a:b_] = float("-inf")
+    clear_uncovered_rows_(out, lse, segments)  # gaps inside a group got whatever the kernel wrote
     return out, lse
 
 

@@ -36,8 +36,9 @@ from usp.model.load import materialize_empty
 from usp.modes import AC_MODES, OPTIMIZERS
 from usp.parallel import init_sp_mesh, shard_sequence
 from usp.parallel.process_group import init_distributed, resolve_device
+from usp.plan.compute import mfu, training_flops
 from usp.plan.models import head_dim_of
-from usp.train.flops import count_dense_params, training_flops
+from usp.train.flops import count_matmul_params
 from usp.train.optim import build_optimizer
 from usp.train.parallelize import parallelize
 from usp.train.peak_flops import peak_flops_per_device
@@ -127,13 +128,14 @@ def measure(
     flops = training_flops(**flops_per_token_args, document_lengths=[[seq_len]] * mesh.dp_degree)
     peak_mem = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
     reserved = torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda" else None
+    flops_per_gpu_s, step_mfu = mfu(flops, step_time, world, peak_flops)
     return {
         "seq_len": seq_len,
         "layout": mesh.describe(),
         "tokens_per_s": tokens / step_time,
         "tokens_per_s_per_gpu": tokens / step_time / world,
-        "tflops_per_gpu": flops / step_time / world / 1e12,
-        "mfu": flops / step_time / world / peak_flops,
+        "tflops_per_gpu": flops_per_gpu_s / 1e12,
+        "mfu": step_mfu,
         "peak_mem_gib": peak_mem,
         "peak_mem_reserved_gib": reserved,
         "step_time_s": step_time,
@@ -186,7 +188,7 @@ def _main(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
     config = hf_config(args.model, rope_theta=args.rope_theta, max_position_embeddings=max(args.seq_len))
     model = build_empty_causal_lm(config)
     flop_args = {
-        "dense_params": count_dense_params(model),
+        "matmul_params": count_matmul_params(model),
         "num_layers": config.num_hidden_layers,
         "num_heads": config.num_attention_heads,
         "head_dim": head_dim_of(config),

@@ -6,11 +6,13 @@ then are checkpoints beyond ``keep_last`` deleted. The protocol and the files ar
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,27 @@ def _prune(root: Path, keep_last: int, newest: Path) -> None:
             warnings.warn(f"could not delete old checkpoint {path}: {e!r}", stacklevel=3)
 
 
+def _as_checkpoint_dir_error(save: Callable[..., Path]) -> Callable[..., Path]:
+    """``save`` with a failure that has an OS error behind it raised as :class:`usp.errors.SettingPathError`
+    (``trainer.checkpoint_dir``, the path, the errno), however deep torch wrapped it."""
+
+    @functools.wraps(save)
+    def wrapper(ckpt_root: str | os.PathLike, step: int, **kwargs: Any) -> Path:
+        try:
+            return save(ckpt_root, step, **kwargs)
+        except Exception as e:
+            tmp = Path(ckpt_root) / f"{TMP_PREFIX}{step}"
+            failure = as_setting_path_error(
+                e, "trainer.checkpoint_dir", ckpt_root, f"writing checkpoint step {step} ({tmp})"
+            )
+            if failure is e:
+                raise
+            raise failure from e
+
+    return wrapper
+
+
+@_as_checkpoint_dir_error
 def save_checkpoint(
     ckpt_root: str | os.PathLike,
     step: int,
@@ -84,36 +107,6 @@ def save_checkpoint(
     :class:`usp.errors.SettingPathError` on the rank that saw it: ``trainer.checkpoint_dir``, the path and the
     errno, however deep torch wrapped it.
     """
-    try:
-        return _save_checkpoint(
-            ckpt_root,
-            step,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            extra=extra,
-            keep_last=keep_last,
-        )
-    except Exception as e:
-        tmp = Path(ckpt_root) / f"{TMP_PREFIX}{step}"
-        failure = as_setting_path_error(
-            e, "trainer.checkpoint_dir", ckpt_root, f"writing checkpoint step {step} ({tmp})"
-        )
-        if failure is e:
-            raise
-        raise failure from e
-
-
-def _save_checkpoint(
-    ckpt_root: str | os.PathLike,
-    step: int,
-    *,
-    model: torch.nn.Module,
-    optimizer: Optimizer | None,
-    scheduler: LRScheduler | None,
-    extra: dict[str, Any],
-    keep_last: int,
-) -> Path:
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"trainer.keep_last={keep_last!r} is invalid: keep at least 1 checkpoint (e.g. 2).")
     if not isinstance(step, int) or step < 0:

@@ -14,7 +14,6 @@ hold a conversation (:func:`usp.data.chat.conversation_of`).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -256,12 +255,11 @@ def prepare_chat_dataset(
     """
     from usp.data.prepare import (
         FORMAT_VERSION,
-        STATS_FILE,
         PreparedData,
         _check_output,
-        _publish,
+        first_documents,
         preparation_key,
-        read_stats,
+        publish_rows,
         tokenizer_identity,
     )
 
@@ -289,12 +287,7 @@ def prepare_chat_dataset(
         log=log,
         usage=usage,
     )
-    if max_documents is not None:
-        raw = (
-            raw.take(max_documents)
-            if isinstance(raw, IterableDataset)
-            else raw.select(range(min(max_documents, len(raw))))
-        )
+    raw = first_documents(raw, max_documents)
     work = temp_path(output, "work")
     work.mkdir(parents=True)
     try:
@@ -324,9 +317,9 @@ def prepare_chat_dataset(
             sources=usage,
             tokens_per_s=stats.document_tokens / max(stats.seconds, 1e-9),
         )
-        (out_tmp / STATS_FILE).write_text(json.dumps(stats.as_dict(), indent=2))
-        if not _publish(out_tmp, output, key=key, overwrite=overwrite, log=log):
-            return PreparedData(path=output, stats=PackStats(**read_stats(output)))
+        existing = publish_rows(out_tmp, output, stats, key=key, overwrite=overwrite, log=log)
+        if existing is not None:
+            return existing
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log(chat_summary(stats, output))

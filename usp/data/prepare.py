@@ -152,12 +152,7 @@ def prepare_dataset(
         skip_non_text=skip_non_text,
         skipped=skipped,
     )
-    if max_documents is not None:
-        raw = (
-            raw.take(max_documents)
-            if isinstance(raw, IterableDataset)
-            else raw.select(range(min(max_documents, len(raw))))
-        )
+    raw = first_documents(raw, max_documents)
     work = temp_path(output, "work")  # tokenized and packed files, then the rows to publish: same filesystem
     work.mkdir(parents=True)
     try:
@@ -210,9 +205,9 @@ def prepare_dataset(
             max_token_id=max_id[0],
             sources=usage,
         )
-        (out_tmp / STATS_FILE).write_text(json.dumps(stats.as_dict(), indent=2))
-        if not _publish(out_tmp, output, key=key, overwrite=overwrite, log=log):
-            return PreparedData(path=output, stats=PackStats(**read_stats(output)))
+        existing = publish_rows(out_tmp, output, stats, key=key, overwrite=overwrite, log=log)
+        if existing is not None:
+            return existing
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log(summary(stats, output))
@@ -227,6 +222,28 @@ def _track_max(
         if len(values):
             max_id[0] = max(max_id[0], int(values.max()))
         yield values, lengths
+
+
+def first_documents(raw: Any, max_documents: int | None) -> Any:
+    """The first ``max_documents`` documents of a loaded corpus (a ``Dataset`` or a streamed
+    ``IterableDataset``), or all of them when ``None``."""
+    if max_documents is None:
+        return raw
+    if isinstance(raw, IterableDataset):
+        return raw.take(max_documents)
+    return raw.select(range(min(max_documents, len(raw))))
+
+
+def publish_rows(
+    out_tmp: Path, output: Path, stats: PackStats, *, key: str, overwrite: bool, log: Callable[[str], None]
+) -> PreparedData | None:
+    """Write ``stats`` next to the finished rows in ``out_tmp`` and move them into place as ``output``
+    (:func:`_publish`). ``None`` once published; the existing dataset when another process prepared the same
+    one meanwhile (it is used)."""
+    (out_tmp / STATS_FILE).write_text(json.dumps(stats.as_dict(), indent=2))
+    if _publish(out_tmp, output, key=key, overwrite=overwrite, log=log):
+        return None
+    return PreparedData(path=output, stats=PackStats(**read_stats(output)))
 
 
 def _occupied(path: Path) -> bool:

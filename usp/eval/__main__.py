@@ -16,13 +16,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from usp.config.compose import EVAL_CONFIG, run_hydra_app, to_run_config
-
-
-def record_failure(err: BaseException) -> None:
-    """Write ``err`` (the reason, no traceback) to torchrun's error file: its failure summary shows it."""
-    from usp.startup.error_file import record_failure as record  # lazy: composing needs no torch
-
-    record(err)
+from usp.startup.error_file import record_failure
 
 
 def _task(dcfg: DictConfig) -> None:

@@ -1,7 +1,7 @@
 """The parallel layout (one DeviceMesh: dp x ring x ulysses) and the sequence layout helpers."""
 
 from usp.parallel.balance import ring_pieces, ring_rank_pairs
-from usp.parallel.mesh import MESH_AXES, RING_LAYOUTS, ParallelDims, SPMesh, init_sp_mesh, sequence_multiple
+from usp.parallel.mesh import MESH_AXES, ParallelDims, SPMesh, init_sp_mesh, sequence_multiple
 from usp.parallel.sequence import (
     check_sequence_length,
     gather_sequence,
@@ -12,7 +12,6 @@ from usp.parallel.sequence import (
 
 __all__ = [
     "MESH_AXES",
-    "RING_LAYOUTS",
     "ParallelDims",
     "SPMesh",
     "check_sequence_length",

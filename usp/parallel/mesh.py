@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from usp.modes import RING_LAYOUTS, RingLayout, check_ring_layout, chunks_per_ring_rank  # noqa: F401
+from usp.modes import RingLayout, check_ring_layout, chunks_per_ring_rank
 from usp.units import divisors as _divisors
 
 MESH_AXES: tuple[str, str, str] = ("dp", "ring", "ulysses")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
+from usp.longest import longest_passing
+from usp.parallel.mesh import sequence_multiple
 from usp.plan.estimate import LayoutEstimate, enumerate_candidates
 from usp.plan.hardware import DeviceSpec
 from usp.plan.layout import SearchSpace, Workload
@@ -63,28 +66,22 @@ def explain_no_fit(
             )
             break
 
+    # every layout's sequence multiple divides 2 x world (zigzag: 2 x ring x ulysses), and 1024 keeps it round
+    unit = math.lcm(1024, sequence_multiple(W, 1, work.ring_layout))
+
     def longest_fitting(space: SearchSpace = space) -> tuple[int, LayoutEstimate] | None:
-        """Halve the sequence until one fits, then bisect towards the next longer one (to 1/16 of it, on
-        multiples of 1024 x GPUs, which every layout's sequence multiple divides)."""
-        seq = S // 2
-        while seq >= 1024:
+        """The longest length below ``seq_len`` that some layout of ``space`` fits, on multiples of ``unit``
+        (halving from half of it, then bisection: :func:`usp.longest.search_longest`), with that layout."""
+        hits: dict[int, LayoutEstimate] = {}
+
+        def passes(seq: int) -> bool:
             hit = _fits(replace(work, seq_len=seq), space, device)
             if hit:
-                break
-            seq //= 2
-        else:
-            return None
-        granule, hi = 1024 * W, 2 * seq
-        while hi - seq > max(granule, seq // 16):
-            mid = (seq + hi) // 2 // granule * granule
-            if mid <= seq:
-                break
-            longer = _fits(replace(work, seq_len=mid), space, device)
-            if longer:
-                seq, hit = mid, longer
-            else:
-                hi = mid
-        return seq, hit
+                hits[seq] = hit
+            return hit is not None
+
+        seq = longest_passing(passes, start=S // 2, unit=unit, limit=S - 1)
+        return (seq, hits[seq]) if seq else None
 
     shorter = longest_fitting()
     if shorter:
@@ -121,7 +118,9 @@ def explain_no_fit(
                 f"({both[1].mem_gib_per_gpu:.1f} GiB/GPU on device)"
             )
     if len(lines) == n_header:
-        lines.append("  - nothing within 64x the GPUs or down to 1K tokens; use a device with more memory.")
+        lines.append(
+            f"  - nothing within 64x the GPUs or down to {unit} tokens; use a device with more memory."
+        )
     if space.ac_modes is None:
         lines.append("(Full activation checkpointing was already tried in every layout above.)")
     lines.append("usp-plan --max-seq-len (instead of --seq-len) finds the longest sequence that fits.")

@@ -1,26 +1,35 @@
-"""FLOPs of a training step and how long one rank spends on them.
+"""Model FLOPs of a training step, MFU, and how long one rank spends on the FLOPs.
 
 Conventions (2 FLOPs per multiply-add):
 
-- dense: ``2 * matmul_params`` per token forward, ``6 *`` for forward + backward;
-- attention, forward, one layer, a sequence of ``S`` tokens: ``4 * S^2 * H * d`` without a mask (``Q K^T`` and
-  ``P V``), half of it causal; the backward costs 2.5 forwards in a fused kernel (it recomputes ``P``), the
-  model-FLOP count (for MFU) uses 2;
+- dense: ``2 * matmul_params`` per token forward, ``6 *`` for forward + backward (``matmul_params``: the weights
+  of every linear layer and the LM head, tied or not; not the input embedding, a lookup, nor the RMSNorm
+  weights: :attr:`usp.plan.models.ModelSpec.matmul_params`, counted from a real model by
+  :func:`usp.train.flops.count_matmul_params`);
+- attention, forward, one layer: ``4 * H * d`` per (query, key) pair (``Q K^T`` and ``P V``); a causal
+  document of ``s`` tokens has ``s (s + 1) / 2`` pairs (:func:`attention_pairs`), and attention never crosses
+  a packed document; the backward costs 2.5 forwards in a fused kernel (it recomputes ``P``), the model-FLOP
+  count (for MFU) uses 2;
 - activation checkpointing recomputes the forward of the checkpointed layers (hardware FLOPs, not model FLOPs).
+
+Model FLOPs (:func:`training_flops`, the one count the trainer's ``metrics.jsonl``, ``usp.bench.throughput``
+and the planner's MFU use): ``6 * matmul_params * tokens + 12 * L * H * d * pairs``; MFU (:func:`mfu`): model
+FLOP/s per device over its dense peak.
 
 Causal work per rank of a ring of ``N`` (tile-level masking, diagonal blocks cost half):
 zigzag gives every rank ``N/2`` block-equivalents, perfectly balanced; contiguous makes the last rank wait
 ``N - 1/2`` of them, so its imbalance is ``(2N - 1) / N``. A block-level count takes diagonal blocks as whole
 blocks and gets ``4N / (2N + 1)`` for the zigzag speedup (:func:`seed_zigzag_speedup`); both are 1.88 at N=8.
 
-Packed documents (``usp-plan --doc-lengths SPEC``, :class:`DocumentWork`): attention never crosses a
-document, so a row costs ``sum_i d_i (d_i + 1) / 2`` causal pairs instead of ``S (S + 1) / 2``, and the
-busiest ring rank's share depends on the layout: the exact per-rank pair counts of rows drawn from the
-distribution (:func:`usp.parallel.ring_rank_pairs`) give both factors.
+Packed documents (``usp-plan --doc-lengths SPEC``, :class:`DocumentWork`): a row costs ``sum_i d_i (d_i + 1) /
+2`` causal pairs instead of ``S (S + 1) / 2``, and the busiest ring rank's share depends on the layout: the
+exact per-rank pair counts of rows drawn from the distribution (:func:`usp.parallel.ring_rank_pairs`) give
+both factors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from usp.plan.hardware import DeviceSpec
@@ -36,6 +45,45 @@ def attention_fwd_flops(
     """Unmasked attention FLOPs of one layer: ``4 * q * kv * heads * head_dim`` (per ring step)."""
     h = model.num_heads if heads is None else heads
     return 4.0 * q_tokens * kv_tokens * h * model.head_dim
+
+
+def attention_pairs(document_lengths: Sequence[Sequence[int]], causal: bool = True) -> float:
+    """(query, key) pairs attention scores over sequences of packed documents (per sequence, its document
+    lengths): ``s (s + 1) / 2`` per document of ``s`` tokens when ``causal`` (every key up to and including
+    the query's position), ``s^2`` otherwise. Raises ``ValueError`` on a negative length."""
+    lengths = [s for seq in document_lengths for s in seq]
+    if any(s < 0 for s in lengths):
+        raise ValueError(f"document lengths must be >= 0, got {document_lengths}")
+    return float(sum(s * (s + 1) // 2 if causal else s * s for s in lengths))
+
+
+def training_flops(
+    *,
+    matmul_params: int,
+    num_layers: int,
+    num_heads: int,
+    head_dim: int,
+    document_lengths: Sequence[Sequence[int]],
+    causal: bool = True,
+) -> float:
+    """Model FLOPs of one forward + backward over ``document_lengths`` (per sequence, its packed documents):
+    ``6 * matmul_params * tokens + 12 * num_layers * num_heads * head_dim * pairs`` (:func:`attention_pairs`).
+
+    ``num_heads`` counts query heads (GQA shares K/V, not the score matmuls). Recomputation is not counted.
+    """
+    if min(matmul_params, num_layers, num_heads, head_dim) < 0:
+        raise ValueError("training_flops: matmul_params, num_layers, num_heads and head_dim must be >= 0")
+    pairs = attention_pairs(document_lengths, causal)
+    tokens = sum(s for seq in document_lengths for s in seq)
+    passes = 1 + ATTN_BWD_OVER_FWD_MODEL
+    return passes * (2.0 * matmul_params * tokens + 4.0 * num_layers * num_heads * head_dim * pairs)
+
+
+def mfu(flops: float, step_time_s: float, world_size: int, peak_flops: float) -> tuple[float, float]:
+    """``(flops_per_gpu_s, mfu)`` of a step of ``flops`` model FLOPs (all devices together) in ``step_time_s``
+    seconds over ``world_size`` devices of ``peak_flops`` dense FLOP/s each."""
+    per_gpu = flops / step_time_s / world_size
+    return per_gpu, per_gpu / peak_flops
 
 
 def causal_imbalance(ring_degree: int, ring_layout: str = "zigzag") -> float:
@@ -72,8 +120,7 @@ class DocumentWork:
 
     @property
     def pair_fraction(self) -> float:
-        whole = self.seq_len * (self.seq_len + 1) / 2
-        return sum(sum(d * (d + 1) / 2 for d in row) for row in self.rows) / len(self.rows) / whole
+        return attention_pairs(self.rows) / len(self.rows) / attention_pairs([[self.seq_len]])
 
     def imbalance(self, ring_degree: int, ring_layout: str) -> float:
         key = (ring_degree, ring_layout)
@@ -99,13 +146,17 @@ def seed_zigzag_speedup(ring_degree: int) -> float:
 
 
 def model_flops_per_token(model: ModelSpec, seq_len: int, documents: DocumentWork | None = None) -> float:
-    """Training FLOPs per token used for MFU: ``6 * matmul_params`` + causal attention (fwd + 2x bwd), over
-    the packed ``documents`` when given."""
-    dense = 6.0 * model.matmul_params
-    attn_fwd = attention_fwd_flops(model, 1, seq_len) / 2 * model.num_layers  # causal: average key count S/2
-    if documents is not None:
-        attn_fwd *= documents.pair_fraction
-    return dense + attn_fwd * (1 + ATTN_BWD_OVER_FWD_MODEL)
+    """Training FLOPs per token used for MFU (:func:`training_flops` of one causal sequence of ``seq_len``, or
+    of the packed ``documents``' rows, over their tokens)."""
+    rows = [[seq_len]] if documents is None else documents.rows
+    flops = training_flops(
+        matmul_params=model.matmul_params,
+        num_layers=model.num_layers,
+        num_heads=model.num_heads,
+        head_dim=model.head_dim,
+        document_lengths=rows,
+    )
+    return flops / (len(rows) * seq_len)
 
 
 def block_efficiency(flops_per_call: float, device: DeviceSpec) -> float:
@@ -138,16 +189,17 @@ def compute_time(
     sp = ulysses_degree * ring_degree
     local_tokens = seq_len / sp
     L = model.num_layers
-    layer_frac = model.num_layers * model.layer_params / model.matmul_params
     dense_flops = 6.0 * model.matmul_params * local_tokens
-    dense_flops += 2.0 * model.matmul_params * local_tokens * layer_frac * recompute_layers / L
+    dense_flops += 2.0 * model.layer_matmul_params * local_tokens * recompute_layers
     dense_flops += 2.0 * 3 * model.hidden_size * model.intermediate_size * local_tokens * mlp_recompute_layers
-    # Attention forward of one layer on one rank: the causal share of S^2, times the layout's imbalance.
+    # Attention forward of one layer on one rank: the causal pairs of the row over the ranks, times the
+    # busiest rank's share
     if documents is None:
-        share = causal_imbalance(ring_degree, ring_layout)
-    else:  # the row's in-document pairs, the busiest ring rank's share of them
-        share = documents.pair_fraction * documents.imbalance(ring_degree, ring_layout)
-    attn_fwd_layer = attention_fwd_flops(model, seq_len, seq_len) / 2 / sp * share
+        pairs, share = attention_pairs([[seq_len]]), causal_imbalance(ring_degree, ring_layout)
+    else:  # the rows' in-document pairs, the busiest ring rank's share of them
+        pairs = attention_pairs(documents.rows) / len(documents.rows)
+        share = documents.imbalance(ring_degree, ring_layout)
+    attn_fwd_layer = 4.0 * pairs * model.num_heads * model.head_dim / sp * share
     attn_fwd_layer *= model.ulysses_head_imbalance(ulysses_degree)  # uneven heads: the busiest rank's share
     passes = 1 + ATTN_BWD_OVER_FWD_HW
     attn_flops = attn_fwd_layer * (passes * L + recompute_layers)

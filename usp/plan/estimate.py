@@ -18,7 +18,7 @@ from typing import Any
 from usp.attention.ring import head_chunk_options
 from usp.parallel.mesh import ParallelDims, sequence_multiple
 from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
-from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, compute_time, model_flops_per_token
+from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, compute_time, mfu, model_flops_per_token
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
 from usp.plan.memory import checkpointed_layers, peak_memory
@@ -176,7 +176,8 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
     micro += off["ckpt_offload_exposed_s"]
     step = micro * accum + off["host_adam_s"]
     tokens_per_gpu = batch * seq_len / step / world_size
-    mfu = model_flops_per_token(model, seq_len, work.documents) * tokens_per_gpu / device.peak_flops
+    step_flops = model_flops_per_token(model, seq_len, work.documents) * batch * seq_len
+    _, step_mfu = mfu(step_flops, step, world_size, device.peak_flops)
     times = {
         "dense_s": comp["dense_s"] * accum,
         "attention_s": comp["attention_s"] * accum,
@@ -204,7 +205,7 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
         fits=mem.total_gib + headroom <= device.memory_gib and host_fits,
         step_time_s=step,
         tokens_per_s_per_gpu=tokens_per_gpu,
-        mfu=mfu,
+        mfu=step_mfu,
         memory_gib=mem.as_gib(),
         time_s=times,
         mlp_tiles=cand.mlp_tiles,
@@ -267,6 +268,52 @@ def fsdp_modes_to_try(space: SearchSpace, node_size: int) -> tuple[str, ...]:
     return ("full_shard", "hybrid_shard") if space.world_size // node_size > 1 else ("full_shard",)
 
 
+def valid_pairs(
+    model: ModelSpec, space: SearchSpace
+) -> tuple[list[tuple[int, int, ParallelDims]], list[str]]:
+    """The ``(ulysses, ring, dims)`` of every pair of ``space`` (its fixed degrees, else every divisor of the
+    world) that :func:`split_layout` accepts, in search order, and why each other pair was rejected."""
+    pairs: list[tuple[int, int, ParallelDims]] = []
+    rejected: list[str] = []
+    W = space.world_size
+    for U in divisors(W) if space.ulysses_degree is None else [space.ulysses_degree]:
+        for R in divisors(W // U) if space.ring_degree is None else [space.ring_degree]:
+            dims, why = split_layout(
+                model, world_size=W, ulysses_degree=U, ring_degree=R, node_size=space.node_size
+            )
+            if dims is None:
+                rejected.append(f"ulysses={U} ring={R}: {why}")
+            else:
+                pairs.append((U, R, dims))
+    return pairs, rejected
+
+
+def base_candidates(space: SearchSpace, ulysses_degree: int, ring_degree: int) -> list[Candidate]:
+    """Every FSDP mode x checkpointing mode (:data:`AC_CANDIDATES`, ``space.ac_every_k`` for ``every_k``) x
+    state placement of ``space`` for one pair, in search order; one MLP tile and one head chunk (the search
+    sets those)."""
+    acs = [
+        (m, k if space.ac_every_k is None or m != "every_k" else space.ac_every_k)
+        for m, k in AC_CANDIDATES
+        if space.ac_modes is None or m in space.ac_modes
+    ]
+    return [
+        Candidate(
+            ulysses_degree,
+            ring_degree,
+            world_size=space.world_size,
+            node_size=space.node_size,
+            fsdp_mode=fsdp_mode,
+            activation_checkpointing=ac,
+            ac_every_k=k,
+            states=where,
+        )
+        for fsdp_mode in fsdp_modes_to_try(space, space.node_size)
+        for ac, k in acs
+        for where in space.states
+    ]
+
+
 def enumerate_candidates(
     work: Workload, space: SearchSpace, device: DeviceSpec
 ) -> tuple[list[LayoutEstimate], list[str]]:
@@ -278,78 +325,50 @@ def enumerate_candidates(
     bad = [x for x in space.states if x not in STATE_PLACEMENTS]
     if bad:
         raise ValueError(f"states={bad} are invalid; choose from {STATE_PLACEMENTS}.")
-    model, seq_len, world_size, node_size = work.model, work.seq_len, space.world_size, space.node_size
-    rejected: list[str] = []
+    model, seq_len = work.model, work.seq_len
     out: list[LayoutEstimate] = []
-    fsdp_modes = fsdp_modes_to_try(space, node_size)
-    acs = [
-        (m, k if space.ac_every_k is None or m != "every_k" else space.ac_every_k)
-        for m, k in AC_CANDIDATES
-        if space.ac_modes is None or m in space.ac_modes
-    ]
-    for U in divisors(world_size) if space.ulysses_degree is None else [space.ulysses_degree]:
-        for R in divisors(world_size // U) if space.ring_degree is None else [space.ring_degree]:
-            tag = f"ulysses={U} ring={R}"
-            dims, why = split_layout(
-                model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size
+    pairs, rejected = valid_pairs(model, space)
+    for U, R, dims in pairs:
+        tag = f"ulysses={U} ring={R}"
+        m = sequence_multiple(R, U, work.ring_layout)
+        if seq_len % m:
+            rejected.append(f"{tag}: seq_len={seq_len} is not a multiple of {m} ({work.ring_layout} layout)")
+            continue
+        if work.global_batch is not None and work.global_batch % dims.dp_degree:
+            rejected.append(
+                f"{tag}: global batch {work.global_batch} does not split over dp_degree={dims.dp_degree}"
             )
-            if dims is None:
-                rejected.append(f"{tag}: {why}")
-                continue
-            m = sequence_multiple(R, U, work.ring_layout)
-            if seq_len % m:
-                rejected.append(
-                    f"{tag}: seq_len={seq_len} is not a multiple of {m} ({work.ring_layout} layout)"
+            continue
+        local = seq_len // (U * R)
+        if space.mlp_tiles is not None and local % space.mlp_tiles:
+            rejected.append(
+                f"{tag}: parallel.mlp_tiles={space.mlp_tiles} does not divide {local} local tokens"
+            )
+            continue
+        tiles = [t for t in MLP_TILE_CANDIDATES if local % t == 0] if space.mlp_tiles is None else []
+        head_chunks = head_chunks_to_try(model, U, R, space.attn_head_chunks)
+        if not head_chunks:
+            rejected.append(
+                f"{tag}: parallel.attn_head_chunks={space.attn_head_chunks} does not split its heads"
+            )
+            continue
+        for base in base_candidates(space, U, R):
+            cand = replace(base, mlp_tiles=space.mlp_tiles or 1, attn_head_chunks=head_chunks[0])
+            est = estimate_layout(work, cand, device)
+            out.append(est)
+            for t in [] if est.fits else tiles:  # auto: tiles only when needed
+                tiled = estimate_layout(work, replace(cand, mlp_tiles=t), device)
+                if tiled.fits or t == tiles[-1]:
+                    out.append(tiled)
+                    est = tiled
+                    break
+            for c in [] if est.fits else head_chunks[1:]:  # head chunks only when still needed
+                chunked = estimate_layout(
+                    work, replace(cand, mlp_tiles=est.mlp_tiles, attn_head_chunks=c), device
                 )
-                continue
-            if work.global_batch is not None and work.global_batch % dims.dp_degree:
-                rejected.append(
-                    f"{tag}: global batch {work.global_batch} does not split over dp_degree={dims.dp_degree}"
-                )
-                continue
-            local = seq_len // (U * R)
-            if space.mlp_tiles is not None and local % space.mlp_tiles:
-                rejected.append(
-                    f"{tag}: parallel.mlp_tiles={space.mlp_tiles} does not divide {local} local tokens"
-                )
-                continue
-            tiles = [t for t in MLP_TILE_CANDIDATES if local % t == 0] if space.mlp_tiles is None else []
-            head_chunks = head_chunks_to_try(model, U, R, space.attn_head_chunks)
-            if not head_chunks:
-                rejected.append(
-                    f"{tag}: parallel.attn_head_chunks={space.attn_head_chunks} does not split its heads"
-                )
-                continue
-            for fsdp_mode in fsdp_modes:
-                for ac, k in acs:
-                    for where in space.states:
-                        cand = Candidate(
-                            U,
-                            R,
-                            world_size=world_size,
-                            node_size=node_size,
-                            fsdp_mode=fsdp_mode,
-                            activation_checkpointing=ac,
-                            ac_every_k=k,
-                            mlp_tiles=space.mlp_tiles or 1,
-                            attn_head_chunks=head_chunks[0],
-                            states=where,
-                        )
-                        est = estimate_layout(work, cand, device)
-                        out.append(est)
-                        for t in [] if est.fits else tiles:  # auto: tiles only when needed
-                            tiled = estimate_layout(work, replace(cand, mlp_tiles=t), device)
-                            if tiled.fits or t == tiles[-1]:
-                                out.append(tiled)
-                                est = tiled
-                                break
-                        for c in [] if est.fits else head_chunks[1:]:  # head chunks only when still needed
-                            chunked = estimate_layout(
-                                work, replace(cand, mlp_tiles=est.mlp_tiles, attn_head_chunks=c), device
-                            )
-                            if chunked.fits or c == head_chunks[-1]:
-                                out.append(chunked)
-                                break
+                if chunked.fits or c == head_chunks[-1]:
+                    out.append(chunked)
+                    break
     return out, rejected
 
 
@@ -358,8 +377,10 @@ __all__ = [
     "HEAD_CHUNK_CANDIDATES",
     "MLP_TILE_CANDIDATES",
     "LayoutEstimate",
+    "base_candidates",
     "enumerate_candidates",
     "estimate_layout",
     "head_chunk_candidates",
     "split_layout",
+    "valid_pairs",
 ]

@@ -18,7 +18,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from usp.plan.compute import attention_fwd_flops, block_efficiency, causal_imbalance
+from usp.plan.compute import (
+    ATTN_BWD_OVER_FWD_MODEL,
+    attention_fwd_flops,
+    attention_pairs,
+    block_efficiency,
+    causal_imbalance,
+    mfu,
+    model_flops_per_token,
+)
 from usp.plan.estimate import split_layout
 from usp.plan.hardware import GB, GIB, DeviceSpec
 from usp.plan.models import ModelSpec
@@ -91,11 +99,13 @@ def estimate_inference(
     capacity = max(0, math.floor(free / (kv + acts)))
     # Prefill: forward only.
     dense = 2.0 * model.matmul_params * local / (device.peak_flops * device.dense_efficiency)
-    attn_flops = attention_fwd_flops(model, seq_len, seq_len) / 2 / W * causal_imbalance(R, ring_layout) * L
+    pairs = attention_pairs([[seq_len]])
+    attn_flops = 4.0 * pairs * model.num_heads * model.head_dim / W * causal_imbalance(R, ring_layout) * L
     step = attention_fwd_flops(model, seq_len / R, seq_len / R, model.q_heads_per_rank(U)) / 2
     attn = attn_flops / (device.peak_flops * block_efficiency(step, device))
     prefill = dense + attn
-    fwd_flops_per_token = 2.0 * model.matmul_params + attention_fwd_flops(model, 1, seq_len) / 2 * L
+    # model FLOPs of the forward: the training count (fwd + 2x bwd) over its passes
+    fwd_flops = model_flops_per_token(model, seq_len) * seq_len / (1 + ATTN_BWD_OVER_FWD_MODEL)
     tps = seq_len / prefill / W
     # Decode: per layer, read the gathered layer weights and the local KV of that layer.
     hbm = device.hbm_tbps * 1e12
@@ -113,7 +123,7 @@ def estimate_inference(
         batch_capacity=capacity,
         prefill_s=prefill,
         tokens_per_s_per_gpu=tps,
-        mfu=fwd_flops_per_token * tps / device.peak_flops,
+        mfu=mfu(fwd_flops, prefill, W, device.peak_flops)[1],
         decode_hbm_s_per_token=decode_hbm,
         decode_allgather_s_per_token=gather,
     )

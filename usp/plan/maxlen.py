@@ -2,8 +2,8 @@
 
 For every candidate of :func:`usp.plan.search.enumerate_layouts` without the sequence length (Ulysses and ring
 degrees, FSDP mode, checkpointing, where the states live), the longest length that fits is found by doubling
-then bisection: every memory term grows with the sequence, so "fits" is monotone in it. Lengths are multiples
-of the layout's granularity: the sequence multiple the trainer requires (``2 x ring x ulysses`` for zigzag),
+then bisection (:func:`usp.longest.longest_passing`): every memory term grows with the sequence, so "fits" is
+monotone in it. Lengths are multiples of the layout's granularity: the sequence multiple the trainer requires (``2 x ring x ulysses`` for zigzag),
 ``ulysses x ring x`` the largest MLP tile count (so every tile count divides the local tokens) and
 ``--seq-multiple`` (1024 by default). With ``mlp_tiles`` on ``auto`` a length fits when it fits with the most
 tiles; the answer then reports the fewest tiles that fit. Ring attention's head chunks
@@ -21,20 +21,19 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from usp.longest import longest_passing
 from usp.parallel.mesh import sequence_multiple
 from usp.plan.estimate import (
-    AC_CANDIDATES,
     MLP_TILE_CANDIDATES,
     LayoutEstimate,
+    base_candidates,
     estimate_layout,
-    fsdp_modes_to_try,
     head_chunks_to_try,
-    split_layout,
+    valid_pairs,
 )
 from usp.plan.hardware import DeviceSpec
 from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
 from usp.plan.models import ModelSpec
-from usp.units import divisors
 
 SEQ_MULTIPLE = 1024
 LOSS_CHUNK_CANDIDATES: tuple[int, ...] = (4096, 2048, 1024)
@@ -82,24 +81,6 @@ class MaxSeqLenEstimate:
             "time_s": e.time_s,
             "overrides": self.overrides(),
         }
-
-
-def _longest(fits: Any, granularity: int, limit: int) -> int:
-    """Largest multiple ``k x granularity <= limit`` with ``fits(k x granularity)``, or 0 when none does."""
-    if granularity > limit or not fits(granularity):
-        return 0
-    lo = 1  # fits
-    hi = 2
-    while hi * granularity <= limit and fits(hi * granularity):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit // granularity + 1)  # first multiple known not to fit (or past the limit)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid * granularity):
-            lo = mid
-        else:
-            hi = mid
-    return lo * granularity
 
 
 def max_seq_lens(
@@ -181,68 +162,47 @@ def longest_per_candidate(
     with the largest of ``chunks`` that reaches it (``work.seq_len`` and ``work.loss_chunk_size`` are what
     varies; the rest of ``work`` is kept), unordered; candidates that fit at no length are left out. Raises
     ``ValueError`` when every (ulysses, ring) pair is rejected."""
-    model, world_size, node = work.model, space.world_size, space.node_size
-    acs = [(m, k) for m, k in AC_CANDIDATES if space.ac_modes is None or m in space.ac_modes]
+    model = work.model
     most_tiles = MLP_TILE_CANDIDATES[-1] if space.mlp_tiles is None else space.mlp_tiles
     out: list[MaxSeqLenEstimate] = []
-    rejected: list[str] = []
-    pairs = 0
-    for U in divisors(world_size) if space.ulysses_degree is None else [space.ulysses_degree]:
-        for R in divisors(world_size // U) if space.ring_degree is None else [space.ring_degree]:
-            pairs += 1
-            dims, why = split_layout(
-                model, world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node
+    valid, rejected = valid_pairs(model, space)
+    pairs = len(valid) + len(rejected)
+    for U, R, _ in valid:
+        head_chunks = head_chunks_to_try(model, U, R, space.attn_head_chunks)
+        if not head_chunks:
+            rejected.append(
+                f"ulysses={U} ring={R}: attn_head_chunks={space.attn_head_chunks} does not split its heads"
             )
-            if dims is None:
-                rejected.append(f"ulysses={U} ring={R}: {why}")
-                continue
-            head_chunks = head_chunks_to_try(model, U, R, space.attn_head_chunks)
-            if not head_chunks:
-                rejected.append(
-                    f"ulysses={U} ring={R}: attn_head_chunks={space.attn_head_chunks} does not split its heads"
+            continue
+        g = math.lcm(sequence_multiple(R, U, work.ring_layout), U * R * most_tiles, seq_multiple)
+        for base in base_candidates(space, U, R):
+
+            def estimate(
+                seq: int,
+                tiles: int = most_tiles,
+                chunk: int = chunks[0],
+                heads: int = head_chunks[-1],
+                base: Candidate = base,
+            ) -> LayoutEstimate:
+                return estimate_layout(
+                    replace(work, seq_len=seq, loss_chunk_size=chunk),
+                    replace(base, mlp_tiles=tiles, attn_head_chunks=heads),
+                    device,
                 )
+
+            by_chunk = [
+                (longest_passing(lambda x, c=c: estimate(x, chunk=c).fits, g, g, limit), c) for c in chunks
+            ]
+            seq = max(x for x, _ in by_chunk)
+            if not seq:
                 continue
-            g = math.lcm(sequence_multiple(R, U, work.ring_layout), U * R * most_tiles, seq_multiple)
-            for fsdp_mode in fsdp_modes_to_try(space, node):
-                for ac, k in acs:
-                    for where in space.states:
-                        base = Candidate(
-                            U,
-                            R,
-                            world_size=world_size,
-                            node_size=node,
-                            fsdp_mode=fsdp_mode,
-                            activation_checkpointing=ac,
-                            ac_every_k=k,
-                            states=where,
-                        )
-
-                        def estimate(
-                            seq: int,
-                            tiles: int = most_tiles,
-                            chunk: int = chunks[0],
-                            heads: int = head_chunks[-1],
-                            base: Candidate = base,
-                        ) -> LayoutEstimate:
-                            return estimate_layout(
-                                replace(work, seq_len=seq, loss_chunk_size=chunk),
-                                replace(base, mlp_tiles=tiles, attn_head_chunks=heads),
-                                device,
-                            )
-
-                        by_chunk = [
-                            (_longest(lambda x, c=c: estimate(x, chunk=c).fits, g, limit), c) for c in chunks
-                        ]
-                        seq = max(x for x, _ in by_chunk)
-                        if not seq:
-                            continue
-                        chunk = next(c for x, c in by_chunk if x == seq)  # the largest chunk that gets there
-                        tiles = most_tiles
-                        if space.mlp_tiles is None:  # auto: the fewest tiles that fit at this length
-                            tiles = next(t for t in (1, *MLP_TILE_CANDIDATES) if estimate(seq, t, chunk).fits)
-                        # the fewest head chunks that fit
-                        heads = next(c for c in head_chunks if estimate(seq, tiles, chunk, c).fits)
-                        out.append(MaxSeqLenEstimate(seq, g, estimate(seq, tiles, chunk, heads), chunk))
+            chunk = next(c for x, c in by_chunk if x == seq)  # the largest chunk that gets there
+            tiles = most_tiles
+            if space.mlp_tiles is None:  # auto: the fewest tiles that fit at this length
+                tiles = next(t for t in (1, *MLP_TILE_CANDIDATES) if estimate(seq, t, chunk).fits)
+            # the fewest head chunks that fit
+            heads = next(c for c in head_chunks if estimate(seq, tiles, chunk, c).fits)
+            out.append(MaxSeqLenEstimate(seq, g, estimate(seq, tiles, chunk, heads), chunk))
     if rejected and len(rejected) == pairs:
         raise ValueError("every (ulysses, ring) pair was rejected: " + "; ".join(rejected[:8]))
     return out

@@ -136,9 +136,16 @@ class ModelSpec:
         )
 
     @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one decoder layer's linear layers (``layer_params`` less the two RMSNorm weights)."""
+        return self.layer_params - 2 * self.hidden_size
+
+    @property
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token (every linear layer and the LM head)."""
-        return self.num_layers * self.layer_params + self.vocab_size * self.hidden_size
+        """Parameters that take part in a matmul per token: every linear layer and the LM head (tied or not);
+        not the input embedding (a lookup) nor the norm weights (elementwise). The model-FLOP count's ``N``
+        (:func:`usp.plan.compute.training_flops`)."""
+        return self.num_layers * self.layer_matmul_params + self.vocab_size * self.hidden_size
 
     # --- per-token sizes ----------------------------------------------------------------------------------
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:

@@ -7,13 +7,37 @@
   (:func:`check_model_for_degrees`);
 - :mod:`usp.startup.shell` - the ``run()`` shell: device, process group (created here -> destroyed here)
   (:func:`run_in_process_group`);
-- :mod:`usp.startup.error_file` - torchrun's per-worker error file (:func:`record_error`, :func:`record_failure`),
-  imported on use (the entry points compose their config without torch).
+- :mod:`usp.startup.error_file` - torchrun's per-worker error file (:func:`record_error`, :func:`record_failure`,
+  the recorder both entry points pass to :func:`usp.config.compose.run_hydra_app`); importing it (and this
+  package) imports no torch: the names above load on first use.
 """
 
-from usp.startup.checks import check_model_for_degrees
-from usp.startup.degrees import ResolvedDegrees, build_mesh, resolve_degrees
-from usp.startup.shell import run_in_process_group
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from usp.startup.checks import check_model_for_degrees
+    from usp.startup.degrees import ResolvedDegrees, build_mesh, resolve_degrees
+    from usp.startup.shell import run_in_process_group
+
+_HOMES = {
+    "check_model_for_degrees": "usp.startup.checks",
+    "ResolvedDegrees": "usp.startup.degrees",
+    "build_mesh": "usp.startup.degrees",
+    "resolve_degrees": "usp.startup.degrees",
+    "run_in_process_group": "usp.startup.shell",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The names above, imported on first use: ``usp.startup.error_file`` stays importable without torch (the
+    entry points record a bad setting before anything heavy is imported)."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'usp.startup' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
 
 __all__ = [
     "ResolvedDegrees",

@@ -14,8 +14,6 @@ import json
 import os
 import time
 
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
 
 def record_error(error: BaseException, *, with_traceback: bool = True) -> None:
     """Write ``error`` to this worker's torchrun error file (``TORCHELASTIC_ERROR_FILE``; nothing without it),
@@ -25,6 +23,10 @@ def record_error(error: BaseException, *, with_traceback: bool = True) -> None:
     in place of the Python stack, so the summary shows the reason, not N copies of a traceback.
     """
     if with_traceback:
+        from torch.distributed.elastic.multiprocessing.errors import (
+            ErrorHandler,  # lazy: no torch to import this
+        )
+
         ErrorHandler().record_exception(error)
         return
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")

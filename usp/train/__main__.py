@@ -23,17 +23,11 @@ from omegaconf import DictConfig
 
 from usp.config import validate_layout
 from usp.config.compose import TRAIN_CONFIG, run_hydra_app, to_run_config
+from usp.startup.error_file import record_failure
 
 REQUEUE_EXIT_CODE = 75
 """Exit status of a run stopped by SIGTERM/SIGUSR1/SIGINT once its checkpoint is saved (the same number as
 ``usp.train.signals.REQUEUE_EXIT_CODE``, which this module does not import: composing needs no torch)."""
-
-
-def record_failure(err: BaseException) -> None:
-    """Write ``err`` (the reason, no traceback) to torchrun's error file: its failure summary shows it."""
-    from usp.startup.error_file import record_failure as record  # lazy: composing needs no torch
-
-    record(err)
 
 
 def _task(dcfg: DictConfig) -> None:

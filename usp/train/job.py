@@ -27,7 +27,7 @@ from usp.parallel.agree import on_every_rank
 from usp.plan.models import head_dim_of
 from usp.startup import ResolvedDegrees, build_mesh
 from usp.train.checks import build_tiny_if_asked, check_training_run, fsdp_cpu_offload, start_up_warnings
-from usp.train.flops import count_dense_params
+from usp.train.flops import count_matmul_params
 from usp.train.optim import build_optimizer, reapply_schedule
 from usp.train.parallelize import decoder_layers, parallelize
 from usp.train.peak_flops import peak_flops_per_device
@@ -40,9 +40,9 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """What a step's model FLOPs depend on (:func:`usp.train.flops.training_flops`)."""
+    """What a step's model FLOPs depend on (:func:`usp.plan.compute.training_flops`)."""
 
-    dense_params: int
+    matmul_params: int
     num_layers: int
     num_heads: int
     head_dim: int
@@ -149,7 +149,7 @@ def build_model(
     host_states = fsdp_cpu_offload(cfg, device)  # FSDP2 shards and optimizer states in host memory
     model = build_empty_causal_lm(model_config)
     shape = ModelShape(
-        count_dense_params(model),
+        count_matmul_params(model),
         len(decoder_layers(model)),
         model_config.num_attention_heads,
         head_dim_of(model_config),

@@ -1,6 +1,7 @@
 """The per-step metrics logger (:class:`MetricsLogger`): ``metrics.jsonl``, ``layout.json``, wandb and the progress bar.
 
-FLOPs per step: :mod:`usp.train.flops`; the peak FLOP/s table and MFU: :mod:`usp.train.peak_flops`; memory
+FLOPs per step: :func:`usp.plan.compute.training_flops`; the peak FLOP/s table: :mod:`usp.train.peak_flops`;
+MFU: :func:`usp.plan.compute.mfu`; memory
 probes: :mod:`usp.train.peak_memory`; the ``metrics.jsonl`` file rules: :mod:`usp.train.metrics_file`; wandb:
 :mod:`usp.train.wandb_run`.
 
@@ -26,8 +27,8 @@ from typing import Any
 
 from usp.atomic import write_text
 from usp.config import WandbConfig
+from usp.plan.compute import mfu
 from usp.train.metrics_file import drop_records_after, json_safe
-from usp.train.peak_flops import mfu
 from usp.train.peak_memory import max_over_ranks, peak_memory_gib, peak_memory_reserved_gib, reset_peak_memory
 from usp.train.wandb_run import init_wandb
 

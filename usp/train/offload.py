@@ -38,7 +38,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-GIB = 1024**3
+from usp.host import available_host_bytes
+from usp.units import GIB
 
 
 class _Packed:
@@ -218,21 +219,6 @@ def offload_host_bytes(num_layers: int, local_tokens: int, hidden_size: int, com
     ``local_tokens`` = micro-batch size x sequence length / (ulysses x ring degree).
     """
     return num_layers * local_tokens * hidden_size * compute_bytes
-
-
-def available_host_bytes() -> int:
-    """Host memory available to new allocations on this node (``MemAvailable`` of ``/proc/meminfo``, or the
-    free physical pages where that file does not exist)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_host_memory(

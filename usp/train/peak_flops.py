@@ -1,6 +1,8 @@
-"""The MFU denominator and MFU itself: dense peak FLOP/s per device (:data:`PEAK_TFLOPS`, or
-``cluster.peak_tflops``) and :func:`mfu`, achieved model FLOP/s per device over that peak (recomputation under
-activation checkpointing is not counted: model FLOPs, not hardware FLOPs).
+"""The MFU denominator: dense peak FLOP/s per device (:data:`PEAK_TFLOPS`, or ``cluster.peak_tflops``).
+
+MFU itself, achieved model FLOP/s per device over that peak, is :func:`usp.plan.compute.mfu` (the planner's
+too); the model FLOPs are :func:`usp.plan.compute.training_flops` (recomputation under activation
+checkpointing is not counted: model FLOPs, not hardware FLOPs).
 """
 
 from __future__ import annotations
@@ -55,10 +57,3 @@ def peak_flops_per_device(cluster: ClusterConfig, device_type: str) -> float:
             "cluster.peak_tflops=<dense bf16 TFLOP/s per device>."
         )
     return PEAK_TFLOPS[key] * 1e12
-
-
-def mfu(flops: float, step_time_s: float, world_size: int, peak_flops: float) -> tuple[float, float]:
-    """``(flops_per_gpu_s, mfu)`` of a step of ``flops`` model FLOPs (all devices together) in ``step_time_s``
-    seconds over ``world_size`` devices of ``peak_flops`` dense FLOP/s each."""
-    per_gpu = flops / step_time_s / world_size
-    return per_gpu, per_gpu / peak_flops

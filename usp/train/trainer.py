@@ -41,10 +41,11 @@ from usp.config import TrainConfig
 from usp.model import parse_dtype
 from usp.parallel import SPMesh
 from usp.parallel.agree import on_every_rank
+from usp.plan.compute import training_flops
 from usp.startup import run_in_process_group
 from usp.train.checks import fsdp_cpu_offload
 from usp.train.export import export_hf
-from usp.train.flops import attention_work_imbalance, training_flops
+from usp.train.flops import attention_work_imbalance
 from usp.train.guard import StepGuard, check_finite_weights
 from usp.train.job import Job, ModelShape, start_job
 from usp.train.metrics import MetricsLogger
@@ -72,7 +73,7 @@ def _step_flops(
     over the replicas (one all-reduce on the dp group when ``dp_degree > 1``)."""
     flops = torch.tensor(
         training_flops(
-            dense_params=shape.dense_params,
+            matmul_params=shape.matmul_params,
             num_layers=shape.num_layers,
             num_heads=shape.num_heads,
             head_dim=shape.head_dim,

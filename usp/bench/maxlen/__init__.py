@@ -7,7 +7,7 @@ with ``parallel.activation_checkpointing=offload``, ``parallel.mlp_tiles`` (``au
 and the optimizer step on the host (``optim.name=deepspeed_cpu_adam``; ``adamw_cpu_offload`` when DeepSpeed's
 CPU Adam does not build). For every length it reports the outcome (``ok``, ``oom``, ``host_mem``, ``timeout``,
 ``killed``, ``error``), the last step's time, tokens/s and MFU (the trainer's own figures, FLOPs from
-:func:`usp.train.flops.training_flops`), peak allocated and reserved GiB over the steps, and the planner's
+:func:`usp.plan.compute.training_flops`), peak allocated and reserved GiB over the steps, and the planner's
 prediction for the same settings (:func:`usp.plan.evaluate_layout`).
 
 Search (:func:`~usp.bench.maxlen.search.search`, the walk of :mod:`usp.longest` that

@@ -13,11 +13,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from usp.bench.maxlen.planner import Planner, choose_optim, cpu_adam_error, deepest_fitting, memory_gib
+from usp.bench.maxlen.planner import Planner, choose_optim, cpu_adam_error, deepest_fitting
 from usp.bench.maxlen.search import Attempt, attempt_from, fmt_cell, search, table
+from usp.host import meminfo_bytes
 from usp.longest import floor_multiple as round_down
 from usp.plan.request import compute_bytes as dtype_bytes
-from usp.units import parse_seq_len
+from usp.units import GIB, parse_seq_len
 
 OPTIM_CHOICES: tuple[str, ...] = ("auto", "deepspeed_cpu_adam", "adamw_cpu_offload", "adamw")
 ROOT = Path(__file__).resolve().parents[3]
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--mlp-tiles={args.mlp_tiles!r}: use auto or an integer >= 1.")
     out = Path(args.out)
     work = Path(args.work_dir) if args.work_dir else out.parent / "maxlen-work"
-    host_gib = memory_gib("MemTotal")
+    host_gib = meminfo_bytes("MemTotal") / GIB
     compute_bytes = dtype_bytes(dtype)
     host_states = args.optim != "adamw"
     layers_note = "set by --num-layers" if args.num_layers not in (None, "auto") else "the model's"

@@ -15,15 +15,6 @@ from usp.mlp_tiles import resolve_mlp_tiles
 from usp.units import GIB
 
 
-def memory_gib(key: str) -> float:
-    """``MemTotal`` (or ``MemAvailable``) of this machine's ``/proc/meminfo``, GiB."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024 / GIB
-    raise OSError(f"/proc/meminfo has no {key}")
-
-
 class Planner:
     """:mod:`usp.plan` for one rank of this machine with the search's settings (offload checkpointing, the
     given tile setting, states on the host or not, bf16 or fp32 compute)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from usp.config import WandbConfig
-from usp.eval.report import start_wandb_run
+from usp.eval.report import save_figure, start_wandb_run
 
 PLOTS = ("ruler.png", "ruler_by_length.png")
 
@@ -43,10 +43,7 @@ def plot_heatmap(result: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("length (tokens)")
     ax.set_title("RULER score by task and length")
     fig.colorbar(im, ax=ax, label="score")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_by_length(result: dict[str, Any], path: Path, *, original_context: int | None) -> Path:
@@ -82,10 +79,7 @@ def plot_by_length(result: dict[str, Any], path: Path, *, original_context: int 
     ax.set_title(f"RULER mean score by length (effective length {eff if eff is not None else 'none'})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def table_lines(result: dict[str, Any]) -> list[str]:
