@@ -61,7 +61,7 @@ def test_cli_library_and_request_agree(recipe, capsys):
         ring_layout=p.ring_layout,
         loss_chunk_size=t.loss_chunk_size,
         mlp_tiles=p.mlp_tiles,
-        offload=states_on_host(cfg.optim.name, p.cpu_offload),
+        states_on_host=states_on_host(cfg.optim.name, p.cpu_offload),
         attn_head_chunks=p.attn_head_chunks,
     )
     assert row["mem_gib_per_gpu"] == pytest.approx(via_library.mem_gib_per_gpu, abs=1e-3)

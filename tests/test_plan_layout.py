@@ -81,7 +81,7 @@ def test_keyword_forms_map_every_argument():
         micro_batch_size=2,
         loss_chunk_size=1024,
         overhead_frac=0.1,
-        offload=True,
+        states_on_host=True,
         compute_bytes=4,
         mlp_tiles=4,
         attn_head_chunks=2,
@@ -103,7 +103,11 @@ def test_keyword_forms_map_every_argument():
     )
     assert held == held_bytes(WORK, CAND)
     off = dict(
-        placement, activation_checkpointing="offload", offload=True, micro_batch_size=2, compute_bytes=4
+        placement,
+        activation_checkpointing="offload",
+        states_on_host=True,
+        micro_batch_size=2,
+        compute_bytes=4,
     )
     ckpt = dataclasses.replace(CAND, activation_checkpointing="offload")
     assert host_memory(MODEL, **off) == host_bytes(WORK, ckpt)
@@ -120,7 +124,7 @@ def test_keyword_forms_map_every_argument():
         ring_layout="zigzag",
         loss_chunk_size=1024,
         overhead_frac=0.1,
-        offload=True,
+        states_on_host=True,
         compute_bytes=4,
         mlp_tiles=4,
         headroom_gib=3.0,
@@ -144,10 +148,12 @@ def test_plan_layouts_is_search_layouts_on_the_records():
 
 def test_from_keywords_routes_each_field_and_refuses_the_rest():
     kw = dict(seq_len=65536, ulysses_degree=2, ring_degree=4, world_size=16, node_size=8, mlp_tiles=4)
-    work, cand = from_keywords(MODEL, Candidate, **kw, global_batch=4, offload=True)
+    work, cand = from_keywords(MODEL, Candidate, **kw, global_batch=4, states_on_host=True)
     assert work == Workload(MODEL, 65536, global_batch=4)
     assert cand == Candidate(2, 4, 16, 8, mlp_tiles=4, states="cpu_offload")
-    _, space = from_keywords(MODEL, SearchSpace, seq_len=65536, world_size=16, node_size=8, offload=True)
+    _, space = from_keywords(
+        MODEL, SearchSpace, seq_len=65536, world_size=16, node_size=8, states_on_host=True
+    )
     assert space.states == ("cpu_offload",)
     _, space = from_keywords(MODEL, SearchSpace, seq_len=65536, world_size=16, node_size=8, states=None)
     assert space.states == ("device",)
@@ -157,7 +163,7 @@ def test_from_keywords_routes_each_field_and_refuses_the_rest():
     with pytest.raises(TypeError, match="ac_modes"):  # a search field is not a layout's
         evaluate_layout(MODEL, H100, **kw, ac_modes=("full",))
     with pytest.raises(ValueError, match="pass one"):
-        from_keywords(MODEL, Candidate, **kw, offload=True, states="device")
+        from_keywords(MODEL, Candidate, **kw, states_on_host=True, states="device")
     # the searches and estimates cost one sequence per micro step
     with pytest.raises(ValueError, match="micro_batch_size=2.*global_batch"):
         plan_layouts(MODEL, H100, seq_len=65536, world_size=16, node_size=8, micro_batch_size=2)
@@ -165,7 +171,7 @@ def test_from_keywords_routes_each_field_and_refuses_the_rest():
 
 def test_enumerate_layouts_is_enumerate_candidates_on_the_records():
     kw = dict(seq_len=131072, world_size=16, node_size=8, ring_degree=2, ac_modes=("full",))
-    layouts, rejected = enumerate_layouts(MODEL, H100, **kw, offload=True)
+    layouts, rejected = enumerate_layouts(MODEL, H100, **kw, states_on_host=True)
     space = SearchSpace(16, 8, ring_degree=2, ac_modes=("full",), states=("cpu_offload",))
     want, want_rejected = enumerate_candidates(Workload(MODEL, 131072), space, H100)
     assert [e.to_dict() for e in layouts] == [e.to_dict() for e in want] and rejected == want_rejected

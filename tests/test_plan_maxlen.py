@@ -39,7 +39,7 @@ def _layout_kw(a) -> dict:
         activation_checkpointing=e.activation_checkpointing,
         ac_every_k=e.ac_every_k,
         mlp_tiles=e.mlp_tiles,
-        offload=e.states == "cpu_offload",
+        states_on_host=e.states == "cpu_offload",
         attn_head_chunks=e.attn_head_chunks,
     )
 
@@ -188,7 +188,7 @@ def test_host_memory_and_offload_time_by_hand():
         world_size=8,
         node_size=8,
         activation_checkpointing="offload",
-        offload=True,
+        states_on_host=True,
     )
     # 32 layer inputs of 524,288 x 4096 x 2 B = 4 GiB each; fp32 parameter, gradient, Adam m, v: 16 B x 8.03B / 8
     assert host["checkpoints"] == 32 * s * 4096 * 2 == 128 * GIB
@@ -209,7 +209,7 @@ def test_host_memory_and_offload_time_by_hand():
         world_size=8,
         node_size=8,
         activation_checkpointing="offload",
-        offload=True,
+        states_on_host=True,
         layer_fwd_s=0.05,
         layer_bwd_s=1.0,
     )
@@ -232,7 +232,7 @@ def test_offload_terms_in_the_device_memory_by_hand():
     full = training_memory(LLAMA8, H100, activation_checkpointing="full", **kw)
     off = training_memory(LLAMA8, H100, activation_checkpointing="offload", **kw)
     tiled = training_memory(LLAMA8, H100, activation_checkpointing="offload", mlp_tiles=8, **kw)
-    opt = training_memory(LLAMA8, H100, activation_checkpointing="offload", offload=True, **kw)
+    opt = training_memory(LLAMA8, H100, activation_checkpointing="offload", states_on_host=True, **kw)
     layer_input = s * 4096 * 2  # 1 GiB
     layer_params = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
     rotary = 2 * 128 * 2 * s

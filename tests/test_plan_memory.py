@@ -205,12 +205,12 @@ MEASURED_TOKENS = (
 
 def _measure_step(activation_checkpointing: str, mlp_tiles: int) -> tuple[int, int]:
     """Held bytes of a forward (first step) and peak bytes of forward + backward (second step) of the trainer's
-    pieces (:mod:`usp.train.tiling`, :mod:`usp.train.offload`, checkpointing, the chunked loss), fp32 on CPU."""
+    pieces (:mod:`usp.train.tiling`, :mod:`usp.train.checkpoint_offload`, checkpointing, the chunked loss), fp32 on CPU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from usp.bench.track_memory import track_memory
+    from usp.train.checkpoint_offload import HostCheckpointStore
     from usp.train.loss import ChunkedCausalLMLoss
-    from usp.train.offload import HostCheckpointStore
     from usp.train.parallelize import apply_activation_checkpointing, decoder_layers
     from usp.train.tiling import apply_sequence_tiling
 

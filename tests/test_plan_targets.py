@@ -49,7 +49,7 @@ def test_longest_trainable_sequence_meets_the_target(model_name, gpu, nodes, per
         fsdp_mode=e.fsdp_mode,
         activation_checkpointing=e.activation_checkpointing,
         mlp_tiles=e.mlp_tiles,
-        offload=e.states == "cpu_offload",
+        states_on_host=e.states == "cpu_offload",
         loss_chunk_size=best.loss_chunk_size,
         attn_head_chunks=e.attn_head_chunks,
     )

@@ -103,7 +103,7 @@ def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
         ring_layout=p.ring_layout,
         loss_chunk_size=cfg.trainer.loss_chunk_size,
         mlp_tiles=tiles,
-        offload=states_on_host(cfg.optim.name, cfg.parallel.cpu_offload),
+        states_on_host=states_on_host(cfg.optim.name, cfg.parallel.cpu_offload),
     )
     assert est.fits, f"{name}: the planner predicts {est.mem_gib_per_gpu:.1f} GiB per GPU"
     # the quoted usp-plan command is the recipe's own layout, so rerunning it refreshes the right figures

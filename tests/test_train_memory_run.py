@@ -26,7 +26,7 @@ from usp.config import TrainConfig, validate_choices
 from usp.mlp_tiles import resolve_mlp_tiles
 from usp.tiny import build_tiny_llama
 from usp.train import checks, offload
-from usp.train.offload import check_host_memory
+from usp.train.checkpoint_offload import check_host_memory
 
 
 def make_config(model_dir: str, run_dir: str, **parallel) -> TrainConfig:
@@ -146,13 +146,13 @@ def test_host_states_rule():
 
     cfg = make_config("/m", "/r")
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert not checks.fsdp_cpu_offload(cfg, cuda)
+    assert not checks.keeps_states_on_host(cfg, cuda)
     for name in ("adamw_cpu_offload", "deepspeed_cpu_adam"):
         cfg.optim.name = name
-        assert states_on_host(name, False) and checks.fsdp_cpu_offload(cfg, cuda)
-        assert not checks.fsdp_cpu_offload(cfg, cpu)  # host memory already
+        assert states_on_host(name, False) and checks.keeps_states_on_host(cfg, cuda)
+        assert not checks.keeps_states_on_host(cfg, cpu)  # host memory already
     cfg.optim.name, cfg.parallel.cpu_offload = "adamw", True
-    assert checks.fsdp_cpu_offload(cfg, cuda)
+    assert checks.keeps_states_on_host(cfg, cuda)
 
 
 # --- resume and export (world 2, u2) ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``usp.train.offload.HostCheckpointStore`` on plain modules (one process, CPU): exact gradients, the prefetch
+"""``usp.train.checkpoint_offload.HostCheckpointStore`` on plain modules (one process, CPU): exact gradients, the prefetch
 order of backward, O(1) layer inputs back on the device, two forwards before one backward. float64, and the
 gradients equal the plain stack's at ``tests.tolerance.EXACT_TOL``."""
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tests.tolerance import EXACT_DTYPE, assert_exact
-from usp.train.offload import HostCheckpointStore, apply_offload_checkpointing
+from usp.train.checkpoint_offload import HostCheckpointStore, apply_offload_checkpointing
 
 LAYERS, TOKENS, HIDDEN = 4, 64, 16
 
@@ -94,7 +94,7 @@ def test_two_forwards_before_backward_use_fresh_host_buffers():
 def test_slots_are_rows_of_one_arena_of_the_planned_size():
     """The host slots are one allocation of exactly ``offload_host_bytes`` (no per-slot allocations, no
     rounding): every slot is a row of ``store.arena``."""
-    from usp.train.offload import offload_host_bytes
+    from usp.train.checkpoint_offload import offload_host_bytes
 
     _, offloaded, store = make_stacks()
     x = torch.randn(1, TOKENS, HIDDEN, requires_grad=True)

@@ -36,7 +36,7 @@ FSDP_MODES: tuple[str, ...] = get_args(FsdpMode)
 
 AcMode = Literal["none", "full", "every_k", "offload"]
 """``parallel.activation_checkpointing``: which decoder layers are recomputed in backward (``offload``: every
-layer, with the saved layer inputs in host memory; ``usp.train.offload``)."""
+layer, with the saved layer inputs in host memory; ``usp.train.checkpoint_offload``)."""
 AC_MODES: tuple[str, ...] = get_args(AcMode)
 
 OptimName = Literal["adamw", "adamw_cpu_offload", "deepspeed_cpu_adam"]

@@ -193,7 +193,7 @@ def planned(cfg: Any, world: int, node_size: int, layers: int | None) -> Any:
         ac_every_k=p.ac_every_k,
         micro_batch_size=cfg.trainer.micro_batch_size,
         loss_chunk_size=cfg.trainer.loss_chunk_size,
-        offload=states_on_host(cfg.optim.name, p.cpu_offload),
+        states_on_host=states_on_host(cfg.optim.name, p.cpu_offload),
         mlp_tiles=int(tiles),
         attn_head_chunks=p.attn_head_chunks,
         attention_backend=cfg.model.attention_backend,

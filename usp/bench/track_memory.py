@@ -14,7 +14,7 @@
   packed by ``torch.autograd.graph.saved_tensors_hooks`` while the block runs, each storage counted once,
   leaves that require grad (parameters) left out. Tensors saved under an inner hook are not seen: inside a
   checkpointed region only the region's inputs count (what the checkpoint keeps), and checkpointed inputs
-  that :mod:`usp.train.offload` moves to the host do not count.
+  that :mod:`usp.train.checkpoint_offload` moves to the host do not count.
 - ``net_bytes``: bytes allocated at the end of the block minus at its start (what the block left allocated,
   e.g. the activations a forward keeps for backward), with the same CPU caveat as ``peak_bytes``. A forward's
   ``net_bytes`` plus the backward's ``peak_bytes`` is the step's peak during backward.

@@ -111,29 +111,29 @@ Layout = TypeVar("Layout", Candidate, SearchSpace)
 
 
 def from_keywords(
-    model: ModelSpec, layout: type[Layout], /, *, offload: bool = False, **keywords: Any
+    model: ModelSpec, layout: type[Layout], /, *, states_on_host: bool = False, **keywords: Any
 ) -> tuple[Workload, Layout]:
     """The records of a keyword-form call (:func:`usp.plan.evaluate_layout`, :func:`usp.plan.plan_layouts`, ...):
     each keyword goes to the :class:`Workload` field or the ``layout`` field (:class:`Candidate` or
-    :class:`SearchSpace`) of its name, and the fields not given keep their defaults. ``offload=True`` is
+    :class:`SearchSpace`) of its name, and the fields not given keep their defaults. ``states_on_host=True`` is
     shorthand for the states on the host (``states="cpu_offload"``, a search's ``states=("cpu_offload",)``);
     ``states=None`` is the default placement. ``TypeError`` for a keyword neither record has, or a required
-    field missing; ``ValueError`` for ``offload`` with ``states``."""
+    field missing; ``ValueError`` for ``states_on_host`` with ``states``."""
     work_fields = {f.name for f in fields(Workload)} - {"model"}
     layout_fields = {f.name for f in fields(layout)}
     unknown = set(keywords) - work_fields - layout_fields
     if unknown:
         raise TypeError(
             f"unknown keyword(s) {sorted(unknown)}: the keywords are the fields of Workload {sorted(work_fields)}, "
-            f"of {layout.__name__} {sorted(layout_fields)}, and offload."
+            f"of {layout.__name__} {sorted(layout_fields)}, and states_on_host."
         )
     if keywords.get("states") is None:
         keywords.pop("states", None)
-        if offload:
+        if states_on_host:
             keywords["states"] = "cpu_offload" if layout is Candidate else ("cpu_offload",)
-    elif offload:
+    elif states_on_host:
         raise ValueError(
-            f"offload=True and states={keywords['states']!r}: pass one (offload=True means the states on the host)."
+            f"states_on_host=True and states={keywords['states']!r}: pass one (states_on_host=True means states='cpu_offload')."
         )
     work = Workload(model, **{k: v for k, v in keywords.items() if k in work_fields})
     return work, layout(**{k: v for k, v in keywords.items() if k in layout_fields})

@@ -135,9 +135,9 @@ def check_mlp_tiles(mlp_tiles: int, local_tokens: float) -> None:
         )
 
 
-def device_states_bytes(model: ModelSpec, shard: int, *, offload: bool = False) -> float:
+def device_states_bytes(model: ModelSpec, shard: int, *, states_on_host: bool = False) -> float:
     """Sharded parameters, gradients and optimizer states left on one device (module docstring)."""
-    if offload:
+    if states_on_host:
         return 0.0
     return model.num_params * STATE_BYTES_PER_PARAM / shard
 
@@ -159,7 +159,7 @@ def held_activation_bytes(model: ModelSpec, **keywords: Any) -> dict[str, float]
 def training_memory(model: ModelSpec, device: DeviceSpec, **keywords: Any) -> MemoryBreakdown:
     """:func:`peak_memory` of the workload and layout these keywords describe (:func:`usp.plan.layout.from_keywords`:
     ``seq_len``, the degrees, ``world_size``, ``node_size``, ``activation_checkpointing``, ``mlp_tiles``,
-    ``compute_bytes``, ...); ``offload=True`` puts the sharded states on the host."""
+    ``compute_bytes``, ...); ``states_on_host=True`` puts the sharded states on the host."""
     work, cand = from_keywords(model, Candidate, **keywords)
     return peak_memory(work, cand, device)
 
@@ -297,7 +297,7 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     # both peaks (and with gradient accumulation they live from the first micro step: counted then)
     dp = world_size // (U * R)
     accumulating = work.global_batch is not None and work.global_batch > dp
-    states = device_states_bytes(model, shard, offload=offload) * (16 if accumulating else 12) / 16
+    states = device_states_bytes(model, shard, states_on_host=offload) * (16 if accumulating else 12) / 16
     # FSDP2's compute copies: the root unit (embedding, final norm, LM head) is gathered in the compute dtype
     # for the forward and kept until the end of the backward; one decoder layer at a time is gathered (two
     # through the backward: the current one and the prefetched one); the LM head's [V, h] gradient in the compute

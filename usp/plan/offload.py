@@ -4,7 +4,7 @@ Three things can live in host memory (``B`` the compute dtype's size, ``s`` loca
 ``shard`` the FSDP shard degree):
 
 - checkpoint offload (``parallel.activation_checkpointing=offload``): every layer's input, ``L x s x h x B``
-  per rank, in one pinned arena of exactly those bytes (:class:`usp.train.offload.HostCheckpointStore`). Each is copied out after its layer's forward and back before its recompute;
+  per rank, in one pinned arena of exactly those bytes (:class:`usp.train.checkpoint_offload.HostCheckpointStore`). Each is copied out after its layer's forward and back before its recompute;
   a copy overlaps the compute of a neighbouring layer (the next layer's forward; the current layer's recompute
   and backward), so per layer and direction only ``max(0, copy - compute)`` adds to the step;
 - offloaded states (FSDP2 CPU offload: ``optim.name=deepspeed_cpu_adam`` or ``adamw_cpu_offload``, or
@@ -125,7 +125,7 @@ def offload_seconds(
 
 def host_memory(model: ModelSpec, **keywords: Any) -> dict[str, float]:
     """:func:`host_bytes` of the workload and layout these keywords describe (:func:`usp.plan.layout.from_keywords`:
-    ``seq_len``, the degrees, ``world_size``, ``node_size``, ...); ``offload=True`` puts the sharded states on
+    ``seq_len``, the degrees, ``world_size``, ``node_size``, ...); ``states_on_host=True`` puts the sharded states on
     the host."""
     return host_bytes(*from_keywords(model, Candidate, **keywords))
 

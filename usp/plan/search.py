@@ -54,7 +54,7 @@ def evaluate_layout(model: ModelSpec, device: DeviceSpec, **keywords: Any) -> La
     degrees, ``world_size``, ``node_size``, ``global_batch`` (sequences; default one per dp rank),
     ``compute_bytes`` (2 for bf16 compute, 4 for float32), ``headroom_gib`` (free device memory the fit
     requires; default :attr:`DeviceSpec.default_headroom_gib`), ``attn_head_chunks``
-    (:func:`head_chunk_candidates`); ``offload=True``: the sharded states and the optimizer step on the host
+    (:func:`head_chunk_candidates`); ``states_on_host=True``: the sharded states and the optimizer step on the host
     (FSDP2 CPU offload)."""
     return estimate_layout(*_records(model, Candidate, keywords), device)
 
@@ -65,7 +65,7 @@ def enumerate_layouts(
     """Every valid candidate, fitting or not, and the reasons the others were rejected before costing
     (:func:`usp.plan.estimate.enumerate_candidates`); ``keywords``: the fields of :class:`Workload` and
     :class:`SearchSpace` (the restrictions; ``None`` lets the planner choose). ``states`` default: on the
-    device; ``offload=True`` means ``("cpu_offload",)``."""
+    device; ``states_on_host=True`` means ``("cpu_offload",)``."""
     return enumerate_candidates(*_records(model, SearchSpace, keywords), device)
 
 

@@ -10,7 +10,7 @@
 - :mod:`usp.train.step` - one optimizer step over micro-batches (``train_step``);
 - :mod:`usp.train.export` - the Hugging Face export (checkpoints themselves: :mod:`usp.checkpoint`, a lower
   layer that ``usp.eval`` reads too); :mod:`usp.train.rng` - the RNG states a checkpoint carries;
-- :mod:`usp.train.tiling`, :mod:`usp.train.offload` - sequence tiles and checkpoint offload (docs/memory.md);
+- :mod:`usp.train.tiling`, :mod:`usp.train.checkpoint_offload` - sequence tiles and checkpoint offload (docs/memory.md);
 - :mod:`usp.train.resume`, :mod:`usp.train.rundir`, :mod:`usp.train.dir_lock`, :mod:`usp.train.guard`,
   :mod:`usp.train.signals`, :mod:`usp.train.watchdog` - faults: resume (and whose checkpoints a run may touch),
   run dirs, their lock, bad steps, preemption, hangs;

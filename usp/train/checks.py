@@ -6,7 +6,7 @@ returns ``(model_config, degrees)``: the Hugging Face config the run trains (RoP
 the one resolution of ``parallel.*`` that ``usp-eval`` calls too). Everything after it reads the degrees, never
 ``cfg.parallel``'s degrees, tiles or modes; the :class:`usp.config.TrainConfig` is never changed (its ``auto``
 stays ``auto``). Also here: the tiny model built if asked (:func:`build_tiny_if_asked`), whether FSDP2 keeps
-states on the host (:func:`fsdp_cpu_offload`), and the start-up warnings (:func:`start_up_warnings`).
+states on the host (:func:`keeps_states_on_host`), and the start-up warnings (:func:`start_up_warnings`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from usp.config import TrainConfig, states_on_host, validate_choices
 from usp.model import apply_rope_overrides, check_model_dir, parse_dtype
 from usp.plan.models import head_dim_of
 from usp.startup import ResolvedDegrees, check_model_for_degrees, resolve_degrees
-from usp.train.offload import check_host_memory
+from usp.train.checkpoint_offload import check_host_memory
 from usp.train.optim import check_optim_config
 from usp.train.tiling import check_tiling_available
 
@@ -65,7 +65,7 @@ def build_tiny_if_asked(cfg: TrainConfig, rank: int) -> None:
         build_tiny_llama(path, seed=cfg.trainer.seed, **dict(cfg.model.tiny_size))
 
 
-def fsdp_cpu_offload(cfg: TrainConfig, device: torch.device) -> bool:
+def keeps_states_on_host(cfg: TrainConfig, device: torch.device) -> bool:
     """Whether FSDP2 keeps the sharded parameters, gradients and optimizer states in host memory: on CUDA when
     :func:`usp.config.states_on_host` says so (``parallel.cpu_offload`` or an ``optim.name`` that steps on the
     host); never on a CPU device, where they are in host memory already."""

@@ -26,7 +26,7 @@ from usp.parallel import SPMesh
 from usp.parallel.agree import on_every_rank
 from usp.plan.models import head_dim_of
 from usp.startup import ResolvedDegrees, build_mesh
-from usp.train.checks import build_tiny_if_asked, check_training_run, fsdp_cpu_offload, start_up_warnings
+from usp.train.checks import build_tiny_if_asked, check_training_run, keeps_states_on_host, start_up_warnings
 from usp.train.flops import count_matmul_params
 from usp.train.optim import build_optimizer, reapply_schedule
 from usp.train.parallelize import decoder_layers, parallelize
@@ -146,7 +146,7 @@ def build_model(
     :func:`usp.train.parallelize.parallelize`, then each rank's shards are filled from ``model.path`` (the RoPE
     overrides were applied to ``model_config`` by the checks). Returns the HF model, the loss model and what
     the step's FLOPs depend on (counted before sharding)."""
-    host_states = fsdp_cpu_offload(cfg, device)  # FSDP2 shards and optimizer states in host memory
+    host_states = keeps_states_on_host(cfg, device)  # FSDP2 shards and optimizer states in host memory
     model = build_empty_causal_lm(model_config)
     shape = ModelShape(
         count_matmul_params(model),

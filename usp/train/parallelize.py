@@ -7,7 +7,7 @@ arguments:
 2. :func:`usp.train.tiling.apply_sequence_tiling` - MLPs and RMSNorms over the sequence in tiles
    (``mlp_tiles`` > 1);
 3. :func:`apply_activation_checkpointing` - recompute decoder layers in backward (none / full / every k-th /
-   offload: full with the saved layer inputs in host memory, :mod:`usp.train.offload`);
+   offload: full with the saved layer inputs in host memory, :mod:`usp.train.checkpoint_offload`);
 4. wrap in :class:`usp.train.loss.ChunkedCausalLMLoss` (decoder + chunked loss in one forward);
 5. :func:`apply_fsdp` - FSDP2 ``fully_shard`` per decoder layer, then the root, over every rank
    (``full_shard``: the flattened dp x ring x ulysses axis; ``hybrid_shard``: shard inside a node, replicate
@@ -36,8 +36,8 @@ from transformers import PreTrainedModel
 from usp.model import apply_usp
 from usp.modes import AC_MODES, FSDP_MODES
 from usp.parallel import SPMesh
+from usp.train.checkpoint_offload import HostCheckpointStore, apply_offload_checkpointing
 from usp.train.loss import ChunkedCausalLMLoss
-from usp.train.offload import HostCheckpointStore, apply_offload_checkpointing
 from usp.train.tiling import apply_sequence_tiling
 
 
@@ -58,7 +58,7 @@ def apply_activation_checkpointing(
     """Recompute the chosen decoder layers in backward; returns how many layers were marked.
 
     ``mode``: ``none``; ``full`` (every layer); ``every_k`` (layers 0, k, 2k, ...); ``offload`` (every layer,
-    its saved input in ``offload_store``'s host slots: :func:`usp.train.offload.apply_offload_checkpointing`).
+    its saved input in ``offload_store``'s host slots: :func:`usp.train.checkpoint_offload.apply_offload_checkpointing`).
     ``full`` and ``every_k`` use the composable
     (non-reentrant) checkpoint, which keeps parameter names unchanged (checkpoints and exports see the same
     state-dict keys with or without it). Collectives inside attention run again during the recompute, in the
@@ -140,7 +140,7 @@ def parallelize(
     The returned module's ``.model`` is ``model`` itself (its parameters now DTensors on the mesh's device);
     pass ``model`` to checkpointing and export, and the returned module to the training step. Under
     ``activation_checkpointing=offload`` the returned module's ``offload_store`` is the
-    :class:`~usp.train.offload.HostCheckpointStore` (``host_bytes``: what its host slots hold); else ``None``.
+    :class:`~usp.train.checkpoint_offload.HostCheckpointStore` (``host_bytes``: what its host slots hold); else ``None``.
     ``mlp_tiles``: a resolved tile count (:func:`usp.mlp_tiles.resolve_mlp_tiles`), 1 = off.
     ``attn_head_chunks``: ``parallel.attn_head_chunks`` (:func:`usp.attention.usp_attention`), 1 = off.
     """

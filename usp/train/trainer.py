@@ -43,7 +43,7 @@ from usp.parallel import SPMesh
 from usp.parallel.agree import on_every_rank
 from usp.plan.compute import training_flops
 from usp.startup import run_in_process_group
-from usp.train.checks import fsdp_cpu_offload
+from usp.train.checks import keeps_states_on_host
 from usp.train.export import export_hf
 from usp.train.flops import attention_work_imbalance
 from usp.train.guard import StepGuard, check_finite_weights
@@ -114,7 +114,7 @@ def run(cfg: TrainConfig, *, save_final: bool = True) -> dict[str, Any]:
     return run_in_process_group(
         cfg,
         lambda cfg, device: _run(cfg, device, save_final=save_final),
-        cpu_offload=lambda device: fsdp_cpu_offload(cfg, device),
+        cpu_offload=lambda device: keeps_states_on_host(cfg, device),
     )
 
 
