@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -30,6 +32,48 @@ def test_cpu_peak_is_relative_to_the_start_of_the_block():
         x = torch.empty(3 * MIB, dtype=torch.uint8)
     assert 3 * MIB <= mem.peak_bytes <= 3 * MIB + SLACK
     del before, x
+
+
+def test_cpu_peak_ignores_garbage_from_before_the_block():
+    # A tensor allocated under an earlier profiling window (its free is then reported in any later one) and
+    # left in an unreachable reference cycle: Python's collector may free it at any allocation inside a later
+    # block (when depends on object counts, so on the torch version). It must not lower that block's figures.
+    with track_memory("cpu"):
+        junk: list = [torch.empty(8 * MIB, dtype=torch.uint8)]
+        junk.append(junk)  # a reference cycle: only the garbage collector frees it
+    del junk
+    with track_memory("cpu") as mem:
+        a = torch.empty(4 * MIB, dtype=torch.uint8)
+        gc.collect()  # what an allocation inside the block may trigger
+        b = torch.empty(2 * MIB, dtype=torch.uint8)
+    assert 6 * MIB <= mem.peak_bytes <= 6 * MIB + SLACK
+    assert 6 * MIB <= mem.net_bytes <= 6 * MIB + SLACK
+    del a, b
+
+
+def test_cpu_net_leaves_out_the_blocks_own_garbage():
+    with track_memory("cpu") as mem:
+        tmp: list = [torch.empty(4 * MIB, dtype=torch.uint8)]
+        tmp.append(tmp)  # unreachable after the del: garbage the block made, not memory it left allocated
+        del tmp
+        kept = torch.empty(1 * MIB, dtype=torch.uint8)
+    assert 5 * MIB <= mem.peak_bytes <= 5 * MIB + SLACK
+    assert 1 * MIB <= mem.net_bytes <= 1 * MIB + SLACK
+    del kept
+
+
+def test_cpu_backward_window_counts_the_frees_of_what_its_forward_saved():
+    # the step's peak is forward.net_bytes + backward.peak_bytes: the backward's frees of tensors the forward
+    # allocated (under its own track_memory window) must be reported in the backward's window
+    x = torch.randn(256, 1024, requires_grad=True)
+    one = x.numel() * x.element_size()  # 1 MiB
+    with track_memory("cpu") as fwd:
+        loss = torch.sigmoid(x * 2.0).sum()  # sigmoid saves its output (1 MiB); x * 2.0 is freed at once
+    with track_memory("cpu") as bwd:
+        loss.backward()  # frees the saved output, leaves x.grad (1 MiB)
+    assert one <= fwd.net_bytes <= one + SLACK
+    assert -SLACK <= bwd.net_bytes <= SLACK
+    assert x.grad is not None
 
 
 def test_held_bytes_counts_each_saved_storage_once_and_not_parameters():

@@ -7,9 +7,18 @@
   allocated when it started. CUDA: ``torch.cuda.max_memory_allocated`` (its window is reset on entry) minus
   ``memory_allocated`` at entry. CPU: the PyTorch profiler's allocation events (``profile_memory=True``): a
   running sum of every allocation and free the CPU allocator reports during the block, whose maximum is the
-  peak. Blocks freed in the block but allocated before it are not reported by the profiler, so on CPU the
-  figure is an upper bound when the block frees older tensors (a training step frees little it did not
-  allocate: gradients are set to ``None`` at the end of the previous step).
+  peak. The profiler reports the free of a block only if the block was allocated while memory profiling was on
+  (in this block or an earlier one: its CPU reporter keeps those sizes across profiling sessions); blocks
+  allocated with no profiler running are freed silently, so on CPU the figure is an upper bound when the
+  block frees such older tensors (a training step frees little it did not allocate: gradients are set to
+  ``None`` at the end of the previous step, and a backward's frees of what its forward saved are reported
+  when the forward ran under ``track_memory`` too).
+- Garbage: on entry, and again at the end of the block (inside the window), :func:`gc.collect` runs, on both
+  devices. Tensors held by unreachable reference cycles from before the block (a previous model, an earlier
+  block's graph) are therefore freed before the window instead of at whatever allocation inside the block
+  triggers Python's collector, which would lower the block's figures by memory the block never used (and
+  when that happens depends on object counts, so on the torch version); the block's own cyclic garbage is
+  freed before ``net_bytes`` is read, so ``net_bytes`` is what the block left reachable.
 - ``held_bytes``: bytes autograd keeps for backward on ``device`` from what ran in the block: every tensor
   packed by ``torch.autograd.graph.saved_tensors_hooks`` while the block runs, each storage counted once,
   leaves that require grad (parameters) left out. Tensors saved under an inner hook are not seen: inside a
@@ -26,6 +35,7 @@ The CPU profiler costs time (an event per allocation): measure in tests and benc
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -96,17 +106,20 @@ def track_memory(device: torch.device | str) -> Iterator[MemoryReport]:
     Yields a :class:`MemoryReport` whose ``peak_bytes``, ``net_bytes`` and ``peak_reserved_bytes`` are set on
     exit. Measure a forward and its backward in two blocks: the hooks would otherwise also count what a
     backward's recomputation saves. On CUDA the
-    device is synchronized on entry and exit, and the peak-memory window is reset on entry (so it does not
+    device is synchronized on entry and exit, garbage is collected on entry and at the end of the block (module
+    docstring), and the peak-memory window is reset on entry (so it does not
     nest with another CUDA peak measurement). On CPU it runs the PyTorch profiler (which does not nest either).
     """
     device = torch.device(device)
     report = MemoryReport(device=device)
     if device.type == "cuda":
+        gc.collect()  # garbage from before the block is freed now, not inside the window (module docstring)
         torch.cuda.synchronize(device)
         report.start_bytes = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         with saved_tensors_hooks(report._pack, lambda t: t):
             yield report
+        gc.collect()  # the block's own unreachable cycles do not count in net_bytes
         torch.cuda.synchronize(device)
         report.peak_bytes = max(0, torch.cuda.max_memory_allocated(device) - report.start_bytes)
         report.net_bytes = torch.cuda.memory_allocated(device) - report.start_bytes
@@ -116,7 +129,9 @@ def track_memory(device: torch.device | str) -> Iterator[MemoryReport]:
         raise ValueError(f"track_memory: device {device} is not supported; use a cuda or cpu device.")
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()  # garbage from before the block is freed now, not inside the window (module docstring)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with saved_tensors_hooks(report._pack, lambda t: t):
             yield report
+        gc.collect()  # inside the window: the block's own unreachable cycles do not count in net_bytes
     report.peak_bytes, report.net_bytes = cpu_peak_from_profile(prof)
