@@ -110,7 +110,7 @@ def test_flash_backward_workspace_follows_mha_bwd():
     assert kernel_workspace_bytes("cpu_flash", batch=1, sq=64, sk=64, hq=8, hkv=8, d=64, elem=4) == 0
 
 
-DEPTH_CASES = [  # (nodes, checkpointing, tiles, optimizer): 8B-shaped, 16K tokens, 4 layers
+DEPTH_CASES = [  # (nodes, checkpointing, tiles, optimizer): 8B-shaped, 16K tokens, 5 layers
     (1, "none", 1, "adamw"),
     (1, "full", 4, "adamw"),
     (8, "offload", 4, "adamw_cpu_offload"),
@@ -119,8 +119,8 @@ DEPTH_CASES = [  # (nodes, checkpointing, tiles, optimizer): 8B-shaped, 16K toke
 
 @pytest.mark.slow
 def test_depth_extrapolation_equals_the_traced_step():
-    """Each category's peak is affine in the depth (every decoder layer is the same): the step extended from 2
-    and 3 traced layers to 4 (``--depth-method extrapolate``) equals the step traced at 4 layers."""
+    """Each category's peak is affine in the depth (every decoder layer is the same): the step extended from 3
+    and 4 traced layers to 5 (``--depth-method extrapolate``) equals the step traced at 5 layers."""
     from usp.bench.fake_memory import run_in_subprocess
 
     argv = [
@@ -132,7 +132,7 @@ def test_depth_extrapolation_equals_the_traced_step():
             "--seq-len",
             "16K",
             "--layers",
-            "4",
+            "5",
             "--depth-method",
             method,
             f"parallel.activation_checkpointing={ac}",
@@ -146,14 +146,48 @@ def test_depth_extrapolation_equals_the_traced_step():
     recs = run_in_subprocess(argv, timeout=1200)
     assert len(recs) == 2 * len(DEPTH_CASES)
     for case, ext, direct in zip(DEPTH_CASES, recs[::2], recs[1::2]):
-        assert ext["depth_method"] == "extrapolate" and ext["probe_depths"] == [2, 3], case
-        assert direct["depth_method"] == "direct" and ext["layers"] == direct["layers"] == 4, case
+        assert ext["depth_method"] == "extrapolate" and ext["probe_depths"] == [3, 4], case
+        assert direct["depth_method"] == "direct" and ext["layers"] == direct["layers"] == 5, case
         assert ext["peak_gib"] == pytest.approx(direct["peak_gib"], rel=1e-9, abs=1e-9), case
         assert ext["host_gib"] == pytest.approx(direct["host_gib"], rel=1e-9, abs=1e-9), case
         meas = direct["categories"]["measured"]
         assert ext["categories"]["measured"] == pytest.approx(meas, rel=1e-9, abs=1e-9), case
         assert ext["planner_gib"] == direct["planner_gib"], case
     assert recs[0]["categories"]["measured"]["Activation"] > recs[2]["categories"]["measured"]["Activation"]
+
+
+@pytest.mark.slow
+def test_reduce_scatter_input_does_not_grow_with_depth():
+    """At a length where the peak is in a decoder layer's backward (ring 8, checkpoint offload, states on the
+    host: nothing on the device grows with the depth), the full 32-layer step extended from the default probes
+    holds one fp32 layer gradient as FSDP2's reduce-scatter input (the layer above's, kept until the next
+    post-backward) and peaks where its 4-layer probe peaks. Probes of 2 and 3 layers counted one such buffer
+    per layer (a 2-layer step has no layer with a layer above and one below)."""
+    from usp.bench.fake_memory import run_in_subprocess
+
+    argv = [
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "8",
+        "--seq-len",
+        "2M",
+        "parallel.ulysses_degree=1",
+        "parallel.ring_degree=8",
+        "parallel.activation_checkpointing=offload",
+        "parallel.mlp_tiles=2",
+        "optim.name=adamw_cpu_offload",
+        "trainer.loss_chunk_size=16384",
+        "model.attention_backend=sdpa_flash",
+    ]
+    (rec,) = run_in_subprocess([argv], timeout=1200)
+    spec = load_model_spec("llama-3.1-8b")
+    assert rec["layers"] == 32 and rec["probe_depths"] == [3, 4]
+    meas = rec["categories"]["measured"]
+    layer_grad = 4 * spec.layer_params / GIB  # fp32, unsharded: one layer's reduce-scatter input
+    assert meas["Reduce Scatter"] == pytest.approx(layer_grad, rel=1e-2)
+    assert rec["peak_gib"] == pytest.approx(rec["probe_peak_gib"][1], rel=1e-9)
+    assert rec["probe_peak_gib"][0] == pytest.approx(rec["probe_peak_gib"][1], rel=1e-9)
 
 
 def test_depth_method_refuses_probes_off_the_checkpointing_period():
