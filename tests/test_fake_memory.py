@@ -156,40 +156,6 @@ def test_depth_extrapolation_equals_the_traced_step():
     assert recs[0]["categories"]["measured"]["Activation"] > recs[2]["categories"]["measured"]["Activation"]
 
 
-@pytest.mark.slow
-def test_reduce_scatter_input_does_not_grow_with_depth():
-    """At a length where the peak is in a decoder layer's backward (ring 8, checkpoint offload, states on the
-    host: nothing on the device grows with the depth), the full 32-layer step extended from the default probes
-    holds one fp32 layer gradient as FSDP2's reduce-scatter input (the layer above's, kept until the next
-    post-backward) and peaks where its 4-layer probe peaks. Probes of 2 and 3 layers counted one such buffer
-    per layer (a 2-layer step has no layer with a layer above and one below)."""
-    from usp.bench.fake_memory import run_in_subprocess
-
-    argv = [
-        "--nodes",
-        "1",
-        "--gpus-per-node",
-        "8",
-        "--seq-len",
-        "2M",
-        "parallel.ulysses_degree=1",
-        "parallel.ring_degree=8",
-        "parallel.activation_checkpointing=offload",
-        "parallel.mlp_tiles=2",
-        "optim.name=adamw_cpu_offload",
-        "trainer.loss_chunk_size=16384",
-        "model.attention_backend=sdpa_flash",
-    ]
-    (rec,) = run_in_subprocess([argv], timeout=1200)
-    spec = load_model_spec("llama-3.1-8b")
-    assert rec["layers"] == 32 and rec["probe_depths"] == [3, 4]
-    meas = rec["categories"]["measured"]
-    layer_grad = 4 * spec.layer_params / GIB  # fp32, unsharded: one layer's reduce-scatter input
-    assert meas["Reduce Scatter"] == pytest.approx(layer_grad, rel=1e-2)
-    assert rec["peak_gib"] == pytest.approx(rec["probe_peak_gib"][1], rel=1e-9)
-    assert rec["probe_peak_gib"][0] == pytest.approx(rec["probe_peak_gib"][1], rel=1e-9)
-
-
 def test_depth_method_refuses_probes_off_the_checkpointing_period():
     from usp.bench.fake_memory import main
 

@@ -47,7 +47,7 @@ backward, and what is alive there depends on the layer's neighbours: the reduce-
 above (FSDP2 keeps one until the next layer's post-backward), the prefetched gather of the layer below. Only a
 layer with both is like the layers of a deep model; a 2-layer step has none (its top layer has no layer above,
 its bottom none below), so extending 2 and 3 layers counted one fp32 layer gradient per layer
-(``tests/test_fake_memory.py::test_reduce_scatter_input_does_not_grow_with_depth``). From 3 layers on, the
+(docs/memory.md, "Longest trainable context"). From 3 layers on, the
 peak is in such an interior layer at every probe."""
 PLAN_TERMS = ("sharded_states", "gathered_params", "activations", "attention_workspace", "loss_buffer")
 
