@@ -110,7 +110,7 @@ def test_flash_backward_workspace_follows_mha_bwd():
     assert kernel_workspace_bytes("cpu_flash", batch=1, sq=64, sk=64, hq=8, hkv=8, d=64, elem=4) == 0
 
 
-DEPTH_CASES = [  # (nodes, checkpointing, tiles, optimizer): 8B-shaped, 16K tokens, 4 layers
+DEPTH_CASES = [  # (nodes, checkpointing, tiles, optimizer): 8B-shaped, 16K tokens, 5 layers
     (1, "none", 1, "adamw"),
     (1, "full", 4, "adamw"),
     (8, "offload", 4, "adamw_cpu_offload"),
@@ -119,8 +119,8 @@ DEPTH_CASES = [  # (nodes, checkpointing, tiles, optimizer): 8B-shaped, 16K toke
 
 @pytest.mark.slow
 def test_depth_extrapolation_equals_the_traced_step():
-    """Each category's peak is affine in the depth (every decoder layer is the same): the step extended from 2
-    and 3 traced layers to 4 (``--depth-method extrapolate``) equals the step traced at 4 layers."""
+    """Each category's peak is affine in the depth (every decoder layer is the same): the step extended from 3
+    and 4 traced layers to 5 (``--depth-method extrapolate``) equals the step traced at 5 layers."""
     from usp.bench.fake_memory import run_in_subprocess
 
     argv = [
@@ -132,7 +132,7 @@ def test_depth_extrapolation_equals_the_traced_step():
             "--seq-len",
             "16K",
             "--layers",
-            "4",
+            "5",
             "--depth-method",
             method,
             f"parallel.activation_checkpointing={ac}",
@@ -146,8 +146,8 @@ def test_depth_extrapolation_equals_the_traced_step():
     recs = run_in_subprocess(argv, timeout=1200)
     assert len(recs) == 2 * len(DEPTH_CASES)
     for case, ext, direct in zip(DEPTH_CASES, recs[::2], recs[1::2]):
-        assert ext["depth_method"] == "extrapolate" and ext["probe_depths"] == [2, 3], case
-        assert direct["depth_method"] == "direct" and ext["layers"] == direct["layers"] == 4, case
+        assert ext["depth_method"] == "extrapolate" and ext["probe_depths"] == [3, 4], case
+        assert direct["depth_method"] == "direct" and ext["layers"] == direct["layers"] == 5, case
         assert ext["peak_gib"] == pytest.approx(direct["peak_gib"], rel=1e-9, abs=1e-9), case
         assert ext["host_gib"] == pytest.approx(direct["host_gib"], rel=1e-9, abs=1e-9), case
         meas = direct["categories"]["measured"]

@@ -41,6 +41,14 @@ from typing import Any
 
 from usp.units import GIB
 
+MIN_PROBE_DEPTH = 3
+"""The shallowest default probe of ``--depth-method extrapolate``. A step's peak sits in some decoder layer's
+backward, and what is alive there depends on the layer's neighbours: the reduce-scatter input of the layer
+above (FSDP2 keeps one until the next layer's post-backward), the prefetched gather of the layer below. Only a
+layer with both is like the layers of a deep model; a 2-layer step has none (its top layer has no layer above,
+its bottom none below), so extending 2 and 3 layers counted one fp32 layer gradient per layer
+(docs/memory.md, "Longest trainable context"). From 3 layers on, the
+peak is in such an interior layer at every probe."""
 PLAN_TERMS = ("sharded_states", "gathered_params", "activations", "attention_workspace", "loss_buffer")
 
 
@@ -70,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--probe-depths",
         default=None,
-        help="the two depths traced by --depth-method extrapolate (default 2,3; under every_k two depths "
-        "ac_every_k apart with the full depth's residue)",
+        help="the two depths traced by --depth-method extrapolate (default 3,4: each has a layer with layers "
+        "above and below it, as every deep model does; under every_k two depths ac_every_k apart with the "
+        "full depth's residue)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
@@ -324,9 +333,9 @@ def _probe_depths(text: str) -> tuple[int, int]:
     try:
         a, b = (int(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(f"--probe-depths={text!r}: give two depths, e.g. 2,3") from None
+        raise ValueError(f"--probe-depths={text!r}: give two depths, e.g. 3,4") from None
     if not 1 <= a < b:
-        raise ValueError(f"--probe-depths={text!r}: two increasing depths of at least 1, e.g. 2,3")
+        raise ValueError(f"--probe-depths={text!r}: two increasing depths of at least 1, e.g. 3,4")
     return a, b
 
 
@@ -342,7 +351,7 @@ def extrapolate_depth(probes: Sequence[dict[str, Any]], depth: int) -> dict[str,
     """The record of a ``depth``-layer step from two :func:`fake_step` records at smaller depths: every decoder
     layer is the same module with the same inputs, so each tracked category at the peak (and the peak, and the
     host bytes) is affine in the depth; extend the line through the two probes. ``tests/test_fake_memory.py``
-    checks that affinity against traced steps (depths 2, 3 extended to 4)."""
+    checks that affinity against traced steps (depths 3, 4 extended to 5)."""
     lo, hi = probes
     d0, d1 = lo["layers"], hi["layers"]
     assert d0 < d1 and {k: v for k, v in lo.items() if k not in _DEPTH_KEYS} == {
@@ -433,14 +442,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, A
     world = args.nodes * args.gpus_per_node
     if not 0 <= args.rank < world:
         raise ValueError(f"--rank={args.rank} is outside the world of {world} ranks")
-    probes = _probe_depths(args.probe_depths or "2,3")
+    probes = _probe_depths(args.probe_depths or f"{MIN_PROBE_DEPTH},{MIN_PROBE_DEPTH + 1}")
     depth = args.layers if args.layers is not None else _model_depth(cfg.model.path)
     p = cfg.parallel
     period = (
         p.ac_every_k if p.activation_checkpointing == "every_k" else 1
     )  # layers 0, k, 2k, ... checkpointed
     if period > 1 and args.probe_depths is None:  # the default: two probes a period apart, on depth's residue
-        lo = 2 + (depth - 2) % period
+        lo = MIN_PROBE_DEPTH + (depth - MIN_PROBE_DEPTH) % period
         probes = (lo, lo + period)
     method = args.depth_method
     if method == "auto":
