@@ -3,8 +3,11 @@
 ``pool.run(fn, *args)`` runs the module-level function ``fn(*args)`` on every rank (inside an initialized gloo
 world) and returns the list of per-rank results, in rank order. If any rank raises, ``run`` raises
 ``WorkerError`` with every failing rank's traceback; if the ranks don't all answer within ``timeout`` seconds,
-``run`` raises ``WorkerTimeout``. After any failure the pool is torn down and restarted, so one bad case never
-hangs or poisons the next. Every collective inside the workers has the process-group timeout
+``run`` raises ``WorkerTimeout``. When ranks don't answer, either error's message holds the Python stacks (all
+threads) of every worker still running, so a hang names the line each rank was stuck on: each worker registers
+:mod:`faulthandler` on ``SIGUSR1`` into a per-rank file, and the parent signals them and reads the files before it
+kills them. After any failure the pool is torn down and restarted, so one bad case never hangs or poisons the
+next. Every collective inside the workers has the process-group timeout
 ``collective_timeout_s``, so a rank left waiting on a peer that died raises instead of hanging.
 
 Results travel through a pipe: return CPU tensors, numbers, dicts or lists of them.
@@ -12,8 +15,13 @@ Results travel through a pipe: return CPU tensors, numbers, dicts or lists of th
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -40,8 +48,18 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, tasks: Any, results: Any, collective_timeout_s: float
+    rank: int,
+    world_size: int,
+    port: int,
+    tasks: Any,
+    results: Any,
+    collective_timeout_s: float,
+    stack_file: str,
 ) -> None:
+    # first of all: SIGUSR1 dumps every thread's stack into stack_file (the parent's hang report); the file stays
+    # open for the process's life (faulthandler writes to its fd from the signal handler, GIL or not)
+    stacks = open(stack_file, "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -88,16 +106,28 @@ class DistPool:
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._next_id = 0
+        self._stack_dir = tempfile.mkdtemp(prefix="dist_pool_stacks_")
         self._start()
 
     def _start(self) -> None:
+        for r in range(self.world_size):  # no stale stacks of a previous world
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._stack_file(r))
         port = _free_port()
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
             self._ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self._tasks[r], self._results, self.collective_timeout_s),
+                args=(
+                    r,
+                    self.world_size,
+                    port,
+                    self._tasks[r],
+                    self._results,
+                    self.collective_timeout_s,
+                    self._stack_file(r),
+                ),
                 daemon=True,
             )
             for r in range(self.world_size)
@@ -105,6 +135,35 @@ class DistPool:
         for p in self._procs:
             p.start()
         self._collect("ready", self.timeout)
+
+    def _stack_file(self, rank: int) -> str:
+        return os.path.join(self._stack_dir, f"rank_{rank}.txt")
+
+    def _dump_stacks(self, wait_s: float = 5.0) -> str:
+        """Every live worker's Python stacks (all threads), through its SIGUSR1 faulthandler; '' if none live."""
+        signalled = []
+        for rank, p in enumerate(self._procs):
+            if p.is_alive() and p.pid is not None:
+                try:
+                    os.kill(p.pid, signal.SIGUSR1)
+                    signalled.append(rank)
+                except ProcessLookupError:
+                    pass
+        dumps = {r: "" for r in signalled}
+        deadline = time.monotonic() + wait_s
+        pending = set(signalled)
+        while pending and time.monotonic() < deadline:  # a dump is done when its file stops growing
+            time.sleep(0.2)
+            for rank in sorted(pending):
+                text = _read(self._stack_file(rank))
+                if text and text == dumps[rank]:
+                    pending.discard(rank)
+                dumps[rank] = text
+        return "".join(
+            f"\n--- rank {r} (pid {self._procs[r].pid}) ---\n"
+            + (dumps[r] or "(no stack written: the worker had not registered its faulthandler yet)\n")
+            for r in signalled
+        )
 
     def _kill(self) -> None:
         for p in self._procs:
@@ -116,13 +175,14 @@ class DistPool:
 
     def _collect(self, task_id: Any, timeout: float) -> list[Any]:
         deadline = time.monotonic() + timeout
+        grace = self.collective_timeout_s + 10
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
         while len(out) + len(errors) < self.world_size:
+            if errors and deadline - time.monotonic() > grace:
+                # one rank failed: give the others one collective timeout to report, then restart the world
+                deadline = time.monotonic() + grace
             remaining = deadline - time.monotonic()
-            if errors:
-                # one rank failed: give the others a short grace to report, then restart the world
-                remaining = min(remaining, self.collective_timeout_s + 10)
             if remaining <= 0 or any(not p.is_alive() for p in self._procs):
                 if remaining > 0:
                     time.sleep(0.5)  # a dead process may still have a message in flight
@@ -131,8 +191,14 @@ class DistPool:
                     if len(out) + len(errors) == self.world_size:
                         break
                 missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+                if errors:
+                    msg = f"ranks {missing} did not answer within {grace:.0f}s of ranks {sorted(errors)} failing"
+                else:
+                    msg = f"ranks {missing} did not answer within {timeout:.0f}s"
+                stacks = self._dump_stacks()
+                if stacks:
+                    msg += "\nPython stacks of the workers still running (all threads):" + stacks
                 self._kill()
-                msg = f"ranks {missing} did not answer within {timeout:.0f}s"
                 if errors:
                     raise WorkerError(msg + "\n" + _format(errors), errors)
                 raise WorkerTimeout(msg)
@@ -176,6 +242,15 @@ class DistPool:
         for p in self._procs:
             p.join(timeout=10)
         self._kill()
+        shutil.rmtree(self._stack_dir, ignore_errors=True)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _format(errors: dict[int, str]) -> str:
