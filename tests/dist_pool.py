@@ -5,9 +5,9 @@ world) and returns the list of per-rank results, in rank order. If any rank rais
 ``WorkerError`` with every failing rank's traceback; if the ranks don't all answer within ``timeout`` seconds,
 ``run`` raises ``WorkerTimeout``. When ranks don't answer, either error's message holds the Python stacks (all
 threads) of every worker still running, so a hang names the line each rank was stuck on: each worker registers
-:mod:`faulthandler` on ``SIGUSR1`` into a per-rank file, and the parent signals them and reads the files before it
-kills them. After any failure the pool is torn down and restarted, so one bad case never hangs or poisons the
-next. Every collective inside the workers has the process-group timeout
+:mod:`faulthandler` on ``SIGUSR2`` (``usp.train.signals`` owns SIGUSR1) into a per-rank file, and the parent
+signals them and reads the files before it kills them. After any failure the pool is torn down and restarted, so
+one bad case never hangs or poisons the next. Every collective inside the workers has the process-group timeout
 ``collective_timeout_s``, so a rank left waiting on a peer that died raises instead of hanging.
 
 Results travel through a pipe: return CPU tensors, numbers, dicts or lists of them.
@@ -56,10 +56,10 @@ def _worker(
     collective_timeout_s: float,
     stack_file: str,
 ) -> None:
-    # first of all: SIGUSR1 dumps every thread's stack into stack_file (the parent's hang report); the file stays
+    # first of all: SIGUSR2 dumps every thread's stack into stack_file (the parent's hang report); the file stays
     # open for the process's life (faulthandler writes to its fd from the signal handler, GIL or not)
     stacks = open(stack_file, "w")  # noqa: SIM115
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -140,12 +140,12 @@ class DistPool:
         return os.path.join(self._stack_dir, f"rank_{rank}.txt")
 
     def _dump_stacks(self, wait_s: float = 5.0) -> str:
-        """Every live worker's Python stacks (all threads), through its SIGUSR1 faulthandler; '' if none live."""
+        """Every live worker's Python stacks (all threads), through its SIGUSR2 faulthandler; '' if none live."""
         signalled = []
         for rank, p in enumerate(self._procs):
             if p.is_alive() and p.pid is not None:
                 try:
-                    os.kill(p.pid, signal.SIGUSR1)
+                    os.kill(p.pid, signal.SIGUSR2)
                     signalled.append(rank)
                 except ProcessLookupError:
                     pass
