@@ -58,8 +58,10 @@ def _worker(
 ) -> None:
     # first of all: SIGUSR2 dumps every thread's stack into stack_file (the parent's hang report); the file stays
     # open for the process's life (faulthandler writes to its fd from the signal handler, GIL or not)
-    stacks = open(stack_file, "w")  # noqa: SIM115
+    # (the file appears under its name only once the handler is in place: the parent signals no worker before)
+    stacks = open(stack_file + ".part", "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
+    os.rename(stack_file + ".part", stack_file)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -111,8 +113,9 @@ class DistPool:
 
     def _start(self) -> None:
         for r in range(self.world_size):  # no stale stacks of a previous world
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self._stack_file(r))
+            for path in (self._stack_file(r), self._stack_file(r) + ".part"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
         port = _free_port()
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
@@ -141,14 +144,18 @@ class DistPool:
 
     def _dump_stacks(self, wait_s: float = 5.0) -> str:
         """Every live worker's Python stacks (all threads), through its SIGUSR2 faulthandler; '' if none live."""
-        signalled = []
+        signalled, starting = [], []
         for rank, p in enumerate(self._procs):
-            if p.is_alive() and p.pid is not None:
-                try:
-                    os.kill(p.pid, signal.SIGUSR2)
-                    signalled.append(rank)
-                except ProcessLookupError:
-                    pass
+            if not p.is_alive() or p.pid is None:
+                continue
+            if not os.path.exists(self._stack_file(rank)):  # SIGUSR2's default action would kill it
+                starting.append(rank)
+                continue
+            try:
+                os.kill(p.pid, signal.SIGUSR2)
+                signalled.append(rank)
+            except ProcessLookupError:
+                pass
         dumps = {r: "" for r in signalled}
         deadline = time.monotonic() + wait_s
         pending = set(signalled)
@@ -160,9 +167,10 @@ class DistPool:
                     pending.discard(rank)
                 dumps[rank] = text
         return "".join(
-            f"\n--- rank {r} (pid {self._procs[r].pid}) ---\n"
-            + (dumps[r] or "(no stack written: the worker had not registered its faulthandler yet)\n")
+            f"\n--- rank {r} (pid {self._procs[r].pid}) ---\n" + (dumps[r] or "(no stack written)\n")
             for r in signalled
+        ) + "".join(
+            f"\n--- rank {r}: still starting (before its stack dump was set up) ---\n" for r in starting
         )
 
     def _kill(self) -> None:
