@@ -167,7 +167,7 @@ class DistPool:
                     pending.discard(rank)
                 dumps[rank] = text
         return "".join(
-            f"\n--- rank {r} (pid {self._procs[r].pid}) ---\n" + (dumps[r] or "(no stack written)\n")
+            f"\n--- rank {r} ({_proc_state(self._procs[r].pid)}) ---\n" + (dumps[r] or "(no stack written)\n")
             for r in signalled
         ) + "".join(
             f"\n--- rank {r}: still starting (before its stack dump was set up) ---\n" for r in starting
@@ -199,7 +199,10 @@ class DistPool:
                     if len(out) + len(errors) == self.world_size:
                         break
                 missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
-                if errors:
+                dead = {r: p.exitcode for r, p in enumerate(self._procs) if r in missing and not p.is_alive()}
+                if dead:  # a signal's exit code is minus its number (-9: SIGKILL, the OOM killer's)
+                    msg = f"ranks {sorted(dead)} exited without answering (exit codes {dead})"
+                elif errors:
                     msg = f"ranks {missing} did not answer within {grace:.0f}s of ranks {sorted(errors)} failing"
                 else:
                     msg = f"ranks {missing} did not answer within {timeout:.0f}s"
@@ -251,6 +254,24 @@ class DistPool:
             p.join(timeout=10)
         self._kill()
         shutil.rmtree(self._stack_dir, ignore_errors=True)
+
+
+def _proc_state(pid: int) -> str:
+    """``pid``'s kernel state, wait channel and resident memory (Linux /proc; a C-level wait or a process stalled
+    on memory shows here when its Python stack looks idle)."""
+    stat = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
+    if len(stat) < 22:
+        return f"pid {pid}"
+    rss_mib = int(stat[21]) * os.sysconf("SC_PAGE_SIZE") >> 20
+    wchan = _read(f"/proc/{pid}/wchan") or "?"
+    return f"pid {pid}, state {stat[0]}, wchan {wchan}, rss {rss_mib} MiB, {_threads(pid)} threads"
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
 
 
 def _read(path: str) -> str:
