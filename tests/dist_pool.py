@@ -28,8 +28,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch.multiprocessing as mp
-
 
 class WorkerError(RuntimeError):
     def __init__(self, message: str, tracebacks: dict[int, str]):
@@ -101,10 +99,21 @@ def _worker(
 class DistPool:
     """``world_size`` gloo ranks in spawned processes; see the module docstring."""
 
-    def __init__(self, world_size: int, *, timeout: float = 300.0, collective_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        collective_timeout_s: float = 60.0,
+        failure_grace_s: float | None = None,
+    ):
         self.world_size = world_size
         self.timeout = timeout
         self.collective_timeout_s = collective_timeout_s
+        # after a rank fails, how long the others get to report (default: one collective timeout and 10 s)
+        self.failure_grace_s = collective_timeout_s + 10 if failure_grace_s is None else failure_grace_s
+        import torch.multiprocessing as mp  # here, not at the top: a worker sets up its stack dump before torch
+
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._next_id = 0
@@ -183,7 +192,7 @@ class DistPool:
 
     def _collect(self, task_id: Any, timeout: float) -> list[Any]:
         deadline = time.monotonic() + timeout
-        grace = self.collective_timeout_s + 10
+        grace = self.failure_grace_s
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
         while len(out) + len(errors) < self.world_size:

@@ -40,6 +40,12 @@ def test_failing_rank_does_not_hang():
         pool.close()
 
 
+def _stacks_of(msg: str, rank: int) -> str:
+    """Rank ``rank``'s stack dump out of a pool error's message."""
+    assert f"--- rank {rank} (pid " in msg, msg
+    return msg.split(f"--- rank {rank} (pid ")[1].split("\n--- rank ")[0]
+
+
 def _helper_thread_sleeping():
     time.sleep(600)
 
@@ -53,7 +59,9 @@ def _stuck_on_rank0():
 
 
 def test_hanging_rank_reports_every_thread_stack():
-    pool = DistPool(2, timeout=60, collective_timeout_s=5)
+    pool = DistPool(
+        2, collective_timeout_s=5
+    )  # the default (300 s) start-up timeout: a loaded machine is slow
     try:
         start = time.monotonic()
         with pytest.raises(WorkerTimeout) as info:
@@ -63,9 +71,27 @@ def test_hanging_rank_reports_every_thread_stack():
         pool.close()
     msg = str(info.value)
     assert "ranks [0] did not answer within 2s" in msg
-    rank0 = msg.split("--- rank 0 ")[1].split("--- rank 1 ")[0]  # rank 1 is alive too: its stacks follow
+    rank0 = _stacks_of(msg, 0)
     assert "_stuck_on_rank0" in rank0 and "test_dist_pool.py" in rank0  # the stuck frame, named
     assert "_helper_thread_sleeping" in rank0  # and the other threads
-    assert (
-        "--- rank 1 " in msg and "_stuck_on_rank0" not in msg.split("--- rank 1 ")[1]
-    )  # idle: waiting for work
+    assert "_stuck_on_rank0" not in _stacks_of(msg, 1)  # rank 1 answered: it waits for the next task
+
+
+def _raise_on_rank1_while_rank0_hangs():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    threading.Event().wait()
+
+
+def test_failed_rank_gives_a_hanging_one_only_the_grace():
+    pool = DistPool(2, collective_timeout_s=5, failure_grace_s=2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            pool.run(_raise_on_rank1_while_rank0_hangs, timeout=60)
+        assert time.monotonic() - start < 10  # the grace, not the call's 60 s timeout
+    finally:
+        pool.close()
+    msg = str(info.value)
+    assert "ranks [0] did not answer within 2s of ranks [1] failing" in msg and "boom on rank 1" in msg
+    assert "_raise_on_rank1_while_rank0_hangs" in _stacks_of(msg, 0)
