@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -83,8 +84,14 @@ def _worker(
     except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
         results.put(("ready", rank, False, traceback.format_exc()))
         return
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process died (killed run): don't linger holding memory
+                os._exit(1)
+            continue
         if task is None:
             break
         task_id, fn, args, kwargs = task
