@@ -67,9 +67,8 @@ def test_hanging_rank_reports_every_thread_stack():
         start = time.monotonic()
         with pytest.raises(WorkerTimeout) as info:
             pool.run(_stuck_on_rank0, timeout=15)
-        assert (
-            time.monotonic() - start < 30
-        )  # the 2 s timeout, the dump and the kill (slow on a loaded machine)
+        # the 15 s timeout, the 5 s dump wait and the kill; generous for a loaded machine, far below a hang
+        assert time.monotonic() - start < 90
     finally:
         pool.close()
     msg = str(info.value)
@@ -93,7 +92,9 @@ def test_failed_rank_gives_a_hanging_one_only_the_grace():
         start = time.monotonic()
         with pytest.raises(WorkerError) as info:
             pool.run(_raise_on_rank1_while_rank0_hangs, timeout=60)
-        assert time.monotonic() - start < 30  # the 2 s grace, not the call's 60 s timeout
+        assert (
+            time.monotonic() - start < 55
+        )  # the 2 s grace (+ the 5 s dump wait), not the call's 60 s timeout
     finally:
         pool.close()
     msg = str(info.value)
