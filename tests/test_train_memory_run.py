@@ -25,7 +25,7 @@ from tests.tolerance import EXACT_DTYPE, assert_close_scaled, assert_exact
 from usp.config import TrainConfig, validate_choices
 from usp.mlp_tiles import resolve_mlp_tiles
 from usp.tiny import build_tiny_llama
-from usp.train import checks, offload
+from usp.train import checkpoint_offload, checks
 from usp.train.checkpoint_offload import check_host_memory
 
 
@@ -113,7 +113,7 @@ def test_trainer_validation_catches_them_before_any_weights(model_dir, tmp_path,
     assert checks.check_training_run(cfg, 2, cpu)[1].mlp_tiles == 1  # 32 local tokens <= hidden 64: off
     cfg.parallel.mlp_tiles, cfg.parallel.activation_checkpointing = 4, "offload"
     assert checks.check_training_run(cfg, 2, cpu)[1].mlp_tiles == 4
-    monkeypatch.setattr(offload, "available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(checkpoint_offload, "available_host_bytes", lambda: 1000)
     with pytest.raises(ValueError, match=r"activation_checkpointing=offload needs 0.00 GiB .* only 0.00 GiB"):
         checks.check_training_run(cfg, 2, cpu)
     monkeypatch.undo()
