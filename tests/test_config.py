@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -244,5 +245,10 @@ def test_valid_values_match_the_modules_that_implement_them():
 
     assert set(modes.FSDP_MODES) == set(parallelize.FSDP_MODES)
     assert set(modes.AC_MODES) == set(parallelize.AC_MODES)
-    assert set(modes.RING_LAYOUTS) == set(mesh.RING_LAYOUTS)
+    # the mesh checks ring layouts with usp.modes' own rule: every value it lists is placed, others refused
+    assert set(typing.get_args(modes.RingLayout)) == set(modes.RING_LAYOUTS)
+    for layout in modes.RING_LAYOUTS:
+        assert mesh.sequence_multiple(2, 1, layout) in (2, 4)
+    with pytest.raises(ValueError, match="ring_layout"):
+        mesh.sequence_multiple(2, 1, "striped")
     assert set(modes.ATTENTION_BACKENDS) == set(kernels.BACKENDS)
