@@ -24,17 +24,15 @@ FIT_RUNTIME_GIB = 0.414
 
 def runtime_gib() -> float:
     """Peak RSS (GiB) of a fresh interpreter that imports the trainer and runs one op: the Python/torch runtime
-    of the installed torch build, which every rank's peak RSS includes."""
+    of the installed torch build, which every rank's peak RSS includes. Its own peak (``usp.host.peak_rss_bytes``),
+    not the test runner's it was forked from."""
     code = (
-        "import resource, torch, usp.train.__main__, usp.train.trainer; torch.ones(8) @ torch.ones(8); "
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "import torch, usp.train.__main__, usp.train.trainer; from usp.host import peak_rss_bytes; "
+        "torch.ones(8) @ torch.ones(8); print(peak_rss_bytes())"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    rss = int(out.stdout.split()[-1])
-    return (
-        rss / 2**30 if sys.platform == "darwin" else rss * 1024 / 2**30
-    )  # ru_maxrss: bytes on macOS, KiB on Linux
+    return int(out.stdout.split()[-1]) / 2**30
 
 
 @pytest.mark.slow
@@ -90,4 +88,8 @@ def test_tiny_recipe_trains_under_torchrun(tmp_path):
     assert measured.measured_step_s > 0 and predicted.step_time_s > 0
     assert measured.measured_mem_gib is not None
     mem_ratio = measured.measured_mem_gib / predicted.mem_gib_per_gpu
-    assert 0.75 < mem_ratio < 1.33, f"memory measured/predicted = {mem_ratio:.2f}"
+    assert 0.75 < mem_ratio < 1.33, (
+        f"memory measured/predicted = {mem_ratio:.2f}: measured {measured.measured_mem_gib:.3f} GiB (per step "
+        f"{[r['peak_mem_gib'] for r in records]}), predicted {predicted.mem_gib_per_gpu:.3f} GiB with the runtime "
+        f"{device.reserved_gib:.3f} GiB ({predicted})"
+    )

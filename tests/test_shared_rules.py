@@ -68,3 +68,31 @@ def test_meminfo_read(tmp_path) -> None:
     assert host.available_host_bytes(str(tmp_path / "absent")) == os.sysconf("SC_AVPHYS_PAGES") * os.sysconf(
         "SC_PAGE_SIZE"
     )
+
+
+@pytest.mark.skipif(not os.path.exists(host.PROC_STATUS), reason="no /proc/self/status (not Linux)")
+def test_peak_rss_is_the_process_own_not_the_parent_it_was_forked_from() -> None:
+    """A child forked by a parent holding 512 MiB and exec-ing a small program: its peak is its own (tens of
+    MiB); getrusage in the same child reports the parent's (Linux keeps the replaced image's peak), which is
+    what made a CPU rank launched from a large process report the launcher's memory."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        'hold = b"x" * (512 * 2**20)\n'  # written, so resident
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.dup2(w, 1)\n"
+        '    child = "import resource; from usp.host import peak_rss_bytes; "\n'
+        '    child += "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"\n'
+        '    os.execv(sys.executable, [sys.executable, "-c", child])\n'
+        "os.close(w)\n"
+        "print(os.read(r, 200).decode().strip())\n"
+        "os.wait()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    own, rusage = (int(v) for v in out.stdout.split())
+    assert own < 256 * 2**20, f"the child's own peak {own / 2**20:.0f} MiB includes the parent's 512 MiB"
+    assert rusage > 512 * 2**20, "getrusage no longer carries the parent's peak: the case this guards is gone"
+    assert host.peak_rss_bytes(str(os.devnull)) > 0  # no VmHWM line: the getrusage fallback

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from usp.host import peak_rss_bytes
 from usp.units import GIB
 
 
@@ -15,10 +16,7 @@ def peak_memory_gib() -> float:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / GIB
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / GIB if sys.platform == "darwin" else rss * 1024 / GIB  # bytes on macOS, KiB on Linux
+    return peak_rss_bytes() / GIB
 
 
 def peak_memory_reserved_gib() -> float | None:
