@@ -526,9 +526,13 @@ def run_in_subprocess(cases: Sequence[Sequence[str]], timeout: float = 1800) -> 
         f.flush()
         cmd = [sys.executable, "-m", "usp.bench.fake_memory", "--cases", f.name]
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-4000:]}")
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        raise RuntimeError(
+            f"{' '.join(cmd)} failed ({out.returncode}) after {len(records)} of {len(cases)} records:\n"
+            f"{out.stderr[-4000:]}"
+        )
+    return records
 
 
 if __name__ == "__main__":
