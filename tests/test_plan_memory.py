@@ -42,9 +42,10 @@ def test_llama31_8b_1m_tokens_32_gpus_ulysses8_ring4_full_checkpointing():
     assert mem.sharded_states == 12 * 8_030_261_248 / 32 == 3_011_347_968
     # the root unit (embedding, final norm, LM head: 1.05B), which FSDP2 keeps gathered in bf16 from its forward
     # to the end of the backward; the LM head's bf16 gradient (525M), from the loss's backward on; the layer and
-    # the prefetched one in bf16 and the layer's bf16 gradients (218M each)
+    # the prefetched one in bf16 and the layer's bf16 gradients (218M each); FSDP2's fp32 reduce-scatter input
+    # of the layer above (one unsharded layer gradient)
     root = (2 * 525_336_576 + 4096) * 2 + 525_336_576 * 2
-    assert mem.gathered_params == 218_112_000 * 2 * 3 + root == 4_460_699_648
+    assert mem.gathered_params == 218_112_000 * 2 * 3 + 218_112_000 * 4 + root == 5_333_147_648
     # one layer's saved activations per token, bytes: two RMSNorms x 4096 x (fp32 input copy 4 + normalized 2 +
     # output 2) = 65,536; q,k,v after the all-to-all with 8 KV heads (32 + 16) x 128 x 2 = 12,288; attention
     # output + the o_proj input after the all-to-all back 2 x 4096 x 2 = 16,384; fp32 lse 4 x 32 + two rsqrt 8
@@ -69,8 +70,8 @@ def test_llama31_8b_1m_tokens_32_gpus_ulysses8_ring4_full_checkpointing():
     assert mem.loss_buffer == 0  # the loss's own peak (7.4 GiB of chunk buffers) comes when less else is live
     # CUDA context + cuBLAS 0.6 GiB, NCCL 0.5 GiB for each of the FSDP, Ulysses and ring groups; no margin asked
     assert mem.overhead == pytest.approx(0.6 * GIB + 3 * 0.5 * GIB)
-    assert mem.total == pytest.approx(3_011_347_968 + 4_460_699_648 + 15_187_836_928 + attention + 2.1 * GIB)
-    assert mem.total_gib == pytest.approx(26.21, abs=0.005)
+    assert mem.total == pytest.approx(3_011_347_968 + 5_333_147_648 + 15_187_836_928 + attention + 2.1 * GIB)
+    assert mem.total_gib == pytest.approx(27.02, abs=0.005)
 
 
 def test_no_checkpointing_keeps_every_layer():
@@ -280,3 +281,17 @@ def test_planner_terms_match_the_measured_step(activation_checkpointing, mlp_til
     # terms less the fp32 parameters and Adam moments (12 B per parameter) it counts as states
     predicted_peak = mem.total - mem.overhead - 12 * spec.num_params
     assert peak == pytest.approx(predicted_peak, rel=0.15)
+
+
+def test_planner_counts_the_layers_the_trainer_checkpoints() -> None:
+    """``usp.plan.memory.checkpointed_layers`` is the count ``apply_activation_checkpointing`` marks (every_k:
+    layers 0, k, 2k, ... so ceil(L / k), odd depths included)."""
+    from torch import nn
+
+    from usp.plan.memory import checkpointed_layers
+    from usp.train.parallelize import apply_activation_checkpointing
+
+    for layers in (1, 2, 3, 5, 32, 80):
+        for mode, k in (("none", 2), ("full", 2), ("every_k", 1), ("every_k", 2), ("every_k", 3)):
+            marked = apply_activation_checkpointing([nn.Linear(2, 2) for _ in range(layers)], mode, k)
+            assert checkpointed_layers(layers, mode, k) == marked, (layers, mode, k)

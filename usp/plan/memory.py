@@ -32,7 +32,8 @@ checkpoint's own when the layer is checkpointed: the recomputed layer adds ``B h
 ``tests/test_plan_memory.py``).
 
 Gathered parameters (FSDP2, more than one rank or states on the host): through every layer's backward, the
-current layer and the prefetched one in ``B`` bytes plus one fp32 unsharded layer gradient, and the root unit
+current layer and the prefetched one in ``B`` bytes, the layer's gradients in ``B`` bytes and the fp32
+reduce-scatter input of the layer above (one unsharded layer gradient), and the root unit
 (embedding, final norm, LM head), which FSDP2 does not reshard after forward and reduce-scatters only after the
 whole backward: its parameters in ``B`` bytes and the LM head's ``[V, h]`` gradient.
 
@@ -198,7 +199,8 @@ def held_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
 
 
 def checkpointed_layers(num_layers: int, activation_checkpointing: str, ac_every_k: int = 2) -> int:
-    """How many decoder layers keep only their input (and recompute their forward in backward)."""
+    """How many decoder layers keep only their input (and recompute their forward in backward); under
+    ``every_k`` layers ``0, k, 2k, ...`` are checkpointed."""
     if activation_checkpointing == "none":
         return 0
     if activation_checkpointing in ("full", "offload"):
@@ -206,7 +208,7 @@ def checkpointed_layers(num_layers: int, activation_checkpointing: str, ac_every
     if activation_checkpointing == "every_k":
         if ac_every_k < 1:
             raise ValueError(f"parallel.ac_every_k={ac_every_k} must be >= 1.")
-        return num_layers // ac_every_k
+        return -(-num_layers // ac_every_k)  # layers 0, k, 2k, ... (usp.train.parallelize): ceil(L / k)
     raise ValueError(
         f"parallel.activation_checkpointing={activation_checkpointing!r} is invalid; use {AC_MODES}."
     )
@@ -357,16 +359,27 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     chunk = min(loss_chunk_size, s)
     loss = chunk * model.vocab_size * 12 + held["final_norm"]
     peak_loss = (states, root + layer + head_grad, layer_acts + in_flight, 0.0, loss)
-    # peak 2, the top layer's backward: its full activations, the attention backward's buffers, two layers
-    # gathered and the layer's gradients in the compute dtype
-    acts = layer_acts - top_held + top_full + in_flight + tile
-    layer_gathers = root + head_grad + 2 * layer + model.layer_params * B
-    # inside a layer's backward the larger of the attention backward's buffers and the MLP backward's (with
-    # its recomputed activations still alive): at the product's backward, the gradient of the down
-    # projection's input replaces the product it saved, and the gradients of silu(gate) and of up come on
-    # top (one tile of them under tiles); silu_backward then writes its output in place of what it frees
+    # peak 2, the top layer's backward (standing for any layer's: the peak layer has one above and one below):
+    # its full activations, the backward's buffers, two layers gathered, the layer's gradients in the compute
+    # dtype and FSDP2's fp32 reduce-scatter input of the layer above (one unsharded layer gradient, held until
+    # the next post-backward; measured, docs/memory.md)
+    layer_gathers = root + head_grad + 2 * layer + model.layer_params * B + 4 * model.layer_params
+    # inside a layer's backward the larger of two phases (they never overlap: the MLP's backward ends before
+    # the attention's begins). The MLP backward, with its recomputed activations still alive: at the product's
+    # backward, the gradient of the down projection's input replaces the product it saved, and the gradients
+    # of silu(gate) and of up come on top; silu_backward then writes its output in place of what it frees.
+    # Under tiles that is one tile's (``2 I B s / T``) next to the tile's own saved ``4 I B s / T`` (``tile``),
+    # plus the tiled MLP's input-gradient buffer over the whole local sequence (``h B s``) and, per tile, its
+    # recomputed normed input, output-gradient slice and input gradient (``3 h B``) and the norm's fp32 upcast
+    # (``4 h``), each ``s / T`` tokens (measured: docs/memory.md). The attention backward (``workspace``) runs
+    # after the tile's tensors are freed.
     mlp_backward = 2 * model.intermediate_size * B * s / mlp_tiles
-    workspace = max(workspace, mlp_backward)
+    if tiled:
+        mlp_backward += h * B * s + (3 * h * B + 4 * h) * s / mlp_tiles
+    mlp_phase = tile + mlp_backward > workspace
+    phase_acts = tile if mlp_phase else 0.0  # the MLP tile's saved tensors, when its backward is the peak
+    workspace = mlp_backward if mlp_phase else workspace
+    acts = layer_acts - top_held + top_full + in_flight + phase_acts
     peak_layer = (states, layer_gathers, acts, workspace, 0.0)
     # peak 3, the bottom layer's backward: the layers above have freed their activations but left their fp32
     # gradient shards (on the device unless the states are offloaded); the bottom layer's full activations
@@ -376,7 +389,9 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
         + per_layer
         - (h * B * s if tiled and n_ckpt and activation_checkpointing != "offload" else 0.0)
     )
-    bottom += (h * B * s if n_ckpt and activation_checkpointing != "offload" else 0.0) + in_flight + tile
+    bottom += (
+        (h * B * s if n_ckpt and activation_checkpointing != "offload" else 0.0) + in_flight + phase_acts
+    )
     peak_bottom = (states + grads_above, layer_gathers, bottom, workspace, 0.0)
     # peak 4, the root's reduce-scatter after the whole backward: every layer's fp32 gradient shard, the
     # root's gradients in the compute dtype (one left), their fp32 copies (none in an fp32 run), FSDP2's flat
