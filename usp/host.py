@@ -15,8 +15,8 @@ PROC_STATUS = "/proc/self/status"
 
 
 def meminfo_bytes(key: str, path: str = MEMINFO) -> int:
-    """The ``key`` field of ``/proc/meminfo`` (given in kB there), in bytes. ``OSError`` when the file cannot be
-    read or has no such field."""
+    """The ``key`` field of ``/proc/meminfo`` (or another ``/proc`` file of ``key: value kB`` lines), in bytes.
+    ``OSError`` when the file cannot be read or has no such field."""
     with open(path) as f:
         for line in f:
             name, _, value = line.partition(":")
@@ -43,11 +43,7 @@ def peak_rss_bytes(path: str = PROC_STATUS) -> int:
     reports the parent's peak. ``ru_maxrss`` is the fallback where the file does not exist (bytes on macOS,
     KiB elsewhere)."""
     try:
-        with open(path) as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                if name == "VmHWM":
-                    return int(value.split()[0]) * 1024  # "VmHWM:   123456 kB"
+        return meminfo_bytes("VmHWM", path)  # "VmHWM:   123456 kB", the same "key: value kB" lines
     except OSError:
         pass
     import resource
