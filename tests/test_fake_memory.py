@@ -185,3 +185,20 @@ def test_depth_method_refuses_probes_off_the_checkpointing_period():
         main(["--seq-len", "16K", "--probe-depths", "3,2"])
     with pytest.raises(ValueError, match="--from-plan"):
         main(["--seq-len", "16K", "--from-plan"])
+
+
+def test_json_stdout_is_the_record_alone():
+    """``--json | jq`` works: with MLP tiles (whose DeepSpeed part prints an accelerator banner to stdout when
+    DeepSpeed loads) the command's stdout is exactly one JSON object; the banner goes to stderr."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "usp.bench.fake_memory", "--nodes", "1", "--gpus-per-node", "1"]
+    cmd += ["--seq-len", "4K", "--layers", "1", "parallel.mlp_tiles=2", "--json"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    record = json.loads(out.stdout)  # the whole of stdout, not its JSON-looking lines
+    assert record["seq_len"] == 4096 and record["layers"] == 1

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from usp.units import GIB
 
@@ -425,11 +425,15 @@ def compare(record: dict[str, Any], plan: Any) -> dict[str, Any]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+def main(
+    argv: Sequence[str] | None = None, out: TextIO | None = None
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """Run one case (or ``--cases``) and print its record to ``out`` (default ``sys.stdout``)."""
+    out = out or sys.stdout
     args = build_parser().parse_args(argv)
     if args.cases:
         with open(args.cases) as f:
-            return [main([*case, "--json"]) for case in json.load(f)]
+            return [main([*case, "--json"], out) for case in json.load(f)]
     if args.from_plan:
         if args.seq_len is not None:
             raise ValueError("give --seq-len N or --from-plan, not both")
@@ -478,9 +482,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, A
     rec = compare(rec, planned(cfg, world, args.gpus_per_node, depth))
     rec.pop("measured")
     if args.json:
-        print(json.dumps(rec), flush=True)
+        print(json.dumps(rec), file=out, flush=True)
     else:
-        print(format_report(rec))
+        print(format_report(rec), file=out, flush=True)
     return rec
 
 
@@ -526,7 +530,11 @@ def run_in_subprocess(cases: Sequence[Sequence[str]], timeout: float = 1800) -> 
         f.flush()
         cmd = [sys.executable, "-m", "usp.bench.fake_memory", "--cases", f.name]
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    if len(records) != len(lines):  # stdout carries the records alone (library banners go to stderr)
+        stray = [line for line in lines if not line.startswith("{")]
+        raise RuntimeError(f"{' '.join(cmd)} printed lines that are not records on stdout: {stray[:5]}")
     if out.returncode:
         raise RuntimeError(
             f"{' '.join(cmd)} failed ({out.returncode}) after {len(records)} of {len(cases)} records:\n"
@@ -539,7 +547,12 @@ if __name__ == "__main__":
     from usp.bench.fake_cuda import preload as _preload
 
     _preload()  # before torch is imported (usp.bench.fake_cuda imports only the standard library)
-    main()
+    # stdout carries the report or the JSON records alone, so that `--json | jq` works: what libraries print
+    # there while they load (DeepSpeed's accelerator banner) goes to stderr.
+    _records = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    main(out=_records)
+    _records.flush()
     # Every record is printed and flushed: leave without the interpreter's teardown. With the fake CUDA device
     # registered, the autograd engine holds a worker thread for it, and tearing the process down under that
     # thread sometimes aborts ("terminate called without an active exception", exit -6) after the work is done.
