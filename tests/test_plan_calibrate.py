@@ -99,7 +99,15 @@ def test_bench_reader_on_usp_bench_records(tmp_path: Path):
 
 
 def _write_run(
-    root: Path, name: str, *, seq_len: int, ulysses: int, ring: int, world: int, ckpt: Path
+    root: Path,
+    name: str,
+    *,
+    seq_len: int,
+    ulysses: int,
+    ring: int,
+    world: int,
+    ckpt: Path,
+    ring_layout: str = "zigzag",
 ) -> Path:
     run = root / name
     (run / ".hydra").mkdir(parents=True)
@@ -112,6 +120,7 @@ def _write_run(
             "fsdp_mode": "full_shard",
             "activation_checkpointing": "none",
             "ac_every_k": 2,
+            "ring_layout": ring_layout,
         },
         "trainer": {
             "seq_len": seq_len,
@@ -130,6 +139,7 @@ def _write_run(
         world_size=world,
         node_size=world,
         compute_bytes=4,
+        ring_layout=ring_layout,
     )
     dp = world // (ulysses * ring)
     rows = []
@@ -188,6 +198,32 @@ def test_read_training_run(runs: list[Path], tiny_config):
         compute_bytes=4,
     )
     assert run.measured_step_s == pytest.approx(truth.step_time_s)  # warm-up skipped, jitter cancels
+
+
+def test_predict_run_costs_the_run_s_ring_layout(tmp_path: Path, tiny_config):
+    """A contiguous ring's causal imbalance (the last rank holds the most work) is in the run's prediction."""
+    ckpt = tmp_path / "tiny-ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(tiny_config))
+    kw = dict(seq_len=4096, ulysses=1, ring=4, world=4, ckpt=ckpt)
+    zigzag = read_training_run(_write_run(tmp_path, "zigzag", **kw))
+    contiguous = read_training_run(_write_run(tmp_path, "contiguous", ring_layout="contiguous", **kw))
+    assert (zigzag.ring_layout, contiguous.ring_layout) == ("zigzag", "contiguous")
+    for run in (zigzag, contiguous):
+        truth = evaluate_layout(
+            load_model_spec(tiny_config),
+            CPU,
+            seq_len=4096,
+            ulysses_degree=1,
+            ring_degree=4,
+            world_size=4,
+            node_size=4,
+            compute_bytes=4,
+            ring_layout=run.ring_layout,
+        )
+        assert predict_run(run, CPU).time_s == pytest.approx(truth.time_s, rel=1e-12)
+    slow = predict_run(contiguous, CPU).time_s["attention_s"]
+    assert slow > 1.5 * predict_run(zigzag, CPU).time_s["attention_s"]
 
 
 def test_fit_recovers_the_hidden_efficiencies(runs: list[Path]):

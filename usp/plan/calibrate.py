@@ -55,6 +55,7 @@ def predict_run(run: TrainingRun, device: DeviceSpec) -> LayoutEstimate:
         global_batch=run.global_batch,
         compute_bytes=run.compute_bytes,
         loss_chunk_size=run.loss_chunk_size,
+        ring_layout=run.ring_layout,
     )
     cand = Candidate(
         run.ulysses_degree,

@@ -177,6 +177,8 @@ class TrainingRun:
     """Parameters, gradients and optimizer states in host memory (``optim.name`` / ``parallel.cpu_offload``)."""
     attn_head_chunks: int = 1
     """``parallel.attn_head_chunks`` of the run."""
+    ring_layout: str = "zigzag"
+    """``parallel.ring_layout`` of the run (a contiguous ring's causal imbalance is in its step time)."""
 
 
 def _load_config(run_dir: Path) -> dict[str, Any]:
@@ -310,4 +312,5 @@ def read_training_run(
         mlp_tiles=int(tiles),
         states_on_host=request.states_on_host,
         attn_head_chunks=int(request.attn_head_chunks),
+        ring_layout=str(request.ring_layout),
     )
