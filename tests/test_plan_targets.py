@@ -59,3 +59,16 @@ def test_longest_trainable_sequence_meets_the_target(model_name, gpu, nodes, per
     assert e.time_s["attention_s"] > 0.9 * e.step_time_s
     assert e.mfu >= 0.30
     assert best.max_seq_len >= target
+
+
+@pytest.mark.parametrize("gpu", ["h100-80g", "h200", "b200"])
+def test_a_2tb_node_budgets_the_bytes_its_os_can_use(gpu):
+    """An 8-GPU server sold with 2 TB of host RAM leaves the OS about 1.9e12 bytes: the planner's default host
+    budget is that (1769.5 GiB), not 2 TiB; the cluster config defers to the table (``host_mem_gib: null``)."""
+    from pathlib import Path
+
+    import yaml
+
+    assert get_device(gpu).host_mem_gib * 2**30 == pytest.approx(1.9e12)
+    conf = Path(__file__).resolve().parents[1] / "conf" / "cluster" / f"{gpu}.yaml"
+    assert yaml.safe_load(conf.read_text())["host_mem_gib"] is None

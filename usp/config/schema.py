@@ -217,8 +217,8 @@ class ClusterConfig:
     """Usable device memory, GiB (planner); default: the device table."""
     host_mem_gib: float | None = None
     """Host RAM per node, GiB (planner: pinned checkpoints of ``activation_checkpointing=offload`` and
-    offloaded optimizer states must fit in it); default: the device table's server (2048 for an 8-GPU
-    H100/H200/B200 node, 1024 for A100)."""
+    offloaded optimizer states must fit in it); default: the device table's server (1769.5, the 1.9e12 bytes
+    an 8-GPU H100/H200/B200 node with 2 TB nominal leaves the OS, 1024 for A100)."""
     num_nodes: int = 1
     """Nodes the run expects; with ``gpus_per_node`` this is the world size a recipe declares (launchers and
     the recipe tests use it; the launched world size is what counts at run time)."""

@@ -79,17 +79,27 @@ class DeviceSpec:
         return HEADROOM_FRAC * self.memory_gib
 
 
-NODE_HOST_BYTES_8X_H100 = 1.9e12
-"""Host RAM of an 8 x H100 / H200 server as shipped (DGX H100: 2 TB nominal, about 1.9 TB usable by the OS:
-1.9e12 bytes, not 2 TiB); ``cluster.host_mem_gib`` (``--host-mem-gib``) sets another per cluster."""
-_GEN5_NODE = dict(host_link_gbps=50.0, host_mem_gib=NODE_HOST_BYTES_8X_H100 / GIB, host_mem_gbps=300.0)
+NODE_HOST_BYTES_2TB = 1.9e12
+"""Host RAM of an 8-GPU server sold with 2 TB (DGX H100 / H200, and DGX B200 in its base configuration): 2 TB
+nominal, about 1.9 TB usable by the OS: 1.9e12 bytes, not 2 TiB. The B200 figure assumes the same OS share as
+the H100's (not checked on a B200). ``cluster.host_mem_gib`` (``--host-mem-gib``) sets another per cluster
+(a B200 node with the 4 TB option, say)."""
+_GEN5_NODE = dict(host_link_gbps=50.0, host_mem_gib=NODE_HOST_BYTES_2TB / GIB, host_mem_gbps=300.0)
 GPUS: dict[str, DeviceSpec] = {
     "a100-40g": DeviceSpec("a100-40g", 40.0, 312.0, 300.0, 25.0, 1.555),
     "a100-80g": DeviceSpec("a100-80g", 80.0, 312.0, 300.0, 25.0, 2.039),
     "h100-80g": DeviceSpec("h100-80g", 80.0, 989.0, 450.0, 50.0, 3.35, **_GEN5_NODE),
     "h200": DeviceSpec("h200", 141.0, 989.0, 450.0, 50.0, 4.8, **_GEN5_NODE),
     "b200": DeviceSpec(
-        "b200", 180.0, 2250.0, 900.0, 50.0, 8.0, host_link_gbps=50.0, host_mem_gib=2048.0, host_mem_gbps=350.0
+        "b200",
+        180.0,
+        2250.0,
+        900.0,
+        50.0,
+        8.0,
+        host_link_gbps=50.0,
+        host_mem_gib=NODE_HOST_BYTES_2TB / GIB,
+        host_mem_gbps=350.0,
     ),
     # A few CPU cores running the gloo backend: modest FLOP/s, slow "links" (shared-memory copies), a fixed
     # cost per layer (eager PyTorch on small tensors) and ~0.45 GiB of Python/torch runtime per rank. The
