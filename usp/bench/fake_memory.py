@@ -532,14 +532,14 @@ def run_in_subprocess(cases: Sequence[Sequence[str]], timeout: float = 1800) -> 
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     lines = [line for line in out.stdout.splitlines() if line.strip()]
     records = [json.loads(line) for line in lines if line.startswith("{")]
-    if len(records) != len(lines):  # stdout carries the records alone (library banners go to stderr)
-        stray = [line for line in lines if not line.startswith("{")]
-        raise RuntimeError(f"{' '.join(cmd)} printed lines that are not records on stdout: {stray[:5]}")
     if out.returncode:
         raise RuntimeError(
             f"{' '.join(cmd)} failed ({out.returncode}) after {len(records)} of {len(cases)} records:\n"
             f"{out.stderr[-4000:]}"
         )
+    stray = [line for line in lines if not line.startswith("{")]
+    if stray:  # stdout carries the records alone (library banners go to stderr)
+        raise RuntimeError(f"{' '.join(cmd)} printed lines that are not records on stdout: {stray[:5]}")
     return records
 
 
