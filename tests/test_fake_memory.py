@@ -2,7 +2,8 @@
 (the fewest with a layer between two others, as the peak layer of a deep model is: ``MIN_PROBE_DEPTH``).
 
 All cases run in one fresh process (the fake CUDA device loads before torch): world 1 and rank 0 of a ring-8
-world, under several checkpointing modes, with and without tiles. Checked: the sharded states the tracker
+world, under several checkpointing modes, with and without tiles, and two Ulysses worlds (u8 r1, u4 r2 at 512K)
+whose peak is the attention backward. Checked: the sharded states the tracker
 sees are exactly the model's fp32 parameter and Adam bytes over the shard degree; checkpointing and tiles
 lower the measured activations; and the planner's tensor terms are never more than 3% below the fake-CUDA
 peak and at most 10% above it.
@@ -37,6 +38,10 @@ CASES = [  # (nodes, gpus per node, checkpointing, tiles)
     (1, 1, "offload", 2),  # few tiles: the MLP tile's backward, not the attention's, is the layer's peak
     (8, 1, "offload", 2),
 ]
+ULYSSES_CASES = {  # (nodes, gpus per node, checkpointing, tiles) -> (ulysses, ring): 512K tokens, 64K per rank
+    (1, 8, "offload", 8): (8, 1),  # the attention backward's phase is the peak: one kernel call per layer
+    (2, 4, "full", 8): (4, 2),  # ... and on a ring: its fp32 accumulators and travelling K/V
+}
 LAYERS = 3
 PLANNER_BAND = 1.10  # planner tensor terms / fake-CUDA peak: within 10% above, never more than 3% below
 
@@ -45,25 +50,29 @@ PLANNER_BAND = 1.10  # planner tensor terms / fake-CUDA peak: within 10% above, 
 def records():
     from usp.bench.fake_memory import run_in_subprocess
 
-    argv = [
-        [
+    def case_argv(n, g, ac, t, seq="64K", ulysses=1, ring=None):
+        return [
             "--nodes",
             str(n),
             "--gpus-per-node",
             str(g),
             "--seq-len",
-            "64K",
+            seq,
             "--layers",
             str(LAYERS),
             f"parallel.activation_checkpointing={ac}",
             f"parallel.mlp_tiles={t}",
             "model.attention_backend=sdpa_flash",
+            f"parallel.ulysses_degree={ulysses}",
+            f"parallel.ring_degree={n * g // ulysses if ring is None else ring}",
         ]
-        for n, g, ac, t in CASES
-    ]
+
+    argv = [case_argv(*case) for case in CASES]
+    argv += [case_argv(*case, "512K", u, r) for case, (u, r) in ULYSSES_CASES.items()]
     recs = run_in_subprocess(argv, timeout=1200)
-    assert len(recs) == len(CASES)
-    return {case: rec for case, rec in zip(CASES, recs)}
+    cases = [*CASES, *ULYSSES_CASES]
+    assert len(recs) == len(cases)
+    return {case: rec for case, rec in zip(cases, recs)}
 
 
 def _spec():
@@ -101,6 +110,30 @@ def test_planner_is_never_below_the_fake_cuda_peak(records):
             f"{case}: planner {rec['planner_tensor_gib']:.2f} GiB vs fake-CUDA {rec['peak_gib']:.2f}"
         )
         assert rec["planner_gib"] > rec["planner_tensor_gib"]  # context, NCCL, fragmentation on top
+
+
+@pytest.mark.slow
+def test_ulysses_cases_peak_in_the_attention_backward(records):
+    """The Ulysses cases exercise the planner's attention phase (usp.plan.attention_memory): it is the term the
+    planner reports at their peak, so the band above checks it against the fake-CUDA step."""
+    from usp.plan.attention_memory import attention_backward_bytes
+    from usp.plan.layout import Candidate, from_keywords
+
+    for (n, g, ac, t), (u, r) in ULYSSES_CASES.items():
+        work, cand = from_keywords(
+            _spec(),
+            Candidate,
+            seq_len=512 * 1024,
+            ulysses_degree=u,
+            ring_degree=r,
+            world_size=n * g,
+            node_size=g,
+            activation_checkpointing=ac,
+            mlp_tiles=t,
+            attention_backend="sdpa_flash",
+        )
+        planned = records[(n, g, ac, t)]["categories"]["planned"]["attention_workspace"]
+        assert planned == pytest.approx(attention_backward_bytes(work, cand) / GIB, rel=1e-9), (n, g, ac, t)
 
 
 def test_flash_backward_workspace_follows_mha_bwd():

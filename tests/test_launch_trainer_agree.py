@@ -119,9 +119,10 @@ def smallest_memory(model_dir: str, **parallel) -> float:
 
 
 def head_chunks_memory(model_dir: str, chunks: int) -> float:
-    """A memory at which the trainer accepts ``ulysses 2, ring auto, full checkpointing`` with ``chunks`` head
-    chunks but refuses it without (halfway between the two smallest memories)."""
-    fixed = dict(ulysses_degree=2, ring_degree="auto", activation_checkpointing="full")
+    """A memory at which the trainer accepts ``ulysses 2, ring auto, full checkpointing, 8 MLP tiles`` with
+    ``chunks`` head chunks but refuses it without (halfway between the two smallest memories). The tiles make
+    the attention backward the layer's peak, the part head chunks divide."""
+    fixed = dict(ulysses_degree=2, ring_degree="auto", activation_checkpointing="full", mlp_tiles=8)
     with_chunks = smallest_memory(model_dir, **fixed, attn_head_chunks=chunks)
     without = smallest_memory(model_dir, **fixed, attn_head_chunks=1)
     assert with_chunks < without, f"head chunks save nothing: {with_chunks} vs {without} GiB"
@@ -137,6 +138,7 @@ def test_configs_that_differ_only_by_head_chunks(capsys, model_dir):
             ulysses_degree=2,
             ring_degree="auto",
             activation_checkpointing="full",
+            mlp_tiles=8,
             attn_head_chunks=chunks,
         )
         layout = trainer_layout(argv)

@@ -146,7 +146,8 @@ def test_headroom_keeps_the_best_layout_off_the_limit():
     per_token_layer = 2 * 4096 * 8 + 48 * 128 * 2 + 2 * 32 * 128 * 2 + 136 + 4 * 14336 * 2
     assert per_token_layer == 209_032
     acts = 32 * per_token_layer * s + 2 * 128 * 2 * s  # + rotary cos, sin
-    loss = 4096 * V * 12 + h * (4 + 2 * 2) * s  # one fp32 loss chunk x 3 buffers; what the final norm keeps
+    # one fp32 loss chunk x 3 buffers; what the final norm keeps; the gradient of the final hidden states
+    loss = 4096 * V * 12 + h * (4 + 2 * 2) * s + h * 2 * s
     tensors = states + gathered + acts + loss
     # 5% fragmentation, CUDA context + cuBLAS 0.6 GiB, NCCL 0.5 GiB for each of FSDP's, Ulysses' and ring's groups
     expected = (1.05 * tensors + (0.6 + 3 * 0.5) * GIB) / GIB
@@ -245,28 +246,34 @@ def test_offload_terms_in_the_device_memory_by_hand():
     tiled_layer = 16_384 + 12_288 + 16_384 + 128
     mlp = 4 * 14336 * 2 * s
     # full: the peak is the top layer's backward: 31 checkpoints below it, its recomputed activations (which
-    # replace its own checkpoint), and the attention backward's buffers: dq, dk, dv of the layer and the
-    # all-to-all's buffers (2 x 131,072 x 48 x 128 x 2 B), flash's fp32 softmax_d and dq_accum and the dK/dV
-    # expanded to the 4 query heads of the rank over the whole 1M-token sequence: 7.02 GiB, more than the MLP
-    # backward's two gradients of [s, 14336] beside the one that replaces the product (2 x 14336 x 2 B x s = 7 GiB)
+    # replace its own checkpoint), and the larger of its two phases. The MLP phase: two gradients of [s, 14336]
+    # beside the one that replaces the product (2 x 14336 x 2 B x s = 7 GiB). The attention phase (smaller):
+    # the top layer's input, input norm (4096 x 8 + 4), q/k/v/out/lse after the all-to-all (48 x 128 x 2 +
+    # 32 x 128 x 2 + 4 x 32), the output's and the residual's gradients (2 x 8192) per token, and one kernel
+    # call over the whole 1M-token sequence: its dq, dk, dv (131,072 x 48 x 128 x 2 B), flash's fp32 softmax_d
+    # and dq_accum and the dK/dV expanded to the 4 query heads of the rank
     assert full.activations == 31 * layer_input + untiled * s + rotary
+    assert full.attention_workspace == mlp / 2
     qkv = s * 48 * 128 * 2
     kernel = 4 * 4 * S + 4 * S * 4 * 128 + 2 * S * 4 * 128 * 2
-    assert full.attention_workspace == 2 * qkv + kernel > mlp / 2
+    top_attention = (8192 + 4096 * 8 + 4 + 12_288 + 8192 + 128 + 2 * 8192) * s
+    assert top_attention + qkv + kernel < untiled * s + mlp / 2
     assert full.sharded_states == 12 * LLAMA8.num_params / 8  # no gradient shard yet
     # offload: 2 inputs on the device (the one in flight, the one in use) instead of 31; the peak moves to the
     # bottom layer's backward, where the 31 layers above have left their fp32 gradient shards
     assert off.activations == 2 * layer_input + untiled * s + rotary
     assert full.activations - off.activations == 29 * layer_input
     assert off.sharded_states == 12 * LLAMA8.num_params / 8 + 4 * layer_params * 31 / 8
-    # tiles: the bottom layer's tiled activations; its peak is the attention backward, whose buffers exceed the
-    # MLP tile's backward phase (the tile's saved 4 x 14336 x 2 B and gradients 2 x 14336 x 2 B per tile token,
-    # the tiled MLP's whole-sequence input gradient, and per tile token its normed input, output-gradient
-    # slice, input gradient 3 x 4096 x 2 B and the norm's fp32 upcast 4 x 4096 B); that phase is over by then,
-    # so no tile is counted
+    # tiles: the bottom layer's backward; its peak is the attention phase, above the MLP tile's backward phase
+    # (the tile's saved 4 x 14336 x 2 B and gradients 2 x 14336 x 2 B per tile token, the tiled MLP's
+    # whole-sequence input gradient, and per tile token its normed input, output-gradient slice, input gradient
+    # 3 x 4096 x 2 B and the norm's fp32 upcast 4 x 4096 B), which is over by then. The layer holds q/k/v/out/lse
+    # and the output's and residual's gradients; its input is the offloaded one in use (one of the 2)
     mlp_phase = mlp / 8 + mlp / 16 + layer_input + (3 * 4096 * 2 + 4 * 4096) * s / 8
-    assert tiled.activations == 2 * layer_input + tiled_layer * s + rotary
-    assert tiled.attention_workspace > mlp_phase
+    attention_phase = 12_288 + 8192 + 128 + 2 * 8192  # q/k/v, out, lse; the gradients of out and the residual
+    assert tiled.activations == 2 * layer_input + attention_phase * s + rotary
+    assert tiled.attention_workspace == qkv + kernel
+    assert tiled.activations + tiled.attention_workspace > mlp_phase + 2 * layer_input + tiled_layer * s
     # the loss keeps the pre-norm hidden (4096 x 2 B per token; the final norm runs inside its chunks) instead
     # of the final norm's 4096 x (4 + 2 + 2)
     held = {

@@ -2,7 +2,7 @@
 
 On fake CUDA tensors torch's SDPA ops run their meta kernels, which allocate the outputs only (forward: ``out``
 and the fp32 ``lse``; backward: ``dq, dk, dv``). The CUDA kernels allocate more inside the call, freed when it
-returns; :func:`kernel_workspace_bytes` lists them per backend, and :func:`fake_attention_kernels` makes
+returns; :func:`usp.plan.attention_memory.kernel_workspace_bytes` lists them per backend, and :func:`fake_attention_kernels` makes
 ``usp.attention.kernels`` allocate them around each call (so a memory tracker sees them at the kernel's peak).
 Sources (each kernel's host code, read for what it allocates; ``Sr`` = the length rounded up to 128 rows,
 ``Dr`` = the head dim rounded up to 32):
@@ -33,30 +33,9 @@ from collections.abc import Iterator
 
 import torch
 
-_ROWS, _DIM = 128, 32  # flash-attn's seqlen_q rounding and head-dim rounding (head_size_rounded)
-FLASH_FAMILY = ("flash_attn", "sdpa_flash")
+from usp.plan.attention_memory import kernel_workspace_bytes
 
-
-def _round(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def kernel_workspace_bytes(
-    backend: str, *, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, elem: int
-) -> int:
-    """Bytes a backend's backward allocates inside the kernel call (module docstring), for one call on
-    ``q [batch, sq, hq, d]`` and ``k, v [batch, sk, hkv, d]`` of ``elem``-byte elements."""
-    if backend in FLASH_FAMILY:
-        out = batch * hq * _round(sq, _ROWS) * 4  # softmax_d
-        out += batch * _round(sq, _ROWS) * hq * _round(d, _DIM) * 4  # dq_accum
-        if hkv < hq:
-            out += 2 * batch * sk * hq * d * elem  # dk_expanded, dv_expanded
-        return out
-    if backend == "sdpa_efficient":
-        return batch * hq * sq * 4 + batch * sq * hq * d * 4  # delta + grad_q accumulator
-    if backend == "sdpa_cudnn":
-        return batch * hq * sq * 4 + batch * hq * sq * d * 4  # softmax sums + fp32 dQ accumulator
-    return 0
+__all__ = ["kernel_workspace_bytes", "fake_attention_kernels"]
 
 
 def _with_workspace(backend: str, fn):

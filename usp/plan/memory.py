@@ -44,13 +44,13 @@ device between uses.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 from usp.mlp_tiles import check_mlp_tiles_setting, resolve_mlp_tiles
 from usp.modes import AC_MODES
-from usp.plan.comm import ACT_BYTES, kv_block_bytes
+from usp.plan.attention_memory import attention_backward_bytes, attention_phase_bytes_per_token
+from usp.plan.comm import ACT_BYTES
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.layout import Candidate, Workload, from_keywords
 from usp.plan.models import ModelSpec
@@ -236,30 +236,6 @@ def untracked_bytes(cand: Candidate, device: DeviceSpec) -> dict[str, float]:
     return {"context": device.reserved_gib * GIB, "nccl": nccl}
 
 
-def attention_kernel_bytes(work: Workload, cand: Candidate) -> float:
-    """What the attention backward kernel allocates inside the call for one rank's local block, divided by the
-    head chunks (:func:`usp.bench.fake_kernels.kernel_workspace_bytes` lists the sources): flash-attn and
-    torch's flash ``softmax_d`` and fp32 ``dq_accum`` plus, under GQA, ``dK/dV`` expanded to the query heads;
-    mem-efficient and cuDNN an fp32 ``dQ`` accumulator and row sums (their K/V are expanded by usp: the
-    copies and their gradients counted too)."""
-    model, B = work.model, work.compute_bytes
-    U, R = cand.ulysses_degree, cand.ring_degree
-    sq = (
-        work.seq_len / R * work.micro_batch_size
-    )  # after the all-to-all: the ring part, H / U heads; the largest
-    # call is a ring step over the whole part
-    hq, kv, d = model.num_heads / U, max(model.num_kv_heads, U) / U, model.head_dim
-    rows = math.ceil(sq / 128) * 128
-    if work.attention_backend in ("sdpa_efficient", "sdpa_cudnn"):
-        expanded = 4 * sq * hq * d * B if kv < hq else 0.0  # K/V copies and their gradients at Hq heads
-        ws = 4 * hq * sq + 4 * sq * hq * d + expanded
-    else:
-        ws = 4 * hq * rows + 4 * rows * hq * math.ceil(d / 32) * 32
-        if kv < hq:
-            ws += 2 * sq * hq * d * B
-    return ws / cand.attn_head_chunks
-
-
 def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBreakdown:
     """Peak bytes per rank on the device: the larger of the step's two peaks (module docstring), plus what no
     tracker sees (:func:`untracked_bytes`) and :attr:`Workload.overhead_frac` of the tensors for allocator
@@ -283,14 +259,13 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
         cand.states_on_host,
     )
     activation_checkpointing, ac_every_k = cand.activation_checkpointing, cand.ac_every_k
-    mlp_tiles, attn_head_chunks = cand.mlp_tiles, cand.attn_head_chunks
+    mlp_tiles = cand.mlp_tiles
     ulysses_degree, ring_degree = cand.ulysses_degree, cand.ring_degree
     B = compute_bytes
     U, R = ulysses_degree, ring_degree
     L = model.num_layers
     s = seq_len / (U * R) * micro_batch_size  # local tokens
-    h, d, H = model.hidden_size, model.head_dim, model.num_heads
-    kv = model.kv_heads_per_rank(U) * U  # max(Hkv, U) when even
+    h = model.hidden_size
     check_mlp_tiles(mlp_tiles, s)
     tiled = mlp_tiles > 1
 
@@ -340,25 +315,29 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     tile = mlp_bytes_per_token(model, B) * s / mlp_tiles if tiled else 0.0
     layer_acts = held["layers"] + held["rotary"]
 
-    qkv = s * (H + 2 * kv) * d * B
-    workspace = qkv + attention_kernel_bytes(work, cand)  # dq, dk, dv of the layer + the kernel's buffers
-    if attn_head_chunks > 1:
-        workspace += qkv / attn_head_chunks  # one chunk's gradients before they are written into dq, dk, dv
-    if U > 1:
-        workspace += qkv  # all-to-all send and receive buffers live together
-    if R > 1:
-        block = kv_block_bytes(model, seq_len, U, R, B) * micro_batch_size
-        block_fp32 = kv_block_bytes(model, seq_len, U, R, 4) * micro_batch_size
-        # K/V current + next (compute dtype), dK/dV current + next (fp32), fp32 output / dq accumulator; with
-        # parallel.attn_head_chunks they exist for one group of heads at a time.
-        workspace += (2 * block + 2 * block_fp32 + s * H * d * 4) / attn_head_chunks
+    def _attention_phase(checkpointed: bool) -> float:
+        """Per local token, a layer during its attention backward (its input kept by an on-device checkpoint,
+        or by the tiled q/k/v projections of a layer that is not checkpointed)."""
+        on_device = activation_checkpointing != "offload"
+        keeps = (checkpointed and on_device) or (tiled and not checkpointed)
+        return attention_phase_bytes_per_token(model, U, B, tiled=tiled, keeps_input=keeps)
+
+    # the attention backward's allocations (usp.plan.attention_memory): the kernel's buffers and gradients, and
+    # on a ring its travelling K/V and fp32 accumulators
+    attn_workspace = attention_backward_bytes(work, cand)
 
     # peak 1, the loss's backward: one checkpointed chunk of the cross-entropy at its peak (log-softmax backward:
     # the fp32 log-probabilities it saved, their gradient and the gradient it returns, 3 x 4 B per logit), what
-    # the final norm and the loss keep, every layer's held activations, the prefetched top layer
+    # the final norm and the loss keep, every layer's held activations, the gathered top layer
     chunk = min(loss_chunk_size, s)
-    loss = chunk * model.vocab_size * 12 + held["final_norm"]
-    peak_loss = (states, root + layer + head_grad, layer_acts + in_flight, 0.0, loss)
+    # ... and the gradient of the final hidden states, which the chunks' backwards fill in (h B per token);
+    # under tiles the final norm runs inside each chunk: the chunk's fp32 upcast, normalized and scaled copies
+    loss = chunk * model.vocab_size * 12 + held["final_norm"] + h * B * s
+    if tiled:
+        loss += chunk * h * (4 + 2 * B)
+    # (no offloaded input is on the device then: the forward's copies are out, the top layer's prefetch starts
+    # at its backward; traced)
+    peak_loss = (states, root + layer + head_grad, layer_acts, 0.0, loss)
     # peak 2, the top layer's backward (standing for any layer's: the peak layer has one above and one below):
     # its full activations, the backward's buffers, two layers gathered, the layer's gradients in the compute
     # dtype and FSDP2's fp32 reduce-scatter input of the layer above (one unsharded layer gradient, held until
@@ -371,16 +350,21 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     # Under tiles that is one tile's (``2 I B s / T``) next to the tile's own saved ``4 I B s / T`` (``tile``),
     # plus the tiled MLP's input-gradient buffer over the whole local sequence (``h B s``) and, per tile, its
     # recomputed normed input, output-gradient slice and input gradient (``3 h B``) and the norm's fp32 upcast
-    # (``4 h``), each ``s / T`` tokens (measured: docs/memory.md). The attention backward (``workspace``) runs
-    # after the tile's tensors are freed.
+    # (``4 h``), each ``s / T`` tokens (measured: docs/memory.md). The attention backward runs after the tile's
+    # tensors are freed.
     mlp_backward = 2 * model.intermediate_size * B * s / mlp_tiles
     if tiled:
         mlp_backward += h * B * s + (3 * h * B + 4 * h) * s / mlp_tiles
-    mlp_phase = tile + mlp_backward > workspace
-    phase_acts = tile if mlp_phase else 0.0  # the MLP tile's saved tensors, when its backward is the peak
-    workspace = mlp_backward if mlp_phase else workspace
-    acts = layer_acts - top_held + top_full + in_flight + phase_acts
-    peak_layer = (states, layer_gathers, acts, workspace, 0.0)
+    mlp_acts = layer_acts - top_held + top_full + in_flight + tile
+    # The attention backward of the top layer: the layers below hold theirs, the top layer what its attention
+    # backward still needs (usp.plan.attention_memory) in place of what it held after the forward
+    top_after_forward = top_held if top_checkpointed else per_layer
+    attn_acts = layer_acts - top_after_forward + _attention_phase(top_checkpointed) * s + in_flight
+    peak_layer = max(
+        (states, layer_gathers, mlp_acts, mlp_backward, 0.0),
+        (states, layer_gathers, attn_acts, attn_workspace, 0.0),
+        key=sum,
+    )
     # peak 3, the bottom layer's backward: the layers above have freed their activations but left their fp32
     # gradient shards (on the device unless the states are offloaded); the bottom layer's full activations
     grads_above = 0.0 if offload else 4 * model.layer_params * (L - 1) / shard
@@ -389,10 +373,13 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
         + per_layer
         - (h * B * s if tiled and n_ckpt and activation_checkpointing != "offload" else 0.0)
     )
-    bottom += (
-        (h * B * s if n_ckpt and activation_checkpointing != "offload" else 0.0) + in_flight + phase_acts
+    bottom += (h * B * s if n_ckpt and activation_checkpointing != "offload" else 0.0) + in_flight + tile
+    bottom_attn = held["rotary"] + _attention_phase(n_ckpt > 0) * s + in_flight
+    peak_bottom = max(
+        (states + grads_above, layer_gathers, bottom, mlp_backward, 0.0),
+        (states + grads_above, layer_gathers, bottom_attn, attn_workspace, 0.0),
+        key=sum,
     )
-    peak_bottom = (states + grads_above, layer_gathers, bottom, workspace, 0.0)
     # peak 4, the root's reduce-scatter after the whole backward: every layer's fp32 gradient shard, the
     # root's gradients in the compute dtype (one left), their fp32 copies (none in an fp32 run), FSDP2's flat
     # reduce-scatter input and its output shard
