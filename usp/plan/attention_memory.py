@@ -16,8 +16,9 @@ Two parts, both per rank and in bytes:
   queries against all keys or all against half, a contiguous step all against all), each with its kernel
   call's buffers and block gradients. ``balanced`` is zigzag on a row of one document (what the fake-CUDA step
   checks) and is counted as zigzag; with several documents its calls are per-document rectangles
-  (:mod:`usp.attention.blocks`) whose bytes this assumes within zigzag's, not traced yet. With ``attn_head_chunks = c > 1`` one group of heads runs at a
-  time (everything above for ``1/c`` of the heads) and the full ``dq, dk, dv`` it writes into are held.
+  (:mod:`usp.attention.blocks`) whose bytes this assumes within zigzag's, not traced yet. With
+  ``attn_head_chunks = c > 1`` one group of heads runs at a time (everything above for ``1/c`` of the heads)
+  and the full ``dq, dk, dv`` it writes into are held.
 
 Checked against a whole training step on fake CUDA (:mod:`usp.bench.fake_memory`, ``tests/test_fake_memory.py``).
 """
@@ -63,19 +64,15 @@ def attention_phase_bytes_per_token(
 ) -> float:
     """What a layer holds during its attention backward, per local token (module docstring). ``keeps_input``:
     the layer input is on the device for this layer (its checkpoint's, unless offloaded; or, uncheckpointed
-    under tiles, the q/k/v projections'); without tiles the input norm's fp32 upcast stands in for it
-    otherwise."""
+    under tiles, the q/k/v projections')."""
     U, B, h, d = ulysses_degree, compute_bytes, model.hidden_size, model.head_dim
     hq = model.q_heads_per_rank(U) * U  # per local token: the busiest rank's heads x U tokens per token
     kv = model.kv_heads_per_rank(U) * U
     saved = (hq + 2 * kv) * d * B + hq * d * B + 4 * hq  # q, k, v, out, fp32 lse
     grads = hq * d * B + h * B  # dout, the residual stream's gradient
     held = h * B if keeps_input else 0.0
-    if not tiled:
-        held += (
-            h * (4 + B) + 4
-        )  # the input norm: fp32 upcast, normalized input, rsqrt (its output is q/k/v's)
-        held += h * B  # the normed input the q/k/v projections keep
+    if not tiled:  # the input norm: fp32 upcast, normalized input, rsqrt, and its output (q/k/v's input)
+        held += h * (4 + 2 * B) + 4
     return saved + grads + held
 
 
