@@ -31,6 +31,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from usp.attention.masks import RowRanges
 from usp.parallel import local_token_indices
 
 
@@ -43,7 +44,11 @@ class BlockSpec:
     k_start: int
     k_end: int
     causal: bool
-    segments: torch.Tensor | None = None  # int64 [n, 4] on the CPU, relative to the rectangle; None = no mask
+    segments: torch.Tensor | RowRanges | None = None
+    """int64 ``[n, 4]`` document segments on the CPU, relative to the rectangle, or a banded
+    :class:`~usp.attention.masks.RowRanges` (windows, chunks); None = no mask."""
+    softcap: float | None = None
+    """Attention logit softcapping ``c * tanh(s / c)`` of the block's scores (Gemma 2), or None."""
 
     @property
     def q_slice(self) -> slice:
@@ -55,6 +60,8 @@ class BlockSpec:
 
     def pairs(self) -> int:
         """(query, key) pairs that attend in this block (per batch row and head)."""
+        if isinstance(self.segments, RowRanges):
+            return self.segments.pairs()
         if self.segments is None:
             sq, sk = self.q_end - self.q_start, self.k_end - self.k_start
             return sq * (sq + 1) // 2 if self.causal else sq * sk
@@ -156,6 +163,64 @@ def _placed_block(
     q_last, k_last = int(seg[-1, 1]), int(seg[-1, 3])
     seg = seg - torch.tensor([q_off, q_off, k_off, k_off])
     return BlockSpec(q_off, q_last, k_off, k_last, False, None if seg.size(0) == 1 else seg)
+
+
+def _banded_block(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    window: int | None,
+    chunk: int | None,
+) -> BlockSpec | None:
+    """The block of queries at global positions ``q_pos`` over keys at ``k_pos`` (both rising) under causal
+    attention limited to a sliding ``window`` (``q - k < window``, transformers' rule), to the query's
+    ``chunk`` (``q // chunk == k // chunk``) and to its document: one key range per row. ``None`` when no pair
+    attends (the ring computes nothing for it); else the rectangle of rows and keys that attend, with its
+    :class:`RowRanges` (no mask when every row sees the whole rectangle)."""
+    lo_pos = torch.zeros_like(q_pos)
+    if cu_seqlens is not None:
+        lo_pos = cu_seqlens[torch.searchsorted(cu_seqlens, q_pos, right=True) - 1]
+    if window is not None:
+        lo_pos = torch.maximum(lo_pos, q_pos - window + 1)
+    if chunk is not None:
+        lo_pos = torch.maximum(lo_pos, q_pos // chunk * chunk)
+    lo = torch.searchsorted(k_pos, lo_pos)  # first key at or after the earliest allowed position
+    hi = torch.searchsorted(k_pos, q_pos, right=True)  # keys up to the query itself
+    rows = torch.nonzero(hi > lo).flatten()
+    if rows.numel() == 0:
+        return None
+    q0, q1 = int(rows[0]), int(rows[-1]) + 1
+    lo, hi = lo[q0:q1], hi[q0:q1]
+    k0, k1 = int(lo[hi > lo].min()), int(hi.max())
+    lo, hi = (lo - k0).clamp(min=0), (hi - k0).clamp(min=0)
+    full = bool(((lo == 0) & (hi == k1 - k0)).all())
+    return BlockSpec(q0, q1, k0, k1, False, None if full else RowRanges(lo, hi))
+
+
+def plan_banded_blocks(
+    seq_len: int,
+    ring_degree: int,
+    ring_rank: int,
+    layout: str,
+    cu_seqlens: torch.Tensor | None,
+    window: int | None,
+    chunk: int | None,
+) -> list[BlockSpec | None]:
+    """:func:`plan_ring_blocks` for causal attention under a sliding window and/or chunks: every block is cut
+    to the pairs that attend, and a block with none is skipped (no kernel call; when the skipped steps are the
+    last ones for every rank, no K/V travels for them either, :func:`ring_steps_needed`)."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64) if cu_seqlens is not None else None
+    if layout == "balanced" and (cu is None or ring_degree == 1):
+        layout = "zigzag"
+    if layout == "balanced":
+        parts = _balanced_parts(seq_len, ring_degree, cu.numpy().tobytes())
+    else:
+        parts = tuple(part_positions(seq_len, ring_degree, r, layout) for r in range(ring_degree))
+    q_pos = parts[ring_rank]
+    return [
+        _banded_block(q_pos, parts[(ring_rank - t) % ring_degree], cu, window, chunk)
+        for t in range(ring_degree)
+    ]
 
 
 def plan_ring_blocks(

@@ -35,7 +35,7 @@ from usp.attention.cuda_kernels import (
     sdpa_backward,
     sdpa_forward,
 )
-from usp.attention.masks import dense_mask
+from usp.attention.masks import RowRanges, dense_mask
 from usp.attention.segmented import (
     accumulation_dtype,
     clear_uncovered_rows_,
@@ -140,20 +140,24 @@ def default_scale(head_dim: int, softmax_scale: float | None) -> float:
 # --- math reference ----------------------------------------------------------------------------------------
 
 
-def _math_scores(q, k, scale, mask):
+def _math_scores(q, k, scale, mask, softcap=None):
+    """Scores ``[B, Hq, Sq, Sk]`` in the accumulation dtype; with ``softcap`` the capped scores
+    ``c * tanh(s / c)`` (Gemma 2's attention logit softcapping, applied before the mask as the model does)."""
     group = q.size(2) // k.size(2)
     acc = accumulation_dtype(q.dtype)
     qf = q.to(acc).transpose(1, 2)  # [B, Hq, Sq, D]
     kf = k.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, Sk, D]
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hq, Sq, Sk]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     return s
 
 
-def _math_forward(q, k, v, causal, scale, segments):
+def _math_forward(q, k, v, causal, scale, segments, softcap=None):
     mask = dense_mask(q.size(1), k.size(1), causal, segments, q.device)
-    s = _math_scores(q, k, scale, mask)
+    s = _math_scores(q, k, scale, mask, softcap)
     acc = s.dtype
     lse = torch.logsumexp(s, dim=-1)  # [B, Hq, Sq], -inf on rows with no key
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
@@ -163,9 +167,9 @@ def _math_forward(q, k, v, causal, scale, segments):
     return out.to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale, segments):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, segments, softcap=None):
     mask = dense_mask(q.size(1), k.size(1), causal, segments, q.device)
-    s = _math_scores(q, k, scale, mask)
+    s = _math_scores(q, k, scale, mask, softcap)
     acc = s.dtype
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse.to(acc))[..., None])  # [B, Hq, Sq, Sk]
     group = q.size(2) // k.size(2)
@@ -175,6 +179,9 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, segments):
     kf = k.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)
     delta = (do * out.to(acc).transpose(1, 2)).sum(-1, keepdim=True)  # [B, Hq, Sq, 1]
     ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
+    if softcap is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2 = 1 - (s / c)^2; masked entries have p = 0
+        capped = torch.where(torch.isinf(s), 0.0, s) / softcap
+        ds = ds * (1.0 - capped * capped)
     dq = torch.matmul(ds, kf) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).transpose(1, 2)) * scale  # [B, Hq, Sk, D]
     dv = torch.matmul(p.transpose(-1, -2), do)
@@ -254,6 +261,23 @@ def _dense_backward(backend: str):
 # --- the interface -----------------------------------------------------------------------------------------
 
 
+def _masked_backend(backend: str, segments, softcap: float | None) -> str:
+    """The kernel that runs a block: softcapped scores only in ``math`` (no fused kernel here caps them);
+    a banded block (:class:`~usp.attention.masks.RowRanges`) on a kernel that takes a mask (flash_attn takes
+    none: mem-efficient SDPA runs it)."""
+    if softcap is not None:
+        return "math"
+    if isinstance(segments, RowRanges) and backend == "flash_attn":
+        return "sdpa_efficient"
+    return backend
+
+
+def _clear_rows_(out: torch.Tensor, lse: torch.Tensor, rows: list[tuple[int, int]]) -> None:
+    for a, b in rows:
+        out[:, a:b] = 0.0
+        lse[:, :, a:b] = float("-inf")
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -262,13 +286,28 @@ def attention_forward(
     causal: bool,
     softmax_scale: float,
     backend: str,
-    segments: torch.Tensor | None = None,
+    segments: torch.Tensor | RowRanges | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention block: ``(out [B, Sq, Hq, D] q.dtype, lse [B, Hq, Sq] fp32 or fp64)``; see the module docstring.
 
     ``backend`` must already be resolved (:func:`resolve_backend`). Rows with no allowed key get ``out = 0``,
-    ``lse = -inf`` whatever the kernel does with them.
+    ``lse = -inf`` whatever the kernel does with them. ``segments`` may be a banded
+    :class:`~usp.attention.masks.RowRanges` (windows, chunks); ``softcap`` caps the scores (``c * tanh(s / c)``).
     """
+    if isinstance(segments, RowRanges) or softcap is not None:
+        backend = _masked_backend(backend, segments, softcap)
+        if backend == "math":
+            out, lse = _math_forward(q, k, v, causal, softmax_scale, segments, softcap)
+        elif backend == "cpu_flash":
+            out, lse = _cpu_flash_forward(q, k, v, causal, softmax_scale, segments)
+        else:
+            out, lse = sdpa_forward(backend, q, k, v, causal, softmax_scale, segments)
+        if isinstance(segments, RowRanges):
+            _clear_rows_(out, lse, segments.empty_rows())
+        elif segments is not None:
+            clear_uncovered_rows_(out, lse, host_segments(segments))
+        return out, lse
     segs = None if segments is None else host_segments(segments)
     if segs is not None and backend in _PER_SEGMENT and per_segment_calls(q.size(1), k.size(1), segs):
         return segmentwise_forward(_dense_forward(backend), q, k, v, causal, softmax_scale, segs)
@@ -296,14 +335,22 @@ def attention_backward(
     causal: bool,
     softmax_scale: float,
     backend: str,
-    segments: torch.Tensor | None = None,
+    segments: torch.Tensor | RowRanges | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one block, shaped like ``q, k, v``.
 
     ``out`` and ``lse`` are the *merged* results over all blocks for these query rows (global softmax), and
     must be finite-or-``-inf``-free where a row attends to anything; with them the block's contribution is
-    exact: ``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dout * out))``.
+    exact: ``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dout * out))`` (times ``1 - tanh^2`` under a softcap).
     """
+    if isinstance(segments, RowRanges) or softcap is not None:
+        backend = _masked_backend(backend, segments, softcap)
+        if backend == "math":
+            return _math_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments, softcap)
+        if backend == "cpu_flash":
+            return _cpu_flash_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments)
+        return sdpa_backward(backend, dout, q, k, v, out, lse, causal, softmax_scale, segments)
     if segments is not None and backend in _PER_SEGMENT and per_segment_calls(q.size(1), k.size(1), segments):
         segs = host_segments(segments)
         return segmentwise_backward(

@@ -9,9 +9,47 @@ segment attend to nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from usp.attention.segmented import to_device
+
+
+@dataclass(frozen=True, eq=False)
+class RowRanges:
+    """A banded mask, one allowed key range per query row: row ``i`` attends to keys ``[lo[i], hi[i])``.
+
+    Sliding windows and chunked attention (and documents under them) make bands that document segments
+    cannot express (neighbouring rows' key ranges overlap). ``lo``, ``hi``: int64 ``[sq]`` on the CPU,
+    relative to the block's key rows; ``lo[i] >= hi[i]`` means row ``i`` attends to nothing (``out = 0``,
+    ``lse = -inf``). The dense kernels (math, CPU flash, SDPA) take it as a ``[sq, sk]`` mask per block.
+    """
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+    def pairs(self) -> int:
+        """(query, key) pairs that attend (per batch row and head)."""
+        return int((self.hi - self.lo).clamp(min=0).sum())
+
+    def mask(self, sk: int, device: torch.device) -> torch.Tensor:
+        """Boolean ``[sq, sk]`` (True = attend)."""
+        cols = torch.arange(sk, device=device)
+        lo, hi = to_device(self.lo, device), to_device(self.hi, device)
+        return (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+
+    def empty_rows(self) -> list[tuple[int, int]]:
+        """Row ranges ``[a, b)`` that attend to nothing (host ints)."""
+        empty = (self.hi <= self.lo).tolist()
+        runs, start = [], None
+        for i, e in enumerate(empty + [False]):
+            if e and start is None:
+                start = i
+            elif not e and start is not None:
+                runs.append((start, i))
+                start = None
+        return runs
 
 
 def segment_key_ranges(segments: torch.Tensor, sq: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +74,12 @@ def segment_mask(segments: torch.Tensor, sq: int, sk: int, causal: bool) -> torc
 
 
 def dense_mask(sq: int, sk: int, causal: bool, segments: torch.Tensor | None, device: torch.device):
-    """Boolean mask for the dense kernels, or None when no mask is needed (plain full attention)."""
+    """Boolean mask for the dense kernels, or None when no mask is needed (plain full attention).
+
+    ``segments``: a document segment list, or a :class:`RowRanges` band (then ``causal`` is ignored: the
+    ranges say it all)."""
+    if isinstance(segments, RowRanges):
+        return segments.mask(sk, device)
     if segments is not None:
         return segment_mask(to_device(segments, device), sq, sk, causal)  # no host wait for CPU segments
     if causal:

@@ -142,6 +142,7 @@ def _block_forward(q, k, v, spec: BlockSpec, softmax_scale, backend):
         softmax_scale=softmax_scale,
         backend=backend,
         segments=spec.segments,
+        softcap=spec.softcap,
     )
     record_attention_work(spec.pairs() * q.size(0) * q.size(2), q.size(3), backward=False)
     return o, lse
@@ -162,6 +163,7 @@ def _block_backward(dout, q, k, v, out, lse, spec: BlockSpec, softmax_scale, bac
         softmax_scale=softmax_scale,
         backend=backend,
         segments=spec.segments,
+        softcap=spec.softcap,
     )
     record_attention_work(spec.pairs() * q.size(0) * q.size(2), q.size(3), backward=True)
     return grads
@@ -335,21 +337,44 @@ def attention_heads_backward(dout, q, k, v, out, lse, group, plans, softmax_scal
     return dq, dk, dv
 
 
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of attention whose softmax denominators also hold ``exp(sink_h)`` (gpt-oss sinks: a
+    logit per head with a zero value): ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``.
+    ``out [B, L, h, D]``, ``lse [B, h, L]``, ``sinks [h]``. The backward of every block is then the ordinary
+    one with ``out'`` and ``lse'`` (``P = exp(S - lse')`` are the true probabilities; the sink's value is 0)."""
+    sink = sinks.detach().to(lse.dtype)[None, :, None]  # [1, h, 1]
+    lse_s = torch.logaddexp(lse, sink)
+    keep = torch.exp(lse - lse_s).transpose(1, 2).unsqueeze(-1)  # [B, L, h, 1]
+    return (out.to(lse.dtype) * keep).to(out.dtype), lse_s
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``d sink_h = -sum over rows of P_sink * rowsum(dout * out)``, ``P_sink = exp(sink - lse)``, from the
+    sink-including ``out``/``lse`` of :func:`add_sinks`; ``[h]`` in the sinks' dtype."""
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, h, L]
+    p_sink = torch.exp(sinks.detach().to(acc)[None, :, None] - lse)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, plans, softmax_scale, backend, head_chunks):
+    def forward(ctx, q, k, v, sinks, group, plans, softmax_scale, backend, head_chunks):
         chunks = _head_chunks(q.size(2), k.size(2), head_chunks)
         out, lse = attention_heads_forward(q, k, v, group, plans, softmax_scale, backend, chunks)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.plans, ctx.softmax_scale, ctx.backend = group, plans, softmax_scale, backend
         ctx.chunks = chunks
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
         grads = attention_heads_backward(
-            dout.contiguous(),
+            dout,
             q,
             k,
             v,
@@ -361,7 +386,8 @@ class _RingAttention(torch.autograd.Function):
             ctx.backend,
             ctx.chunks,
         )
-        return *grads, None, None, None, None, None
+        dsinks = None if sinks is None else sinks_grad(dout, out, lse, sinks)
+        return *grads, dsinks, None, None, None, None, None
 
 
 def head_chunk_options(q_heads: int, kv_heads: int) -> list[int]:
@@ -394,6 +420,7 @@ def ring_attention(
     softmax_scale: float,
     backend: str,
     head_chunks: int = 1,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over the ring group's whole K/V (see the module docstring).
 
@@ -404,8 +431,10 @@ def ring_attention(
     with their ``Hkv / head_chunks`` K/V heads, forward and backward, so the fp32 output/dq accumulators and the
     rotating K/V and fp32 dK/dV buffers exist for one group at a time (1/``head_chunks`` of their bytes); the
     math and the bytes sent are the same, in ``head_chunks`` times more, smaller messages.
-    Differentiable w.r.t. ``q, k, v``.
+    ``sinks`` (``[h]``, this rank's heads): per-head sink logits added to every row's softmax denominator once,
+    after the merge (:func:`add_sinks`). Differentiable w.r.t. ``q, k, v`` (and ``sinks``).
     """
     check_head_chunks(head_chunks, q.size(2), k.size(2), setting="head_chunks")
     assert 1 <= len(plans) <= dist.get_world_size(group), "one block plan per ring step, at most R steps"
-    return _RingAttention.apply(q, k, v, group, plans, softmax_scale, backend, head_chunks)
+    assert sinks is None or sinks.shape == (q.size(2),), "one sink per local query head"
+    return _RingAttention.apply(q, k, v, sinks, group, plans, softmax_scale, backend, head_chunks)

@@ -16,6 +16,7 @@ Bytes sent per rank per call (element size ``e``, ``Hk' = max(Hkv, U)``, even he
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import weakref
 from functools import lru_cache
@@ -23,7 +24,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from usp.attention.blocks import plan_ring_blocks, ring_steps_needed
+from usp.attention.blocks import plan_banded_blocks, plan_ring_blocks, ring_steps_needed
 from usp.attention.heads import ulysses_heads
 from usp.attention.kernels import default_scale, resolve_backend
 from usp.attention.ring import check_head_chunks, ring_attention
@@ -143,17 +144,47 @@ def _check_same_boundaries(cu_seqlens: torch.Tensor, cu: torch.Tensor, mesh: SPM
     _last_agreed = (weakref.ref(cu_seqlens), cu_seqlens._version)
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=32)
 def _cached_plans(
-    seq_len: int, ring: int, ring_rank: int, layout: str, causal: bool, cu_key: tuple[int, ...] | None
+    seq_len: int,
+    ring: int,
+    ring_rank: int,
+    layout: str,
+    causal: bool,
+    cu_key: tuple[int, ...] | None,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
 ) -> list:
     """This rank's block plans (segments on the CPU), trimmed to the ring steps any rank needs.
 
-    Reused by every layer of a step: the segments are computed on the host once per distinct ``cu_seqlens``.
+    Reused by every layer of a step: the segments are computed on the host once per distinct ``cu_seqlens``
+    (and per distinct window / chunk / softcap: a model with local and global layers has two plans a step).
     """
     cu = None if cu_key is None else torch.tensor(cu_key, dtype=torch.int64)
-    every = [plan_ring_blocks(seq_len, ring, rank, layout, causal, cu) for rank in range(ring)]
-    return every[ring_rank][: ring_steps_needed(every)]
+    if window is not None or chunk is not None:
+        assert causal, "windows and chunks are causal"
+        every = [plan_banded_blocks(seq_len, ring, rank, layout, cu, window, chunk) for rank in range(ring)]
+    else:
+        every = [plan_ring_blocks(seq_len, ring, rank, layout, causal, cu) for rank in range(ring)]
+    plans = every[ring_rank][: ring_steps_needed(every)]
+    if softcap is not None:
+        plans = [None if p is None else dataclasses.replace(p, softcap=softcap) for p in plans]
+    return plans
+
+
+def _check_mask_options(window, chunk, softcap, sinks, hq: int, causal: bool) -> None:
+    for name, value in (("window", window), ("chunk", chunk)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"usp_attention: {name}={value!r} must be a positive int or None.")
+    if (window is not None or chunk is not None) and not causal:
+        raise ValueError("usp_attention: window and chunk apply to causal attention only (causal=True).")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"usp_attention: softcap={softcap!r} must be positive or None.")
+    if sinks is not None and (sinks.dim() != 1 or sinks.numel() != hq):
+        raise ValueError(
+            f"usp_attention: sinks must hold one logit per query head ([{hq}]), got {tuple(sinks.shape)}."
+        )
 
 
 def usp_attention(
@@ -167,6 +198,10 @@ def usp_attention(
     backend: str = "auto",
     cu_seqlens: torch.Tensor | None = None,
     attn_head_chunks: int = 1,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence, sharded over ``mesh``'s ulysses x ring ranks.
 
@@ -188,6 +223,16 @@ def usp_attention(
             rank's heads one after another, forward and backward (:func:`check_attn_head_chunks`; 1 = all at
             once). Exact; the ring's fp32 output/dq accumulators and rotating K/V and fp32 dK/dV buffers shrink
             by this factor, the bytes sent stay the same (in more, smaller messages).
+        window: sliding window (transformers' rule: a query at global token index ``i`` sees keys ``j`` with
+            ``i - window < j <= i``), or None. Ring blocks wholly outside it are skipped (no kernel call), and
+            ring steps no rank needs send no K/V (with ``contiguous``, a window of ``S / R`` or less runs 2
+            steps, not ``R``); the others run with a banded mask.
+        chunk: chunked attention (Llama 4: query and key in the same ``chunk``-token chunk of global token
+            indices), or None; combines with ``window`` and ``cu_seqlens``.
+        softcap: attention logit softcapping ``c * tanh(s / c)`` inside every block (Gemma 2), or None; runs
+            the ``math`` kernel (no fused kernel here caps scores).
+        sinks: per-head sink logits ``[Hq]`` (gpt-oss), or None: each query row's softmax denominator gains
+            ``exp(sink)`` once, after the ring merge (this rank's heads' sinks only); differentiable.
 
     Returns:
         ``out [B, S_local, Hq, D]`` like ``q``. Differentiable w.r.t. ``q, k, v`` (exact gradients).
@@ -211,7 +256,16 @@ def usp_attention(
     if cu is not None:
         _check_same_boundaries(cu_seqlens, cu, mesh)
     cu_key = None if cu is None else tuple(cu.tolist())
-    plans = _cached_plans(seq_len, r, mesh.ring_rank, mesh.ring_layout, causal, cu_key)
+    _check_mask_options(window, chunk, softcap, sinks, hq, causal)
+    window = None if window is not None and window >= seq_len else window  # no token is out of reach
+    chunk = None if chunk is not None and chunk >= seq_len else chunk
+    plans = _cached_plans(
+        seq_len, r, mesh.ring_rank, mesh.ring_layout, causal, cu_key, window, chunk, softcap
+    )
+    local_sinks = None
+    if sinks is not None:  # the sinks of the heads this Ulysses rank holds after the all-to-all
+        first = heads.q_first(mesh.ulysses_rank)
+        local_sinks = sinks[first : first + heads.q_counts[mesh.ulysses_rank]]
 
     ulysses_group = mesh.ulysses_group
     qh = seq_to_head(q, ulysses_group, "ulysses_q", heads.q_counts)  # [B, S/R, Hq_u, D]
@@ -226,5 +280,6 @@ def usp_attention(
         softmax_scale=scale,
         backend=kernel,
         head_chunks=attn_head_chunks,
+        sinks=local_sinks,
     )
     return head_to_seq(oh, ulysses_group, "ulysses_out", heads.q_counts)  # [B, S/(R U), Hq, D]
