@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from usp.model import packed_sequence_kwargs
+from usp.model import LMHeadTransform, lm_head_transform, packed_sequence_kwargs
 from usp.parallel import SPMesh, check_sequence_length, gather_sequence, shard_sequence
 
 IGNORE_INDEX = -100
@@ -32,10 +32,13 @@ def _local_losses(
     labels: torch.Tensor,
     position_ids: torch.Tensor,
     *,
+    transform: LMHeadTransform,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 4096,
 ) -> torch.Tensor:
-    """This rank's token losses ``[B, S_local]`` fp32 (0 where ``labels == -100``); never builds ``[S, V]``."""
+    """This rank's token losses ``[B, S_local]`` fp32 (0 where ``labels == -100``); never builds ``[S, V]``.
+
+    ``transform``: the model's :func:`~usp.model.lm_head_transform`, applied to each chunk's fp32 logits."""
     extra = packed_sequence_kwargs(cu_seqlens)
     hidden = model.get_decoder()(
         input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
@@ -45,9 +48,12 @@ def _local_losses(
     flat_h, flat_y = hidden.reshape(b * s, h), labels.reshape(b * s)  # [B*S_local, H], [B*S_local]
     acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32; a float64 model (the tests) stays float64
     out = torch.empty(b * s, dtype=acc, device=hidden.device)
+    apply = None if transform.is_identity else transform.apply  # Llama: no extra op
     for start in range(0, b * s, chunk_size):
         end = min(start + chunk_size, b * s)
         logits = head(flat_h[start:end]).to(acc)  # [chunk, V], log-softmax in fp32
+        if apply is not None:
+            logits = apply(logits)  # the model's softcap / scale, as its forward does
         out[start:end] = F.cross_entropy(
             logits, flat_y[start:end], ignore_index=IGNORE_INDEX, reduction="none"
         )
@@ -91,6 +97,7 @@ def token_losses(
         shard_sequence(ids, mesh),
         shard_sequence(labels, mesh),
         shard_sequence(pos, mesh),
+        transform=lm_head_transform(model.config),
         chunk_size=chunk_size,
     )
     return gather_sequence(local, mesh)  # [B, S]
@@ -156,6 +163,7 @@ def loader_position_losses(
     if bucket_size < 1:
         raise ValueError(f"eval.bucket_size={bucket_size} must be >= 1 (tokens per position bucket).")
     model = loss_model.model
+    transform = lm_head_transform(model.config)
     acc = torch.zeros(2, 0, dtype=torch.float64, device=device)  # [loss sum, tokens] per bucket, grows
     with _unsharded(loss_model):
         for batch in loader:
@@ -167,6 +175,7 @@ def loader_position_losses(
                 batch["input_ids"].to(device),
                 labels,
                 pos,
+                transform=transform,
                 cu_seqlens=None if cu is None else cu.to(dtype=torch.int32),
                 chunk_size=chunk_size,
             )

@@ -1,5 +1,6 @@
 """Model side: load a local Hugging Face causal LM and wire USP attention into it (``apply_usp``)."""
 
+from usp.model.lm_head import LMHeadTransform, lm_head_transform
 from usp.model.load import (
     SUPPORTED_MODEL_TYPES,
     apply_rope_overrides,
@@ -26,6 +27,7 @@ from usp.model.usp_attention_fn import (
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "SUPPORTED_MODEL_TYPES",
+    "LMHeadTransform",
     "apply_rope_overrides",
     "apply_usp",
     "build_empty_causal_lm",
@@ -33,6 +35,7 @@ __all__ = [
     "check_model_dir",
     "check_weight_headers",
     "check_rope_for_sequence_parallel",
+    "lm_head_transform",
     "load_causal_lm",
     "load_sharded_weights",
     "materialize_empty",

@@ -16,6 +16,11 @@ time, each chunk under activation checkpointing, so at most one chunk's ``[chunk
 in forward and in backward. With sequence tiling the final norm runs inside the chunks too, and only the
 pre-norm hidden states are kept.
 
+Logits: a family's own transform of ``lm_head``'s output (Gemma's final softcap, Granite's ``logits_scaling``,
+Cohere's ``logit_scale``: :class:`usp.model.LMHeadTransform`, read from the config once per model) is applied to
+each chunk's fp32 logits before the cross-entropy, so the loss is the model's own; Llama's identity costs no op.
+A softcap's backward holds its ``tanh`` output, one more ``[chunk, vocab]`` fp32 tensor, inside the checkpoint.
+
 Precision: under bf16 compute the ``lm_head`` weight is FSDP2's gathered bf16 copy, so its gradient is the
 sum of the per-chunk bf16 gradients, accumulated by autograd in bf16 (one rounding per chunk, before the
 ``reduce_dtype`` reduce-scatter). Fewer, larger chunks (``trainer.loss_chunk_size``) mean fewer roundings.
@@ -33,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from usp.model.lm_head import LMHeadTransform, lm_head_transform
 from usp.model.usp_attention_fn import packed_sequence_kwargs
 from usp.train.tiling import deferrable_final_norm
 
@@ -45,12 +51,15 @@ def _chunk_ce_sum(
     bias: torch.Tensor | None,
     labels: torch.Tensor,
     norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    transform: LMHeadTransform | None = None,
 ) -> torch.Tensor:
     if norm is not None:
         hidden = norm(hidden)  # the deferred final norm, [chunk, H]
     logits = F.linear(hidden, weight, bias)  # [chunk, V]
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # bf16/fp16 compute: log-softmax in fp32
+    if transform is not None:
+        logits = transform.apply(logits)  # the model's softcap / scale, in fp32
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -62,6 +71,7 @@ def chunked_cross_entropy_sum(
     chunk_size: int,
     bias: torch.Tensor | None = None,
     norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    transform: LMHeadTransform | None = None,
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``lm_head(hidden)`` against ``labels`` (``-100`` ignored).
 
@@ -70,7 +80,8 @@ def chunked_cross_entropy_sum(
     each chunk of ``chunk_size`` tokens is recomputed in backward, so peak extra memory is one chunk's logits.
     The result is fp32 (fp64 for fp64 inputs). ``norm`` (per token, ``[n, H] -> [n, H]``): when given,
     ``hidden`` is *before* the final norm and ``norm`` is applied to each chunk inside its checkpoint, so
-    only ``hidden`` is kept for backward (:class:`usp.train.tiling.DeferrableNorm`).
+    only ``hidden`` is kept for backward (:class:`usp.train.tiling.DeferrableNorm`). ``transform``: the model's
+    :class:`~usp.model.LMHeadTransform`, applied to each chunk's fp32 logits (``None`` or the identity: none).
     """
     if chunk_size < 1:
         raise ValueError(
@@ -79,11 +90,13 @@ def chunked_cross_entropy_sum(
     assert hidden.shape[:-1] == labels.shape, f"hidden {tuple(hidden.shape)} vs labels {tuple(labels.shape)}"
     h = hidden.reshape(-1, hidden.size(-1))  # [B*S, H]
     y = labels.reshape(-1)  # [B*S]
+    if transform is not None and transform.is_identity:
+        transform = None  # Llama: not even a call
     total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for start in range(0, h.size(0), chunk_size):
         end = min(start + chunk_size, h.size(0))
         total = total + checkpoint(
-            _chunk_ce_sum, h[start:end], weight, bias, y[start:end], norm, use_reentrant=False
+            _chunk_ce_sum, h[start:end], weight, bias, y[start:end], norm, transform, use_reentrant=False
         )
     return total
 
@@ -110,7 +123,8 @@ class ChunkedCausalLMLoss(nn.Module):
     by the root's hooks even though the model's own ``forward`` (which would build full logits) is bypassed.
     ``self.model`` stays the plain transformers model: checkpoints and exports use it, with its usual names.
     When sequence tiling made the decoder's final norm deferrable (:mod:`usp.train.tiling`, ``mlp_tiles > 1``)
-    the decoder runs without it and each loss chunk applies it.
+    the decoder runs without it and each loss chunk applies it. The model's LM-head transform
+    (:func:`usp.model.lm_head_transform`) is read from its config here, once.
     """
 
     def __init__(self, model: PreTrainedModel, *, chunk_size: int):
@@ -121,6 +135,7 @@ class ChunkedCausalLMLoss(nn.Module):
             )
         self.model = model
         self.chunk_size = chunk_size
+        self.lm_head_transform = lm_head_transform(model.config)
 
     def forward(
         self,
@@ -150,5 +165,6 @@ class ChunkedCausalLMLoss(nn.Module):
             chunk_size=self.chunk_size,
             bias=head.bias,
             norm=None if final_norm is None else final_norm.norm,
+            transform=self.lm_head_transform,
         )
         return loss_sum / num_targets
