@@ -36,6 +36,8 @@ def test_the_promised_recipes_exist():
         "llama2_7b_rope_128k",
         "smollm2_135m_16k",
         "smollm2_135m_32k",
+        "qwen3_8b_128k",
+        "gemma3_12b_128k",
     }
     assert expected <= set(RECIPES)
 

@@ -47,14 +47,55 @@ def attention_fwd_flops(
     return 4.0 * q_tokens * kv_tokens * h * model.head_dim
 
 
-def attention_pairs(document_lengths: Sequence[Sequence[int]], causal: bool = True) -> float:
+LayerAttention = tuple[int | None, int | None]
+"""One layer's ``(sliding window, chunk)`` in tokens (``None``: not limited); ``(None, None)`` is full causal."""
+
+
+def _causal_pairs(s: int, window: int | None) -> int:
+    """Causal pairs of ``s`` tokens when a query sees at most ``window`` keys (itself included)."""
+    if window is None or s <= window:
+        return s * (s + 1) // 2
+    return window * (window + 1) // 2 + (s - window) * window
+
+
+def attention_pairs(
+    document_lengths: Sequence[Sequence[int]],
+    causal: bool = True,
+    window: int | None = None,
+    chunk: int | None = None,
+) -> float:
     """(query, key) pairs attention scores over sequences of packed documents (per sequence, its document
     lengths): ``s (s + 1) / 2`` per document of ``s`` tokens when ``causal`` (every key up to and including
-    the query's position), ``s^2`` otherwise. Raises ``ValueError`` on a negative length."""
+    the query's position), ``s^2`` otherwise. A sliding ``window`` caps a query's keys at ``window``; a
+    ``chunk`` splits each document into ``chunk``-token pieces that attend only inside themselves (both as
+    usp's attention computes them, causal only). Raises ``ValueError`` on a negative length."""
     lengths = [s for seq in document_lengths for s in seq]
     if any(s < 0 for s in lengths):
         raise ValueError(f"document lengths must be >= 0, got {document_lengths}")
-    return float(sum(s * (s + 1) // 2 if causal else s * s for s in lengths))
+    if not causal:
+        return float(sum(s * s for s in lengths))
+    if chunk is None:
+        return float(sum(_causal_pairs(s, window) for s in lengths))
+    total = 0
+    for s in lengths:
+        full, rest = divmod(s, chunk)
+        total += full * _causal_pairs(chunk, window) + _causal_pairs(rest, window)
+    return float(total)
+
+
+def layer_pairs(
+    document_lengths: Sequence[Sequence[int]], layer_attention: Sequence[LayerAttention], num_layers: int
+) -> float:
+    """Causal pairs summed over the layers: each layer's own window / chunk (``layer_attention``, one entry per
+    layer), or ``num_layers`` full causal layers when it is empty."""
+    if not layer_attention:
+        return num_layers * attention_pairs(document_lengths)
+    assert len(layer_attention) == num_layers, "one (window, chunk) per layer"
+    memo: dict[LayerAttention, float] = {}
+    for key in layer_attention:
+        if key not in memo:
+            memo[key] = attention_pairs(document_lengths, True, *key)
+    return float(sum(memo[key] for key in layer_attention))
 
 
 def training_flops(
@@ -65,18 +106,24 @@ def training_flops(
     head_dim: int,
     document_lengths: Sequence[Sequence[int]],
     causal: bool = True,
+    layer_attention: Sequence[LayerAttention] = (),
 ) -> float:
     """Model FLOPs of one forward + backward over ``document_lengths`` (per sequence, its packed documents):
-    ``6 * matmul_params * tokens + 12 * num_layers * num_heads * head_dim * pairs`` (:func:`attention_pairs`).
+    ``6 * matmul_params * tokens + 12 * num_heads * head_dim * sum over layers of pairs``
+    (:func:`attention_pairs`; ``layer_attention``: each layer's sliding window and chunk, so a windowed layer
+    counts the pairs it attends, not the full causal ones; empty: ``num_layers`` full causal layers).
 
     ``num_heads`` counts query heads (GQA shares K/V, not the score matmuls). Recomputation is not counted.
     """
     if min(matmul_params, num_layers, num_heads, head_dim) < 0:
         raise ValueError("training_flops: matmul_params, num_layers, num_heads and head_dim must be >= 0")
-    pairs = attention_pairs(document_lengths, causal)
+    if causal:
+        pairs = layer_pairs(document_lengths, layer_attention, num_layers)
+    else:
+        pairs = num_layers * attention_pairs(document_lengths, causal)
     tokens = sum(s for seq in document_lengths for s in seq)
     passes = 1 + ATTN_BWD_OVER_FWD_MODEL
-    return passes * (2.0 * matmul_params * tokens + 4.0 * num_layers * num_heads * head_dim * pairs)
+    return passes * (2.0 * matmul_params * tokens + 4.0 * num_heads * head_dim * pairs)
 
 
 def mfu(flops: float, step_time_s: float, world_size: int, peak_flops: float) -> tuple[float, float]:
@@ -155,6 +202,7 @@ def model_flops_per_token(model: ModelSpec, seq_len: int, documents: DocumentWor
         num_heads=model.num_heads,
         head_dim=model.head_dim,
         document_lengths=rows,
+        layer_attention=model.layer_attention,
     )
     return flops / (len(rows) * seq_len)
 
@@ -194,10 +242,13 @@ def compute_time(
     dense_flops += 2.0 * 3 * model.hidden_size * model.intermediate_size * local_tokens * mlp_recompute_layers
     # Attention forward of one layer on one rank: the causal pairs of the row over the ranks, times the
     # busiest rank's share
+    # (the mean over layers: a windowed or chunked layer counts the pairs it attends; its ring share is taken
+    # as the causal one, an upper bound under zigzag, whereas a contiguous window is nearly balanced)
     if documents is None:
-        pairs, share = attention_pairs([[seq_len]]), causal_imbalance(ring_degree, ring_layout)
+        pairs = layer_pairs([[seq_len]], model.layer_attention, L) / L
+        share = causal_imbalance(ring_degree, ring_layout)
     else:  # the rows' in-document pairs, the busiest ring rank's share of them
-        pairs = attention_pairs(documents.rows) / len(documents.rows)
+        pairs = layer_pairs(documents.rows, model.layer_attention, L) / L / len(documents.rows)
         share = documents.imbalance(ring_degree, ring_layout)
     attn_fwd_layer = 4.0 * pairs * model.num_heads * model.head_dim / sp * share
     attn_fwd_layer *= model.ulysses_head_imbalance(ulysses_degree)  # uneven heads: the busiest rank's share

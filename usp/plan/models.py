@@ -17,6 +17,15 @@ def head_dim_of(config: Any) -> int:
     return int(get("head_dim") or int(get("hidden_size")) // int(get("num_attention_heads")))
 
 
+def layer_attention_of(config: Any) -> tuple[tuple[int | None, int | None], ...]:
+    """Each layer's ``(sliding window, chunk)`` from a config object or ``config.json`` dict, by the one rule of
+    :func:`usp.model.capabilities.layer_specs`; empty when every layer is full causal attention."""
+    from usp.model.capabilities import layer_specs
+
+    layers = tuple((spec.window, spec.chunk) for spec in layer_specs(config))
+    return () if all(key == (None, None) for key in layers) else layers
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-2-7b": {
         "hidden_size": 4096,
@@ -54,6 +63,49 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 128256,
         "max_position_embeddings": 131072,
     },
+    # Qwen/Qwen3-8B: 36 layers, 32 query / 8 KV heads of 128 (q/k norms), no sliding window in use
+    "qwen3-8b": {
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    },
+    # google/gemma-3-12b-pt (text model): 48 layers, 5 local (sliding window 1024) : 1 global, 16 query / 8 KV
+    # heads of 256, tied embeddings, vocab 262208
+    "gemma-3-12b": {
+        "model_type": "gemma3_text",
+        "hidden_size": 3840,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "intermediate_size": 15360,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "sliding_window": 1024,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)],
+        "tie_word_embeddings": True,
+    },
+    # mistralai/Mistral-Small-24B-Base-2501: 40 layers, 32 query / 8 KV heads of 128, no sliding window
+    "mistral-small-24b": {
+        "model_type": "mistral",
+        "hidden_size": 5120,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 32768,
+        "vocab_size": 131072,
+        "max_position_embeddings": 32768,
+        "sliding_window": None,
+    },
     # HuggingFaceTB/SmolLM2-135M(-Instruct), as usp.real builds it: 9 query / 3 KV heads (uneven Ulysses heads)
     "smollm2-135m": {
         "hidden_size": 576,
@@ -85,6 +137,9 @@ class ModelSpec:
     max_position_embeddings: int | None = None
     """The checkpoint's own context (``config.json``); None when unknown. Only the overrides the planner
     prints read it (a longer ``trainer.seq_len`` needs ``model.max_position_embeddings``)."""
+    layer_attention: tuple[tuple[int | None, int | None], ...] = ()
+    """Each layer's ``(sliding window, chunk)`` (:func:`usp.model.capabilities.layer_specs`); empty when every
+    layer is full causal attention. The attention FLOPs count what each layer attends."""
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str = "model") -> ModelSpec:
@@ -109,6 +164,7 @@ class ModelSpec:
             vocab_size=int(config["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=config.get("max_position_embeddings"),
+            layer_attention=layer_attention_of(config),
         )
 
     # --- parameter counts ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from usp.data import build_dataloaders
 from usp.model import build_empty_causal_lm, load_sharded_weights, parse_dtype, weight_devices
 from usp.parallel import SPMesh
 from usp.parallel.agree import on_every_rank
-from usp.plan.models import head_dim_of
+from usp.plan.models import head_dim_of, layer_attention_of
 from usp.startup import ResolvedDegrees, build_mesh
 from usp.train.checks import build_tiny_if_asked, check_training_run, keeps_states_on_host, start_up_warnings
 from usp.train.flops import count_matmul_params
@@ -46,6 +46,8 @@ class ModelShape:
     num_layers: int
     num_heads: int
     head_dim: int
+    layer_attention: tuple[tuple[int | None, int | None], ...] = ()
+    """Each layer's ``(sliding window, chunk)``; empty when all are full causal."""
 
 
 @dataclasses.dataclass
@@ -153,6 +155,7 @@ def build_model(
         len(decoder_layers(model)),
         model_config.num_attention_heads,
         head_dim_of(model_config),
+        layer_attention_of(model_config),
     )
     loss_model = parallelize(
         model,

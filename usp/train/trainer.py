@@ -78,6 +78,7 @@ def _step_flops(
             num_heads=shape.num_heads,
             head_dim=shape.head_dim,
             document_lengths=document_lengths,
+            layer_attention=shape.layer_attention,
         ),
         dtype=torch.float64,
         device=device,
