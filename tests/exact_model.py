@@ -46,3 +46,26 @@ def load_float64(path: str | Path, **kwargs) -> nn.Module:
     model = load_causal_lm(path, dtype=EXACT_DTYPE, **kwargs)
     assert norms_in_input_dtype(model) > 0
     return model
+
+
+class KeepFloat64(torch.overrides.TorchFunctionMode):
+    """Inside it, a float64 tensor is never cast down to fp32: ``x.float()``, ``x.to(torch.float32)`` and
+    ``dtype=torch.float32`` arguments keep float64 when an input is float64.
+
+    Many families compute norms, routers or rotary terms in fp32 whatever the input (``x.float()``); in a
+    float64 model that is a rounding to fp32 on both sides of an exactness comparison, which then differ at
+    1e-7. Under this mode both run in float64 end to end (fp32 and bf16 tensors are untouched). Autograd sees
+    the same graph minus the casts.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        f64 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args)
+        if f64:
+            if func is torch.Tensor.float:
+                return args[0]
+            if func is torch.Tensor.to:
+                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)

@@ -18,6 +18,7 @@ from usp.attention import usp_attention
 from usp.attention.blocks import BlockSpec, plan_banded_blocks, plan_ring_blocks, ring_steps_needed
 from usp.attention.reference import reference_attention
 from usp.parallel import gather_sequence, shard_sequence
+from usp.plan.compute import attention_pairs
 
 HEAD_DIM = 8
 SEQ_LEN = 48
@@ -164,3 +165,14 @@ def test_window_under_zigzag_and_documents_counts_every_pair_once():
     for layout in ("zigzag", "contiguous", "balanced"):
         plans = [plan_banded_blocks(seq, ring, r, layout, cu, window, None) for r in range(ring)]
         assert sum(_pairs(p) for p in plans) == expected, layout
+    # the planner's and the MFU's count of the same work
+    assert attention_pairs([[7, 33, 1, 55]], window=window) == expected
+
+
+def test_chunks_and_windows_count_the_pairs_the_ring_computes():
+    seq, ring, cu = 96, 4, torch.tensor([0, 30, 31, 96])
+    for window, chunk in ((None, 8), (5, 8), (12, None), (3, 40)):
+        for layout in ("zigzag", "contiguous", "balanced"):
+            plans = [plan_banded_blocks(seq, ring, r, layout, cu, window, chunk) for r in range(ring)]
+            got = sum(_pairs(p) for p in plans)
+            assert got == attention_pairs([[30, 1, 65]], window=window, chunk=chunk), (window, chunk, layout)

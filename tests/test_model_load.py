@@ -30,7 +30,7 @@ def test_bad_model_dirs(tmp_path, tiny_llama):
     with pytest.raises(ValueError, match="config.json could not be read"):
         check_model_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
-    with pytest.raises(ValueError, match="holds a 'bert' model"):
+    with pytest.raises(ValueError, match="(?s)no 'bert' model.*config.json: transformers cannot build"):
         check_model_dir(tmp_path)
     (tmp_path / "config.json").write_text(
         (__import__("pathlib").Path(tiny_llama) / "config.json").read_text()
@@ -156,20 +156,18 @@ def test_truncated_weights_raise_on_every_rank(dist_pools, tmp_path):
         assert "model.path=" in m and "could not read the weights" in m, m
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
-def test_sequence_length_dependent_rope_is_refused_under_sequence_parallelism(rope_type):
-    from usp.model import check_rope_for_sequence_parallel
+def test_sequence_length_dependent_rope_is_made_global_not_refused():
+    """RoPE types that transformers recomputes from the longest position a call sees are computed from the
+    whole sequence's (apply_usp, tests/test_global_positions.py), so the gate lets them through."""
+    from tests.family_models import family_config
+    from usp.model import model_capabilities
 
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4)
-    apply_rope_overrides(config, rope_scaling={"type": rope_type, "factor": 4.0})
-    check_rope_for_sequence_parallel(config, 1)  # one rank sees the whole sequence: fine
-    with pytest.raises(ValueError, match=f"model.rope_scaling: rope_type='{rope_type}'.*ulysses x ring = 4"):
-        check_rope_for_sequence_parallel(config, 4)
-    static = apply_rope_overrides(
-        LlamaConfig(hidden_size=64, num_attention_heads=4),
-        rope_scaling={"rope_type": "linear", "factor": 4.0},
-    )
-    check_rope_for_sequence_parallel(static, 4)
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64)
+    apply_rope_overrides(config, rope_scaling={"type": "dynamic", "factor": 4.0})
+    for cfg, need in ((config, "dynamic_rope"), (family_config("phi3"), "longrope")):
+        caps = model_capabilities(cfg)
+        caps.check("train")
+        assert caps.global_positions == (need,)
 
 
 def test_weights_that_do_not_match_the_config_raise_on_every_rank(dist_pools, tmp_path):

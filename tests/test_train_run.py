@@ -394,14 +394,12 @@ def test_checkpoints_carry_the_run_fingerprint(setup, straight):
     assert saved["fingerprint"] == run_fingerprint(cfg)
 
 
-def test_dynamic_rope_under_sequence_parallelism_fails_validation(setup, tmp_path):
-    """check_training_run() (per rank, before any weights) applies the RoPE overrides and refuses dynamic scaling at sp 4."""
+def test_dynamic_rope_under_sequence_parallelism_passes_validation(setup, tmp_path):
+    """check_training_run() (per rank, before any weights) applies the RoPE overrides; dynamic scaling at sp 4
+    is no longer refused: apply_usp picks its frequencies from the whole row (tests/test_global_positions.py)."""
     from usp.train.checks import check_training_run
 
     cfg = make_config(setup["model"], str(tmp_path), setup["cache"], ulysses_degree=2, ring_degree=2)
     cfg.model.rope_scaling = {"rope_type": "dynamic", "factor": 2.0}
-    with pytest.raises(ValueError, match="model.rope_scaling: rope_type='dynamic'"):
-        check_training_run(cfg, 4, torch.device("cpu"))
-    cfg.parallel.ulysses_degree = cfg.parallel.ring_degree = 1
-    _, layout = check_training_run(cfg, 1, torch.device("cpu"))
-    assert layout.ulysses_degree == 1
+    _, layout = check_training_run(cfg, 4, torch.device("cpu"))
+    assert (layout.ulysses_degree, layout.ring_degree) == (2, 2)

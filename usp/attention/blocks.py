@@ -174,16 +174,17 @@ def _banded_block(
 ) -> BlockSpec | None:
     """The block of queries at global positions ``q_pos`` over keys at ``k_pos`` (both rising) under causal
     attention limited to a sliding ``window`` (``q - k < window``, transformers' rule), to the query's
-    ``chunk`` (``q // chunk == k // chunk``) and to its document: one key range per row. ``None`` when no pair
+    ``chunk`` (``chunk`` tokens from its document's start) and to its document: one key range per row. ``None`` when no pair
     attends (the ring computes nothing for it); else the rectangle of rows and keys that attend, with its
     :class:`RowRanges` (no mask when every row sees the whole rectangle)."""
-    lo_pos = torch.zeros_like(q_pos)
+    start = torch.zeros_like(q_pos)  # the query's document start
     if cu_seqlens is not None:
-        lo_pos = cu_seqlens[torch.searchsorted(cu_seqlens, q_pos, right=True) - 1]
+        start = cu_seqlens[torch.searchsorted(cu_seqlens, q_pos, right=True) - 1]
+    lo_pos = start
     if window is not None:
         lo_pos = torch.maximum(lo_pos, q_pos - window + 1)
-    if chunk is not None:
-        lo_pos = torch.maximum(lo_pos, q_pos // chunk * chunk)
+    if chunk is not None:  # chunks count from the document's start, as transformers' packed-sequence masks do
+        lo_pos = torch.maximum(lo_pos, start + (q_pos - start) // chunk * chunk)
     lo = torch.searchsorted(k_pos, lo_pos)  # first key at or after the earliest allowed position
     hi = torch.searchsorted(k_pos, q_pos, right=True)  # keys up to the query itself
     rows = torch.nonzero(hi > lo).flatten()

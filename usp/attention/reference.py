@@ -34,7 +34,7 @@ def reference_attention(
 
     Computed in the inputs' dtype (pass float64 for a tight reference); differentiable by autograd.
     ``cu_seqlens``: document boundaries ``[num_docs + 1]``; attention stays inside each document.
-    ``window``: keys ``j`` with ``i - window < j <= i``; ``chunk``: ``i // chunk == j // chunk``; ``softcap``:
+    ``window``: keys ``j`` with ``i - window < j <= i``; ``chunk``: ``i`` and ``j`` in the same ``chunk``-token chunk of their document; ``softcap``:
     scores ``c * tanh(s / c)``; ``sinks [Hq]``: one more logit per head in every row's softmax, value 0
     (transformers' eager formulas, written out here as a dense mask).
     """
@@ -55,8 +55,13 @@ def reference_attention(
     pos = torch.arange(s, device=q.device)
     if window is not None:
         mask = (pos[:, None] - pos[None, :] < window) & (True if mask is None else mask)
-    if chunk is not None:
-        mask = (pos[:, None] // chunk == pos[None, :] // chunk) & (True if mask is None else mask)
+    if chunk is not None:  # counted from each document's start
+        start = torch.zeros_like(pos)
+        if cu_seqlens is not None:
+            cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
+            start = cu[torch.searchsorted(cu, pos, right=True) - 1]
+        idx = (pos - start) // chunk
+        mask = (idx[:, None] == idx[None, :]) & (True if mask is None else mask)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:

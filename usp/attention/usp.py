@@ -227,8 +227,8 @@ def usp_attention(
             ``i - window < j <= i``), or None. Ring blocks wholly outside it are skipped (no kernel call), and
             ring steps no rank needs send no K/V (with ``contiguous``, a window of ``S / R`` or less runs 2
             steps, not ``R``); the others run with a banded mask.
-        chunk: chunked attention (Llama 4: query and key in the same ``chunk``-token chunk of global token
-            indices), or None; combines with ``window`` and ``cu_seqlens``.
+        chunk: chunked attention (Llama 4: query and key in the same ``chunk``-token chunk, counted from their
+            document's start as transformers counts packed sequences), or None; combines with ``window``.
         softcap: attention logit softcapping ``c * tanh(s / c)`` inside every block (Gemma 2), or None; runs
             the ``math`` kernel (no fused kernel here caps scores).
         sinks: per-head sink logits ``[Hq]`` (gpt-oss), or None: each query row's softmax denominator gains

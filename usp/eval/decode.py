@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from usp.attention import attention_forward, resolve_backend
+from usp.model import decoder_of
 from usp.parallel import SPMesh, shard_sequence, sp_permutation
 
 
@@ -213,7 +214,7 @@ def decode(
     device = next(model.parameters()).device
     ids = input_ids.to(device=device, dtype=torch.long)
     b, s = ids.shape
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     prefix = (s // mesh.sequence_multiple()) * mesh.sequence_multiple()
     reserve = -(-(s - prefix + max_new_tokens) // mesh.sp_degree)  # appended tokens per rank, rounded up
     cache = ShardedKVCache(mesh, model.config.num_hidden_layers, backend, reserve=reserve)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from usp.model import LMHeadTransform, lm_head_transform, packed_sequence_kwargs
+from usp.model import LMHeadTransform, decoder_of, lm_head_transform, packed_sequence_kwargs
 from usp.parallel import SPMesh, check_sequence_length, gather_sequence, shard_sequence
 
 IGNORE_INDEX = -100
@@ -40,7 +40,7 @@ def _local_losses(
 
     ``transform``: the model's :func:`~usp.model.lm_head_transform`, applied to each chunk's fp32 logits."""
     extra = packed_sequence_kwargs(cu_seqlens)
-    hidden = model.get_decoder()(
+    hidden = decoder_of(model)(
         input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
     ).last_hidden_state  # [B, S_local, H], after the final norm
     head = model.get_output_embeddings()

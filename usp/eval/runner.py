@@ -67,7 +67,7 @@ def resolve_model_source(path: str) -> ModelSource:
         and (is_complete_checkpoint(p) or latest_checkpoint(p) is not None)
     )
     if not is_ckpt:
-        return ModelSource(p, None, check_model_dir(path))
+        return ModelSource(p, None, check_model_dir(path, "forward"))
     ckpt = p if is_complete_checkpoint(p) else latest_checkpoint(p)
     assert ckpt is not None
     base = read_saved_extra(ckpt).get("fingerprint", {}).get("model_path")
@@ -77,7 +77,7 @@ def resolve_model_source(path: str) -> ModelSource:
             f"usp); point model.path at the run's hf/ export instead."
         )
     try:
-        config = check_model_dir(base)
+        config = check_model_dir(base, "forward")
     except ValueError as e:
         raise ValueError(f"model.path={path!r} is a checkpoint of {base}, which cannot be used: {e}") from e
     return ModelSource(Path(base), ckpt, config)

@@ -160,7 +160,7 @@ def check_eval(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> s
     ``ValueError`` with the eval's message; returns a note when a check was skipped (auto degrees, a
     ``model.path`` this machine cannot read), else ``None``."""
     from usp.eval.runner import check_eval_settings, resolve_model_source
-    from usp.model import check_heads, check_rope_for_sequence_parallel
+    from usp.model import check_heads
     from usp.startup import ResolvedDegrees
 
     p = cfg.parallel
@@ -181,5 +181,4 @@ def check_eval(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> s
         return f"eval checks: model.path={cfg.model.path} is not readable here, so the heads are checked at start-up"
     source = resolve_model_source(cfg.model.path)
     check_heads(source.config, U)
-    check_rope_for_sequence_parallel(source.config, U * R)
     return None

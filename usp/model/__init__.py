@@ -1,12 +1,11 @@
 """Model side: load a local Hugging Face causal LM and wire USP attention into it (``apply_usp``)."""
 
+from usp.model.capabilities import LayerSpec, ModelCapabilities, Refusal, decoder_of, model_capabilities
 from usp.model.lm_head import LMHeadTransform, lm_head_transform
 from usp.model.load import (
-    SUPPORTED_MODEL_TYPES,
     apply_rope_overrides,
     build_empty_causal_lm,
     check_model_dir,
-    check_rope_for_sequence_parallel,
     check_weight_headers,
     load_causal_lm,
     load_sharded_weights,
@@ -26,15 +25,18 @@ from usp.model.usp_attention_fn import (
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
-    "SUPPORTED_MODEL_TYPES",
     "LMHeadTransform",
+    "LayerSpec",
+    "ModelCapabilities",
+    "Refusal",
+    "model_capabilities",
     "apply_rope_overrides",
     "apply_usp",
     "build_empty_causal_lm",
     "check_heads",
     "check_model_dir",
     "check_weight_headers",
-    "check_rope_for_sequence_parallel",
+    "decoder_of",
     "lm_head_transform",
     "load_causal_lm",
     "load_sharded_weights",

@@ -15,9 +15,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-# Model families whose attention goes through transformers' AttentionInterface with the Llama layout
-# (q/k/v projections, RoPE on global position ids, causal), so apply_usp works for them unchanged.
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+from usp.model.capabilities import Purpose, causal_lm_class, model_capabilities
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -35,12 +33,13 @@ def parse_dtype(name: str, setting: str = "model.dtype") -> torch.dtype:
     return DTYPES[name]
 
 
-def check_model_dir(path: str | os.PathLike | None) -> PretrainedConfig:
+def check_model_dir(path: str | os.PathLike | None, purpose: Purpose = "train") -> PretrainedConfig:
     """Validate a local checkpoint dir and return its config, without loading weights.
 
     Raises ``ValueError`` (naming ``model.path`` and the fix) when the dir is missing, has no ``config.json``
-    or no weight files, the config does not parse, or the family is not one :func:`usp.model.apply_usp`
-    supports.
+    or no weight files, the config does not parse, or the model needs something usp does not implement for
+    ``purpose`` (``train``, or ``forward`` for evaluation): the capability gate,
+    :meth:`usp.model.capabilities.ModelCapabilities.check`, which names the config field.
     """
     if path is None or str(path) in ("", "???"):
         raise ValueError(
@@ -65,12 +64,7 @@ def check_model_dir(path: str | os.PathLike | None) -> PretrainedConfig:
             f"model.path={str(path)!r}: config.json could not be read ({type(e).__name__}: {e}). "
             f"Fix or replace the file (it must be a transformers model config)."
         ) from e
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model.path={str(path)!r} holds a {model_type!r} model; usp trains Llama-family causal LMs "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)}). Use a checkpoint of one of those families."
-        )
+    model_capabilities(config).check(purpose, setting=f"model.path={str(path)!r}")
     if not any(any(p.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
         raise ValueError(
             f"model.path={str(path)!r} has config.json but no weight files (*.safetensors or "
@@ -142,22 +136,11 @@ def rope_settings(config: PretrainedConfig) -> dict[str, Any]:
     }
 
 
-def check_rope_for_sequence_parallel(config: PretrainedConfig, sp_degree: int) -> None:
-    """Refuse RoPE types that depend on the current sequence length under sequence parallelism.
-
-    transformers' ``dynamic`` (NTK) and ``longrope`` scaling recompute ``inv_freq`` from the largest position
-    id a forward sees; with ``sp_degree = ulysses x ring > 1`` each rank sees only its slice, so ranks would
-    rotate the same positions differently. Raises ``ValueError`` naming ``model.rope_scaling`` and the fix.
-    """
-    rope_type = str(rope_settings(config).get("rope_type") or rope_settings(config).get("type") or "default")
-    if sp_degree > 1 and ("dynamic" in rope_type or rope_type == "longrope"):
-        raise ValueError(
-            f"model.rope_scaling: rope_type={rope_type!r} rescales RoPE from the longest position each forward "
-            f"sees, but under sequence parallelism (ulysses x ring = {sp_degree}) every rank sees only its own "
-            f"slice, so ranks would disagree. Use a static scaling (model.rope_scaling={{rope_type: linear|yarn|"
-            f"llama3, factor: ...}}) or model.rope_theta, or train with parallel.ulysses_degree=1 "
-            f"parallel.ring_degree=1."
-        )
+def _loading_attention(config: PretrainedConfig) -> str:
+    """The attention a model is built with before ``apply_usp`` switches it: ``sdpa`` where the family has it,
+    else ``eager`` (Gemma 2 has no SDPA: asking for it failed the load)."""
+    cls = causal_lm_class(config)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 def load_causal_lm(
@@ -186,7 +169,11 @@ def load_causal_lm(
     config.use_cache = False
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), config=config, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+            str(path),
+            config=config,
+            dtype=dtype,
+            local_files_only=True,
+            attn_implementation=_loading_attention(config),
         )
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError...: a damaged or incomplete file
         if isinstance(e, ValueError) and str(e).startswith("model.path="):
@@ -205,7 +192,9 @@ def build_empty_causal_lm(config: PretrainedConfig) -> PreTrainedModel:
     """
     config.use_cache = False
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=_loading_attention(config)
+        )
     model.train()
     return model
 

@@ -27,10 +27,39 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
+from usp.model.capabilities import (
+    LayerSpec,
+    ModelCapabilities,
+    attention_modules,
+    decoder_of,
+    model_capabilities,
+)
 from usp.parallel import SPMesh
 
 ATTN_IMPLEMENTATION = "usp"
 _STATE_ATTR = "usp_state"
+
+_IGNORED_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_attentions",
+        "past_key_values",
+        "past_key_value",
+        "max_length_q",
+        "max_length_k",
+        "is_causal",
+        "usp_kv_cache",
+        "usp_global_token_index",
+        "position_embeddings",
+        "layer_idx",
+        "return_dict",
+        "output_router_logits",
+    }
+)
+"""Keyword arguments transformers' decoders pass that do not change the attention (causal LM, no cache in
+training; the rest are read elsewhere). Any other non-None keyword is refused: never silently ignored."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +70,9 @@ class USPAttentionState:
     backend: str = "auto"
     attn_head_chunks: int = 1
     """``parallel.attn_head_chunks``: the ring runs over this many groups of heads one after another."""
+    layer: LayerSpec = LayerSpec("full")
+    """This module's layer: full, sliding window or chunked (from the model's capability record)."""
+    family: str = "llama"
 
 
 def check_heads(config: PretrainedConfig, ulysses_degree: int) -> None:
@@ -101,19 +133,43 @@ def usp_attention_forward(
     kv_cache = kwargs.get(
         "usp_kv_cache"
     )  # distributed decoding (usp.eval.decode): a forward kwarg, no global
+    window = kwargs.pop("sliding_window", None)  # the model's own statement, per call
+    softcap = kwargs.pop("softcap", None)
+    sinks = kwargs.pop("s_aux", None)
+    layer = state.layer
+    if kv_cache is not None and (
+        layer.kind != "full" or softcap is not None or sinks is not None or value.size(-1) != query.size(-1)
+    ):
+        raise ValueError(
+            f"usp's sharded KV-cache decoding (usp.eval.decode) implements full causal attention only; "
+            f"{state.family} layer {module.layer_idx} has {layer.kind} attention, softcap or sinks. Evaluate "
+            f"generation on one rank (parallel.ulysses_degree=1 parallel.ring_degree=1)."
+        )
     if kv_cache is not None and kv_cache.decoding:
         return kv_cache.decode_attention(module.layer_idx, query, key, value, scaling), None
-    window = kwargs.get("sliding_window")
-    if window is not None and window < query.size(2) * state.mesh.sp_degree:
+    unknown = sorted(
+        name for name, value in kwargs.items() if value is not None and name not in _IGNORED_KWARGS
+    )
+    if unknown:
         raise ValueError(
-            f"the model uses sliding-window attention (window {window}) shorter than the sequence; usp attention "
-            f"is full causal attention. Set sliding_window=null in the model config or shorten trainer.seq_len."
+            f"{state.family}'s attention passes {unknown} to the attention function, which usp attention does not "
+            f"implement; it refuses rather than ignore them (see docs/models.md)."
         )
+    if window is None and layer.kind == "sliding":
+        window = layer.window
+    assert layer.window is None or window == layer.window, (
+        f"layer {module.layer_idx}: the model passes sliding_window={window}, its capability record says "
+        f"{layer.window}"
+    )
     from usp.attention import usp_attention  # the attention engineer's module; imported late on purpose
 
     q = query.transpose(1, 2)  # [B, S_local, Hq, D]
     k = key.transpose(1, 2)  # [B, S_local, Hkv, D]
     v = value.transpose(1, 2)
+    v_dim = v.size(-1)
+    if v_dim != q.size(-1):  # MLA: values narrower than queries/keys travel zero-padded (exact)
+        assert v_dim < q.size(-1), f"value head dim {v_dim} > query head dim {q.size(-1)}"
+        v = torch.nn.functional.pad(v, (0, q.size(-1) - v_dim))
     out = usp_attention(
         q,
         k,
@@ -124,7 +180,13 @@ def usp_attention_forward(
         backend=state.backend,
         cu_seqlens=cu_seqlens,
         attn_head_chunks=state.attn_head_chunks,
+        window=window,
+        chunk=layer.chunk,
+        softcap=softcap,
+        sinks=sinks,
     )
+    if v_dim != out.size(-1):
+        out = out[..., :v_dim]
     if kv_cache is not None:  # prefill: keep this rank's K/V shard for the decode steps
         kv_cache.keep(module.layer_idx, k, v)
     return out, None  # out: [B, S_local, Hq, D]
@@ -149,10 +211,6 @@ def packed_sequence_kwargs(cu_seqlens: torch.Tensor | None) -> dict[str, object]
     }
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
-
-
 def _check_forward_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     # transformers drops the mask for attention functions without a mask builder, so refuse it here
     if kwargs.get("attention_mask") is not None or (len(args) > 1 and args[1] is not None):
@@ -169,42 +227,52 @@ def _check_forward_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def apply_usp(
-    model: PreTrainedModel, mesh: SPMesh, *, backend: str = "auto", attn_head_chunks: int = 1
+    model: PreTrainedModel,
+    mesh: SPMesh,
+    *,
+    backend: str = "auto",
+    attn_head_chunks: int = 1,
+    capabilities: ModelCapabilities | None = None,
 ) -> PreTrainedModel:
     """Make ``model`` compute attention with USP over ``mesh`` (in place; returns ``model``).
 
     Afterwards ``model(input_ids=x, position_ids=p, **packed_sequence_kwargs(c))`` with
     ``x = shard_sequence(ids, mesh)``, ``p = shard_sequence(global_position_ids, mesh)`` (``[B, S_local]``) and
-    ``c`` the global int32 document boundaries (or ``None``; ``cu_seqlens=c`` works too) returns this rank's slice of the logits ``[B, S_local, V]``, equal to the
-    unsharded model's logits at those positions. Every rank of the mesh must call the model together.
+    ``c`` the global int32 document boundaries (or ``None``; ``cu_seqlens=c`` works too) returns this rank's
+    slice of the logits ``[B, S_local, V]``, equal to the unsharded model's logits at those positions. Every
+    rank of the mesh must call the model together.
 
-    Works for Llama (with or without GQA) and the same attention layout (Mistral without a sliding window,
-    Qwen2/3). ``attn_head_chunks``: see :func:`usp.attention.usp_attention`. Raises ``ValueError`` if the
-    heads do not split over ``mesh.ulysses_degree`` (or into ``attn_head_chunks``) or the model's attention
-    modules are not found.
+    Any transformers causal LM whose every feature usp implements (docs/models.md): per-layer sliding windows
+    and chunked attention, attention logit softcapping, sinks, MLA's narrower value heads, LongRoPE and Llama
+    4's attention temperature (computed from global positions). Anything else raises ``ValueError`` naming
+    the family and the config field (:func:`usp.model.capabilities.model_capabilities`; ``capabilities``
+    passes a record already built). Also raises if the heads do not split over ``mesh.ulysses_degree`` (or
+    into ``attn_head_chunks``).
     """
     config = model.config
+    caps = capabilities if capabilities is not None else model_capabilities(config, model)
+    caps.check("forward", setting=f"apply_usp({type(model).__name__})")
     check_heads(config, mesh.ulysses_degree)
     from usp.attention import check_attn_head_chunks
+    from usp.model.global_positions import apply_global_positions
 
     hq = config.num_attention_heads
     check_attn_head_chunks(
         attn_head_chunks, hq, getattr(config, "num_key_value_heads", None) or hq, mesh.ulysses_degree
     )
-    modules = _attention_modules(model)
-    if len(modules) != config.num_hidden_layers:
-        raise ValueError(
-            f"apply_usp found {len(modules)} attention modules in a {type(model).__name__} with "
-            f"{config.num_hidden_layers} layers; only Llama-family models (one *Attention module per decoder "
-            f"layer, using transformers' AttentionInterface) are supported."
-        )
+    modules = attention_modules(model)
     AttentionInterface.register(ATTN_IMPLEMENTATION, usp_attention_forward)
-    state = USPAttentionState(mesh=mesh, backend=backend, attn_head_chunks=attn_head_chunks)
+    state = USPAttentionState(
+        mesh=mesh, backend=backend, attn_head_chunks=attn_head_chunks, family=caps.model_type
+    )
+    assert len(modules) == len(caps.layers), "the capability gate counted one attention module per layer"
     for m in modules:
-        setattr(m, _STATE_ATTR, state)
-    decoder = model.get_decoder()
+        layer = caps.layers[m.layer_idx]
+        setattr(m, _STATE_ATTR, USPAttentionState(mesh, backend, attn_head_chunks, layer, caps.model_type))
+    decoder = decoder_of(model)
     if not hasattr(decoder, _STATE_ATTR):
         decoder.register_forward_pre_hook(_check_forward_inputs, with_kwargs=True)
     setattr(decoder, _STATE_ATTR, state)
+    apply_global_positions(model, mesh)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model

@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from usp.model.capabilities import decoder_of
 from usp.model.lm_head import LMHeadTransform, lm_head_transform
 from usp.model.usp_attention_fn import packed_sequence_kwargs
 from usp.train.tiling import deferrable_final_norm
@@ -152,7 +153,7 @@ class ChunkedCausalLMLoss(nn.Module):
         document boundaries or ``None``; ``num_targets``: the global target count of the whole step.
         """
         extra = packed_sequence_kwargs(cu_seqlens)  # transformers' names: cu_seq_lens_q/k, max_length_q/k
-        decoder = self.model.get_decoder()
+        decoder = decoder_of(self.model)
         final_norm = deferrable_final_norm(decoder)
         with final_norm.deferred() if final_norm is not None else nullcontext():
             out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)

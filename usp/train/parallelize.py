@@ -33,7 +33,7 @@ from torch.distributed.fsdp import (
 )
 from transformers import PreTrainedModel
 
-from usp.model import apply_usp
+from usp.model import apply_usp, decoder_of
 from usp.modes import AC_MODES, FSDP_MODES
 from usp.parallel import SPMesh
 from usp.train.checkpoint_offload import HostCheckpointStore, apply_offload_checkpointing
@@ -43,7 +43,7 @@ from usp.train.tiling import apply_sequence_tiling
 
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     """The decoder blocks of a Llama-family causal LM (``model.model.layers``)."""
-    layers = getattr(model.get_decoder(), "layers", None)
+    layers = getattr(decoder_of(model), "layers", None)
     assert isinstance(layers, nn.ModuleList), f"{type(model).__name__} has no decoder .layers ModuleList"
     return layers
 
@@ -147,7 +147,7 @@ def parallelize(
     assert fsdp_mode in FSDP_MODES, f"fsdp_mode={fsdp_mode!r} is not one of {FSDP_MODES} (validate_choices)"
     apply_usp(model, mesh, backend=attention_backend, attn_head_chunks=attn_head_chunks)
     layers = decoder_layers(model)
-    apply_sequence_tiling(layers, getattr(model.get_decoder(), "norm", None), mlp_tiles)
+    apply_sequence_tiling(layers, getattr(decoder_of(model), "norm", None), mlp_tiles)
     store = None
     if activation_checkpointing == "offload":
         device_type = mesh.device_mesh.device_type

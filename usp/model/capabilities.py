@@ -1,0 +1,364 @@
+"""What a causal LM needs from usp, read once from its config (and its module skeleton), and the one gate.
+
+:func:`model_capabilities` turns a transformers config into a :class:`ModelCapabilities` record: the
+attention kind of every layer (full, sliding window, chunked, or a non-attention mixer), sinks, attention
+logit softcapping, query/key vs value head dims (MLA), the RoPE type, terms computed from global positions
+(LongRoPE's factor choice, Llama 4's attention temperature), the LM-head transform the loss must apply, and
+whether the model routes tokens to experts. The loader's start-up check (:func:`usp.model.check_model_dir`,
+before any weight is read), :func:`usp.model.apply_usp` and the attention function read that one record;
+:meth:`ModelCapabilities.check` raises a ``ValueError`` naming the family, the config field and the fix for
+anything usp does not implement, so a model is trained exactly or refused, never silently wrong.
+
+The module skeleton is built on the meta device (no memory, no weights): it shows what the config alone does
+not, e.g. gpt-oss's per-head sink parameters, recurrent mixers in hybrid layers, and whether the family's
+attention goes through transformers' ``AttentionInterface`` at all (ALiBi-era families do not).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+Purpose = Literal["forward", "train"]
+
+LAYER_KINDS: dict[str, str] = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+}
+"""transformers' ``layer_types`` values usp implements, and its names for them."""
+
+_MIXER_CLASSES = re.compile(
+    r"Mamba|DeltaNet|LinearAttention|ShortConv|Rwkv|RWKV|Recurrent|Mlstm|Slstm|Lightning"
+)
+_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_SPARSE_FIELDS = ("index_topk", "index_n_heads")  # DeepSeek sparse attention (V3.2-style indexers)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer's token mixer as usp computes it."""
+
+    kind: str
+    """``full``, ``sliding``, ``chunked``, or the name of a mixer usp does not implement (``layer_types``)."""
+    window: int | None = None
+    """Sliding window in tokens (transformers' rule: query ``i`` sees keys ``j > i - window``), or None."""
+    chunk: int | None = None
+    """Chunked attention's chunk size in tokens (Llama 4), or None."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A feature usp does not implement: the config field (or module) that shows it, why, and what to do."""
+
+    field: str
+    reason: str
+    fix: str
+    purpose: Purpose = "forward"
+    """``forward``: refused everywhere (``apply_usp`` too); ``train``: the forward is exact, training is not."""
+
+
+@dataclass(frozen=True)
+class ModelCapabilities:
+    """What one model needs; built by :func:`model_capabilities`, read by the loader, start-up, ``apply_usp``,
+    the attention function and the loss."""
+
+    model_type: str
+    architecture: str
+    layers: tuple[LayerSpec, ...]
+    attn_softcap: float | None = None
+    sinks: bool = False
+    qk_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_type: str = "default"
+    global_positions: tuple[str, ...] = ()
+    """Terms transformers computes from the call's own positions that usp computes from global ones."""
+    lm_head_fields: tuple[str, ...] = ()
+    """Config fields of the LM-head transform the losses apply (:mod:`usp.model.lm_head`)."""
+    moe: bool = False
+    refusals: tuple[Refusal, ...] = field(default=())
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct sliding windows of the model's layers."""
+        return tuple(sorted({spec.window for spec in self.layers if spec.window is not None}))
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """Short names of what the model uses beyond causal full attention (for logs and docs)."""
+        names = sorted({spec.kind for spec in self.layers if spec.kind != "full"})
+        if self.attn_softcap is not None:
+            names.append("softcap")
+        if self.sinks:
+            names.append("sinks")
+        if self.qk_head_dim != self.v_head_dim:
+            names.append("mla")
+        names += list(self.global_positions)
+        if self.lm_head_fields:
+            names.append("lm_head_transform")
+        if self.moe:
+            names.append("moe")
+        return tuple(names)
+
+    def check(self, purpose: Purpose = "train", *, setting: str = "model.path") -> None:
+        """``ValueError`` listing every refusal that applies to ``purpose`` (``train`` includes ``forward``)."""
+        found = [r for r in self.refusals if r.purpose == "forward" or purpose == "train"]
+        if not found:
+            return
+        lines = "\n".join(f"  - {r.field}: {r.reason}. {r.fix}".rstrip() for r in found)
+        what = "trains" if purpose == "train" else "runs"
+        raise ValueError(
+            f"{setting}: usp {what} no {self.model_type!r} model ({self.architecture}) as configured, because "
+            f"of what usp does not implement:\n{lines}\nNothing was loaded; see docs/models.md for the "
+            f"families and features usp supports."
+        )
+
+
+def _text_config(config: PretrainedConfig) -> PretrainedConfig:
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def causal_lm_class(config: PretrainedConfig) -> type | None:
+    """The transformers class ``AutoModelForCausalLM`` builds for ``config`` (None when it builds none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def layer_specs(config: PretrainedConfig | dict) -> tuple[LayerSpec, ...]:
+    """Every layer's attention kind, window and chunk from a config (object or ``config.json`` dict): the one
+    rule the gate, ``apply_usp``, the planner and the MFU count read. ``layer_types`` when the config has it
+    (transformers 5 derives it for Qwen2/3's ``use_sliding_window`` + ``max_window_layers``, Gemma's
+    patterns, gpt-oss, Llama 4), else one ``sliding_window`` for every layer when it is switched on."""
+    get = (
+        config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    )
+    n = int(get("num_hidden_layers"))
+    window = get("sliding_window", None)
+    chunk = get("attention_chunk_size", None)
+    types = get("layer_types", None)
+    if types is None:  # families without layer_types: one window for every layer when it is switched on
+        on = window is not None and get("use_sliding_window", True) is not False
+        types = ["sliding_attention" if on else "full_attention"] * n
+    specs = []
+    for t in types[:n]:
+        kind = LAYER_KINDS.get(t, t)
+        specs.append(
+            LayerSpec(
+                kind,
+                window=window if kind == "sliding" else None,
+                chunk=chunk if kind == "chunked" else None,
+            )
+        )
+    return tuple(specs)
+
+
+def _skeleton(config: PretrainedConfig) -> nn.Module | None:
+    """The model on the meta device (no memory, no weights), or None when transformers builds no causal LM."""
+    from transformers import AutoModelForCausalLM
+
+    if causal_lm_class(config) is None:
+        return None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The causal LM's decoder: the module that holds the decoder layers (``layers``) and returns
+    ``last_hidden_state``. ``model.get_decoder()`` where that is right; for families whose ``get_decoder``
+    returns the LM itself (Llama 4 in transformers 5.24: its ``base_model_prefix`` names no attribute), the
+    LM's ``model`` attribute."""
+    decoder = model.get_decoder()
+    if decoder is model or getattr(decoder, "lm_head", None) is not None:
+        inner = getattr(model, "model", None)
+        if isinstance(inner, nn.Module) and isinstance(getattr(inner, "layers", None), nn.ModuleList):
+            return inner
+    return decoder
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's self-attention modules, one per attention layer (``*Attention`` with a ``layer_idx``)."""
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("Attention")
+        and hasattr(m, "layer_idx")
+        and not _MIXER_CLASSES.search(type(m).__name__)
+    ]
+
+
+def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None) -> ModelCapabilities:
+    """The record of what ``config``'s model needs, and what usp refuses of it (:class:`Refusal`).
+
+    ``model``: the built model when there is one (``apply_usp``); otherwise a meta-device skeleton is built
+    from the config (no weights are read, no memory is used).
+    """
+    from usp.model.global_positions import needs_global_positions
+    from usp.model.lm_head import lm_head_transform
+
+    text = _text_config(config)
+    model_type = str(getattr(config, "model_type", "?"))
+    refusals: list[Refusal] = []
+    cls = causal_lm_class(config) if model is None else type(model)
+    architecture = cls.__name__ if cls is not None else "no causal LM class"
+    if cls is None:
+        refusals.append(
+            Refusal(
+                "model_type",
+                f"transformers builds no causal LM (AutoModelForCausalLM) for {model_type!r}",
+                "Use a decoder-only causal LM checkpoint.",
+            )
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        refusals.append(
+            Refusal(
+                "is_encoder_decoder", "encoder-decoder models are not causal LMs", "Use a decoder-only model."
+            )
+        )
+    if text is not config:
+        refusals.append(
+            Refusal(
+                "text_config",
+                "a multimodal checkpoint (a text model inside a vision/audio model)",
+                "Use the text-only checkpoint of the family (e.g. gemma3_text) or export the language model alone.",
+            )
+        )
+    layers = layer_specs(text)
+    for i, spec in enumerate(layers):
+        if spec.kind not in LAYER_KINDS.values():
+            refusals.append(
+                Refusal(
+                    f"layer_types[{i}]",
+                    f"layer {i} is a {spec.kind!r} mixer, not softmax attention; usp would run it on each rank's "
+                    f"slice of the sequence as if it were the whole sequence",
+                    "Hybrid recurrent layers under sequence parallelism are not implemented yet; train it on one "
+                    "rank per sequence (ulysses_degree=ring_degree=1) elsewhere.",
+                )
+            )
+            break
+        if spec.kind == "sliding" and spec.window is None:
+            layers = tuple(LayerSpec("full") if s is spec else s for s in layers)
+    for name in _SPARSE_FIELDS:
+        if getattr(text, name, None) is not None:
+            refusals.append(
+                Refusal(
+                    name,
+                    "sparse attention with a token indexer (DeepSeek V3.2-style DSA) selects keys per query",
+                    "Not implemented under sequence parallelism; use the dense-attention checkpoint.",
+                )
+            )
+            break
+    if float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
+        refusals.append(
+            Refusal(
+                "attention_dropout",
+                f"attention dropout {text.attention_dropout} (usp attention has none)",
+                "Set attention_dropout=0 in the model config (model.config_overrides or config.json).",
+                purpose="train",
+            )
+        )
+    sinks = False
+    skeleton = model
+    if skeleton is None and cls is not None:
+        try:
+            skeleton = _skeleton(config)
+        except Exception as e:  # noqa: BLE001 - any failure is the config's: transformers cannot build it
+            refusals.append(
+                Refusal(
+                    "config.json",
+                    f"transformers cannot build {architecture} from it ({type(e).__name__}: {e})",
+                    "Fix or replace config.json.",
+                )
+            )
+    if skeleton is not None:
+        if not getattr(type(skeleton), "_supports_attention_backend", False):
+            refusals.append(
+                Refusal(
+                    "model_type",
+                    f"{architecture}'s attention does not go through transformers' AttentionInterface (e.g. "
+                    f"ALiBi or fused attention), so usp cannot run it",
+                    "Use a family whose modeling code supports attention backends (Llama, Qwen, Gemma, Mistral, ...).",
+                )
+            )
+        mixers = sorted(
+            {type(m).__name__ for m in skeleton.modules() if _MIXER_CLASSES.search(type(m).__name__)}
+        )
+        if mixers and not any(r.field.startswith("layer_types") for r in refusals):
+            refusals.append(
+                Refusal(
+                    f"modules {', '.join(mixers)}",
+                    "recurrent / linear-attention mixers run on each rank's slice as if it were the whole "
+                    "sequence",
+                    "Hybrid recurrent layers under sequence parallelism are not implemented yet.",
+                )
+            )
+        attn = attention_modules(skeleton)
+        sinks = any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in attn)
+        if any(getattr(m, "is_causal", True) is False for m in attn):
+            refusals.append(
+                Refusal(
+                    "is_decoder",
+                    "its attention is bidirectional (not causal)",
+                    "usp trains causal (decoder-only) language models.",
+                )
+            )
+        attention_layers = sum(spec.kind in LAYER_KINDS.values() for spec in layers)
+        layer_refused = any(r.field.startswith("layer_types") for r in refusals)
+        if not mixers and not layer_refused and len(attn) != attention_layers:
+            refusals.append(
+                Refusal(
+                    "num_hidden_layers",
+                    f"found {len(attn)} attention modules for {attention_layers} attention layers",
+                    "usp needs one self-attention module per decoder layer, called through transformers' "
+                    "AttentionInterface.",
+                )
+            )
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    qk = getattr(text, "qk_head_dim", None) or (
+        (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0)
+    )
+    qk = qk or head_dim
+    v = getattr(text, "v_head_dim", None) or head_dim
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    rope_type = (
+        str(rope.get("rope_type", rope.get("type", "default"))) if isinstance(rope, dict) else "default"
+    )
+    lm_head_fields: tuple[str, ...] = ()
+    try:
+        lm_head_fields = tuple(lm_head_transform(text).source_fields)
+    except ValueError as e:  # a head no transform reproduces (the losses would be wrong)
+        refusals.append(Refusal("lm_head", str(e).rstrip("."), "", purpose="train"))
+    moe = any((getattr(text, f, None) or 0) > 1 for f in _MOE_FIELDS)
+    if moe:
+        refusals.append(
+            Refusal(
+                "num_experts",
+                "a mixture-of-experts model: usp's loss has no router load-balancing loss yet and its sharded "
+                "loader does not map expert weights (apply_usp's forward is exact)",
+                "Training MoE checkpoints is the next step (router loss, loader); use a dense checkpoint.",
+                purpose="train",
+            )
+        )
+    return ModelCapabilities(
+        model_type=model_type,
+        architecture=architecture,
+        layers=layers,
+        attn_softcap=getattr(text, "attn_logit_softcapping", None),
+        sinks=sinks,
+        qk_head_dim=int(qk),
+        v_head_dim=int(v),
+        rope_type=rope_type,
+        global_positions=tuple(needs_global_positions(text)),
+        lm_head_fields=lm_head_fields,
+        moe=moe,
+        refusals=tuple(refusals),
+    )
