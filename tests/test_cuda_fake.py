@@ -9,13 +9,16 @@ SDPA call against its kernel's contract. Numerics are not checked here (fake ten
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tests.fake_cuda import ContractError, cuda_randn, fake_cuda
 from usp.attention import cuda_kernels, segmented
-from usp.attention.blocks import plan_ring_blocks
+from usp.attention.blocks import plan_banded_blocks, plan_ring_blocks
 from usp.attention.kernels import attention_backward, attention_forward, resolve_backend
+from usp.attention.masks import RowRanges
 
 SDPA = ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn"]
 PART = 80  # tokens per ring part: zigzag half-blocks of 40 rows
@@ -324,3 +327,49 @@ def test_bench_sdpa_baseline_is_none_when_no_fused_kernel_takes_the_shape(monkey
         q, k = cuda_randn(1, 40, 8, 12), cuda_randn(1, 40, 2, 12)
         step, info = bench.sdpa_baseline(q, k, k, q, 0.3)
     assert step is None and info == {"sdpa_backend": None, "sdpa_gqa": None}
+
+
+def _banded_blocks(layout: str, window: int | None, chunk: int | None, cu) -> list:
+    plans = [plan_banded_blocks(2 * PART, 2, rank, layout, cu, window, chunk) for rank in range(2)]
+    return [spec for plan in plans for spec in plan if spec is not None]
+
+
+@pytest.mark.parametrize("backend", [*SDPA, "flash_attn"])
+@pytest.mark.parametrize(
+    "layout, window, chunk, docs",
+    [("zigzag", 24, None, False), ("contiguous", 50, None, True), ("zigzag", None, 32, True)],
+)
+def test_windowed_and_chunked_blocks_meet_the_kernel_contracts(backend, layout, window, chunk, docs):
+    """Sliding-window and chunked ring blocks (banded masks) on the CUDA kernels: a banded block runs on
+    mem-efficient SDPA with a bias (flash-attn, which takes no mask, too), an unmasked one on the backend."""
+    blocks = _banded_blocks(layout, window, chunk, CU if docs else None)
+    assert any(isinstance(spec.segments, RowRanges) for spec in blocks), "some blocks are banded"
+    with fake_cuda() as contracts:
+        for spec in blocks:
+            if backend == "flash_attn" and spec.segments is None:
+                continue  # unmasked blocks go to flash-attn itself (not installed here)
+            _run_block(spec, backend, batch=2, hq=8, hkv=2, d=64, dtype=torch.bfloat16)
+    ops = {op.removeprefix("_scaled_dot_product_").split("_")[0] for op in contracts.ops()}
+    assert "efficient" in ops, ops
+
+
+def test_softcapped_blocks_run_the_math_kernel_on_cuda():
+    """Softcapped blocks (Gemma 2) run the math kernel on CUDA tensors: no SDPA op, the shapes of every
+    output and gradient as the ring needs them."""
+    blocks = [dataclasses.replace(spec, softcap=30.0) for spec in _ring_blocks("zigzag", True, CU)]
+    with fake_cuda() as contracts:
+        for spec in blocks:
+            q = cuda_randn(1, PART, 8, 64, dtype=torch.bfloat16)
+            k, v = (
+                cuda_randn(1, PART, 2, 64, dtype=torch.bfloat16),
+                cuda_randn(1, PART, 2, 64, dtype=torch.bfloat16),
+            )
+            qs, ks = spec.q_slice, spec.k_slice
+            kw = dict(causal=spec.causal, softmax_scale=0.125, backend="sdpa_flash", segments=spec.segments)
+            out, lse = attention_forward(q[:, qs], k[:, ks], v[:, ks], softcap=spec.softcap, **kw)
+            assert out.shape == q[:, qs].shape and lse.dtype == torch.float32
+            grads = attention_backward(
+                out, q[:, qs], k[:, ks], v[:, ks], out, lse, softcap=spec.softcap, **kw
+            )
+            assert [g.shape for g in grads] == [q[:, qs].shape, k[:, ks].shape, v[:, ks].shape]
+    assert not contracts.calls, "softcapped blocks call no SDPA kernel"

@@ -195,7 +195,7 @@ def _banded_block(
     k0, k1 = int(lo[hi > lo].min()), int(hi.max())
     lo, hi = (lo - k0).clamp(min=0), (hi - k0).clamp(min=0)
     full = bool(((lo == 0) & (hi == k1 - k0)).all())
-    return BlockSpec(q0, q1, k0, k1, False, None if full else RowRanges(lo, hi))
+    return BlockSpec(q0, q1, k0, k1, False, None if full else RowRanges.build(lo, hi))
 
 
 def plan_banded_blocks(

@@ -28,10 +28,28 @@ class RowRanges:
 
     lo: torch.Tensor
     hi: torch.Tensor
+    empty: tuple[tuple[int, int], ...] = ()
+    """Row ranges ``[a, b)`` that attend to nothing, read on the host once (:meth:`build`)."""
+    num_pairs: int = 0
+
+    @classmethod
+    def build(cls, lo: torch.Tensor, hi: torch.Tensor) -> RowRanges:
+        """The band of per-row key ranges ``[lo, hi)`` (host tensors), with its empty rows and pair count read
+        once, at planning: kernels then need no host read of the ranges (no device sync, nothing a fake-tensor
+        mode must answer)."""
+        flags = (hi <= lo).tolist()
+        runs, start = [], None
+        for i, e in enumerate([*flags, False]):
+            if e and start is None:
+                start = i
+            elif not e and start is not None:
+                runs.append((start, i))
+                start = None
+        return cls(lo, hi, tuple(runs), int((hi - lo).clamp(min=0).sum()))
 
     def pairs(self) -> int:
         """(query, key) pairs that attend (per batch row and head)."""
-        return int((self.hi - self.lo).clamp(min=0).sum())
+        return self.num_pairs
 
     def mask(self, sk: int, device: torch.device) -> torch.Tensor:
         """Boolean ``[sq, sk]`` (True = attend)."""
@@ -40,16 +58,8 @@ class RowRanges:
         return (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
 
     def empty_rows(self) -> list[tuple[int, int]]:
-        """Row ranges ``[a, b)`` that attend to nothing (host ints)."""
-        empty = (self.hi <= self.lo).tolist()
-        runs, start = [], None
-        for i, e in enumerate(empty + [False]):
-            if e and start is None:
-                start = i
-            elif not e and start is not None:
-                runs.append((start, i))
-                start = None
-        return runs
+        """Row ranges ``[a, b)`` that attend to nothing."""
+        return list(self.empty)
 
 
 def segment_key_ranges(segments: torch.Tensor, sq: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
