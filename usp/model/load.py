@@ -8,6 +8,8 @@ before any weights, data or process-group work.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -184,17 +186,51 @@ def load_causal_lm(
 
 
 # --- memory-frugal loading: empty model first, weights after FSDP2 sharding -------------------------------
+_BUFFERS_ATTR = "_usp_non_persistent_buffers"
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Build modules with every parameter on the meta device as it is registered (before any initialisation
+    runs on it) and every buffer on the CPU, as constructed: non-persistent buffers (RoPE ``inv_freq``,
+    Gemma's ``embed_scale``) are computed by the constructors and are not in a checkpoint."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def build_empty_causal_lm(config: PretrainedConfig) -> PreTrainedModel:
-    """The model's skeleton on the meta device (no memory), fp32, ``sdpa`` attention, train mode.
+    """The model's skeleton with its parameters on the meta device (no memory), fp32, train mode.
 
     Shard it (``usp.train.parallelize``), then :func:`load_sharded_weights` fills this rank's shards: no rank
-    ever holds the whole model in fp32.
+    ever holds the whole model in fp32. The non-persistent buffers the constructors computed are kept aside
+    (on the model, host copies) and put back by :func:`materialize_empty`.
     """
     config.use_cache = False
-    with torch.device("meta"):
+    with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, attn_implementation=_loading_attention(config)
         )
+    kept = {}
+    for name, module in model.named_modules():
+        for buf in getattr(module, "_non_persistent_buffers_set", ()):
+            value = module._buffers.get(buf)
+            if value is not None:
+                kept[(name, buf)] = value.detach().clone()
+    setattr(model, _BUFFERS_ATTR, kept)
+    for module in model.modules():  # buffers follow the parameters to meta; materialize_empty places them
+        for buf, value in module._buffers.items():
+            if value is not None:
+                module._buffers[buf] = value.to("meta")
     model.train()
     return model
 
@@ -251,9 +287,17 @@ def materialize_empty(
     model: nn.Module, *, device: torch.device, param_device: torch.device | None = None
 ) -> None:
     """Allocate a meta-device (possibly FSDP2-sharded) model: parameters and persistent buffers (uninitialised)
-    on ``param_device`` (default ``device``), then the RoPE buffers rebuilt from the config on ``device``."""
+    on ``param_device`` (default ``device``), then the non-persistent buffers (RoPE ``inv_freq``, Gemma's
+    ``embed_scale``, ...) on ``device``: those :func:`build_empty_causal_lm` kept, else the RoPE buffers
+    rebuilt from the config."""
     model.to_empty(device=param_device or device)
-    reset_rotary_buffers(model, device)
+    kept = getattr(model, _BUFFERS_ATTR, None)
+    if kept is None:  # not built by build_empty_causal_lm: rebuild the RoPE buffers from the config
+        reset_rotary_buffers(model, device)
+        return
+    modules = dict(model.named_modules())
+    for (name, buf), value in kept.items():
+        modules[name]._buffers[buf] = value.to(device)  # on the compute device, even when params are offloaded
 
 
 def _weights_mismatch(model: nn.Module, stored: set[str]) -> tuple[dict[str, str], str | None]:
