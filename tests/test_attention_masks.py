@@ -176,3 +176,39 @@ def test_chunks_and_windows_count_the_pairs_the_ring_computes():
             plans = [plan_banded_blocks(seq, ring, r, layout, cu, window, chunk) for r in range(ring)]
             got = sum(_pairs(p) for p in plans)
             assert got == attention_pairs([[30, 1, 65]], window=window, chunk=chunk), (window, chunk, layout)
+
+
+@pytest.mark.parametrize("backend", ["cpu_flash", "math"])
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_banded_blocks_run_in_tiles_exactly(backend, softcap):
+    """A band larger than the dense-mask limit runs one masked call per tile of rows (each mask within the
+    limit, keys outside the tile's reach never touched); out, lse and the gradients equal one call's."""
+    from usp.attention.kernels import attention_backward, attention_forward
+    from usp.attention.masks import RowRanges
+
+    g = torch.Generator().manual_seed(5)
+    sq, window = 96, 9
+    rows = torch.arange(sq)
+    lo, hi = (rows - window + 1).clamp(min=0), rows + 1
+    lo[40:44] = hi[40:44] = 40  # rows attending to nothing
+    q = torch.randn(2, sq, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, sq, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(2, sq, 4, 8, generator=g, dtype=torch.float64)
+    whole, tiled = RowRanges.build(lo, hi, max_elements=sq * sq), RowRanges.build(lo, hi, max_elements=256)
+    assert not whole.tiles and len(tiled.tiles) > 4
+    assert all((b - a) * (k1 - k0) <= 256 for a, b, k0, k1, _ in tiled.tiles)
+    kw = dict(causal=False, softmax_scale=0.3, backend=backend, softcap=softcap)
+    results = []
+    for band in (whole, tiled):
+        out, lse = attention_forward(q, k, v, segments=band, **kw)
+        grads = attention_backward(dout, q, k, v, out, lse, segments=band, **kw)
+        results.append((out, lse, *grads))
+    for a, b in zip(*results):
+        assert_close_scaled(a, b, rounding_tolerance(torch.float64, sq))
+    ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
+    mask_ref = reference_attention(ref_q, ref_k, ref_v, softmax_scale=0.3, window=window, softcap=softcap)
+    out = results[1][0]
+    live = torch.ones(sq, dtype=torch.bool)
+    live[40:44] = False
+    assert_close_scaled(out[:, live], mask_ref[:, live].detach(), rounding_tolerance(torch.float64, sq))
+    assert bool((out[:, ~live] == 0).all()) and bool(torch.isinf(results[1][1][:, :, ~live]).all())

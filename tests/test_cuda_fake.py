@@ -356,7 +356,17 @@ def test_windowed_and_chunked_blocks_meet_the_kernel_contracts(backend, layout, 
 def test_softcapped_blocks_run_the_math_kernel_on_cuda():
     """Softcapped blocks (Gemma 2) run the math kernel on CUDA tensors: no SDPA op, the shapes of every
     output and gradient as the ring needs them."""
-    blocks = [dataclasses.replace(spec, softcap=30.0) for spec in _ring_blocks("zigzag", True, CU)]
+    blocks = [  # as the ring plans them: each block's band (tiles) read on the host at planning
+        dataclasses.replace(
+            spec,
+            causal=False,
+            softcap=30.0,
+            segments=RowRanges.of_block(
+                spec.q_end - spec.q_start, spec.k_end - spec.k_start, spec.causal, spec.segments
+            ),
+        )
+        for spec in _ring_blocks("zigzag", True, CU)
+    ]
     with fake_cuda() as contracts:
         for spec in blocks:
             q = cuda_randn(1, PART, 8, 64, dtype=torch.bfloat16)

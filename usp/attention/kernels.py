@@ -278,6 +278,70 @@ def _clear_rows_(out: torch.Tensor, lse: torch.Tensor, rows: list[tuple[int, int
         lse[:, :, a:b] = float("-inf")
 
 
+def _band_call_forward(q, k, v, scale, backend, band: RowRanges, softcap):
+    """One masked kernel call over a whole band (no tiles); rows that attend to nothing cleared."""
+    if backend == "math":
+        out, lse = _math_forward(q, k, v, False, scale, band, softcap)
+    elif backend == "cpu_flash":
+        out, lse = _cpu_flash_forward(q, k, v, False, scale, band)
+    else:
+        out, lse = sdpa_forward(backend, q, k, v, False, scale, band)
+    _clear_rows_(out, lse, band.empty_rows())
+    return out, lse
+
+
+def _band_call_backward(dout, q, k, v, out, lse, scale, backend, band: RowRanges, softcap):
+    if band.empty:  # rows with no key here: an lse of +inf makes their P = exp(-inf - lse) exactly 0 (no NaN
+        lse = lse.clone()  # when the row attends nowhere at all and its global lse is -inf)
+        for a, b in band.empty:
+            lse[:, :, a:b] = float("inf")
+    if backend == "math":
+        return _math_backward(dout, q, k, v, out, lse, False, scale, band, softcap)
+    if backend == "cpu_flash":
+        return _cpu_flash_backward(dout, q, k, v, out, lse, False, scale, band)
+    return sdpa_backward(backend, dout, q, k, v, out, lse, False, scale, band)
+
+
+def _banded_forward(q, k, v, scale, backend, band: RowRanges, softcap):
+    """``(out, lse)`` of a banded block, one masked call per tile (:class:`RowRanges`); rows outside every
+    tile attend to nothing (``out = 0``, ``lse = -inf``)."""
+    if not band.tiles:
+        return _band_call_forward(q, k, v, scale, backend, band, softcap)
+    b, sq, hq, _ = q.shape
+    out = q.new_zeros(q.shape)
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
+    for a, e, k0, k1, sub in band.tiles:
+        o, l_tile = _band_call_forward(q[:, a:e], k[:, k0:k1], v[:, k0:k1], scale, backend, sub, softcap)
+        out[:, a:e] = o
+        lse[:, :, a:e] = l_tile
+    return out, lse
+
+
+def _banded_backward(dout, q, k, v, out, lse, scale, backend, band: RowRanges, softcap):
+    """``(dq, dk, dv)`` of :func:`_banded_forward`, tile by tile (the tiles' key ranges overlap: ``+=``)."""
+    if not band.tiles:
+        return _band_call_backward(dout, q, k, v, out, lse, scale, backend, band, softcap)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a, e, k0, k1, sub in band.tiles:
+        rows, keys = slice(a, e), slice(k0, k1)
+        gq, gk, gv = _band_call_backward(
+            dout[:, rows],
+            q[:, rows],
+            k[:, keys],
+            v[:, keys],
+            out[:, rows],
+            lse[:, :, rows],
+            scale,
+            backend,
+            sub,
+            softcap,
+        )
+        dq[:, rows] = gq
+        dk[:, keys] += gk
+        dv[:, keys] += gv
+    return dq, dk, dv
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -296,18 +360,12 @@ def attention_forward(
     :class:`~usp.attention.masks.RowRanges` (windows, chunks); ``softcap`` caps the scores (``c * tanh(s / c)``).
     """
     if isinstance(segments, RowRanges) or softcap is not None:
-        backend = _masked_backend(backend, segments, softcap)
-        if backend == "math":
-            out, lse = _math_forward(q, k, v, causal, softmax_scale, segments, softcap)
-        elif backend == "cpu_flash":
-            out, lse = _cpu_flash_forward(q, k, v, causal, softmax_scale, segments)
-        else:
-            out, lse = sdpa_forward(backend, q, k, v, causal, softmax_scale, segments)
-        if isinstance(segments, RowRanges):
-            _clear_rows_(out, lse, segments.empty_rows())
-        elif segments is not None:
-            clear_uncovered_rows_(out, lse, host_segments(segments))
-        return out, lse
+        band = (
+            segments
+            if isinstance(segments, RowRanges)
+            else RowRanges.of_block(q.size(1), k.size(1), causal, segments)
+        )
+        return _banded_forward(q, k, v, softmax_scale, _masked_backend(backend, band, softcap), band, softcap)
     segs = None if segments is None else host_segments(segments)
     if segs is not None and backend in _PER_SEGMENT and per_segment_calls(q.size(1), k.size(1), segs):
         return segmentwise_forward(_dense_forward(backend), q, k, v, causal, softmax_scale, segs)
@@ -345,12 +403,13 @@ def attention_backward(
     exact: ``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dout * out))`` (times ``1 - tanh^2`` under a softcap).
     """
     if isinstance(segments, RowRanges) or softcap is not None:
-        backend = _masked_backend(backend, segments, softcap)
-        if backend == "math":
-            return _math_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments, softcap)
-        if backend == "cpu_flash":
-            return _cpu_flash_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments)
-        return sdpa_backward(backend, dout, q, k, v, out, lse, causal, softmax_scale, segments)
+        band = (
+            segments
+            if isinstance(segments, RowRanges)
+            else RowRanges.of_block(q.size(1), k.size(1), causal, segments)
+        )
+        backend = _masked_backend(backend, band, softcap)
+        return _banded_backward(dout, q, k, v, out, lse, softmax_scale, backend, band, softcap)
     if segments is not None and backend in _PER_SEGMENT and per_segment_calls(q.size(1), k.size(1), segments):
         segs = host_segments(segments)
         return segmentwise_backward(

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from usp.attention.blocks import plan_banded_blocks, plan_ring_blocks, ring_steps_needed
 from usp.attention.heads import ulysses_heads
 from usp.attention.kernels import default_scale, resolve_backend
+from usp.attention.masks import RowRanges
 from usp.attention.ring import check_head_chunks, ring_attention
 from usp.attention.ulysses import head_to_seq, kv_seq_to_head, seq_to_head
 from usp.parallel import SPMesh, check_sequence_length
@@ -168,8 +169,20 @@ def _cached_plans(
     else:
         every = [plan_ring_blocks(seq_len, ring, rank, layout, causal, cu) for rank in range(ring)]
     plans = every[ring_rank][: ring_steps_needed(every)]
-    if softcap is not None:
-        plans = [None if p is None else dataclasses.replace(p, softcap=softcap) for p in plans]
+    if softcap is not None:  # capped scores run a masking kernel: give every block its band (and tiles) now
+        plans = [
+            None
+            if p is None
+            else dataclasses.replace(
+                p,
+                causal=False,
+                softcap=softcap,
+                segments=p.segments
+                if isinstance(p.segments, RowRanges)
+                else RowRanges.of_block(p.q_end - p.q_start, p.k_end - p.k_start, p.causal, p.segments),
+            )
+            for p in plans
+        ]
     return plans
 
 
