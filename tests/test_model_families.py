@@ -176,3 +176,15 @@ def test_docs_models_page_holds_the_generated_matrix():
     page = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
     assert support_matrix() in page, "regenerate docs/models.md's matrix: python -m tests.family_models"
     assert refusal_list() in page, "regenerate docs/models.md's refusal list: python -m tests.family_models"
+
+
+def test_lm_heads_the_chunked_loss_cannot_reproduce_are_refused():
+    """An LM head with layers before its vocabulary projection (RoBERTa-style decoders) would be skipped by
+    usp's chunked losses: refused, naming ``lm_head``."""
+    from transformers import RobertaConfig
+
+    config = RobertaConfig(
+        is_decoder=True, hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=16
+    )
+    with pytest.raises(ValueError, match="lm_head: .*vocabulary projection"):
+        model_capabilities(config).check("forward")

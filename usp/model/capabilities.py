@@ -303,6 +303,16 @@ def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None)
             )
         attn = attention_modules(skeleton)
         sinks = any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in attn)
+        head = skeleton.get_output_embeddings()
+        if head is not None and getattr(skeleton, "lm_head", None) is not head:
+            refusals.append(
+                Refusal(
+                    "lm_head",
+                    f"{architecture}'s LM head runs layers before its vocabulary projection, which usp's chunked "
+                    f"losses (lm_head weight x hidden states, in training and in usp-eval) would skip",
+                    "",
+                )
+            )
         if any(getattr(m, "is_causal", True) is False for m in attn):
             refusals.append(
                 Refusal(
@@ -336,7 +346,7 @@ def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None)
     try:
         lm_head_fields = tuple(lm_head_transform(text).source_fields)
     except ValueError as e:  # a head no transform reproduces (the losses would be wrong)
-        refusals.append(Refusal("lm_head", str(e).rstrip("."), "", purpose="train"))
+        refusals.append(Refusal("lm_head", str(e).rstrip("."), ""))  # usp-eval's losses too
     moe = any((getattr(text, f, None) or 0) > 1 for f in _MOE_FIELDS)
     if moe:
         refusals.append(
