@@ -179,7 +179,10 @@ def test_recipe_degrees_checked_against_the_job(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["slurm", "recipe=x"], "Could not find 'recipe/x' - valid recipe options: llama2_7b_rope_128k, "),
+        (
+            ["slurm", "recipe=x"],
+            "Could not find 'recipe/x' - valid recipe options: gemma3_12b_128k, llama2_7b_rope_128k, ",
+        ),
         (
             ["slurm", "recipe=llama31_8b_128k", *USER, "parallel.ulysess_degree=8"],
             "unknown config key 'parallel.ulysess_degree': did you mean parallel.ulysses_degree?",
