@@ -296,8 +296,8 @@ def materialize_empty(
         reset_rotary_buffers(model, device)
         return
     modules = dict(model.named_modules())
-    for (name, buf), value in kept.items():
-        modules[name]._buffers[buf] = value.to(device)  # on the compute device, even when params are offloaded
+    for (name, buf), value in kept.items():  # on the compute device, even when params are offloaded
+        modules[name]._buffers[buf] = value.to(device)
 
 
 def _weights_mismatch(model: nn.Module, stored: set[str]) -> tuple[dict[str, str], str | None]:
