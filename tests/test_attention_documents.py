@@ -7,6 +7,8 @@ test_attention_usp.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -142,13 +144,14 @@ def test_device_cu_seqlens_is_copied_to_the_host_once_per_tensor(monkeypatch):
         return real_to(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    mesh = SimpleNamespace(sp_degree=1)  # one rank: no fingerprint exchange
     cu = torch.empty(len(DOCUMENTS[0]), dtype=torch.int32, device="meta")  # stands in for a CUDA tensor
     for _ in range(3):
-        assert usp_module._check_cu_seqlens(cu, 48, 1).tolist() == DOCUMENTS[0]
+        assert usp_module._boundaries_key(cu, 48, 1, mesh) == tuple(DOCUMENTS[0])
     assert len(copies) == 1
     cu.add_(0)  # an in-place change: read it again
-    usp_module._check_cu_seqlens(cu, 48, 1)
+    usp_module._boundaries_key(cu, 48, 1, mesh)
     assert len(copies) == 2
     cpu_cu = torch.tensor(DOCUMENTS[0])
-    usp_module._check_cu_seqlens(cpu_cu, 48, 1)  # CPU (preferred): no copy at all
+    usp_module._boundaries_key(cpu_cu, 48, 1, mesh)  # CPU (preferred): no copy at all
     assert len(copies) == 2

@@ -62,7 +62,7 @@ def test_auto_degrees_are_accepted_and_left_to_the_planner():
         validate_layout(cfg, world_size=16, local_world_size=8)
     cfg = compose_config(
         ["parallel=auto", "parallel.ulysses_degree=16"]
-    )  # ParallelDims' node rule, auto or not
+    )  # ParallelLayout's node rule, auto or not
     with pytest.raises(
         ValueError, match=r"ulysses_degree=16 would make Ulysses groups span nodes of 8 ranks"
     ):
@@ -240,7 +240,7 @@ def test_valid_values_match_the_modules_that_implement_them():
     """The entry point's checks accept exactly what the trainer, mesh and kernels implement."""
     from usp import modes
     from usp.attention import kernels
-    from usp.parallel import mesh
+    from usp.parallel import layout as mesh
     from usp.train import parallelize
 
     assert set(modes.FSDP_MODES) == set(parallelize.FSDP_MODES)

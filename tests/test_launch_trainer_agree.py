@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaConfig
 
 from usp.launch import cli, commands
-from usp.startup import ResolvedDegrees
+from usp.parallel import ParallelLayout
 from usp.train.checks import check_training_run
 
 WORLD = 8
@@ -68,7 +68,7 @@ def overrides(model_dir: str, memory_gib: float, **parallel) -> list[str]:
     ]
 
 
-def trainer_layout(argv: list[str]) -> ResolvedDegrees | None:
+def trainer_layout(argv: list[str]) -> ParallelLayout | None:
     """The trainer's start-up checks on the config ``usp.train`` composes from ``argv`` (on CUDA ranks)."""
     cfg = cli.compose_run_config(argv)
     try:
@@ -85,7 +85,7 @@ def launcher(capsys, argv: list[str]) -> tuple[bool, str]:
     return rc == 0, err
 
 
-def pinned(layout: ResolvedDegrees) -> dict:
+def pinned(layout: ParallelLayout) -> dict:
     """``layout`` as fixed settings."""
     return dict(
         ulysses_degree=layout.ulysses_degree,

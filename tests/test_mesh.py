@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from tests.mesh_cache import cached_sp_mesh
-from usp.parallel import ParallelDims, gather_sequence, local_token_indices, shard_sequence, sp_permutation
+from usp.parallel import ParallelLayout, gather_sequence, local_token_indices, shard_sequence, sp_permutation
 
 
 def test_groups_world16_node8_ulysses8_ring2():
-    dims = ParallelDims(world_size=16, ulysses_degree=8, ring_degree=2, node_size=8)
+    dims = ParallelLayout(world_size=16, ulysses_degree=8, ring_degree=2, node_size=8)
     assert dims.dp_degree == 1
     assert dims.groups("ulysses") == [list(range(0, 8)), list(range(8, 16))]
     assert dims.groups("ring") == [[i, i + 8] for i in range(8)]
@@ -18,7 +18,7 @@ def test_groups_world16_node8_ulysses8_ring2():
 
 
 def test_groups_world16_node8_ulysses4_ring2_dp2():
-    dims = ParallelDims(world_size=16, ulysses_degree=4, ring_degree=2, dp_degree=-1, node_size=8)
+    dims = ParallelLayout(world_size=16, ulysses_degree=4, ring_degree=2, dp_degree=-1, node_size=8)
     assert dims.dp_degree == 2
     assert dims.groups("ulysses") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert dims.groups("ring") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
@@ -47,11 +47,11 @@ def test_groups_world16_node8_ulysses4_ring2_dp2():
 )
 def test_bad_degrees_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        ParallelDims(**kwargs)
+        ParallelLayout(**kwargs)
 
 
 def test_cross_node_ulysses_allowed_explicitly():
-    dims = ParallelDims(world_size=16, ulysses_degree=16, node_size=8, allow_cross_node_ulysses=True)
+    dims = ParallelLayout(world_size=16, ulysses_degree=16, node_size=8, allow_cross_node_ulysses=True)
     assert dims.groups("ulysses") == [list(range(16))]
 
 

@@ -44,8 +44,8 @@ WORK = Workload(
     headroom_gib=3.0,
 )
 CAND = Candidate(
-    2,
-    4,
+    ulysses_degree=2,
+    ring_degree=4,
     world_size=16,
     node_size=8,
     fsdp_mode="hybrid_shard",
@@ -150,7 +150,9 @@ def test_from_keywords_routes_each_field_and_refuses_the_rest():
     kw = dict(seq_len=65536, ulysses_degree=2, ring_degree=4, world_size=16, node_size=8, mlp_tiles=4)
     work, cand = from_keywords(MODEL, Candidate, **kw, global_batch=4, states_on_host=True)
     assert work == Workload(MODEL, 65536, global_batch=4)
-    assert cand == Candidate(2, 4, 16, 8, mlp_tiles=4, states="cpu_offload")
+    assert cand == Candidate(
+        ulysses_degree=2, ring_degree=4, world_size=16, node_size=8, mlp_tiles=4, states="cpu_offload"
+    )
     _, space = from_keywords(
         MODEL, SearchSpace, seq_len=65536, world_size=16, node_size=8, states_on_host=True
     )

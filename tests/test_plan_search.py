@@ -9,7 +9,7 @@ import re
 import pytest
 
 from usp.config import OptimConfig, ParallelConfig
-from usp.parallel import ParallelDims, sequence_multiple
+from usp.parallel import ParallelLayout, sequence_multiple
 from usp.plan import (
     NoFeasibleLayoutError,
     auto_degrees,
@@ -35,7 +35,8 @@ def test_ranked_layouts_are_valid_and_fit():
     assert layouts
     for e in layouts:
         assert e.fits and e.mem_gib_per_gpu <= 80
-        dims = ParallelDims(32, e.ulysses_degree, e.ring_degree, e.dp_degree, node_size=8)
+        dims = ParallelLayout(32, e.ulysses_degree, e.ring_degree, e.dp_degree, node_size=8)
+        assert e.layout is not None and e.layout.replace(ring_layout="zigzag") == e.layout
         assert e.ulysses_degree <= 8 and dims.sp_degree * e.dp_degree == 32
         assert 2**20 % sequence_multiple(e.ring_degree, e.ulysses_degree, "zigzag") == 0
         assert 32 % e.ulysses_degree == 0 and e.mfu < 1
@@ -74,20 +75,12 @@ def test_overrides_name_real_config_fields():
 
 def test_auto_degrees_tiny_cpu_model(tiny_config):
     out = auto_degrees(tiny_config, seq_len=256, world_size=4, node_size=4, gpu="cpu")
-    assert set(out) >= {
-        "ulysses_degree",
-        "ring_degree",
-        "dp_degree",
-        "fsdp_mode",
-        "activation_checkpointing",
-        "reason",
-    }
-    dims = ParallelDims(4, out["ulysses_degree"], out["ring_degree"], out["dp_degree"], node_size=4)
-    assert dims.world_size == 4
-    assert 256 % sequence_multiple(out["ring_degree"], out["ulysses_degree"], "zigzag") == 0
-    assert out["fsdp_mode"] in ("full_shard", "hybrid_shard")
-    assert out["activation_checkpointing"] in ("none", "full", "every_k")
-    assert "fastest" in out["reason"]
+    assert isinstance(out, ParallelLayout)  # the run's own layout type, validated
+    assert out.world_size == 4 and out.node_size == 4 and out.sp_degree * out.dp_degree == 4
+    assert 256 % sequence_multiple(out.ring_degree, out.ulysses_degree, "zigzag") == 0
+    assert out.fsdp_mode in ("full_shard", "hybrid_shard")
+    assert out.activation_checkpointing in ("none", "full", "every_k")
+    assert "fastest" in out.reason
 
 
 def test_auto_degrees_memory_limit_forces_checkpointing():
@@ -105,9 +98,9 @@ def test_auto_degrees_memory_limit_forces_checkpointing():
     roomy = auto_degrees(cfg, seq_len=2**15, world_size=8, node_size=8, gpu="h100-80g")
     tight = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=40)
     tighter = auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=36)
-    assert roomy["activation_checkpointing"] == "none" and "mlp_tiles" not in roomy  # a fixed count stays
-    assert tight["activation_checkpointing"] == "full"
-    assert tighter["activation_checkpointing"] == "offload"
+    assert roomy.activation_checkpointing == "none" and roomy.mlp_tiles == 1  # a fixed count stays
+    assert tight.activation_checkpointing == "full"
+    assert tighter.activation_checkpointing == "offload"
     # with mlp_tiles=auto the planner may tile: here full checkpointing fits with 2 tiles
     tiled = auto_degrees(
         cfg,
@@ -119,7 +112,7 @@ def test_auto_degrees_memory_limit_forces_checkpointing():
         activation_checkpointing="full",
         mlp_tiles="auto",
     )
-    assert (tiled["activation_checkpointing"], tiled["mlp_tiles"]) == ("full", 2)
+    assert (tiled.activation_checkpointing, tiled.mlp_tiles) == ("full", 2)
     with pytest.raises(ValueError, match="offload"):
         auto_degrees(cfg, seq_len=2**18, world_size=8, node_size=8, gpu="h100-80g", memory_gib=26)
 
@@ -226,6 +219,15 @@ def test_cli_json_and_inference(capsys):
     }
     assert layouts and all(required <= set(x) for x in layouts)
     assert all(x["mem_gib_per_gpu"] <= 141 for x in layouts)
+    # each row hands over the run's layout type: the record start-up builds the mesh from
+    for x in layouts:
+        layout = ParallelLayout.from_dict(x["layout"])
+        assert (layout.ulysses_degree, layout.ring_degree, layout.dp_degree) == (
+            x["ulysses_degree"],
+            x["ring_degree"],
+            x["dp_degree"],
+        )
+        assert layout.world_size == 16 and layout.node_size == 8 and layout.to_dict() == x["layout"]
     argv = [
         "--model",
         "llama-3-70b",
@@ -378,12 +380,12 @@ def test_inference_that_does_not_fit(capsys):
 
 def test_auto_degrees_keeps_what_the_user_fixed(tiny_config):
     free = auto_degrees(tiny_config, seq_len=256, world_size=4, node_size=2, gpu="cpu")
-    other_u = 1 if free["ulysses_degree"] != 1 else 2
+    other_u = 1 if free.ulysses_degree != 1 else 2
     for fixed in ({"ulysses_degree": other_u}, {"ring_degree": 4 // other_u}):
         out = auto_degrees(tiny_config, seq_len=256, world_size=4, node_size=2, gpu="cpu", **fixed)
-        assert all(out[k] == v for k, v in fixed.items()), (fixed, out)
-        assert out["ulysses_degree"] * out["ring_degree"] * out["dp_degree"] == 4
-        assert "fixed" in out["reason"]
+        assert all(getattr(out, k) == v for k, v in fixed.items()), (fixed, out)
+        assert out.ulysses_degree * out.ring_degree * out.dp_degree == 4
+        assert "fixed" in out.reason
     modes = auto_degrees(
         tiny_config,
         seq_len=256,
@@ -394,7 +396,7 @@ def test_auto_degrees_keeps_what_the_user_fixed(tiny_config):
         activation_checkpointing="every_k",
         ac_every_k=1,
     )
-    assert (modes["fsdp_mode"], modes["activation_checkpointing"], modes["ac_every_k"]) == (
+    assert (modes.fsdp_mode, modes.activation_checkpointing, modes.ac_every_k) == (
         "hybrid_shard",
         "every_k",
         1,
@@ -409,7 +411,7 @@ def test_auto_degrees_keeps_what_the_user_fixed(tiny_config):
         ring_layout="contiguous",
         ulysses_degree=1,
     )
-    assert f32["ulysses_degree"] == 1 and f32["ring_degree"] * f32["dp_degree"] == 4
+    assert f32.ulysses_degree == 1 and f32.ring_degree * f32.dp_degree == 4
 
 
 def test_auto_degrees_with_states_on_the_host_and_little_host_memory():
@@ -430,7 +432,7 @@ def test_auto_degrees_with_states_on_the_host_and_little_host_memory():
     out = auto_degrees(
         hf, seq_len=2**18, world_size=1, node_size=1, gpu="h100-80g", mlp_tiles="auto", cpu_offload=True
     )
-    assert out["activation_checkpointing"] == "offload" and out["mlp_tiles"] > 1
+    assert out.activation_checkpointing == "offload" and out.mlp_tiles > 1
     # with 32 GiB of host RAM the 128 GB of states do not fit on the host either
     with pytest.raises(ValueError, match="no layout"):
         auto_degrees(

@@ -10,7 +10,8 @@ import pytest
 from usp import host
 from usp.mlp_tiles import check_mlp_tiles_setting, resolve_mlp_tiles
 from usp.modes import RING_LAYOUTS, check_ring_layout, chunks_per_ring_rank
-from usp.parallel.mesh import resolve_node_size, sequence_multiple
+from usp.parallel.layout import sequence_multiple
+from usp.parallel.mesh import resolve_node_size
 from usp.units import GIB, divisors
 
 

@@ -323,7 +323,7 @@ def test_auto_for_one_degree_keeps_the_users_other_settings(setup, tmp_path):
     """ulysses_degree=2 ring_degree=auto: the planner keeps u=2 and the non-default fsdp / checkpointing modes
     (unconstrained, it picks u1 r1 dp4 full_shard none for this model)."""
     from usp.model import check_model_dir
-    from usp.startup import resolve_degrees
+    from usp.startup import resolve_layout
 
     cfg = make_config(
         setup["model"],
@@ -336,7 +336,7 @@ def test_auto_for_one_degree_keeps_the_users_other_settings(setup, tmp_path):
         ac_every_k=1,
         node_size=2,
     )
-    layout = resolve_degrees(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
+    layout = resolve_layout(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
     assert layout.ulysses_degree == 2 and layout.ring_degree * layout.dp_degree == 2
     assert (layout.fsdp_mode, layout.activation_checkpointing, layout.ac_every_k) == (
         "hybrid_shard",
@@ -349,7 +349,7 @@ def test_auto_for_one_degree_keeps_the_users_other_settings(setup, tmp_path):
         "full_shard",
         "none",
     )  # defaults: planner's
-    layout = resolve_degrees(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
+    layout = resolve_layout(cfg, check_model_dir(setup["model"]), 4, torch.device("cpu"))
     assert layout.ring_degree == 2 and layout.ulysses_degree * layout.dp_degree == 2
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from usp.config import TrainConfig
-from usp.startup import ResolvedDegrees, resolve_degrees
+from usp.parallel import ParallelLayout
+from usp.startup import resolve_layout
 from usp.train.checks import check_training_run
 
 CPU = torch.device("cpu")
@@ -82,7 +83,7 @@ def test_explicit_mlp_tiles_auto_uses_the_hidden_size_rule(tiny_llama):
 
 
 def test_a_degree_given_as_text_is_refused_and_the_config_kept(tiny_llama):
-    """``ParallelDims`` is the one validator: a string degree is refused there (the old trainer converted it
+    """``ParallelLayout`` is the one validator: a string degree is refused there (the old trainer converted it
     and wrote the integer back into the config)."""
     cfg = make_config(tiny_llama, ulysses_degree="2", ring_degree=1)
     before = copy.deepcopy(cfg)
@@ -98,26 +99,27 @@ def test_planner_tiles_are_used_as_planned(tiny_llama, monkeypatch):
 
     def plan(model_config, **kw):
         assert kw["mlp_tiles"] == "auto" and kw["node_size"] == 4
-        return {
-            "ulysses_degree": 2,
-            "ring_degree": 2,
-            "dp_degree": 1,
-            "fsdp_mode": "full_shard",
-            "activation_checkpointing": "full",
-            "mlp_tiles": 4,
-            "attn_head_chunks": 1,
-            "reason": "stub",
-        }
+        return ParallelLayout(
+            world_size=4,
+            ulysses_degree=2,
+            ring_degree=2,
+            node_size=4,
+            activation_checkpointing="full",
+            mlp_tiles=4,
+            reason="stub",
+        )
 
     monkeypatch.setattr(usp.plan.request, "auto_degrees", plan)  # what PlanRequest.plan_auto calls
     cfg = make_config(tiny_llama, ulysses_degree="auto", ring_degree="auto", mlp_tiles="auto")
     model_config = check_training_run(make_config(tiny_llama), 1, CPU)[0]
-    layout = resolve_degrees(cfg, model_config, 4, CPU)
-    assert layout == ResolvedDegrees(
+    layout = resolve_layout(cfg, model_config, 4, CPU)
+    assert layout == ParallelLayout(
+        world_size=4,
         ulysses_degree=2,
         ring_degree=2,
         dp_degree=1,
         node_size=4,
+        ring_layout=cfg.parallel.ring_layout,
         fsdp_mode="full_shard",
         activation_checkpointing="full",
         ac_every_k=2,
@@ -140,11 +142,11 @@ def test_node_size_comes_from_the_setting_then_the_launcher(tiny_llama, monkeypa
 
 @pytest.mark.parametrize("parallel", CASES[:1] + CASES[2:], ids=["explicit", "auto", "ring-auto"])
 def test_eval_resolves_the_layout_training_gets(tiny_llama, parallel):
-    """usp-eval calls the trainer's resolve_degrees: the same degrees, dp, node size for the same config (the
+    """usp-eval calls the trainer's resolve_layout: the same degrees, dp, node size for the same config (the
     planner's choice included: usp-eval used to refuse auto degrees)."""
     from usp.eval import runner
 
-    assert runner.resolve_degrees is resolve_degrees  # the same function, not a copy
+    assert runner.resolve_layout is resolve_layout  # the same function, not a copy
     cfg = make_config(tiny_llama, **parallel)
     before = copy.deepcopy(cfg)
     _, train_layout = check_training_run(cfg, 4, CPU)

@@ -75,7 +75,7 @@ def part_positions(
     seq_len: int, ring_degree: int, ring_rank: int, layout: str, cu_seqlens: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Global positions (int64 ``[S / R]``) of the part ring rank ``ring_rank`` holds after the all-to-all."""
-    return local_token_indices(seq_len, ring_degree, 1, ring_rank, 0, layout, cu_seqlens)
+    return local_token_indices(seq_len, ring_degree, 1, ring_rank, 0, layout, cu_seqlens, checked=True)
 
 
 def _layout_block(rank: int, src: int, part_len: int, layout: str, causal: bool) -> BlockSpec | None:

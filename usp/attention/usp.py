@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from usp.attention.blocks import plan_banded_blocks, plan_ring_blocks, ring_steps_needed
-from usp.attention.heads import ulysses_heads
+from usp.attention.heads import UlyssesHeads, ulysses_heads
 from usp.attention.kernels import default_scale, resolve_backend
 from usp.attention.masks import RowRanges
 from usp.attention.ring import check_head_chunks, ring_attention
@@ -33,25 +33,28 @@ from usp.attention.ulysses import head_to_seq, kv_seq_to_head, seq_to_head
 from usp.parallel import SPMesh, check_sequence_length
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh) -> None:
-    if not isinstance(mesh, SPMesh):
+def _check_inputs(
+    q: torch.Size,
+    k: torch.Size,
+    v: torch.Size,
+    dtypes: tuple[torch.dtype, ...],
+    devices: tuple[torch.device, ...],
+) -> None:
+    """``q``, ``k``, ``v``: the shapes."""
+    if len(q) != 4 or len(k) != 4 or len(v) != 4:
         raise ValueError(
-            f"mesh must be a usp.parallel.SPMesh (from init_sp_mesh), got {type(mesh).__name__}."
+            f"usp_attention expects q [B, S_local, Hq, D] and k, v [B, S_local, Hkv, D]; got q {tuple(q)}, "
+            f"k {tuple(k)}, v {tuple(v)}. Transpose [B, H, S, D] inputs with .transpose(1, 2)."
         )
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    if k != v or q[0] != k[0] or q[1] != k[1] or q[3] != k[3]:
         raise ValueError(
-            f"usp_attention expects q [B, S_local, Hq, D] and k, v [B, S_local, Hkv, D]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}. Transpose [B, H, S, D] inputs with .transpose(1, 2)."
-        )
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)}, v {tuple(v.shape)} disagree: batch, local sequence and "
+            f"q {tuple(q)} and k {tuple(k)}, v {tuple(v)} disagree: batch, local sequence and "
             f"head dim must match, and k and v must have the same shape."
         )
-    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
-        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}.")
+    if len(set(dtypes)) != 1 or not dtypes[0].is_floating_point:
+        raise ValueError(f"q, k, v must share one floating dtype, got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}.")
+    if len(set(devices)) != 1:
+        raise ValueError(f"q, k, v must be on one device, got {devices[0]}, {devices[1]}, {devices[2]}.")
 
 
 def check_attn_head_chunks(
@@ -71,33 +74,13 @@ def check_attn_head_chunks(
             check_head_chunks(attn_head_chunks, *pair)
 
 
-_last_host_copy: tuple[weakref.ref, int, torch.Tensor] | None = None
-
-
-def _host_copy(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``cu_seqlens`` on the CPU. A CUDA tensor costs one device sync, then its copy is reused while the same,
-    unmodified tensor comes back (every layer of a step passes the same one): one sync per step, not per layer.
-    CPU tensors (preferred) cost nothing.
-    """
-    global _last_host_copy
-    if cu_seqlens.device.type == "cpu":
-        return cu_seqlens.detach()
-    if _last_host_copy is not None:
-        ref, version, host = _last_host_copy
-        if ref() is cu_seqlens and cu_seqlens._version == version:
-            return host
-    host = cu_seqlens.detach().to("cpu")
-    _last_host_copy = (weakref.ref(cu_seqlens), cu_seqlens._version, host)
-    return host
-
-
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
+def _check_cu_seqlens(cu: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
+    """``cu``: the boundaries on the host."""
     if batch != 1:
         raise ValueError(
             f"cu_seqlens (document masking) needs batch size 1, got {batch}: pack the documents of the batch into "
             f"one sequence (one row per step) or drop cu_seqlens."
         )
-    cu = _host_copy(cu_seqlens)
     if cu.dim() != 1 or cu.numel() < 2 or cu.is_floating_point():
         raise ValueError(
             f"cu_seqlens must be a 1-D integer tensor [num_docs + 1] of document boundaries, got "
@@ -113,22 +96,10 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, batch: int) -> tor
     return cu
 
 
-_last_agreed: tuple[weakref.ref, int] | None = None
-
-
-def _check_same_boundaries(cu_seqlens: torch.Tensor, cu: torch.Tensor, mesh: SPMesh) -> None:
+def _check_same_boundaries(cu: torch.Tensor, mesh: SPMesh) -> None:
     """``ValueError`` on every sp rank unless all of them pass the same boundaries (else the ring would hang
-    or mix documents). One all-gather of a 16-byte fingerprint per new ``cu_seqlens`` tensor object: every
-    layer of a step passes the same object, so it costs one tiny collective per step, before any K/V moves.
-    """
-    global _last_agreed
+    or mix documents): one all-gather of a 16-byte fingerprint, before any K/V moves."""
     if mesh.sp_degree == 1:
-        return
-    if (
-        _last_agreed is not None
-        and _last_agreed[0]() is cu_seqlens
-        and _last_agreed[1] == cu_seqlens._version
-    ):
         return
     digest = hashlib.blake2b(cu.numpy().tobytes(), digest_size=8).digest()
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True), cu.numel()], dtype=torch.int64)
@@ -142,7 +113,32 @@ def _check_same_boundaries(cu_seqlens: torch.Tensor, cu: torch.Tensor, mesh: SPM
             "usp.parallel.shard_sequence(..., cu_seqlens=...). Check that the data loader gives every sp rank "
             "the same sample."
         )
-    _last_agreed = (weakref.ref(cu_seqlens), cu_seqlens._version)
+
+
+_last_boundaries: tuple[weakref.ref, int, int, int, int, tuple[int, ...]] | None = None
+
+
+def _boundaries_key(cu_seqlens: torch.Tensor, seq_len: int, batch: int, mesh: SPMesh) -> tuple[int, ...]:
+    """The validated boundaries of ``cu_seqlens`` as a tuple (the block plans' cache key).
+
+    Every layer of a step passes the same, unmodified tensor object: it is copied to the host (one device
+    sync for a CUDA tensor), checked and compared across the sp group (one 16-byte all-gather) the first time
+    only; later calls with that object return the same tuple.
+    """
+    global _last_boundaries
+    last = _last_boundaries
+    if (
+        last is not None
+        and last[0]() is cu_seqlens
+        and last[1:5] == (cu_seqlens._version, seq_len, batch, id(mesh))
+    ):
+        return last[5]
+    host = cu_seqlens.detach() if cu_seqlens.device.type == "cpu" else cu_seqlens.detach().to("cpu")
+    cu = _check_cu_seqlens(host, seq_len, batch)
+    _check_same_boundaries(cu, mesh)
+    key = tuple(cu.tolist())
+    _last_boundaries = (weakref.ref(cu_seqlens), cu_seqlens._version, seq_len, batch, id(mesh), key)
+    return key
 
 
 @lru_cache(maxsize=32)
@@ -186,7 +182,7 @@ def _cached_plans(
     return plans
 
 
-def _check_mask_options(window, chunk, softcap, sinks, hq: int, causal: bool) -> None:
+def _check_mask_options(window, chunk, softcap, sinks_shape, hq: int, causal: bool) -> None:
     for name, value in (("window", window), ("chunk", chunk)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"usp_attention: {name}={value!r} must be a positive int or None.")
@@ -194,10 +190,65 @@ def _check_mask_options(window, chunk, softcap, sinks, hq: int, causal: bool) ->
         raise ValueError("usp_attention: window and chunk apply to causal attention only (causal=True).")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"usp_attention: softcap={softcap!r} must be positive or None.")
-    if sinks is not None and (sinks.dim() != 1 or sinks.numel() != hq):
+    if sinks_shape is not None and sinks_shape != (hq,):
         raise ValueError(
-            f"usp_attention: sinks must hold one logit per query head ([{hq}]), got {tuple(sinks.shape)}."
+            f"usp_attention: sinks must hold one logit per query head ([{hq}]), got {sinks_shape}."
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallSetup:
+    """What one kind of :func:`usp_attention` call needs, derived and validated once per kind (shapes, dtypes,
+    mesh and options): every layer of every step reuses it, so a step does no validation and no backend or
+    head-split resolution."""
+
+    seq_len: int
+    heads: UlyssesHeads
+    kernel: str
+    scale: float
+    window: int | None
+    chunk: int | None
+
+
+@lru_cache(maxsize=128)
+def _call_setup(
+    mesh: SPMesh,
+    shapes: tuple[torch.Size, torch.Size, torch.Size],
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+    devices: tuple[torch.device, torch.device, torch.device],
+    causal: bool,
+    softmax_scale: float | None,
+    backend: str,
+    attn_head_chunks: int,
+    window: int | None,
+    chunk: int | None,
+    softcap: float | None,
+    sinks_shape: tuple[int, ...] | None,
+) -> _CallSetup:
+    """The checks of :func:`usp_attention` (``ValueError`` before any communication) and what they derive;
+    cached, so they run on the first call of each kind only."""
+    if not isinstance(mesh, SPMesh):
+        raise ValueError(
+            f"mesh must be a usp.parallel.SPMesh (from init_sp_mesh), got {type(mesh).__name__}."
+        )
+    _check_inputs(*shapes, dtypes, devices)
+    u, r = mesh.ulysses_degree, mesh.ring_degree
+    _, s_local, hq, d = shapes[0]
+    hkv = shapes[1][2]
+    seq_len = s_local * u * r
+    check_sequence_length(seq_len, r, u, mesh.ring_layout)
+    heads = ulysses_heads(hq, hkv, u)
+    check_attn_head_chunks(attn_head_chunks, hq, hkv, u)
+    kernel = resolve_backend(backend, devices[0], dtypes[0], head_dim=d)
+    _check_mask_options(window, chunk, softcap, sinks_shape, hq, causal)
+    return _CallSetup(
+        seq_len=seq_len,
+        heads=heads,
+        kernel=kernel,
+        scale=default_scale(d, softmax_scale),
+        window=None if window is not None and window >= seq_len else window,  # no token is out of reach
+        chunk=None if chunk is not None and chunk >= seq_len else chunk,
+    )
 
 
 def usp_attention(
@@ -256,25 +307,33 @@ def usp_attention(
             ``0 .. S``, batch size above 1, different on different ranks of the group), backend or
             ``attn_head_chunks``.
     """
-    _check_inputs(q, k, v, mesh)
-    u, r = mesh.ulysses_degree, mesh.ring_degree
-    b, s_local, hq, d = q.shape
-    seq_len = s_local * u * r
-    check_sequence_length(seq_len, r, u, mesh.ring_layout)
-    heads = ulysses_heads(hq, k.size(2), u)
-    check_attn_head_chunks(attn_head_chunks, hq, k.size(2), u)
-    kernel = resolve_backend(backend, q.device, q.dtype, head_dim=d)
-    scale = default_scale(d, softmax_scale)
-    cu = _check_cu_seqlens(cu_seqlens, seq_len, b) if cu_seqlens is not None else None
-    if cu is not None:
-        _check_same_boundaries(cu_seqlens, cu, mesh)
-    cu_key = None if cu is None else tuple(cu.tolist())
-    _check_mask_options(window, chunk, softcap, sinks, hq, causal)
-    window = None if window is not None and window >= seq_len else window  # no token is out of reach
-    chunk = None if chunk is not None and chunk >= seq_len else chunk
-    plans = _cached_plans(
-        seq_len, r, mesh.ring_rank, mesh.ring_layout, causal, cu_key, window, chunk, softcap
+    call = _call_setup(
+        mesh,
+        (q.shape, k.shape, v.shape),
+        (q.dtype, k.dtype, v.dtype),
+        (q.device, k.device, v.device),
+        causal,
+        softmax_scale,
+        backend,
+        attn_head_chunks,
+        window,
+        chunk,
+        softcap,
+        None if sinks is None else tuple(sinks.shape),
     )
+    cu_key = None if cu_seqlens is None else _boundaries_key(cu_seqlens, call.seq_len, q.size(0), mesh)
+    plans = _cached_plans(
+        call.seq_len,
+        mesh.ring_degree,
+        mesh.ring_rank,
+        mesh.ring_layout,
+        causal,
+        cu_key,
+        call.window,
+        call.chunk,
+        softcap,
+    )
+    heads = call.heads
     local_sinks = None
     if sinks is not None:  # the sinks of the heads this Ulysses rank holds after the all-to-all
         first = heads.q_first(mesh.ulysses_rank)
@@ -290,8 +349,8 @@ def usp_attention(
         vh,
         group=mesh.ring_group,
         plans=plans,
-        softmax_scale=scale,
-        backend=kernel,
+        softmax_scale=call.scale,
+        backend=call.kernel,
         head_chunks=attn_head_chunks,
         sinks=local_sinks,
     )

@@ -3,7 +3,7 @@
     python -m usp.bench.figures --out docs/figures [--metrics outputs/demo/metrics.jsonl]
 
 - ``rank_grid.png``: which global rank sits where on the dp x ring x ulysses mesh of 2 nodes x 8 GPUs
-  (``usp.parallel.ParallelDims``): Ulysses groups on adjacent ranks inside a node, rings strided across nodes.
+  (``usp.parallel.ParallelLayout``): Ulysses groups on adjacent ranks inside a node, rings strided across nodes.
 - ``memory_breakdown.png``: the planner's memory terms per GPU as stacked bars, one bar per layout and
   activation-checkpointing choice, for the planner's 10 fastest layouts (``usp.plan.plan_layouts``), for Llama-3.1-8B at 128K on 2 x 8 H100.
 - ``demo_loss.png``: the loss curve of a run's ``metrics.jsonl`` (the README's ``make demo``), if given.
@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from usp.parallel.mesh import ParallelDims
+from usp.parallel.layout import ParallelLayout
 
 
 def _pyplot():
@@ -40,7 +40,7 @@ def rank_grid_figure(
 
     plt = _pyplot()
     world = nodes * gpus_per_node
-    dims = ParallelDims(world_size=world, ulysses_degree=ulysses, ring_degree=ring, node_size=gpus_per_node)
+    dims = ParallelLayout(world_size=world, ulysses_degree=ulysses, ring_degree=ring, node_size=gpus_per_node)
     cmap = plt.get_cmap("tab20")
     ring_of = {rank: i for i, group in enumerate(dims.groups("ring")) for rank in group}
     fig, ax = plt.subplots(figsize=(1.3 * gpus_per_node + 1.5, 1.4 * nodes + 1.2))

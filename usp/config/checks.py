@@ -3,7 +3,7 @@ string-enum fields, simple ranges, and the layout against a given world size.
 
 - :func:`validate_choices`: every enum field and range (the entry point calls it right after composition);
 - :func:`validate_layout`: the degrees against the launched world and ``trainer.seq_len`` against the
-  sequence layout (:class:`usp.parallel.ParallelDims`; imports torch, lazily);
+  sequence layout (:class:`usp.parallel.ParallelLayout`; imports torch, lazily);
 - :func:`states_on_host`: the one rule relating ``optim.name`` and ``parallel.cpu_offload``;
 - :func:`text_fields_per_input`: ``data.text_field`` (one column name, or one per input) per input.
 
@@ -192,9 +192,10 @@ def validate_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int 
     counts as 1 here: the fixed one is checked (world size, node size) and the sequence length waits for the
     planner's choice.
 
-    Raises ``ValueError`` with the numbers (from :class:`usp.parallel.ParallelDims`) and the fix.
+    Raises ``ValueError`` with the numbers (from :class:`usp.parallel.ParallelLayout`, the constructor
+    ``usp-launch`` uses too: :meth:`~usp.parallel.ParallelLayout.from_settings`) and the fix.
     """
-    from usp.parallel import ParallelDims, check_sequence_length  # lazy: composing a config needs no torch
+    from usp.parallel import ParallelLayout  # lazy: composing a config needs no torch
     from usp.parallel.mesh import resolve_node_size
 
     p = cfg.parallel
@@ -202,13 +203,14 @@ def validate_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int 
     node_size = resolve_node_size(p.node_size, world_size, env=launcher)
     auto = [name for name in ("ulysses_degree", "ring_degree") if getattr(p, name) == "auto"]
     try:
-        ParallelDims(  # an ``auto`` degree counts as 1 (the planner's choice only multiplies the product)
-            world_size=world_size,
-            ulysses_degree=1 if "ulysses_degree" in auto else p.ulysses_degree,
-            ring_degree=1 if "ring_degree" in auto else p.ring_degree,
-            dp_degree=-1 if auto else p.dp_degree,
+        layout = ParallelLayout.from_settings(  # an ``auto`` degree counts as 1 (the planner's choice only
+            world_size=world_size,  # multiplies the product)
+            ulysses_degree=p.ulysses_degree,
+            ring_degree=p.ring_degree,
+            dp_degree=p.dp_degree,
             node_size=node_size,
             allow_cross_node_ulysses=p.allow_cross_node_ulysses,
+            ring_layout=p.ring_layout,
         )
     except ValueError as e:
         if not auto:
@@ -217,4 +219,4 @@ def validate_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int 
         raise ValueError(f"{e} ({counted} counted as 1 here: the planner picks it at start-up.)") from e
     if auto:
         return
-    check_sequence_length(cfg.trainer.seq_len, p.ring_degree, p.ulysses_degree, p.ring_layout)
+    layout.check_sequence_length(cfg.trainer.seq_len)

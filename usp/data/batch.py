@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from usp.parallel import SPMesh, shard_sequence
+from usp.parallel import SPMesh, shard_sequences
 
 IGNORE_INDEX = -100
 
@@ -104,8 +104,9 @@ def collate_rows(
     )
     cu_seqlens = cu_seqlens_of(doc_lengths[0]) if len(rows) == 1 and document_masking else None
     if mesh is not None and mesh.sp_degree > 1:  # balanced: placed from the row's boundaries
-        ids, labels, positions = (
-            shard_sequence(t, mesh, dim=1, cu_seqlens=cu_seqlens) for t in (ids, labels, positions)
+        # one index computation for the three tensors; the length was checked at start-up (trainer.seq_len)
+        ids, labels, positions = shard_sequences(
+            (ids, labels, positions), mesh, dim=1, cu_seqlens=cu_seqlens, checked=True
         )
     return {
         "input_ids": ids,

@@ -5,7 +5,7 @@ Order (every rank runs all of it):
 1. process group (as the trainer: reuse, ``env://`` from torchrun, or one process); nccl on CUDA, gloo on CPU;
 2. checks, before any weight is read or any forward runs, shared by every rank (an error on one rank is
    raised on all, no rank left waiting): ``model.path`` (an HF dir or a training checkpoint), the layout
-   resolved as for training (:func:`usp.startup.resolve_degrees`: the same degrees, planner choice for
+   resolved as for training (:func:`usp.startup.resolve_layout`: the same degrees, planner choice for
    ``auto`` and node size as ``usp-train`` gets for this config), the ``eval.*`` settings, every evaluated
    length against the sequence layout, heads vs Ulysses, the tokenizer, then the task's inputs (passkey
    prompts; ruler: every task fits the shortest length, the chat template, the haystack files; ppl documents
@@ -34,13 +34,12 @@ from usp.model import (
     check_weight_headers,
     parse_dtype,
 )
-from usp.parallel import sequence_multiple
+from usp.parallel import ParallelLayout, sequence_multiple
 from usp.parallel.agree import on_every_rank, on_rank0
 from usp.startup import (
-    ResolvedDegrees,
     build_mesh,
     check_model_for_degrees,
-    resolve_degrees,
+    resolve_layout,
     run_in_process_group,
 )
 
@@ -83,7 +82,7 @@ def resolve_model_source(path: str) -> ModelSource:
     return ModelSource(Path(base), ckpt, config)
 
 
-def resolve_lengths(cfg: TrainConfig, layout: ResolvedDegrees | None = None) -> list[int]:
+def resolve_lengths(cfg: TrainConfig, layout: ParallelLayout | None = None) -> list[int]:
     """``eval.lengths``, or the default for the task (from ``trainer.seq_len``), rounded to the layout
     (``layout``: the resolved one; without it, the config's explicit degrees)."""
     if cfg.eval.lengths:
@@ -99,7 +98,7 @@ def resolve_lengths(cfg: TrainConfig, layout: ResolvedDegrees | None = None) -> 
     return sorted({max(m, (x // m) * m) for x in (s // 4, s // 2, s, 2 * s)})
 
 
-def check_eval_settings(cfg: TrainConfig, layout: ResolvedDegrees) -> list[int]:
+def check_eval_settings(cfg: TrainConfig, layout: ParallelLayout) -> list[int]:
     """Every ``eval.*`` setting and the evaluated lengths vs the resolved ``layout``; returns the lengths.
     ``ValueError`` naming the setting and the fix. Pure arithmetic (no files)."""
     e, p = cfg.eval, cfg.parallel
@@ -121,7 +120,7 @@ def check_eval_settings(cfg: TrainConfig, layout: ResolvedDegrees) -> list[int]:
 
         check_ruler_settings(e)
     lengths = resolve_lengths(cfg, layout)
-    m = sequence_multiple(layout.ring_degree, layout.ulysses_degree, p.ring_layout)
+    m = layout.sequence_multiple()
     bad = [x for x in lengths if x < 2 or x % m]
     if bad:
         fix = ", ".join(f"{x} -> {max(m, round(x / m) * m)}" for x in bad)
@@ -171,9 +170,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
 def prepare(
     cfg: TrainConfig, world: int, device: torch.device
-) -> tuple[list[int], ResolvedDegrees, ModelSource, Any]:
+) -> tuple[list[int], ParallelLayout, ModelSource, Any]:
     """Every check before the model is read: ``(lengths, layout, source, tokenizer)``; ``ValueError`` naming
-    the setting. The layout is :func:`usp.startup.resolve_degrees`'s, as for training this config."""
+    the setting. The layout is :func:`usp.startup.resolve_layout`'s, as for training this config."""
     from transformers import AutoTokenizer
 
     source = resolve_model_source(cfg.model.path)
@@ -185,7 +184,7 @@ def prepare(
     )
     if source.checkpoint is None:
         check_weight_headers(cfg.model.path)
-    layout = resolve_degrees(cfg, source.config, world, device)
+    layout = resolve_layout(cfg, source.config, world, device)
     lengths = check_eval_settings(cfg, layout)
     if cfg.eval.task == "ppl":
         from usp.eval.ppl import check_ppl_inputs

@@ -2,10 +2,10 @@
 layout fails on the login node instead of after the queue wait.
 
 - :func:`check_layout`: :func:`usp.config.validate_layout`, the check ``usp.train`` runs first on every
-  rank: the degrees against the world the launcher will start (:class:`usp.parallel.ParallelDims`) and
+  rank: the degrees against the world the launcher will start (:class:`usp.parallel.ParallelLayout`) and
   ``trainer.seq_len`` against the sequence layout (:func:`usp.parallel.check_sequence_length`); an ``auto``
   degree counts as 1 there, so the fixed one is checked.
-- :func:`check_known_degrees`: :class:`usp.parallel.ParallelDims` on the command line's degrees when no run
+- :func:`check_known_degrees`: :class:`usp.parallel.ParallelLayout` on the command line's degrees when no run
   config is composed (Hydra-flag mode).
 - :func:`check_memory`: the planner's per-GPU memory estimate of that layout
   (:func:`usp.plan.evaluate_layout`, the figure ``usp-plan`` prints; MLP tiles resolved and the states'
@@ -27,7 +27,7 @@ from typing import Any
 from usp.config import TrainConfig, validate_layout
 
 LAYOUT_FIELDS = ("ulysses_degree", "ring_degree", "dp_degree", "node_size", "allow_cross_node_ulysses")
-"""The ``parallel.*`` settings :class:`usp.parallel.ParallelDims` validates."""
+"""The ``parallel.*`` settings :class:`usp.parallel.ParallelLayout` validates."""
 
 
 def check_layout(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> None:
@@ -52,7 +52,7 @@ def _integer(value: object) -> bool:
 
 
 def check_known_degrees(degrees: Mapping[str, Any], *, world_size: int, local_world_size: int) -> None:
-    """:class:`usp.parallel.ParallelDims` for what is known of a layout before start-up.
+    """:class:`usp.parallel.ParallelLayout` for what is known of a layout before start-up.
 
     ``degrees`` maps :data:`LAYOUT_FIELDS` names to values; a missing or ``None`` one is unknown.
     ``ulysses_degree`` / ``ring_degree`` count when integers; one that is unknown, ``auto`` or not an integer
@@ -62,25 +62,23 @@ def check_known_degrees(degrees: Mapping[str, Any], *, world_size: int, local_wo
     or unknown (a spelling the trainer's config reads as true, ``yes``, is not held against the layout).
 
     Raises:
-        ValueError: ParallelDims's message, with the numbers and the fix.
+        ValueError: :class:`usp.parallel.ParallelLayout`'s message, with the numbers and the fix (the same
+            constructor, :meth:`~usp.parallel.ParallelLayout.from_settings`, as the config check).
     """
-    from usp.parallel import ParallelDims
+    from usp.parallel import ParallelLayout
 
-    ulysses, ring = degrees.get("ulysses_degree"), degrees.get("ring_degree")
-    dp, node, cross = (
-        degrees.get("dp_degree"),
-        degrees.get("node_size"),
-        degrees.get("allow_cross_node_ulysses"),
-    )
-    ParallelDims(
+    def known(name: str) -> object:  # a value the command line gave that is not an integer is unknown here
+        value = degrees.get(name)
+        return value if _integer(value) else None
+
+    node = known("node_size")
+    ParallelLayout.from_settings(
         world_size=world_size,
-        ulysses_degree=ulysses if _integer(ulysses) else 1,
-        ring_degree=ring if _integer(ring) else 1,
-        dp_degree=dp if _integer(dp) and _integer(ulysses) and _integer(ring) else -1,
-        node_size=_node_size(
-            node if _integer(node) else None, world_size=world_size, local_world_size=local_world_size
-        ),
-        allow_cross_node_ulysses=cross not in (None, False),
+        ulysses_degree=known("ulysses_degree"),
+        ring_degree=known("ring_degree"),
+        dp_degree=known("dp_degree"),
+        node_size=_node_size(node, world_size=world_size, local_world_size=local_world_size),
+        allow_cross_node_ulysses=degrees.get("allow_cross_node_ulysses"),
     )
 
 
@@ -94,34 +92,31 @@ def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) ->
         ValueError: when the estimate exceeds the device memory (with the figure, its breakdown and the fix),
             or, with ``auto`` degrees, when no layout fits (the trainer's start-up error).
     """
-    from usp.mlp_tiles import resolve_mlp_tiles
     from usp.plan import load_model_spec
     from usp.plan.request import PlanRequest
+    from usp.startup.degrees import plan_layout
 
     p, t = cfg.parallel, cfg.trainer
     config_json = Path(cfg.model.path) / "config.json"
     if not config_json.is_file():
         return None
-    request = PlanRequest.from_config(cfg)
     node_size = _node_size(p.node_size, world_size=world_size, local_world_size=local_world_size)
+    run_layout = plan_layout(  # the layout start-up will make (the planner's choice for auto degrees)
+        cfg,
+        json.loads(config_json.read_text()),
+        world_size=world_size,
+        node_size=node_size,
+        gpu=cfg.cluster.gpu,
+    )
     if "auto" in (p.ulysses_degree, p.ring_degree):
-        plan = request.plan_auto(
-            json.loads(config_json.read_text()),
-            world_size=world_size,
-            node_size=node_size,
-            gpu=cfg.cluster.gpu,
-            memory_gib=cfg.cluster.memory_gib,
-        )
         return (
-            f"layout: the planner picks ulysses {plan['ulysses_degree']} x ring {plan['ring_degree']} x dp "
-            f"{plan['dp_degree']}, {plan['fsdp_mode']}, activation checkpointing {plan['activation_checkpointing']} "
-            f"({plan.get('reason', '')})"
+            f"layout: the planner picks ulysses {run_layout.ulysses_degree} x ring {run_layout.ring_degree} x dp "
+            f"{run_layout.dp_degree}, {run_layout.fsdp_mode}, activation checkpointing "
+            f"{run_layout.activation_checkpointing} ({run_layout.reason.removeprefix('planner: ')})"
         )
+    request = PlanRequest.from_config(cfg)
     device = request.device(cfg.cluster.gpu, memory_gib=cfg.cluster.memory_gib)
-    model = load_model_spec(cfg.model.path)
-    U, R = int(p.ulysses_degree), int(p.ring_degree)
-    tiles = resolve_mlp_tiles(p.mlp_tiles, local_tokens=t.seq_len // (U * R), hidden_size=model.hidden_size)
-    est = request.evaluate(model, device, world_size=world_size, node_size=node_size, mlp_tiles=tiles)
+    est = request.evaluate(load_model_spec(cfg.model.path), device, run_layout)
     layout = (
         f"ulysses {est.ulysses_degree} x ring {est.ring_degree} x dp {est.dp_degree}, {est.fsdp_mode}, "
         f"activation checkpointing {est.activation_checkpointing}, trainer.seq_len={t.seq_len}"
@@ -161,20 +156,19 @@ def check_eval(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> s
     ``model.path`` this machine cannot read), else ``None``."""
     from usp.eval.runner import check_eval_settings, resolve_model_source
     from usp.model import check_heads
-    from usp.startup import ResolvedDegrees
+    from usp.parallel import ParallelLayout
 
     p = cfg.parallel
     if "auto" in (p.ulysses_degree, p.ring_degree):
         return "eval checks: the degrees are auto (chosen at start-up), so lengths and heads are checked then"
     U, R = int(p.ulysses_degree), int(p.ring_degree)
-    layout = ResolvedDegrees(
+    layout = ParallelLayout(
+        world_size=world_size,
         ulysses_degree=U,
         ring_degree=R,
-        dp_degree=world_size // (U * R),
         node_size=_node_size(p.node_size, world_size=world_size, local_world_size=local_world_size),
-        fsdp_mode=p.fsdp_mode,
-        activation_checkpointing=p.activation_checkpointing,
-        ac_every_k=p.ac_every_k,
+        allow_cross_node_ulysses=p.allow_cross_node_ulysses,
+        ring_layout=p.ring_layout,
     )
     check_eval_settings(cfg, layout)
     if not Path(cfg.model.path).exists():

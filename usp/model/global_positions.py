@@ -16,7 +16,7 @@ is patched, so other models in the process are untouched):
 - ``attn_temperature_tuning`` (Llama 4 NoPE layers): the query scale ``log1p(floor((i + 1) / floor_scale)) *
   attn_scale + 1`` uses the token index ``i = arange(local length) + cached tokens``. A pre-hook on the
   decoder passes the global index of every local token (forward kwarg ``usp_global_token_index``, int64
-  ``[S_local]``: :func:`usp.parallel.local_token_indices` of the mesh's layout, with ``cu_seqlens`` for
+  ``[S_local]``: :func:`usp.parallel.mesh_token_indices` of the mesh's layout, with ``cu_seqlens`` for
   ``balanced``; no communication), the NoPE attention modules compute the model's scale from it, a forward
   hook on their ``q_proj`` applies it, and the module's own (local) scaling is switched off on the instance.
   Everything else the model derives from positions already sees the global ``position_ids``; its mask
@@ -35,7 +35,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from usp.parallel import SPMesh
-from usp.parallel.sequence import local_token_indices
+from usp.parallel.sequence import mesh_token_indices
 
 LONGROPE = "longrope"
 DYNAMIC_ROPE = "dynamic_rope"
@@ -135,15 +135,8 @@ def _pass_token_index(decoder: nn.Module, args: tuple, kwargs: dict) -> tuple[tu
     else:
         cu = kwargs.get("cu_seq_lens_q")
         cu = kwargs.get("cu_seqlens") if cu is None else cu
-        index = local_token_indices(
-            s * mesh.sp_degree,
-            mesh.ring_degree,
-            mesh.ulysses_degree,
-            mesh.ring_rank,
-            mesh.ulysses_rank,
-            mesh.ring_layout,
-            cu,  # placed by the balanced layout only, ignored by the others (as shard_sequence does)
-        )
+        # placed by the balanced layout only, ignored by the others (as shard_sequence does)
+        index = mesh_token_indices(mesh, s * mesh.sp_degree, cu)
     return args, {**kwargs, TOKEN_INDEX_KWARG: index.to(device)}
 
 

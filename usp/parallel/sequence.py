@@ -18,29 +18,42 @@ The same function shards tokens, labels, position ids and anything else along th
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from usp.modes import chunks_per_ring_rank
 from usp.parallel.balance import check_boundaries, pieces_to_positions, ring_pieces
-from usp.parallel.mesh import SPMesh, sequence_multiple
+from usp.parallel.layout import sequence_length_error, sequence_multiple
+from usp.parallel.mesh import SPMesh
 
 
-def check_sequence_length(seq_len: int, ring_degree: int, ulysses_degree: int, ring_layout: str) -> None:
-    """Raise ``ValueError`` naming the nearest valid lengths when ``seq_len`` does not suit the layout."""
-    m = sequence_multiple(ring_degree, ulysses_degree, ring_layout)
-    if seq_len <= 0 or seq_len % m != 0:
-        lower = (seq_len // m) * m
-        upper = lower + m
-        nearest = [x for x in (lower, upper) if x > 0]
-        chunks = chunks_per_ring_rank(ring_layout)
-        why = "ring_degree x ulysses_degree" if chunks == 1 else f"{chunks} x ring_degree x ulysses_degree"
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by {m} (= {why} for the {ring_layout} layout with "
-            f"ring_degree={ring_degree}, ulysses_degree={ulysses_degree}). Use trainer.seq_len = "
-            f"{' or '.join(str(x) for x in nearest)} (nearest valid), or change the degrees."
-        )
+def check_sequence_length(
+    seq_len: int,
+    ring_degree: int,
+    ulysses_degree: int,
+    ring_layout: str,
+    setting: str = "trainer.seq_len",
+) -> None:
+    """Raise ``ValueError`` naming ``setting`` (the setting that holds ``seq_len``) and the nearest valid
+    lengths when ``seq_len`` does not suit the layout. A boundary check: start-up and the public entry points
+    call it, never a training step (:meth:`usp.parallel.ParallelLayout.check_sequence_length` is the same)."""
+    message = sequence_length_error(seq_len, ring_degree, ulysses_degree, ring_layout, setting)
+    if message is not None:
+        raise ValueError(message)
+
+
+@lru_cache(maxsize=256)
+def _uniform_token_indices(
+    seq_len: int, ring_degree: int, ulysses_degree: int, ring_rank: int, ulysses_rank: int, ring_layout: str
+) -> torch.Tensor:
+    """:func:`local_token_indices` without boundaries (every layout but ``balanced`` with documents): the same
+    for every row of a length, so computed once per length."""
+    pieces = ring_pieces(seq_len, ring_degree, ring_layout, None)[ring_rank]
+    part = pieces_to_positions(pieces)
+    n = part.size // ulysses_degree
+    return torch.from_numpy(part[ulysses_rank * n : (ulysses_rank + 1) * n].copy())
 
 
 def local_token_indices(
@@ -51,14 +64,57 @@ def local_token_indices(
     ulysses_rank: int,
     ring_layout: str,
     cu_seqlens: torch.Tensor | None = None,
+    *,
+    checked: bool = False,
 ) -> torch.Tensor:
     """Global positions (int64 ``[seq_len / (R * U)]``) of the tokens one rank holds, in local order.
 
     ``cu_seqlens`` (the row's document boundaries, ``0 .. seq_len``) places the ``balanced`` layout; the
-    other layouts ignore it.
+    other layouts ignore it. ``ValueError`` for a length that does not suit the layout, unless ``checked``
+    (the caller checked it: a per-step caller). The returned tensor may be shared between calls: do not
+    modify it.
     """
-    check_sequence_length(seq_len, ring_degree, ulysses_degree, ring_layout)
+    if checked:
+        assert seq_len % sequence_multiple(ring_degree, ulysses_degree, ring_layout) == 0, seq_len
+    else:
+        check_sequence_length(seq_len, ring_degree, ulysses_degree, ring_layout)
+    return _token_indices(
+        seq_len, ring_degree, ulysses_degree, ring_rank, ulysses_rank, ring_layout, cu_seqlens
+    )
+
+
+def mesh_token_indices(mesh: SPMesh, seq_len: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's :func:`local_token_indices` on ``mesh`` for a length already checked (no ``ValueError``
+    check: for the per-step callers, whose length start-up checked). Cached per length for every layout but
+    ``balanced`` with boundaries; do not modify the result."""
+    assert seq_len % mesh.layout.sequence_multiple() == 0, f"unchecked sequence length {seq_len}"
+    use_cu = cu_seqlens if mesh.ring_layout == "balanced" and mesh.ring_degree > 1 else None
+    return _token_indices(
+        seq_len,
+        mesh.ring_degree,
+        mesh.ulysses_degree,
+        mesh.ring_rank,
+        mesh.ulysses_rank,
+        mesh.ring_layout,
+        use_cu,
+    )
+
+
+def _token_indices(
+    seq_len: int,
+    ring_degree: int,
+    ulysses_degree: int,
+    ring_rank: int,
+    ulysses_rank: int,
+    ring_layout: str,
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`local_token_indices` for a length already checked."""
     assert 0 <= ring_rank < ring_degree and 0 <= ulysses_rank < ulysses_degree
+    if cu_seqlens is None or ring_layout != "balanced" or ring_degree == 1:
+        return _uniform_token_indices(
+            seq_len, ring_degree, ulysses_degree, ring_rank, ulysses_rank, ring_layout
+        )
     pieces = ring_pieces(seq_len, ring_degree, ring_layout, cu_seqlens)[ring_rank]
     part = pieces_to_positions(pieces)
     n = part.size // ulysses_degree
@@ -104,22 +160,37 @@ def shard_sequence(
     ``cu_seqlens``: the row's document boundaries (global, CPU, ``0 .. S``); the ``balanced`` layout places
     tokens from them (and then needs batch size 1), the others ignore them.
     Raises ``ValueError`` if ``S`` does not suit the layout (naming the nearest valid lengths), or for
-    boundaries that do not cover the row.
+    boundaries that do not cover the row. Several tensors of one row: :func:`shard_sequences` (one check,
+    one index computation).
     """
-    dim = dim % x.dim()
-    seq_len = x.size(dim)
-    check_sequence_length(seq_len, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_layout)
-    cu = _layout_boundaries(x, dim, mesh, cu_seqlens, seq_len)
-    idx = local_token_indices(
-        seq_len,
-        mesh.ring_degree,
-        mesh.ulysses_degree,
-        mesh.ring_rank,
-        mesh.ulysses_rank,
-        mesh.ring_layout,
-        cu,
-    )
-    return x.index_select(dim, idx.to(x.device)).contiguous()
+    return shard_sequences((x,), mesh, dim, cu_seqlens=cu_seqlens)[0]
+
+
+def shard_sequences(
+    tensors: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    mesh: SPMesh,
+    dim: int = 1,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    checked: bool = False,
+) -> list[torch.Tensor]:
+    """:func:`shard_sequence` of several tensors of the same rows (same length along ``dim``): the length and
+    boundaries are checked once and the token indices computed once for all of them.
+
+    ``checked=True`` skips the ``ValueError`` checks (length vs layout, boundaries): for the trainer's
+    micro-batches, whose length start-up checked (``trainer.seq_len``) and whose boundaries the packer made.
+    """
+    first = tensors[0]
+    dim = dim % first.dim()
+    seq_len = first.size(dim)
+    assert all(t.size(dim % t.dim()) == seq_len for t in tensors), "tensors of one row share its length"
+    if not checked:
+        check_sequence_length(seq_len, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_layout)
+        cu = _layout_boundaries(first, dim, mesh, cu_seqlens, seq_len)
+    else:
+        cu = cu_seqlens
+    idx = mesh_token_indices(mesh, seq_len, cu)
+    return [t.index_select(dim % t.dim(), idx.to(t.device)).contiguous() for t in tensors]
 
 
 def gather_sequence(

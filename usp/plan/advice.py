@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 
 from usp.longest import longest_passing
-from usp.parallel.mesh import sequence_multiple
+from usp.parallel.layout import sequence_multiple
 from usp.plan.estimate import LayoutEstimate, enumerate_candidates
 from usp.plan.hardware import DeviceSpec
 from usp.plan.layout import SearchSpace, Workload

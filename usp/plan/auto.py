@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from usp.parallel.layout import ParallelLayout
 from usp.plan.hardware import get_device
 from usp.plan.layout import SearchSpace, Workload
 from usp.plan.models import load_model_spec
@@ -36,7 +37,7 @@ def auto_degrees(
     cpu_offload: bool = False,
     host_mem_gib: float | None = None,
     headroom_gib: float | None = None,
-) -> dict[str, Any]:
+) -> ParallelLayout:
     """The planner's choice for ``parallel.ulysses_degree=auto`` and/or ``parallel.ring_degree=auto``.
 
     ``model_config`` is an HF config dict; ``gpu`` a name from :data:`usp.plan.hardware.GPUS` (default
@@ -48,9 +49,9 @@ def auto_degrees(
     let the planner tile when needed), ``attn_head_chunks`` (``parallel.attn_head_chunks``: a fixed count,
     which rules out the layouts whose heads it does not split, or ``"auto"``), ``cpu_offload`` (:func:`usp.config.states_on_host`: the states and
     the optimizer step on the host), ``host_mem_gib`` (``cluster.host_mem_gib``) and ``headroom_gib`` complete the
-    run's description. Returns ``{"ulysses_degree", "ring_degree", "dp_degree", "fsdp_mode",
-    "activation_checkpointing", "reason"}`` (plus ``ac_every_k`` when checkpointing is ``every_k``, and
-    ``mlp_tiles`` / ``attn_head_chunks`` when they were ``"auto"``). Raises ``ValueError`` when nothing fits.
+    run's description. Returns the chosen :class:`usp.parallel.ParallelLayout` (the type start-up builds the
+    mesh from; its ``reason`` the one-line why, its ``node_size`` the planner's, at most ``world_size``; a fixed
+    ``mlp_tiles`` / ``attn_head_chunks`` stays as given). Raises ``ValueError`` when nothing fits.
     """
     model = load_model_spec(model_config)
     device = get_device(gpu or "h100-80g", memory_gib=memory_gib, host_mem_gib=host_mem_gib)
@@ -94,21 +95,8 @@ def auto_degrees(
         + f": predicted {best.mem_gib_per_gpu:.2f} GiB/rank, "
         f"{best.step_time_s:.3g} s/step, {best.tokens_per_s_per_gpu:.4g} tokens/s/rank"
     )
-    out: dict[str, Any] = {
-        "ulysses_degree": best.ulysses_degree,
-        "ring_degree": best.ring_degree,
-        "dp_degree": best.dp_degree,
-        "fsdp_mode": best.fsdp_mode,
-        "activation_checkpointing": best.activation_checkpointing,
-        "reason": reason,
-    }
-    if mlp_tiles == "auto":  # the planner's choice; a fixed count stays the user's
-        out["mlp_tiles"] = best.mlp_tiles
-    if attn_head_chunks == "auto":
-        out["attn_head_chunks"] = best.attn_head_chunks
-    if best.activation_checkpointing == "every_k":
-        out["ac_every_k"] = best.ac_every_k
-    return out
+    assert best.layout is not None
+    return best.layout.replace(reason=reason)
 
 
 __all__ = ["auto_degrees"]

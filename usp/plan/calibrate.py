@@ -58,8 +58,8 @@ def predict_run(run: TrainingRun, device: DeviceSpec) -> LayoutEstimate:
         ring_layout=run.ring_layout,
     )
     cand = Candidate(
-        run.ulysses_degree,
-        run.ring_degree,
+        ulysses_degree=run.ulysses_degree,
+        ring_degree=run.ring_degree,
         world_size=run.world_size,
         node_size=run.node_size,
         fsdp_mode=run.fsdp_mode,

@@ -5,7 +5,7 @@ attn_head_chunks) and where the states live (:class:`usp.plan.layout.Candidate`)
 estimate plus a headroom (:data:`usp.plan.hardware.HEADROOM_FRAC` of the device by default) is within the
 device, and its host bytes within the node's usable host memory. The layout rules (Ulysses inside a node,
 degrees dividing the world, zigzag's sequence multiple ``2 x ring x ulysses``) come from
-:class:`usp.parallel.ParallelDims` and :func:`usp.parallel.sequence_multiple`; the head split rule from
+:class:`usp.parallel.ParallelLayout` and :func:`usp.parallel.sequence_multiple`; the head split rule from
 :meth:`ModelSpec.ulysses_split_error`. Ranking and the advice when nothing fits: :mod:`usp.plan.search`,
 :mod:`usp.plan.advice`.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from usp.attention.ring import head_chunk_options
-from usp.parallel.mesh import ParallelDims, sequence_multiple
+from usp.parallel.layout import ParallelLayout, sequence_multiple
 from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
 from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, compute_time, mfu, model_flops_per_token
 from usp.plan.hardware import GIB, DeviceSpec
@@ -63,6 +63,9 @@ class LayoutEstimate:
     host_fits: bool = True
     attn_head_chunks: int = 1
     """``parallel.attn_head_chunks``: groups of heads the ring runs over in turn (1 = off)."""
+    layout: ParallelLayout | None = None
+    """The layout costed, as the run's own type (its ``ring_layout`` the workload's): what
+    :func:`usp.plan.auto_degrees` returns and start-up builds the mesh from."""
 
     @property
     def tricks(self) -> int:
@@ -118,6 +121,7 @@ class LayoutEstimate:
             "states": self.states,
             "host_mem_gib_per_node": round(self.host_mem_gib_per_node, 3),
             "headroom_gib": round(self.headroom_gib, 3),
+            **({} if self.layout is None else {"layout": self.layout.to_dict()}),
         }
 
 
@@ -126,7 +130,7 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
     in sequences; default one per dp rank."""
     model, seq_len, B = work.model, work.seq_len, work.compute_bytes
     U, R, world_size, node_size = cand.ulysses_degree, cand.ring_degree, cand.world_size, cand.node_size
-    D = ParallelDims(world_size=world_size, ulysses_degree=U, ring_degree=R, node_size=node_size).dp_degree
+    D = cand.dp_degree  # validated when the layout was made
     why = model.ulysses_split_error(U)
     if why:
         raise ValueError(f"parallel.ulysses_degree={U}: {why}.")
@@ -214,6 +218,7 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
         headroom_gib=headroom,
         host_fits=host_fits,
         attn_head_chunks=cand.attn_head_chunks,
+        layout=cand if cand.ring_layout == work.ring_layout else cand.replace(ring_layout=work.ring_layout),
     )
 
 
@@ -249,10 +254,10 @@ def head_chunks_to_try(
 
 def split_layout(
     model: ModelSpec, *, world_size: int, ulysses_degree: int, ring_degree: int, node_size: int
-) -> tuple[ParallelDims | None, str | None]:
+) -> tuple[ParallelLayout | None, str | None]:
     """``(dims, None)`` when the degrees fit the world, the nodes and the model's heads; else ``(None, why)``."""
     try:
-        dims = ParallelDims(
+        dims = ParallelLayout(
             world_size=world_size, ulysses_degree=ulysses_degree, ring_degree=ring_degree, node_size=node_size
         )
     except ValueError as e:
@@ -270,10 +275,10 @@ def fsdp_modes_to_try(space: SearchSpace, node_size: int) -> tuple[str, ...]:
 
 def valid_pairs(
     model: ModelSpec, space: SearchSpace
-) -> tuple[list[tuple[int, int, ParallelDims]], list[str]]:
+) -> tuple[list[tuple[int, int, ParallelLayout]], list[str]]:
     """The ``(ulysses, ring, dims)`` of every pair of ``space`` (its fixed degrees, else every divisor of the
     world) that :func:`split_layout` accepts, in search order, and why each other pair was rejected."""
-    pairs: list[tuple[int, int, ParallelDims]] = []
+    pairs: list[tuple[int, int, ParallelLayout]] = []
     rejected: list[str] = []
     W = space.world_size
     for U in divisors(W) if space.ulysses_degree is None else [space.ulysses_degree]:
@@ -299,8 +304,8 @@ def base_candidates(space: SearchSpace, ulysses_degree: int, ring_degree: int) -
     ]
     return [
         Candidate(
-            ulysses_degree,
-            ring_degree,
+            ulysses_degree=ulysses_degree,
+            ring_degree=ring_degree,
             world_size=space.world_size,
             node_size=space.node_size,
             fsdp_mode=fsdp_mode,

@@ -3,8 +3,8 @@
 - :class:`Workload`: what is trained, the same for every layout of a search (model, sequence length, batch,
   precision, loss chunk, ring layout, packed documents) and how strictly a layout is judged (allocator margin,
   headroom);
-- :class:`Candidate`: one layout being costed (degrees, cluster shape, FSDP mode, checkpointing, memory tricks,
-  where the states live);
+- :class:`Candidate`: one layout being costed, i.e. a :class:`usp.parallel.ParallelLayout` (degrees, cluster
+  shape, FSDP mode, checkpointing, memory tricks, where the states live);
 - :class:`SearchSpace`: the candidates a search tries (the cluster and what the user pinned; ``None`` = the
   planner chooses).
 
@@ -18,12 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from usp.parallel.layout import STATE_PLACEMENTS, ParallelLayout
 from usp.plan.compute import DocumentWork
 from usp.plan.models import ModelSpec
-
-STATE_PLACEMENTS: tuple[str, ...] = ("device", "cpu_offload")
-"""Where the sharded states live: on the device, or on the host with the optimizer step there
-(``optim.name=deepspeed_cpu_adam``: FSDP2 CPU offload, :func:`usp.config.states_on_host`)."""
 
 
 @dataclass(frozen=True)
@@ -54,35 +51,10 @@ class Workload:
     """Device memory a layout must leave free; ``None``: :attr:`DeviceSpec.default_headroom_gib`."""
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One layout: how the ranks split the sequence and the model, and which memory tricks it uses."""
-
-    ulysses_degree: int
-    ring_degree: int
-    world_size: int
-    node_size: int
-    """Ranks per node (at most ``world_size``): ``hybrid_shard`` shards over it, host memory is per node."""
-    fsdp_mode: str = "full_shard"
-    activation_checkpointing: str = "none"
-    """One of :data:`usp.modes.AC_MODES`: ``none``, ``every_k``, ``full``, ``offload`` (inputs on the host)."""
-    ac_every_k: int = 2
-    """With ``every_k``: every k-th layer is checkpointed."""
-    mlp_tiles: int = 1
-    """``parallel.mlp_tiles``: the MLPs and norms run over this many sequence tiles (1 = off)."""
-    attn_head_chunks: int = 1
-    """``parallel.attn_head_chunks``: the ring runs over this many groups of heads in turn (1 = off)."""
-    states: str = "device"
-    """One of :data:`STATE_PLACEMENTS`: where the sharded parameters, gradients and optimizer states live."""
-
-    @property
-    def dp_degree(self) -> int:
-        return self.world_size // (self.ulysses_degree * self.ring_degree)
-
-    @property
-    def states_on_host(self) -> bool:
-        """The sharded states and the optimizer step on the host (FSDP2 CPU offload)."""
-        return self.states == "cpu_offload"
+Candidate = ParallelLayout
+"""One layout being costed: the run's own layout type (:class:`usp.parallel.ParallelLayout`: degrees, cluster
+shape, FSDP mode, checkpointing, memory tricks, where the states live), so what the planner chooses is what
+start-up builds the mesh from. ``Candidate`` is its name in the planner's vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +79,7 @@ class SearchSpace:
     """Placements of :data:`STATE_PLACEMENTS` tried."""
 
 
-Layout = TypeVar("Layout", Candidate, SearchSpace)
+Layout = TypeVar("Layout", ParallelLayout, SearchSpace)
 
 
 def from_keywords(

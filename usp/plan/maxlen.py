@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from usp.longest import longest_passing
-from usp.parallel.mesh import sequence_multiple
+from usp.parallel.layout import sequence_multiple
 from usp.plan.estimate import (
     MLP_TILE_CANDIDATES,
     LayoutEstimate,

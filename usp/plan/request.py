@@ -23,10 +23,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from usp.config import ParallelConfig, TrainerConfig, states_on_host
+from usp.parallel.layout import ParallelLayout
 from usp.plan.auto import auto_degrees
 from usp.plan.estimate import LayoutEstimate, estimate_layout
 from usp.plan.hardware import DeviceSpec, get_device
-from usp.plan.layout import Candidate, Workload
+from usp.plan.layout import Workload
 from usp.plan.models import ModelSpec
 
 if TYPE_CHECKING:
@@ -155,8 +156,8 @@ class PlanRequest:
         node_size: int,
         gpu: str,
         memory_gib: float | None = None,
-    ) -> dict[str, Any]:
-        """:func:`usp.plan.auto_degrees` for this request (``ValueError`` when no layout fits)."""
+    ) -> ParallelLayout:
+        """:func:`usp.plan.auto_degrees` for this request: the layout it chooses (``ValueError`` when none fits)."""
         return auto_degrees(
             model_config,
             world_size=world_size,
@@ -175,21 +176,16 @@ class PlanRequest:
         self,
         model: ModelSpec,
         device: DeviceSpec,
+        layout: ParallelLayout,
         *,
-        world_size: int,
-        node_size: int,
-        mlp_tiles: int,
         global_batch: int | None = None,
     ) -> LayoutEstimate:
-        """:func:`usp.plan.evaluate_layout` of this request's fixed layout on ``device`` (:meth:`device`); ``mlp_tiles``: the resolved tile count
-        (the trainer's rule resolves ``auto`` for fixed degrees). ``global_batch`` (sequences per optimizer
-        step) defaults to dp x ``micro_batch_size`` x ``grad_accum_steps``: the figure ``usp-plan --global-batch``
-        prints for the same run (before, ``usp-launch`` costed one sequence per dp rank whatever the
-        accumulation, and printed less than ``usp-plan``)."""
-        assert "auto" not in (self.ulysses_degree, self.ring_degree), "evaluate() needs fixed degrees"
-        U, R = int(self.ulysses_degree), int(self.ring_degree)
+        """:func:`usp.plan.evaluate_layout` of the run's ``layout`` (:func:`usp.startup.plan_layout`, as start-up
+        makes it) on ``device`` (:meth:`device`). ``global_batch`` (sequences per optimizer step) defaults to
+        dp x ``micro_batch_size`` x ``grad_accum_steps``: the figure ``usp-plan --global-batch`` prints for the
+        same run."""
         if global_batch is None:
-            global_batch = max(1, world_size // (U * R)) * self.micro_batch_size * self.grad_accum_steps
+            global_batch = layout.dp_degree * self.micro_batch_size * self.grad_accum_steps
         work = Workload(
             model,
             self.seq_len,
@@ -198,19 +194,7 @@ class PlanRequest:
             loss_chunk_size=self.loss_chunk_size,
             ring_layout=self.ring_layout,
         )
-        cand = Candidate(
-            U,
-            R,
-            world_size,
-            node_size,
-            fsdp_mode=self.fsdp_mode,
-            activation_checkpointing=self.activation_checkpointing,
-            ac_every_k=self.ac_every_k,
-            mlp_tiles=mlp_tiles,
-            attn_head_chunks=int(self.attn_head_chunks),
-            states="cpu_offload" if self.states_on_host else "device",
-        )
-        return estimate_layout(work, cand, device)
+        return estimate_layout(work, layout, device)
 
 
 __all__ = ["PlanRequest", "compute_bytes"]

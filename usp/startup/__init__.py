@@ -1,8 +1,8 @@
 """What ``usp-train`` and ``usp-eval`` share at start-up (layer 8: below ``usp.eval`` and ``usp.train``).
 
-- :mod:`usp.startup.degrees` - ``parallel.*`` resolved against the world once (:func:`resolve_degrees` ->
-  :class:`ResolvedDegrees`: the degrees, or the planner's choice for ``auto``; node size; MLP tiles) and the
-  mesh built from them (:func:`build_mesh`);
+- :mod:`usp.startup.degrees` - ``parallel.*`` resolved against the world once (:func:`resolve_layout` ->
+  :class:`usp.parallel.ParallelLayout`: the degrees, or the planner's choice for ``auto``; node size; MLP
+  tiles) and the mesh that owns it (:func:`build_mesh`);
 - :mod:`usp.startup.checks` - the model against those degrees: heads vs Ulysses, RoPE vs sequence parallelism
   (:func:`check_model_for_degrees`);
 - :mod:`usp.startup.shell` - the ``run()`` shell: device, process group (created here -> destroyed here)
@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from usp.startup.checks import check_model_for_degrees
-    from usp.startup.degrees import ResolvedDegrees, build_mesh, resolve_degrees
+    from usp.startup.degrees import build_mesh, resolve_layout
     from usp.startup.shell import run_in_process_group
 
 _HOMES = {
     "check_model_for_degrees": "usp.startup.checks",
-    "ResolvedDegrees": "usp.startup.degrees",
     "build_mesh": "usp.startup.degrees",
-    "resolve_degrees": "usp.startup.degrees",
+    "resolve_layout": "usp.startup.degrees",
     "run_in_process_group": "usp.startup.shell",
 }
 
@@ -40,9 +39,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "ResolvedDegrees",
     "build_mesh",
     "check_model_for_degrees",
-    "resolve_degrees",
+    "resolve_layout",
     "run_in_process_group",
 ]

@@ -1,9 +1,9 @@
 """The trainer's start-up checks, once, before any weights or data: :func:`check_training_run`.
 
 ``check_training_run(cfg, world_size, device)`` runs every check that needs no weights, data or collectives and
-returns ``(model_config, degrees)``: the Hugging Face config the run trains (RoPE overrides applied) and a frozen
-:class:`usp.startup.ResolvedDegrees` with every ``auto`` resolved to an integer (:func:`usp.startup.resolve_degrees`,
-the one resolution of ``parallel.*`` that ``usp-eval`` calls too). Everything after it reads the degrees, never
+returns ``(model_config, layout)``: the Hugging Face config the run trains (RoPE overrides applied) and the frozen
+:class:`usp.parallel.ParallelLayout` with every ``auto`` resolved (:func:`usp.startup.resolve_layout`, the one
+resolution of ``parallel.*`` that ``usp-eval`` and ``usp-launch`` call too). Everything after it reads the layout, never
 ``cfg.parallel``'s degrees, tiles or modes; the :class:`usp.config.TrainConfig` is never changed (its ``auto``
 stays ``auto``). Also here: the tiny model built if asked (:func:`build_tiny_if_asked`), whether FSDP2 keeps
 states on the host (:func:`keeps_states_on_host`), and the start-up warnings (:func:`start_up_warnings`).
@@ -20,8 +20,9 @@ import torch
 from usp.attention import check_attn_head_chunks, resolve_backend
 from usp.config import TrainConfig, states_on_host, validate_choices
 from usp.model import apply_rope_overrides, check_model_dir, parse_dtype
+from usp.parallel import ParallelLayout
 from usp.plan.models import head_dim_of
-from usp.startup import ResolvedDegrees, check_model_for_degrees, resolve_degrees
+from usp.startup import check_model_for_degrees, resolve_layout
 from usp.train.checkpoint_offload import check_host_memory
 from usp.train.optim import check_optim_config
 from usp.train.tiling import check_tiling_available
@@ -73,7 +74,7 @@ def keeps_states_on_host(cfg: TrainConfig, device: torch.device) -> bool:
 
 
 def _check_memory_tricks(
-    cfg: TrainConfig, model_config: Any, layout: ResolvedDegrees, world_size: int
+    cfg: TrainConfig, model_config: Any, layout: ParallelLayout, world_size: int
 ) -> None:
     """The resolved MLP tiles need DeepSpeed; the head chunks must split the heads per rank; the host memory
     that ``activation_checkpointing=offload`` takes on a node must be there (``ValueError`` naming the setting)."""
@@ -86,7 +87,7 @@ def _check_memory_tricks(
         layout.ulysses_degree,
     )
     if layout.activation_checkpointing == "offload":
-        local_tokens = cfg.trainer.seq_len // (layout.ulysses_degree * layout.ring_degree)
+        local_tokens = layout.local_tokens(cfg.trainer.seq_len)
         check_host_memory(
             num_layers=model_config.num_hidden_layers,
             local_tokens=local_tokens * cfg.trainer.micro_batch_size,
@@ -143,10 +144,8 @@ def start_up_warnings(cfg: TrainConfig) -> list[str]:
     return out
 
 
-def check_training_run(
-    cfg: TrainConfig, world_size: int, device: torch.device
-) -> tuple[Any, ResolvedDegrees]:
-    """Every check that needs no weights, data or collectives; returns ``(model_config, degrees)``.
+def check_training_run(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[Any, ParallelLayout]:
+    """Every check that needs no weights, data or collectives; returns ``(model_config, layout)``.
 
     Called once per run, on every rank, before anything expensive. Reads ``cfg``, never changes it. Raises
     ``ValueError`` naming the setting and the fix.
@@ -173,7 +172,7 @@ def check_training_run(
             "parallel.cpu_offload=true needs CUDA devices (it moves FSDP2 shards between GPU and host); "
             "set parallel.cpu_offload=false for CPU runs."
         )
-    layout = resolve_degrees(cfg, model_config, world_size, device)
+    layout = resolve_layout(cfg, model_config, world_size, device)
     check_model_for_degrees(model_config, layout)
     _check_memory_tricks(cfg, model_config, layout, world_size)
     return model_config, layout

@@ -22,10 +22,10 @@ from usp.checkpoint import load_checkpoint
 from usp.config import TrainConfig
 from usp.data import build_dataloaders
 from usp.model import build_empty_causal_lm, load_sharded_weights, parse_dtype, weight_devices
-from usp.parallel import SPMesh
+from usp.parallel import ParallelLayout, SPMesh
 from usp.parallel.agree import on_every_rank
 from usp.plan.models import head_dim_of, layer_attention_of
-from usp.startup import ResolvedDegrees, build_mesh
+from usp.startup import build_mesh
 from usp.train.checks import build_tiny_if_asked, check_training_run, keeps_states_on_host, start_up_warnings
 from usp.train.flops import count_matmul_params
 from usp.train.optim import build_optimizer, reapply_schedule
@@ -58,7 +58,7 @@ class Job:
     device: torch.device
     rank: int
     world: int
-    layout: ResolvedDegrees
+    layout: ParallelLayout
     mesh: SPMesh
     tokenizer: Any
     train_loader: Any
@@ -79,8 +79,8 @@ class Job:
 
     @property
     def layout_info(self) -> dict[str, Any]:
-        """The ``layout`` of the result and of ``metrics.jsonl``: the mesh and the resolved degrees."""
-        return {**self.mesh.describe(), **dataclasses.asdict(self.layout)}
+        """The ``layout`` of the result and of ``metrics.jsonl``: the run's layout (the mesh's)."""
+        return self.mesh.layout.to_dict()
 
 
 def start_job(cfg: TrainConfig, device: torch.device) -> Job:
@@ -142,7 +142,7 @@ def start_job(cfg: TrainConfig, device: torch.device) -> Job:
 
 
 def build_model(
-    cfg: TrainConfig, model_config: Any, layout: ResolvedDegrees, mesh: SPMesh, device: torch.device
+    cfg: TrainConfig, model_config: Any, layout: ParallelLayout, mesh: SPMesh, device: torch.device
 ) -> tuple[torch.nn.Module, torch.nn.Module, ModelShape]:
     """fp32 master weights, never whole on any rank: an empty (meta) model is sharded by
     :func:`usp.train.parallelize.parallelize`, then each rank's shards are filled from ``model.path`` (the RoPE

@@ -10,7 +10,7 @@ Order (every rank runs all of it; each stage is collective where it says so):
    before any weights or data (:func:`usp.train.checks.check_training_run`: the config's own rules, the model
    dir, the degrees (or the planner's choice for ``auto``) against the world, sequence length vs layout, heads
    vs Ulysses, the MLP tiles, optimizer and trainer settings, the resume path), giving a frozen
-   :class:`usp.startup.ResolvedDegrees` that every later stage reads (the config is never changed). A
+   :class:`usp.parallel.ParallelLayout` that every later stage reads (the config is never changed). A
    ``ValueError`` on any rank is raised on every rank (one all_gather of short strings,
    :func:`usp.parallel.agree.on_every_rank`), so no rank is left waiting in a collective.
 4. still in :func:`~usp.train.job.start_job`: mesh, tokenizer, data loaders; the model built empty (meta

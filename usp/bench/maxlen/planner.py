@@ -91,8 +91,8 @@ def one_gpu_offload(host_states: bool, *, mlp_tiles: int = 1) -> Any:
     from usp.plan.layout import Candidate
 
     return Candidate(
-        1,
-        1,
+        ulysses_degree=1,
+        ring_degree=1,
         world_size=1,
         node_size=1,
         activation_checkpointing="offload",
