@@ -544,7 +544,7 @@ def test_parse_overrides_names_the_bad_word(word, message):
 
 
 def test_check_degrees_is_parallel_dims_on_the_command_lines_values():
-    """Without a composed config (Hydra flags after --): the command line's integer degrees, ParallelDims's rules."""
+    """Without a composed config (Hydra flags after --): the command line's integer degrees, ParallelLayout's rules."""
     check_degrees(
         ["parallel.ulysses_degree=2", "parallel.ring_degree=2", "parallel.node_size=2"],
         nodes=1,

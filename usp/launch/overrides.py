@@ -3,8 +3,8 @@
 The launcher reads only a few things from the command line itself: whether a word is an override at all,
 whether the user set a key (``--cpu`` adds ``trainer.device=cpu`` unless the user set it), the job size a
 ``cluster.*`` override gives, and, when Hydra flags after ``--`` stop it from composing the run config, the
-degrees the command line sets. Everything else comes from the composed run config (:mod:`usp.launch.cli`),
-and every degree rule from :class:`usp.parallel.ParallelDims` (:mod:`usp.launch.preflight`).
+degrees the command line sets. Everything else comes from the composed run config (:mod:`usp.launch.common`),
+and every degree rule from :class:`usp.parallel.ParallelLayout` (:mod:`usp.launch.preflight`).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def check_degrees(overrides: Sequence[str], *, nodes: int, nproc_per_node: int) 
     unset, ``auto`` or not an integer is left to ``usp.train``.
 
     Raises:
-        ValueError: from :class:`usp.parallel.ParallelDims`, with the numbers and the fix.
+        ValueError: from :class:`usp.parallel.ParallelLayout`, with the numbers and the fix.
     """
     from usp.launch.preflight import LAYOUT_FIELDS, check_known_degrees
 
