@@ -18,10 +18,10 @@ from usp.config import TrainConfig, validate_choices
 from usp.data.batch import IGNORE_INDEX, collate_rows
 from usp.data.chat import ChatRenderer, conversation_of
 from usp.data.chat_prepare import ChatOptions, prepare_chat_dataset
+from usp.data.cli import main as prepare_main
 from usp.data.pack import PackStats
 from usp.data.pack_chat import pack_conversations
-from usp.data.prepare import main as prepare_main
-from usp.data.prepare import read_stats
+from usp.data.prepared import read_stats
 from usp.tiny import build_tiny_tokenizer
 
 CHATML = (

@@ -23,7 +23,7 @@ from usp.data import (
     row_labels,
     row_positions,
 )
-from usp.data.prepare import main as prepare_main
+from usp.data.cli import main as prepare_main
 from usp.data.sources import weighted_counts
 from usp.tiny import build_tiny_tokenizer, tiny_corpus_texts
 

@@ -10,7 +10,7 @@ import pytest
 
 from usp.config import DataConfig, TrainConfig, validate_choices
 from usp.data import load_text_sources
-from usp.data.prepare import build_parser
+from usp.data.cli import build_parser
 from usp.units import parse_seq_len
 
 

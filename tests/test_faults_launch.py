@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from usp.config import WandbConfig
 from usp.config.compose import run_id
-from usp.data.prepare import main as prepare_main
+from usp.data.cli import main as prepare_main
 from usp.data.sources import load_text_sources
 from usp.launch import cli, commands
 from usp.parallel.process_group import launcher_store

@@ -311,7 +311,7 @@ def test_a_damaged_eval_json_is_kept_aside_and_said(tmp_path, capsys):
 
 # --- rows 16 and 19: usp-prepare-data's errors --------------------------------------------------------------
 def test_prepare_data_errors_come_without_the_usage(tmp_path, capsys):
-    from usp.data.prepare import main
+    from usp.data.cli import main
     from usp.data.sources import NON_TEXT_FIX
 
     rc = main(

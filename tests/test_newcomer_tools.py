@@ -210,8 +210,9 @@ def test_lengths_take_the_same_syntax_everywhere(tmp_path):
 
 # --- rows 17 and 18: usp-prepare-data's summary and its --input ------------------------------------------
 def test_prepare_summary_counts_cuts_and_input_takes_several_paths():
+    from usp.data.cli import build_parser
     from usp.data.pack import PackStats
-    from usp.data.prepare import build_parser, summary
+    from usp.data.prepare import summary
 
     line = summary(PackStats(seq_len=16, documents_in=157, documents_split=1192, rows=9), "/out")
     assert "1192 row boundaries cut a document" in line and "documents split" not in line
@@ -264,7 +265,7 @@ def test_launch_docs_quote_the_memory_figure_usp_launch_prints(tmp_path):
 # --- row 21: help that matches behaviour --------------------------------------------------------------------
 def test_every_bench_flag_has_help_and_node_size_is_attributed_right():
     from usp.bench.attention import build_parser
-    from usp.parallel import ParallelDims
+    from usp.parallel import ParallelLayout
 
     missing = [a.option_strings for a in build_parser()._actions if a.option_strings and not a.help]
     assert not missing, missing
@@ -272,4 +273,4 @@ def test_every_bench_flag_has_help_and_node_size_is_attributed_right():
     with pytest.raises(
         ValueError, match=r"node size 3 \(parallel.node_size, or the launcher's LOCAL_WORLD_SIZE"
     ):
-        ParallelDims(world_size=4, ulysses_degree=1, ring_degree=1, node_size=3)
+        ParallelLayout(world_size=4, ulysses_degree=1, ring_degree=1, node_size=3)

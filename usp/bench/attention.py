@@ -35,6 +35,8 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -127,6 +129,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass(frozen=True)
+class BenchOptions:
+    """The grid and the settings of every point (the flags of ``usp-bench``, same names and defaults)."""
+
+    ulysses: tuple[int, ...] = (1, 2, 4)
+    ring: tuple[int, ...] = (1, 2, 4)
+    layouts: tuple[str, ...] = ("zigzag", "contiguous")
+    seq: tuple[int, ...] = (1024, 4096)
+    heads: tuple[int, ...] = (8,)
+    kv_heads: tuple[int, ...] = (2, 8)
+    head_dim: int = 64
+    batch: int = 1
+    dtype: str = "float32"
+    causal: bool = True
+    doc_len: int = 0
+    doc_lengths: tuple[str, ...] = ()
+    """Document-length specs (:func:`usp.data.doc_lengths.parse_doc_lengths`), one mixture each."""
+    backend: str = "auto"
+    iters: int = 3
+    warmup: int = 1
+    out: str | None = None
+    """Write the report as JSON here (rank 0)."""
+
+    @classmethod
+    def from_flags(cls, flags: dict[str, Any]) -> BenchOptions:
+        """From ``usp-bench``'s parsed flags by name (all but ``--world``, which says how to run, not what)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items()})
+
+
 def _timed(fn, iters: int, warmup: int, device: torch.device) -> float:
     """Mean ms per call of ``fn``, the slowest rank's. ``device`` carries the collectives (nccl: CUDA only)."""
     for _ in range(warmup):
@@ -163,15 +194,18 @@ def _gather_floats(value: float, device: torch.device) -> list[float]:
     return torch.cat(out).tolist()
 
 
-def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device, doc_spec=None) -> dict:
+def bench_point(
+    mesh, *, seq_len: int, num_heads: int, num_kv_heads: int, options: BenchOptions, device, doc_spec=None
+) -> dict:
     """Time and measure one grid point on every rank of ``mesh``; returns the record (same on all ranks)."""
+    o = options
     u, r = mesh.ulysses_degree, mesh.ring_degree
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, o.dtype)
     local = seq_len // (u * r)
     g = torch.Generator().manual_seed(0)
     shape_q, shape_kv = (
-        (args.batch, local, num_heads, args.head_dim),
-        (args.batch, local, num_kv_heads, args.head_dim),
+        (o.batch, local, num_heads, o.head_dim),
+        (o.batch, local, num_kv_heads, o.head_dim),
     )
     q = torch.randn(*shape_q, generator=g).to(device, dtype).requires_grad_()
     k = torch.randn(*shape_kv, generator=g).to(device, dtype).requires_grad_()
@@ -180,9 +214,9 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device, doc_spe
     cu = None
     if doc_spec is not None:
         cu = torch.from_numpy(boundaries(doc_spec.row(seq_len))).to(torch.int32)
-    elif args.doc_len:
-        cu = torch.tensor([*range(0, seq_len, args.doc_len), seq_len], dtype=torch.int32)
-    kw = dict(mesh=mesh, causal=args.causal, backend=args.backend, cu_seqlens=cu)
+    elif o.doc_len:
+        cu = torch.tensor([*range(0, seq_len, o.doc_len), seq_len], dtype=torch.int32)
+    kw = dict(mesh=mesh, causal=o.causal, backend=o.backend, cu_seqlens=cu)
 
     def fwd():
         with torch.no_grad():
@@ -195,16 +229,16 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device, doc_spe
         fwd()
     with record_comm() as fb_stats:
         fwd_bwd()
-    fwd_ms = _timed(fwd, args.iters, args.warmup, device)
-    fwd_bwd_ms = _timed(fwd_bwd, args.iters, args.warmup, device)
+    fwd_ms = _timed(fwd, o.iters, o.warmup, device)
+    fwd_bwd_ms = _timed(fwd_bwd, o.iters, o.warmup, device)
 
-    work = ring_work(seq_len, r, mesh.ring_layout, args.causal, cu)
+    work = ring_work(seq_len, r, mesh.ring_layout, o.causal, cu)
     analytic = analytic_bytes_sent(
-        batch=args.batch,
+        batch=o.batch,
         seq_len=seq_len,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=args.head_dim,
+        head_dim=o.head_dim,
         ulysses_degree=u,
         ring_degree=r,
         element_size=q.element_size(),
@@ -223,18 +257,18 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device, doc_spe
         layout=mesh.ring_layout,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=args.head_dim,
+        head_dim=o.head_dim,
         dtype=dtype,
-        causal=args.causal,
+        causal=o.causal,
         cu_seqlens=cu,
         backend=kw["backend"] if kw["backend"] != "auto" else resolve_backend("auto", device, dtype),
         device=device,
-        iters=args.iters,
-        warmup=args.warmup,
+        iters=o.iters,
+        warmup=o.warmup,
     )
     rank_ms_all = _gather_floats(rank_ms, device)
     n = r
-    if not args.causal or n == 1:
+    if not o.causal or n == 1:
         target = 1.0
     elif mesh.ring_layout in ("zigzag", "balanced"):
         target = (2 * n + 1) / (2 * n)
@@ -245,14 +279,14 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device, doc_spe
         "ring": r,
         "dp": mesh.dp_degree,
         "layout": mesh.ring_layout,
-        "causal": args.causal,
+        "causal": o.causal,
         "seq_len": seq_len,
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
-        "head_dim": args.head_dim,
-        "batch": args.batch,
-        "dtype": args.dtype,
-        "doc_len": args.doc_len,
+        "head_dim": o.head_dim,
+        "batch": o.batch,
+        "dtype": o.dtype,
+        "doc_len": o.doc_len,
         "doc_lengths": "" if doc_spec is None else doc_spec.text,
         "num_docs": 1 if cu is None else len(cu) - 1,
         "ring_steps": work[0]["steps"],
@@ -278,23 +312,22 @@ def bench_point(mesh, *, seq_len, num_heads, num_kv_heads, args, device, doc_spe
     }
 
 
-def run_grid(args: argparse.Namespace) -> dict:
+def run_grid(options: BenchOptions) -> dict:
     """Run the grid on the current process group (every rank calls this); returns the report."""
+    o = options
     world = dist.get_world_size()
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend() == "nccl"
         else torch.device("cpu")
     )
-    kernel = resolve_backend(args.backend, device, getattr(torch, args.dtype))
+    kernel = resolve_backend(o.backend, device, getattr(torch, o.dtype))
     records, skipped, meshes = [], [], {}
-    specs = [parse_doc_lengths(s) for s in args.doc_lengths] or [None]
-    grid = itertools.product(
-        args.ulysses, args.ring, args.layouts, args.seq, args.heads, args.kv_heads, specs
-    )
+    specs = [parse_doc_lengths(s) for s in o.doc_lengths] or [None]
+    grid = itertools.product(o.ulysses, o.ring, o.layouts, o.seq, o.heads, o.kv_heads, specs)
     for u, r, layout, seq_len, hq, hkv, spec in grid:
         point = dict(ulysses=u, ring=r, layout=layout, seq_len=seq_len, num_heads=hq, num_kv_heads=hkv)
-        if r == 1 and layout != args.layouts[0]:
+        if r == 1 and layout != o.layouts[0]:
             continue  # the layout only matters with a ring
         why = None
         if world % (u * r):
@@ -311,7 +344,13 @@ def run_grid(args: argparse.Namespace) -> dict:
         mesh = meshes[u, r, layout]
         records.append(
             bench_point(
-                mesh, seq_len=seq_len, num_heads=hq, num_kv_heads=hkv, args=args, device=device, doc_spec=spec
+                mesh,
+                seq_len=seq_len,
+                num_heads=hq,
+                num_kv_heads=hkv,
+                options=options,
+                device=device,
+                doc_spec=spec,
             )
         )
     return {
@@ -347,49 +386,62 @@ def format_table(report: dict) -> str:
     return "\n".join([head, *lines, *tail])
 
 
-def _main_on_rank(args: argparse.Namespace) -> dict:
-    report = run_grid(args)
+def run_on_rank(options: BenchOptions) -> dict:
+    """:func:`run_grid`, then rank 0 prints the table and writes ``options.out``; returns the report."""
+    report = run_grid(options)
     if dist.get_rank() == 0:
         print(format_table(report), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
+        if options.out:
+            with open(options.out, "w") as f:
                 json.dump(report, f, indent=2)
     return report
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+def _spawned(rank: int, world: int, port: int, options: BenchOptions) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        _main_on_rank(args)
+        run_on_rank(options)
     finally:
         dist.destroy_process_group()
 
 
-def main(argv: Sequence[str] | None = None) -> dict | None:
-    """CLI entry. Uses the existing process group if there is one, torchrun's if launched by it, else spawns."""
-    args = build_parser().parse_args(argv)
-    if (args.doc_len or args.doc_lengths) and args.batch != 1:
+def check_options(options: BenchOptions) -> None:
+    """``ValueError`` for settings that cannot run, before any rank starts."""
+    if (options.doc_len or options.doc_lengths) and options.batch != 1:
         raise ValueError(
             f"--doc-len / --doc-lengths need --batch 1 (documents are packed into one sequence), got --batch "
-            f"{args.batch}."
+            f"{options.batch}."
         )
-    for spec in args.doc_lengths:
+    for spec in options.doc_lengths:
         parse_doc_lengths(spec)  # a bad spec fails here, before any rank starts
+
+
+def run(options: BenchOptions, world: int = 4) -> dict | None:
+    """Uses the existing process group if there is one, torchrun's if launched by it, else spawns ``world``
+    gloo ranks on the CPU (then returns ``None``: the report is printed and written by rank 0)."""
+    check_options(options)
     if dist.is_initialized():
-        return _main_on_rank(args)
+        return run_on_rank(options)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a launcher: join its group as usp-train does
         init_distributed(resolve_device("auto"))
         try:
-            return _main_on_rank(args)
+            return run_on_rank(options)
         finally:
             dist.destroy_process_group()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_spawned, args=(args.world, port, args), nprocs=args.world, join=True)
+    torch.multiprocessing.spawn(_spawned, args=(world, port, options), nprocs=world, join=True)
     return None
+
+
+def main(argv: Sequence[str] | None = None) -> dict | None:
+    """CLI entry: parse, then :func:`run`."""
+    flags = vars(build_parser().parse_args(argv))
+    world = flags.pop("world")
+    return run(BenchOptions.from_flags(flags), world=world)
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

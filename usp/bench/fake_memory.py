@@ -93,9 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_config(args: argparse.Namespace) -> Any:
-    """The run's :class:`usp.config.TrainConfig` from the overrides; degrees default to Ulysses over the node
-    and the ring across nodes."""
+def build_config(
+    *, model: str, seq_len: str | int, gpu: str, nodes: int, gpus_per_node: int, overrides: Sequence[str] = ()
+) -> Any:
+    """The run's :class:`usp.config.TrainConfig` from the overrides (``key=value``); degrees default to Ulysses
+    over the node and the ring across nodes. ``seq_len``: tokens, or a length such as ``512K``."""
     from omegaconf import OmegaConf
 
     from usp.config import TrainConfig
@@ -103,27 +105,27 @@ def build_config(args: argparse.Namespace) -> Any:
 
     bad = [
         o
-        for o in args.overrides
+        for o in overrides
         if "=" not in o or o.split(".")[0] not in ("parallel", "optim", "trainer", "model", "data")
     ]
     if bad:
         raise ValueError(f"overrides {bad} are not parallel.*, optim.*, trainer.* or model.* key=value pairs")
     base = OmegaConf.structured(TrainConfig)
-    world = args.nodes * args.gpus_per_node
-    keys = {o.split("=", 1)[0] for o in args.overrides}
+    world = nodes * gpus_per_node
+    keys = {o.split("=", 1)[0] for o in overrides}
     defaults = [
-        f"model.path={args.model}",
-        f"trainer.seq_len={parse_seq_len(args.seq_len)}",
+        f"model.path={model}",
+        f"trainer.seq_len={parse_seq_len(seq_len)}",
         "data.document_masking=false",
-        f"cluster.gpu={args.gpu}",
-        f"cluster.gpus_per_node={args.gpus_per_node}",
-        f"cluster.num_nodes={args.nodes}",
+        f"cluster.gpu={gpu}",
+        f"cluster.gpus_per_node={gpus_per_node}",
+        f"cluster.num_nodes={nodes}",
     ]
     if "parallel.ulysses_degree" not in keys:
-        defaults.append(f"parallel.ulysses_degree={min(args.gpus_per_node, world)}")
+        defaults.append(f"parallel.ulysses_degree={min(gpus_per_node, world)}")
     if "parallel.ring_degree" not in keys:
-        defaults.append(f"parallel.ring_degree={max(1, world // args.gpus_per_node)}")
-    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(defaults + list(args.overrides)))
+        defaults.append(f"parallel.ring_degree={max(1, world // gpus_per_node)}")
+    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(defaults + list(overrides)))
     return OmegaConf.to_object(merged)
 
 
@@ -434,28 +436,65 @@ def main(
     if args.cases:
         with open(args.cases) as f:
             return [main([*case, "--json"], out) for case in json.load(f)]
+    seq_len, overrides = args.seq_len, list(args.overrides)
     if args.from_plan:
-        if args.seq_len is not None:
+        if seq_len is not None:
             raise ValueError("give --seq-len N or --from-plan, not both")
         plan_overrides = planned_longest(args.model, args.gpu, args.nodes, args.gpus_per_node)
-        args.seq_len = next(o.split("=")[1] for o in plan_overrides if o.startswith("trainer.seq_len="))
-        args.overrides = [o for o in plan_overrides if not o.startswith("trainer.seq_len=")] + args.overrides
-    elif args.seq_len is None:
+        seq_len = next(o.split("=")[1] for o in plan_overrides if o.startswith("trainer.seq_len="))
+        overrides = [o for o in plan_overrides if not o.startswith("trainer.seq_len=")] + overrides
+    elif seq_len is None:
         raise ValueError("give --seq-len N (e.g. --seq-len 512K) or --from-plan")
-    cfg = build_config(args)
-    world = args.nodes * args.gpus_per_node
-    if not 0 <= args.rank < world:
-        raise ValueError(f"--rank={args.rank} is outside the world of {world} ranks")
-    probes = _probe_depths(args.probe_depths or f"{MIN_PROBE_DEPTH},{MIN_PROBE_DEPTH + 1}")
-    depth = args.layers if args.layers is not None else _model_depth(cfg.model.path)
+    cfg = build_config(
+        model=args.model,
+        seq_len=seq_len,
+        gpu=args.gpu,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        overrides=overrides,
+    )
+    rec = measure_case(
+        cfg,
+        world=args.nodes * args.gpus_per_node,
+        node_size=args.gpus_per_node,
+        rank=args.rank,
+        layers=args.layers,
+        depth_method=args.depth_method,
+        probe_depths=args.probe_depths,
+    )
+    if args.json:
+        print(json.dumps(rec), file=out, flush=True)
+    else:
+        print(format_report(rec), file=out, flush=True)
+    return rec
+
+
+def measure_case(
+    cfg: Any,
+    *,
+    world: int,
+    node_size: int,
+    rank: int = 0,
+    layers: int | None = None,
+    depth_method: str = "auto",
+    probe_depths: str | None = None,
+) -> dict[str, Any]:
+    """The record of one case (what ``--json`` prints): :func:`fake_step` of ``cfg`` as ``rank`` of ``world``
+    at ``layers`` decoder layers (default: the model's), traced at every layer or extrapolated from two probe
+    depths (``depth_method``, ``probe_depths`` as ``"3,4"``: the ``--depth-method`` / ``--probe-depths``
+    flags), with the planner's figures (:func:`compare`). Runs :func:`usp.bench.fake_cuda.preload`."""
+    if not 0 <= rank < world:
+        raise ValueError(f"--rank={rank} is outside the world of {world} ranks")
+    probes = _probe_depths(probe_depths or f"{MIN_PROBE_DEPTH},{MIN_PROBE_DEPTH + 1}")
+    depth = layers if layers is not None else _model_depth(cfg.model.path)
     p = cfg.parallel
     period = (
         p.ac_every_k if p.activation_checkpointing == "every_k" else 1
     )  # layers 0, k, 2k, ... checkpointed
-    if period > 1 and args.probe_depths is None:  # the default: two probes a period apart, on depth's residue
+    if period > 1 and probe_depths is None:  # the default: two probes a period apart, on depth's residue
         lo = MIN_PROBE_DEPTH + (depth - MIN_PROBE_DEPTH) % period
         probes = (lo, lo + period)
-    method = args.depth_method
+    method = depth_method
     if method == "auto":
         method = "extrapolate" if depth > probes[1] else "direct"
     if method == "extrapolate":
@@ -472,19 +511,15 @@ def main(
 
     preload()
     t0, c0 = time.perf_counter(), time.process_time()
-    step = dict(world=world, node_size=args.gpus_per_node, rank=args.rank)
+    step = dict(world=world, node_size=node_size, rank=rank)
     if method == "direct":
         rec = fake_step(cfg, layers=depth, **step) | {"depth_method": "direct"}
     else:
         rec = extrapolate_depth([fake_step(cfg, layers=d, **step) for d in probes], depth)
     rec["wall_s"] = round(time.perf_counter() - t0, 1)
     rec["cpu_s"] = round(time.process_time() - c0, 1)
-    rec = compare(rec, planned(cfg, world, args.gpus_per_node, depth))
+    rec = compare(rec, planned(cfg, world, node_size, depth))
     rec.pop("measured")
-    if args.json:
-        print(json.dumps(rec), file=out, flush=True)
-    else:
-        print(format_report(rec), file=out, flush=True)
     return rec
 
 

@@ -24,6 +24,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -171,21 +172,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass(frozen=True)
+class ThroughputOptions:
+    """What :func:`run_throughput` measures (the flags of ``python -m usp.bench.throughput``, same names)."""
+
+    model: str = "llama-3.1-8b"
+    seq_len: tuple[int, ...] = (32768, 131072)
+    ulysses: int = 1
+    ring: int = 1
+    ac: str = "full"
+    mlp_tiles: int = 1
+    optim: str = "adamw"
+    dtype: str = "bfloat16"
+    loss_chunk_size: int = 4096
+    backend: str = "auto"
+    steps: int = 3
+    warmup: int = 1
+    gpu: str = "cpu"
+    cpu_offload: bool = False
+    """FSDP2 CPU offload of params, grads and optimizer states, as resolved for the device (:func:`main`)."""
+    rope_theta: float | None = None
+    find_max: bool = False
+    granularity: int = 16384
+    max_seq_len: int = 4 * 1024 * 1024
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = build_parser().parse_args(argv)
     device = resolve_device(args.device)
-    args.cpu_offload = device.type == "cuda" and states_on_host(args.optim, args.cpu_offload)
-    created = init_distributed(device, cpu_offload=args.cpu_offload)
+    flags = {k: v for k, v in vars(args).items() if k != "device"}
+    flags["seq_len"] = tuple(args.seq_len)
+    flags["cpu_offload"] = device.type == "cuda" and states_on_host(args.optim, args.cpu_offload)
+    options = ThroughputOptions(**flags)
+    created = init_distributed(device, cpu_offload=options.cpu_offload)
     try:
-        return _main(args, device)
+        return run_throughput(options, device)
     finally:
         if created:
             dist.destroy_process_group()
 
 
-def _main(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    mesh = init_sp_mesh(args.ulysses, args.ring, device_type=device.type)
-    config = hf_config(args.model, rope_theta=args.rope_theta, max_position_embeddings=max(args.seq_len))
+def run_throughput(options: ThroughputOptions, device: torch.device) -> list[dict[str, Any]]:
+    """Build the model and its optimizer as the trainer does, then :func:`measure` each of
+    ``options.seq_len`` (and, with ``find_max``, the longest that fits); prints each record on rank 0 and
+    returns them all. Needs the process group (:func:`main` starts one when there is none)."""
+    o = options
+    mesh = init_sp_mesh(o.ulysses, o.ring, device_type=device.type)
+    config = hf_config(o.model, rope_theta=o.rope_theta, max_position_embeddings=max(o.seq_len))
     model = build_empty_causal_lm(config)
     flop_args = {
         "matmul_params": count_matmul_params(model),
@@ -196,21 +229,21 @@ def _main(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
     loss_model = parallelize(
         model,
         mesh,
-        attention_backend=args.backend,
-        activation_checkpointing=args.ac,
-        param_dtype=parse_dtype(args.dtype, "--dtype"),
-        loss_chunk_size=args.loss_chunk_size,
-        cpu_offload=args.cpu_offload,
-        mlp_tiles=args.mlp_tiles,
+        attention_backend=o.backend,
+        activation_checkpointing=o.ac,
+        param_dtype=parse_dtype(o.dtype, "--dtype"),
+        loss_chunk_size=o.loss_chunk_size,
+        cpu_offload=o.cpu_offload,
+        mlp_tiles=o.mlp_tiles,
     )
-    random_init_(model, device, param_device=torch.device("cpu") if args.cpu_offload else None)
+    random_init_(model, device, param_device=torch.device("cpu") if o.cpu_offload else None)
     optimizer, _ = build_optimizer(
-        loss_model, OptimConfig(name=args.optim, lr=1e-5, warmup_steps=0), max_steps=1_000_000
+        loss_model, OptimConfig(name=o.optim, lr=1e-5, warmup_steps=0), max_steps=1_000_000
     )
-    peak = peak_flops_per_device(ClusterConfig(gpu=args.gpu), device.type)
+    peak = peak_flops_per_device(ClusterConfig(gpu=o.gpu), device.type)
     kw = dict(
-        steps=args.steps,
-        warmup=args.warmup,
+        steps=o.steps,
+        warmup=o.warmup,
         vocab=config.vocab_size,
         flops_per_token_args=flop_args,
         peak_flops=peak,
@@ -223,12 +256,21 @@ def _main(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
         if dist.get_rank() == 0:
             print(json.dumps(record), flush=True)
 
-    for seq_len in args.seq_len:
+    for seq_len in o.seq_len:
         emit(measure(loss_model, optimizer, mesh, seq_len=seq_len, **kw))
-    if args.find_max:
+    if o.find_max:
         if dist.get_world_size() != 1:
             raise ValueError("--find-max runs on one rank only (an OOM on one rank would hang the others).")
-        emit({"longest_fitting_seq_len": _find_max(loss_model, optimizer, mesh, args, kw)})
+        longest = _find_max(
+            loss_model,
+            optimizer,
+            mesh,
+            measured=max(o.seq_len),
+            granularity=o.granularity,
+            max_seq_len=o.max_seq_len,
+            kw=kw,
+        )
+        emit({"longest_fitting_seq_len": longest})
     return results
 
 
@@ -244,18 +286,24 @@ def _fits(loss_model: Any, optimizer: Any, mesh: Any, seq_len: int, kw: dict[str
 
 
 def _find_max(
-    loss_model: Any, optimizer: Any, mesh: Any, args: argparse.Namespace, kw: dict[str, Any]
+    loss_model: Any,
+    optimizer: Any,
+    mesh: Any,
+    *,
+    measured: int,
+    granularity: int,
+    max_seq_len: int,
+    kw: dict[str, Any],
 ) -> int:
-    """The longest multiple of ``--granularity`` (and of the layout's sequence multiple) up to
-    ``--max-seq-len`` whose step fits (:func:`usp.longest.longest_passing`: doubling from the longest
-    ``--seq-len``, which already ran, then bisection)."""
-    unit = math.lcm(args.granularity, mesh.sequence_multiple())
-    measured = max(args.seq_len)
+    """The longest multiple of ``granularity`` (``--granularity``; and of the layout's sequence multiple) up to
+    ``max_seq_len`` (``--max-seq-len``) whose step fits (:func:`usp.longest.longest_passing`: doubling from
+    ``measured``, the longest ``--seq-len``, which already ran, then bisection)."""
+    unit = math.lcm(granularity, mesh.sequence_multiple())
 
     def fits(seq_len: int) -> bool:  # shorter than a length that ran: fits (memory grows with the sequence)
         return seq_len <= measured or _fits(loss_model, optimizer, mesh, seq_len, kw)
 
-    return longest_passing(fits, start=max(unit, measured // unit * unit), unit=unit, limit=args.max_seq_len)
+    return longest_passing(fits, start=max(unit, measured // unit * unit), unit=unit, limit=max_seq_len)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The long-context data pipeline: sources -> tokenized documents -> packed rows -> sharded, resumable batches.
 
-``usp-prepare-data`` (:mod:`usp.data.prepare`) writes packed rows once (``--format chat``: conversations
-with a ``loss_mask``, :mod:`usp.data.chat_prepare`); :func:`build_dataloaders` serves them
-to every rank (and prepares small corpora on the fly with the same code).
+``usp-prepare-data`` (:mod:`usp.data.cli`; the work in :mod:`usp.data.prepare`) writes packed rows once
+(``--format chat``: conversations with a ``loss_mask``, :mod:`usp.data.chat_prepare`; both publish through
+:mod:`usp.data.prepared`); :func:`build_dataloaders` serves them to every rank (and prepares small corpora on
+the fly with the same code).
 """
 
 from usp.data.batch import IGNORE_INDEX, collate_rows, cu_seqlens_of, row_labels, row_positions
@@ -11,7 +12,8 @@ from usp.data.chat_prepare import ChatOptions, prepare_chat_dataset
 from usp.data.loader import PackedLoader, build_dataloaders, split_rows
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
 from usp.data.pack_chat import CHAT_PACKED_FEATURES, LOSS_MASK_COLUMN, pack_conversations
-from usp.data.prepare import PreparedData, prepare_dataset, read_stats
+from usp.data.prepare import prepare_dataset
+from usp.data.prepared import PreparedData, read_stats
 from usp.data.sources import is_prepared_dataset, load_text_sources
 from usp.data.tokenize import check_tokenizer, load_tokenizer, tokenize_documents
 

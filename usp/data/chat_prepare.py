@@ -31,7 +31,16 @@ from usp.atomic import temp_path
 from usp.data.chat import ChatRenderer, check_loss_on, conversation_of, read_chat_template
 from usp.data.pack import PackStats
 from usp.data.pack_chat import CHAT_PACKED_FEATURES, LOSS_MASK_COLUMN, pack_conversations
-from usp.data.sources import _load_one, check_inputs, combine_sources
+from usp.data.prepared import (
+    FORMAT_VERSION,
+    PreparedData,
+    check_output,
+    first_documents,
+    preparation_key,
+    publish_rows,
+    tokenizer_identity,
+)
+from usp.data.sources import check_inputs, combine_sources, load_one
 from usp.data.tokenize import check_tokenizer
 from usp.modes import LONG_CONVERSATIONS
 
@@ -115,7 +124,7 @@ def load_conversations(
     log = log or (lambda msg: None)
     parts = []
     for spec in inputs:
-        ds = _load_one(spec, cache_dir=cache_dir, streaming=streaming, log=log)
+        ds = load_one(spec, cache_dir=cache_dir, streaming=streaming, log=log)
         columns = ds.column_names
         if columns is None:  # a stream of unknown schema: peek at one row
             columns = list(next(iter(ds.take(1)), {}).keys())
@@ -253,16 +262,6 @@ def prepare_chat_dataset(
     (naming ``--chat-template FILE``), and while reading for a row without a conversation or with an unknown
     role, or a template whose assistant spans cannot be found (:class:`usp.data.chat.ChatRenderer`).
     """
-    from usp.data.prepare import (
-        FORMAT_VERSION,
-        PreparedData,
-        _check_output,
-        first_documents,
-        preparation_key,
-        publish_rows,
-        tokenizer_identity,
-    )
-
     log = log or (lambda msg: print(msg, flush=True))
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"--seq-len / trainer.seq_len={seq_len!r} must be a positive number of tokens.")
@@ -271,11 +270,9 @@ def prepare_chat_dataset(
     options.renderer(tokenizer)  # no chat template, a missing file: said before reading any data
     check_inputs(inputs, weights, setting="--input / data.inputs")
     output = Path(output)
-    _check_output(output, overwrite)
+    check_output(output, overwrite)
     t0 = time.perf_counter()
-    key = chat_preparation_key(
-        preparation_key, inputs, tokenizer, seq_len, options, weights, seed, streaming, max_documents
-    )
+    key = chat_preparation_key(inputs, tokenizer, seq_len, options, weights, seed, streaming, max_documents)
     usage: list[dict[str, object]] = []
     raw = load_conversations(
         inputs,
@@ -327,7 +324,6 @@ def prepare_chat_dataset(
 
 
 def chat_preparation_key(
-    preparation_key: Callable[..., str],
     inputs: Sequence[str],
     tokenizer: Any,
     seq_len: int,
@@ -337,7 +333,8 @@ def chat_preparation_key(
     streaming: bool,
     max_documents: int | None,
 ) -> str:
-    """The text format's key, extended by the chat settings and the template's text."""
+    """The text format's key (:func:`usp.data.prepared.preparation_key`), extended by the chat settings and
+    the template's text."""
     path = options.template_path()
     chat = {
         **asdict(options),

@@ -26,7 +26,8 @@ from datasets import Dataset, load_from_disk
 from usp.config import DataConfig
 from usp.data.batch import collate_rows
 from usp.data.pack import LengthShaping
-from usp.data.prepare import preparation_key, prepare_dataset, read_stats, tokenizer_identity
+from usp.data.prepare import prepare_dataset
+from usp.data.prepared import preparation_key, read_stats, tokenizer_identity
 from usp.data.sources import check_inputs, is_prepared_dataset
 from usp.data.tokenize import check_tokenizer
 from usp.parallel import SPMesh, check_sequence_length
@@ -274,7 +275,7 @@ def _prepare_chat(
     options = chat_options(cfg)
     options.check()
     key = chat_preparation_key(
-        preparation_key, inputs, tokenizer, seq_len, options, cfg.weights, cfg.seed, cfg.streaming, None
+        inputs, tokenizer, seq_len, options, cfg.weights, cfg.seed, cfg.streaming, None
     )
     entry = cache_dir / "packed" / f"chat-seq{seq_len}-{key}"
     if is_prepared_dataset(entry):

@@ -11,20 +11,16 @@ The output loads with ``datasets.load_from_disk(output)`` (memory-mapped); every
 (documents, tokens, dropped tail, tokens/s) is printed and saved next to the data as ``usp_prepare.json``.
 The same :func:`prepare_dataset` runs on the fly inside ``build_dataloaders`` for small corpora.
 ``--format chat`` reads conversations instead (:mod:`usp.data.chat_prepare`; rows gain ``loss_mask``).
+The command line is :mod:`usp.data.cli`; the output's key, summary file and publishing, shared with the chat
+format, are :mod:`usp.data.prepared`.
 """
 
 from __future__ import annotations
 
-import argparse
-import glob
-import hashlib
-import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +28,19 @@ import numpy as np
 import pyarrow as pa
 from datasets import Dataset, IterableDataset
 
-from usp.atomic import publish_dir, temp_path
+from usp.atomic import temp_path
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
-from usp.data.sources import check_inputs, is_prepared_dataset, load_text_sources
-from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, load_tokenizer, tokenize_documents
-from usp.errors import guarded, pop_verbose
-from usp.modes import DATA_FORMATS, LONG_CONVERSATIONS, LOSS_ON, RING_LAYOUTS
-from usp.parallel import check_sequence_length
-from usp.units import parse_seq_len
-
-STATS_FILE = "usp_prepare.json"
-FORMAT_VERSION = "usp-packed-v1"
-
-
-@dataclass
-class PreparedData:
-    path: Path
-    stats: PackStats
+from usp.data.prepared import (
+    FORMAT_VERSION,
+    PreparedData,
+    check_output,
+    first_documents,
+    preparation_key,
+    publish_rows,
+    tokenizer_identity,
+)
+from usp.data.sources import check_inputs, load_text_sources
+from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, tokenize_documents
 
 
 def document_windows(ds: Dataset | IterableDataset, window: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -67,18 +59,6 @@ def document_windows(ds: Dataset | IterableDataset, window: int) -> Iterator[tup
             continue
         lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
         yield np.concatenate([np.asarray(d, dtype=np.int32) for d in docs]), lengths
-
-
-def _check_output(output: Path, overwrite: bool) -> None:
-    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
-        return
-    if not overwrite:
-        raise ValueError(f"--output {str(output)!r} already exists; choose a new path or pass --overwrite.")
-    if not is_prepared_dataset(output):
-        raise ValueError(
-            f"--output {str(output)!r} exists and is not a usp-prepare-data output; refusing to overwrite it. "
-            "Choose a new path."
-        )
 
 
 def prepare_dataset(
@@ -123,7 +103,7 @@ def prepare_dataset(
     check_tokenizer(tokenizer)
     check_inputs(inputs, weights, setting="--input / data.inputs")
     output = Path(output)
-    _check_output(output, overwrite)
+    check_output(output, overwrite)
     shaping = shaping or LengthShaping()
     t0 = time.perf_counter()
     key = preparation_key(
@@ -224,68 +204,6 @@ def _track_max(
         yield values, lengths
 
 
-def first_documents(raw: Any, max_documents: int | None) -> Any:
-    """The first ``max_documents`` documents of a loaded corpus (a ``Dataset`` or a streamed
-    ``IterableDataset``), or all of them when ``None``."""
-    if max_documents is None:
-        return raw
-    if isinstance(raw, IterableDataset):
-        return raw.take(max_documents)
-    return raw.select(range(min(max_documents, len(raw))))
-
-
-def publish_rows(
-    out_tmp: Path, output: Path, stats: PackStats, *, key: str, overwrite: bool, log: Callable[[str], None]
-) -> PreparedData | None:
-    """Write ``stats`` next to the finished rows in ``out_tmp`` and move them into place as ``output``
-    (:func:`_publish`). ``None`` once published; the existing dataset when another process prepared the same
-    one meanwhile (it is used)."""
-    (out_tmp / STATS_FILE).write_text(json.dumps(stats.as_dict(), indent=2))
-    if _publish(out_tmp, output, key=key, overwrite=overwrite, log=log):
-        return None
-    return PreparedData(path=output, stats=PackStats(**read_stats(output)))
-
-
-def _occupied(path: Path) -> bool:
-    return path.exists() and not (path.is_dir() and not any(path.iterdir()))
-
-
-def _publish(out_tmp: Path, output: Path, *, key: str, overwrite: bool, log: Callable[[str], None]) -> bool:
-    """Move the finished rows into place. False when an identical output appeared meanwhile (it is used).
-
-    Never deletes an ``output`` that appeared while this run prepared (another process may be reading it)
-    unless ``overwrite`` and it is a prepared dataset; a different one is left alone and this run's rows
-    are kept at a sibling path named in the ``ValueError``.
-    """
-    for _ in range(2):  # a second look if another process renamed into place between our check and ours
-        replace = False
-        if _occupied(output):
-            same = (
-                is_prepared_dataset(output)
-                and read_stats(output).get("extra", {}).get("preparation_key") == key
-            )
-            if same and not overwrite:
-                log(f"{output} was prepared by another process with the same inputs and settings; using it")
-                return False
-            if not (overwrite and is_prepared_dataset(output)):
-                keep = output.parent / f"{output.name}.usp-{os.getpid()}"
-                publish_dir(out_tmp, keep, replace=False)
-                raise ValueError(
-                    f"--output {str(output)!r} appeared while preparing (another process?) and holds other data; "
-                    f"it was left untouched and this run's rows were saved at {str(keep)!r}. Use that path, or "
-                    "move it into place yourself."
-                )
-            replace = True
-        try:  # --overwrite of a prepared dataset: the previous one stays whole until the new one is in place
-            publish_dir(out_tmp, output, replace=replace)
-            return True
-        except FileExistsError:
-            pass
-    raise ValueError(
-        f"--output {str(output)!r} keeps being replaced by another process; choose another path."
-    )
-
-
 def summary(stats: PackStats, output: Path | str) -> str:
     share = 100.0 * stats.tokens_dropped / max(stats.tokens_in, 1)
     return (
@@ -301,225 +219,3 @@ def summary(stats: PackStats, output: Path | str) -> str:
 def _non_text(stats: PackStats) -> str:
     n = stats.extra.get("rows_not_text_skipped", 0)
     return f", {n} rows whose text is not a string skipped (--skip-non-text)" if n else ""
-
-
-def read_stats(path: str | os.PathLike) -> dict[str, Any]:
-    """The summary saved next to a prepared dataset (``{}`` if there is none)."""
-    f = Path(path) / STATS_FILE
-    return json.loads(f.read_text()) if f.exists() else {}
-
-
-def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
-    """What prepared token ids depend on: vocabulary size, the BOS/EOS ids written around each document, and a
-    hash of the vocabulary (not the backend JSON, which changes between library versions)."""
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()
-    return {
-        "vocab_size": len(tokenizer),
-        **{f"{k}_token_id": getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos")},
-        "vocab_sha256": hashlib.sha256(vocab).hexdigest()[:16],
-    }
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    h = hashlib.sha256()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        h.update(backend.to_str().encode())
-    else:
-        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(repr((len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)).encode())
-    return h.hexdigest()[:16]
-
-
-def _input_fingerprint(spec: str) -> list[Any]:
-    path = os.path.expanduser(spec)
-    files = glob.glob(path) if any(c in spec for c in "*?[") else [path]
-    out: list[Any] = []
-    for f in sorted(files):
-        p = Path(f)
-        if not p.exists():
-            out.append(spec)  # a hub name: identified by its name (pin a revision via a local copy)
-            continue
-        members = sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p]
-        out.extend((str(m.resolve()), m.stat().st_size, m.stat().st_mtime_ns) for m in members)
-    return out
-
-
-def preparation_key(
-    inputs: Sequence[str],
-    *,
-    tokenizer: Any,
-    seq_len: int,
-    text_field: str | Sequence[str],
-    weights: Sequence[float] | None,
-    seed: int,
-    streaming: bool,
-    shaping: LengthShaping,
-    add_bos: bool = True,
-    max_documents: int | None = None,
-    chat: dict[str, Any] | None = None,
-) -> str:
-    """A short hash of everything that decides the packed rows (used to name on-the-fly cache entries)."""
-    desc = {
-        "format": FORMAT_VERSION,
-        "inputs": [_input_fingerprint(s) for s in inputs],
-        "tokenizer": tokenizer_fingerprint(tokenizer),
-        "seq_len": seq_len,
-        "text_field": text_field,
-        "weights": None if weights is None else list(weights),
-        "seed": seed,
-        "streaming": streaming,
-        "shaping": None if shaping is None else asdict(shaping),
-        "add_bos": add_bos,
-    }
-    if max_documents is not None:  # only then, so existing cache entries keep their names
-        desc["max_documents"] = max_documents
-    if chat is not None:  # --format chat: its settings and template
-        desc["chat"] = chat
-    return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="usp-prepare-data",
-        description="Tokenize and pack a corpus into fixed-length rows for long-context training.",
-    )
-    p.add_argument(
-        "--input",
-        action="extend",
-        nargs="+",
-        required=True,
-        help="file, glob, saved dataset dir or hub name (owner/name[:config]); several after one --input (a glob "
-        "the shell expanded) or --input repeated: one source each",
-    )
-    p.add_argument(
-        "--text-field",
-        nargs="+",
-        default=["text"],
-        help="column holding the document text (default: text); several names: one per --input, in order",
-    )
-    p.add_argument("--tokenizer", required=True, help="checkpoint or tokenizer directory")
-    p.add_argument(
-        "--seq-len", type=parse_seq_len, required=True, help="tokens per packed row (131072, 128K, 1M)"
-    )
-    p.add_argument("--output", required=True, help="directory to write (datasets.save_to_disk layout)")
-    p.add_argument("--num-proc", type=int, default=1, help="tokenizer processes (default 1)")
-    p.add_argument("--weights", type=float, nargs="+", help="mixing weights, one per --input")
-    p.add_argument("--seed", type=int, default=0, help="seed for mixing and upsampling (default 0)")
-    p.add_argument(
-        "--streaming",
-        action="store_true",
-        help="read inputs as streams (corpora bigger than memory "
-        "or disk for a full download); tokenizes in this process",
-    )
-    p.add_argument("--cache-dir", help="datasets cache for raw inputs and hub downloads")
-    p.add_argument("--min-doc-tokens", type=int, default=0, help="drop documents shorter than this")
-    p.add_argument(
-        "--long-doc-threshold", type=int, help="documents with at least this many tokens are upsampled"
-    )
-    p.add_argument("--long-doc-factor", type=float, default=1.0, help="expected copies of each long document")
-    p.add_argument("--max-documents", type=int, help="use only the first N documents (a quick sample)")
-    p.add_argument(
-        "--no-bos", action="store_true", help="do not prepend BOS to each document (EOS is always added)"
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing usp-prepare-data output")
-    p.add_argument(
-        "--skip-non-text",
-        action="store_true",
-        help="drop (and count) rows whose text field is not a string, instead of stopping with the first one",
-    )
-    chat = p.add_argument_group("conversations (--format chat; docs/data.md, 'Chat data')")
-    chat.add_argument(
-        "--format", default="text", choices=list(DATA_FORMATS), help="text documents or conversations"
-    )
-    chat.add_argument(
-        "--messages-field", default="messages", help="column holding the [{role, content}] list"
-    )
-    chat.add_argument(
-        "--chat-template", help="Jinja chat template file (or a shipped one: chatml, tiny_chatml)"
-    )
-    chat.add_argument("--loss-on", default="assistant", help=f"target tokens: {', '.join(LOSS_ON)}")
-    chat.add_argument(
-        "--long-conversations",
-        default="truncate",
-        choices=list(LONG_CONVERSATIONS),
-        help="a conversation longer than --seq-len: keep its first tokens, or drop it",
-    )
-    chat.add_argument(
-        "--split-long-conversations",
-        action="store_true",
-        help="cut conversations longer than --seq-len across rows instead",
-    )
-    p.add_argument("--ring-degree", type=int, default=1, help="check --seq-len suits this training layout")
-    p.add_argument("--ulysses-degree", type=int, default=1, help="check --seq-len suits this training layout")
-    p.add_argument("--ring-layout", default="balanced", choices=list(RING_LAYOUTS), help="(for the check)")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``usp-prepare-data``: a bad flag gets argparse's usage; a data error is one ``usp-prepare-data: error:``
-    line alone (:func:`usp.errors.report`; its traceback with ``--verbose``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    verbose = pop_verbose(argv)
-    args = build_parser().parse_args(argv)
-    return guarded("usp-prepare-data", lambda: _prepare(args), verbose=verbose)
-
-
-def _prepare(args: argparse.Namespace) -> int:
-    try:
-        check_sequence_length(args.seq_len, args.ring_degree, args.ulysses_degree, args.ring_layout)
-    except ValueError as e:
-        raise ValueError(str(e).replace("trainer.seq_len =", "--seq-len")) from e
-    shaping = LengthShaping(args.min_doc_tokens, args.long_doc_threshold, args.long_doc_factor)
-    tokenizer = load_tokenizer(args.tokenizer)
-    if args.format == "chat":
-        return _main_chat(args, tokenizer)
-    prepare_dataset(
-        args.input,
-        tokenizer=tokenizer,
-        seq_len=args.seq_len,
-        output=args.output,
-        text_field=args.text_field[0] if len(args.text_field) == 1 else args.text_field,
-        weights=args.weights,
-        seed=args.seed,
-        streaming=args.streaming,
-        num_proc=args.num_proc,
-        cache_dir=args.cache_dir,
-        shaping=shaping,
-        add_bos=not args.no_bos,
-        max_documents=args.max_documents,
-        overwrite=args.overwrite,
-        skip_non_text=args.skip_non_text,
-    )
-    return 0
-
-
-def _main_chat(args: argparse.Namespace, tokenizer: Any) -> int:
-    from usp.data.chat_prepare import ChatOptions, prepare_chat_dataset
-
-    options = ChatOptions(
-        messages_field=args.messages_field,
-        chat_template=args.chat_template,
-        loss_on=args.loss_on,
-        long_conversations=args.long_conversations,
-        split_long_conversations=args.split_long_conversations,
-    )
-    prepare_chat_dataset(
-        args.input,
-        tokenizer=tokenizer,
-        seq_len=args.seq_len,
-        output=args.output,
-        options=options,
-        weights=args.weights,
-        seed=args.seed,
-        streaming=args.streaming,
-        num_proc=args.num_proc,
-        cache_dir=args.cache_dir,
-        max_documents=args.max_documents,
-        overwrite=args.overwrite,
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

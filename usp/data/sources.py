@@ -192,9 +192,11 @@ def directory_files(path: Path, log: Callable[[str], None] | None = None) -> lis
     return [str(f) for f in files]
 
 
-def _load_one(
+def load_one(
     spec: str, *, cache_dir: str | None, streaming: bool, log: Callable[[str], None] | None = None
 ) -> Dataset | IterableDataset:
+    """One input as read, all its columns (a saved dataset, a DatasetDict's train split, files of one format,
+    a directory's files, or a hub name); ``ValueError`` for one that cannot be read."""
     if _looks_local(spec):
         path = Path(os.path.expanduser(spec))
         if _is_saved_dataset(path) or _is_saved_dataset_dict(path):
@@ -502,7 +504,7 @@ def load_text_sources(
     cache = None if cache_dir is None else str(cache_dir)
     parts = [
         _text_only(
-            _load_one(s, cache_dir=cache, streaming=streaming, log=log),
+            load_one(s, cache_dir=cache, streaming=streaming, log=log),
             s,
             field,
             _is_plain_text(s),

@@ -51,8 +51,9 @@ def sequence_multiple(ring_degree: int, ulysses_degree: int, ring_layout: str) -
 def sequence_length_error(
     seq_len: int, ring_degree: int, ulysses_degree: int, ring_layout: str, setting: str = "trainer.seq_len"
 ) -> str | None:
-    """The message for a ``seq_len`` that does not suit the layout (naming ``setting`` and the nearest valid
-    lengths), or ``None`` when it does."""
+    """The message for a ``seq_len`` that does not suit the layout (naming ``setting``, a config key such as
+    ``trainer.seq_len`` or a flag such as ``--seq-len``, and the nearest valid lengths), or ``None`` when it
+    does."""
     m = sequence_multiple(ring_degree, ulysses_degree, ring_layout)
     if seq_len > 0 and seq_len % m == 0:
         return None
@@ -60,9 +61,10 @@ def sequence_length_error(
     nearest = [x for x in (lower, lower + m) if x > 0]
     chunks = chunks_per_ring_rank(ring_layout)
     why = "ring_degree x ulysses_degree" if chunks == 1 else f"{chunks} x ring_degree x ulysses_degree"
+    assign = " " if setting.startswith("-") else " = "  # a command-line flag, or a config key
     return (
         f"sequence length {seq_len} is not divisible by {m} (= {why} for the {ring_layout} layout with "
-        f"ring_degree={ring_degree}, ulysses_degree={ulysses_degree}). Use {setting} = "
+        f"ring_degree={ring_degree}, ulysses_degree={ulysses_degree}). Use {setting}{assign}"
         f"{' or '.join(str(x) for x in nearest)} (nearest valid), or change the degrees."
     )
 
