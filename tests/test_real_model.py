@@ -9,8 +9,13 @@
 - ``usp.eval.generate`` equals HF greedy decoding by full recompute token for token on a passkey prompt and
   retrieves the key (all 30 layers: retrieval needs the whole model);
 - ``usp.eval.token_losses`` equals HF's per-token losses on stdlib source (1e-4 absolute; all 30 layers);
-- a short continued-pretraining run (u2r2, 4 steps of 512 tokens of stdlib code, bf16 compute) lowers the
-  loss on 512 tokens of a held-out stdlib file (figure in docs/context_extension.md).
+- a short continued-pretraining run (u2r2, full checkpointing, 4 steps of 256 tokens, each from another
+  stdlib file, lr 1e-4, fp32 compute) lowers the loss on 512 tokens of a held-out stdlib file by more than
+  :data:`HELDOUT_DROP` (figures in docs/context_extension.md). fp32, not bf16: this CPU (AVX2, no native
+  bf16) runs bf16 matmuls about 5x slower than fp32 (one world-1 bf16 step of the 30 layers at 512 tokens
+  took 300 s), and the bf16 mixed-precision path (bf16 compute, fp32 master weights, u2r2, full
+  checkpointing) is checked against a float64 reference in
+  ``tests/test_train_layouts.py::test_bf16_compute_close_to_the_reference``.
 
 The reference runs on rank 0 next to the sharded model and the comparison raises there (a failing rank fails
 the test), so no gradients travel back to the test process.
@@ -183,7 +188,7 @@ def test_generate_and_token_losses_equal_hf(dist_pools, smollm2_dir):
 
 
 def pretrain_worker(model_dir: str, train_rows: list[list[int]], heldout: list[int]) -> dict:
-    """Worker: u2r2, bf16 compute, full checkpointing: held-out loss, the steps, held-out loss again."""
+    """Worker: u2r2, fp32 compute, full checkpointing: held-out loss, the steps, held-out loss again."""
     from usp.config import OptimConfig
     from usp.model import load_causal_lm
     from usp.parallel import shard_sequence
@@ -196,12 +201,12 @@ def pretrain_worker(model_dir: str, train_rows: list[list[int]], heldout: list[i
     loss_model = parallelize(
         model,
         mesh,
-        param_dtype=torch.bfloat16,
+        param_dtype=torch.float32,
         loss_chunk_size=256,
         activation_checkpointing="full",
         node_size=2,
     )
-    optim = OptimConfig(lr=3e-4, weight_decay=0.1, warmup_steps=1, min_lr_ratio=0.1, grad_clip=1.0)
+    optim = OptimConfig(lr=1e-4, weight_decay=0.1, warmup_steps=1, min_lr_ratio=0.1, grad_clip=1.0)
     optimizer, scheduler = build_optimizer(loss_model, optim, max_steps=len(train_rows))
 
     def batch_of(row: list[int]) -> dict[str, torch.Tensor]:
@@ -228,11 +233,19 @@ def pretrain_worker(model_dir: str, train_rows: list[list[int]], heldout: list[i
     return {"before": before, "after": heldout_loss(), "train": train_losses}
 
 
-ROW, STEPS = 512, 4
+ROW, HELDOUT = 256, 512  # tokens per training row (one step each) and held-out tokens
+TRAIN_FILES = (0, 35, 70, 105)  # the training split's files (sorted by name) the 4 rows start, spread out
+HELDOUT_DROP = 0.02
+"""The held-out loss must fall by more than this. Measured drops (fp32, one process, the same optimizer and
+schedule, on three held-out 512-token slices: the start of subprocess.py, its tokens 3000-3511 and the start of
+enum.py) with this row size and lr: 0.040-0.046 for these files, 0.028-0.085 for four other choices of rows
+(three other sets of 4 spread-out files, and these files' tokens 512-767); 2 or 3 steps dropped as little as
+0.011 and 0.021, rows cut from the first files concatenated as little as 0.0035, and lr 3e-4 (the earlier
+setting) raised the held-out loss for some training files."""
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(900)
 def test_short_continued_pretraining_lowers_heldout_loss(dist_pools, smollm2_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -243,9 +256,9 @@ def test_short_continued_pretraining_lowers_heldout_loss(dist_pools, smollm2_dir
     corpus = build_text_corpus(tmp_path, heldout_fraction=0.1)
     docs = [json.loads(line)["text"] for line in corpus.train.read_text().splitlines()]
     held = [json.loads(line)["text"] for line in corpus.heldout.read_text().splitlines()]
-    tokens = tokenizer("\n".join(docs[:40]), add_special_tokens=False)["input_ids"]
-    train_rows = [tokens[i * ROW : (i + 1) * ROW] for i in range(STEPS)]
-    heldout = tokenizer(max(held, key=len), add_special_tokens=False)["input_ids"][:ROW]
-    out = dist_pools(4).run(pretrain_worker, model_dir, train_rows, heldout, timeout=1800)[0]
+    train_rows = [tokenizer(docs[i], add_special_tokens=False)["input_ids"][:ROW] for i in TRAIN_FILES]
+    assert all(len(row) == ROW for row in train_rows)
+    heldout = tokenizer(max(held, key=len), add_special_tokens=False)["input_ids"][:HELDOUT]
+    out = dist_pools(4).run(pretrain_worker, model_dir, train_rows, heldout, timeout=900)[0]
     print(f"held-out loss {out['before']:.4f} -> {out['after']:.4f}; train losses {out['train']}")
-    assert out["after"] < out["before"] - 0.01, out
+    assert out["after"] < out["before"] - HELDOUT_DROP, out

@@ -206,16 +206,18 @@ def test_offload_and_tiles_resume_and_export_like_the_plain_run(dist_pools, mode
     # (tests/test_train_memory_tricks.py).
 
 
-# Compiling DeepSpeed's C++ op: measured 2-5 minutes on 2 cores, longer on a loaded machine.
+# Compiling DeepSpeed's C++ op: measured 2-5 minutes on 2 cores, longer on a loaded machine; once per machine
+# and version set (usp.train.deepspeed_parts.load_cpu_adam_op), seconds when cached.
 CPU_ADAM_BUILD_TIMEOUT_S = 1800
 
 
 @pytest.fixture(scope="module")
 def cpu_adam_built() -> None:
-    """DeepSpeed's CPU Adam op, compiled (or found in ``TORCH_EXTENSIONS_DIR``) by one child process before any
-    rank asks for it, under its own time limit: a first build inside the ranks would run under the pool's
+    """DeepSpeed's CPU Adam op, compiled (or found in usp's per-machine cache, ``~/.cache/usp/ops``, through
+    :func:`usp.train.deepspeed_parts.load_cpu_adam_op`, which the ranks call too) by one child process before
+    any rank asks for it, under its own time limit: a first build inside the ranks would run under the pool's
     collective timeout (300 s), which a cold 2-core build can exceed."""
-    code = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+    code = "from usp.train.deepspeed_parts import load_cpu_adam_op; load_cpu_adam_op()"
     try:
         done = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, timeout=CPU_ADAM_BUILD_TIMEOUT_S

@@ -6,7 +6,8 @@
 than the default for-each one, and on CUDA the for-each step allocates temporaries as large as the parameters
 it updates (about 30 GiB for an 8B model), which the fused one does not and the planner does not count; ``deepspeed_cpu_adam`` uses DeepSpeed's vectorized C++ CPU Adam
 (:class:`ShardedCPUAdam`), for states that live on the host. DeepSpeed compiles that op on first use (about
-2 minutes on 2 cores; cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
+2 minutes on 2 cores), once per machine and version set: :func:`usp.train.deepspeed_parts.load_cpu_adam_op`
+caches it in ``~/.cache/usp/ops/cpu_adam-<key>`` (``XDG_CACHE_HOME``), shared by every virtualenv.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from usp.config import OptimConfig
 from usp.modes import OPTIMIZERS
-from usp.train.deepspeed_parts import import_deepspeed_part
+from usp.train.deepspeed_parts import import_deepspeed_part, load_cpu_adam_op
 
 
 def _import_cpu_adam() -> type:
@@ -49,6 +50,7 @@ def sharded_cpu_adam(
     ``torch.optim.AdamW`` (fp32; equal to rounding).
     """
     base = _import_cpu_adam()
+    load_cpu_adam_op()  # from the per-machine cache: DeepSpeedCPUAdam.__init__'s own load() then finds it
 
     class ShardedCPUAdam(base):  # type: ignore[misc, valid-type]
         @torch.no_grad()
