@@ -25,6 +25,9 @@ def _optimizer(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
     if name == "deepspeed_cpu_adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        from usp.train.deepspeed_parts import load_cpu_adam_op
+
+        load_cpu_adam_op()  # built once per machine and version, not per virtualenv
         return DeepSpeedCPUAdam([p], adamw_mode=True, **kw)
     return torch.optim.AdamW(
         [p],

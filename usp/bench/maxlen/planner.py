@@ -138,8 +138,9 @@ def deepest_fitting(
 
 
 def cpu_adam_error(timeout_s: float) -> str | None:
-    """Build (or load from its cache) DeepSpeed's CPU Adam op in a child process; None when it works."""
-    code = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+    """Build (or load from usp's per-machine cache, :func:`usp.train.deepspeed_parts.load_cpu_adam_op`)
+    DeepSpeed's CPU Adam op in a child process; None when it works."""
+    code = "from usp.train.deepspeed_parts import load_cpu_adam_op; load_cpu_adam_op()"
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
