@@ -139,9 +139,10 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 def _llama4_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Llama4TextRMSNorm / L2Norm in ``promote_types(input, fp32)`` instead of fp32 (cf. tests.exact_model)."""
+    """Llama4TextRMSNorm / L2Norm (WeightlessRMSNorm from transformers 5.25) in ``promote_types(input, fp32)`` instead of fp32 (cf. tests.exact_model)."""
     h = x.to(torch.promote_types(x.dtype, torch.float32))
-    out = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+    eps = getattr(self, "variance_epsilon", None) or self.eps  # transformers >= 5.25, older
+    out = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return out * self.weight if hasattr(self, "weight") else out
 
 
@@ -158,7 +159,7 @@ def _load(model_dir: str) -> nn.Module:
     if model.config.model_type in ("phi3", "llama"):
         assert norms_in_input_dtype(model) > 0  # Llama-style RMSNorm (PhiMoE's LayerNorm keeps float64)
     for m in model.modules():
-        if type(m).__name__ in ("Llama4TextRMSNorm", "Llama4TextL2Norm"):
+        if type(m).__name__ in ("Llama4TextRMSNorm", "Llama4TextL2Norm", "Llama4TextWeightlessRMSNorm"):
             m.forward = types.MethodType(_llama4_norm_forward, m)
     model.config.use_cache = False  # as usp.model.load_causal_lm
     return model.eval()  # PhiMoE's router samples in training mode; gradients flow either way

@@ -17,6 +17,7 @@ from usp.config import states_on_host
 from usp.config.compose import compose_config
 from usp.plan import cli, evaluate_layout, get_device, load_model_spec
 from usp.plan.request import PlanRequest
+from usp.startup.degrees import plan_layout
 
 USER_SETTINGS = ["model.path=/ckpt/model", "data.prepared_path=/data/prepared"]
 CASES = {  # recipe: the usp-plan flags its header quotes
@@ -42,9 +43,10 @@ def test_cli_library_and_request_agree(recipe, capsys):
     world = c.num_nodes * c.gpus_per_node
     request = PlanRequest.from_config(cfg)
     device = request.device(c.gpu, c.memory_gib)
-    via_request = request.evaluate(
-        model, device, world_size=world, node_size=c.gpus_per_node, mlp_tiles=p.mlp_tiles
+    layout = plan_layout(  # the layout start-up and usp-launch make for this run
+        cfg, {"hidden_size": model.hidden_size}, world_size=world, node_size=c.gpus_per_node, gpu=c.gpu
     )
+    via_request = request.evaluate(model, device, layout)
     dp = world // (p.ulysses_degree * p.ring_degree)
     via_library = evaluate_layout(
         model,
