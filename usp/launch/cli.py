@@ -7,11 +7,13 @@
     usp-launch torchrun [--nproc-per-node N] [--cpu] [--max-restarts R] [overrides...] [--dry-run]
     usp-launch slurm    [--nodes N] [--gpus-per-node G] [--partition P] [--time T] [--account A]
                         [--job-name J] [--gres] [--submit] [--max-restarts R] [overrides...] [--dry-run]
+    usp-launch ray      [--address ADDR] [--nodes N] [--gpus-per-node G] [--cpu] [--max-restarts R]
+                        [overrides...] [--dry-run]
 
 This module only dispatches: each mode is one module of :data:`MODE_MODULES` (:mod:`usp.launch.local`: one
 plain process; :mod:`usp.launch.torchrun`: one node; :mod:`usp.launch.slurm`: sbatch, or srun inside an
-allocation), with its own sub-command and flags, and what they share is :mod:`usp.launch.common`. A mode
-module has
+allocation; :mod:`usp.launch.ray_train`: Ray Train), with its own sub-command and flags, and what they share
+is :mod:`usp.launch.common`. A mode module has
 
 - ``NAME``, its sub-command, and ``HELP``, its line in ``usp-launch --help``;
 - ``add_parser(subparsers)``: ``subparsers.add_parser(NAME, ...)``, its flags (with
@@ -49,7 +51,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from usp.errors import pop_verbose, report
-from usp.launch import local, slurm, torchrun
+from usp.launch import local, ray_train, slurm, torchrun
 from usp.launch.common import LaunchError, compose_run_config
 from usp.launch.overrides import validate_override_syntax
 
@@ -63,7 +65,7 @@ __all__ = [
     "plan_command",
 ]
 
-MODE_MODULES = (local, torchrun, slurm)
+MODE_MODULES = (local, torchrun, slurm, ray_train)
 """The launch modes, in the order ``usp-launch --help`` lists them: adding a mode is one module here."""
 MODES = tuple(mode.NAME for mode in MODE_MODULES)
 USAGE = f"usp-launch {{{','.join(MODES)}}} [options] [hydra overrides...] [--dry-run]"
