@@ -23,7 +23,7 @@ from tests.exact_model import load_float64
 from tests.mesh_cache import cached_sp_mesh
 from tests.tolerance import EXACT_DTYPE, assert_exact
 from usp.data.batch import IGNORE_INDEX, collate_rows
-from usp.data.chat_prepare import MESSAGES, ChatOptions, _encode
+from usp.data.chat_prepare import MESSAGES, ChatOptions, encode_conversations
 from usp.data.pack import PackStats
 from usp.data.pack_chat import pack_conversations
 from usp.tiny import _chat, build_tiny_llama
@@ -53,7 +53,7 @@ def make_rows(tokenizer) -> list[dict]:
 
     rng = random.Random(3)
     renderer = ChatOptions(chat_template="tiny_chatml").renderer(tokenizer)
-    encoded = _encode({MESSAGES: [_chat(rng) for _ in range(40)]}, renderer)
+    encoded = encode_conversations({MESSAGES: [_chat(rng) for _ in range(40)]}, renderer)
     convs = [(np.asarray(i), np.asarray(m)) for i, m in zip(encoded["input_ids"], encoded["loss_mask"])]
     stats = PackStats(seq_len=SEQ_LEN)
     rows = []

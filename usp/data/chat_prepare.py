@@ -143,7 +143,11 @@ def load_conversations(
     )
 
 
-def _encode(batch: dict[str, list], renderer: ChatRenderer) -> dict[str, list]:
+def encode_conversations(batch: dict[str, list], renderer: ChatRenderer) -> dict[str, list]:
+    """A batch of ``{MESSAGES: [conversation, ...]}`` rendered with the chat template: ``input_ids`` (int32)
+    and the loss mask (uint8, 1 on assistant tokens) per conversation; empty arrays for a conversation without
+    an assistant message (:func:`conversation_windows` counts and skips them). The ``datasets.map`` function
+    of ``usp-prepare-data --format chat``."""
     ids, masks = [], []
     for messages in batch[MESSAGES]:
         out = renderer.encode(messages)
@@ -201,7 +205,7 @@ def pack_chat_to(
             cache_file_name=str(work / "encoded.arrow"),
             load_from_cache_file=False,
         )
-    encoded = raw.map(_encode, **kwargs)
+    encoded = raw.map(encode_conversations, **kwargs)
     stats = PackStats(seq_len=seq_len)
     stats.extra["conversations_no_assistant"] = 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
