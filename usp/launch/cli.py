@@ -7,6 +7,9 @@
     usp-launch torchrun [--nproc-per-node N] [--cpu] [--max-restarts R] [overrides...] [--dry-run]
     usp-launch slurm    [--nodes N] [--gpus-per-node G] [--partition P] [--time T] [--account A]
                         [--job-name J] [--gres] [--submit] [--max-restarts R] [overrides...] [--dry-run]
+    usp-launch k8s      --image IMAGE [--format trainjob|pytorchjob|jobset] [--volume NAME=CLAIM:PATH ...]
+                        [--namespace NS] [--queue Q] [--nodes N] [--gpus-per-node G] [--job-name J]
+                        [--runtime R] [--output FILE] [--apply] [--max-restarts R] [overrides...] [--dry-run]
     usp-launch ray      [--address ADDR] [--nodes N] [--gpus-per-node G] [--cpu] [--max-restarts R]
                         [overrides...] [--dry-run]
 
@@ -51,7 +54,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from usp.errors import pop_verbose, report
-from usp.launch import local, ray_train, slurm, torchrun
+from usp.launch import k8s, local, ray_train, slurm, torchrun
 from usp.launch.common import LaunchError, compose_run_config
 from usp.launch.overrides import validate_override_syntax
 
@@ -65,7 +68,7 @@ __all__ = [
     "plan_command",
 ]
 
-MODE_MODULES = (local, torchrun, slurm, ray_train)
+MODE_MODULES = (local, torchrun, slurm, k8s, ray_train)
 """The launch modes, in the order ``usp-launch --help`` lists them: adding a mode is one module here."""
 MODES = tuple(mode.NAME for mode in MODE_MODULES)
 USAGE = f"usp-launch {{{','.join(MODES)}}} [options] [hydra overrides...] [--dry-run]"
