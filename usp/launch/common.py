@@ -231,6 +231,27 @@ def prepare(
     return RunRequest(overrides=words, cfg=cfg, entry=entry, memory=memory)
 
 
+def flag_or_cluster(
+    value: int | None, flag: str, overrides: Sequence[str], key: str, cfg: TrainConfig | None
+) -> int | None:
+    """``flag``'s value, else the override ``key`` (``cluster.num_nodes``, ``cluster.gpus_per_node``) when the
+    command line sets it: a recipe's declared size given on the command line sizes the SLURM job. Both given
+    must agree. The value is the composed config's (typed and resolved: ``'4'``, ``${oc.env:N}``), or Hydra's
+    parse of the override when no config is composed (Hydra flags after ``--``)."""
+    given = find_override(overrides, key)
+    if given is None:
+        return value
+    if cfg is not None:
+        given = getattr(cfg.cluster, key.rsplit(".", 1)[1])
+    if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+        raise LaunchError(f"{key}={given!r} is invalid: use an integer >= 1.")
+    if value is not None and value != given:
+        raise LaunchError(
+            f"{flag}={value} but {key}={given}: the job and the run config disagree; make them equal."
+        )
+    return given
+
+
 # --- checks --------------------------------------------------------------------------------------------
 def _launching(nodes: int, nproc_per_node: int, node_size: object) -> str:
     """What usp-launch is about to start, for a layout error: the world size and the node size's origin."""

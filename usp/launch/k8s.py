@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from usp.launch import commands, common, slurm
+from usp.launch import commands, common
 from usp.launch.common import LaunchError
 from usp.launch.overrides import find_override, has_override
 
@@ -275,8 +275,8 @@ def plan(
     words = [*([] if has_override(overrides, "run_name") else [f"run_name={name}"]), *overrides]
     request = common.prepare(words, hydra_flags, entry=entry, memory=memory, on_this_machine=False)
     cfg, words = request.cfg, request.overrides
-    nodes = slurm._flag_or_cluster(o.nodes, "--nodes", words, "cluster.num_nodes", cfg)
-    gpus = slurm._flag_or_cluster(o.gpus_per_node, "--gpus-per-node", words, "cluster.gpus_per_node", cfg)
+    nodes = common.flag_or_cluster(o.nodes, "--nodes", words, "cluster.num_nodes", cfg)
+    gpus = common.flag_or_cluster(o.gpus_per_node, "--gpus-per-node", words, "cluster.gpus_per_node", cfg)
     if cfg is None and (nodes is None or gpus is None):
         raise LaunchError(
             "with Hydra flags after --, usp-launch does not compose the run config, so it cannot read the "

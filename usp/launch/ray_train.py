@@ -114,8 +114,8 @@ def command(
         nodes, nproc = 1, torchrun.processes_per_node(args.nproc_per_node, cpu=args.cpu)
     else:
         cfg = request.cfg
-        nodes = slurm._flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes", cfg)
-        nproc = slurm._flag_or_cluster(
+        nodes = common.flag_or_cluster(args.nodes, "--nodes", overrides, "cluster.num_nodes", cfg)
+        nproc = common.flag_or_cluster(
             args.nproc_per_node, "--gpus-per-node", overrides, "cluster.gpus_per_node", cfg
         )
         nodes, nproc = nodes or cfg.cluster.num_nodes, nproc or cfg.cluster.gpus_per_node

@@ -25,10 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from usp.config import TrainConfig
 from usp.launch import commands, common
 from usp.launch.common import LaunchError, RunRequest
-from usp.launch.overrides import find_override
 
 NAME = "slurm"
 HELP = "several nodes: sbatch, or srun inside an allocation"
@@ -160,27 +158,6 @@ def _slurm_gpus(env: Mapping[str, str]) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
-def _flag_or_cluster(
-    value: int | None, flag: str, overrides: Sequence[str], key: str, cfg: TrainConfig | None
-) -> int | None:
-    """``flag``'s value, else the override ``key`` (``cluster.num_nodes``, ``cluster.gpus_per_node``) when the
-    command line sets it: a recipe's declared size given on the command line sizes the SLURM job. Both given
-    must agree. The value is the composed config's (typed and resolved: ``'4'``, ``${oc.env:N}``), or Hydra's
-    parse of the override when no config is composed (Hydra flags after ``--``)."""
-    given = find_override(overrides, key)
-    if given is None:
-        return value
-    if cfg is not None:
-        given = getattr(cfg.cluster, key.rsplit(".", 1)[1])
-    if isinstance(given, bool) or not isinstance(given, int) or given < 1:
-        raise LaunchError(f"{key}={given!r} is invalid: use an integer >= 1.")
-    if value is not None and value != given:
-        raise LaunchError(
-            f"{flag}={value} but {key}={given}: the job and the run config disagree; make them equal."
-        )
-    return given
-
-
 def srun_in_allocation(
     request: RunRequest,
     env: Mapping[str, str],
@@ -200,7 +177,8 @@ def srun_in_allocation(
             f"SLURM_JOB_ID={job_id} is set but SLURM_NNODES is not: cannot tell the node count."
         )
     nodes = (
-        _flag_or_cluster(nodes, "--nodes", request.overrides, "cluster.num_nodes", request.cfg) or allocated
+        common.flag_or_cluster(nodes, "--nodes", request.overrides, "cluster.num_nodes", request.cfg)
+        or allocated
     )
     if nodes != allocated:
         # srun would pick `nodes` of the allocation, not necessarily the rendezvous head among them
@@ -208,7 +186,7 @@ def srun_in_allocation(
             f"{nodes} node(s) asked for, but SLURM job {job_id} has {allocated}: inside an allocation usp-launch "
             f"runs on all of its nodes. Allocate {nodes} node(s), or add --submit to queue a job of that size."
         )
-    nproc = _flag_or_cluster(
+    nproc = common.flag_or_cluster(
         nproc_per_node, "--gpus-per-node", request.overrides, "cluster.gpus_per_node", request.cfg
     )
     on_node = _slurm_gpus(env)
@@ -262,8 +240,8 @@ def sbatch(
     ``cluster.num_nodes x cluster.gpus_per_node``, with sbatch's own ``options``."""
     options = options or SbatchOptions()
     overrides, cfg = request.overrides, request.cfg
-    nodes = _flag_or_cluster(nodes, "--nodes", overrides, "cluster.num_nodes", cfg)
-    gpus = _flag_or_cluster(gpus_per_node, "--gpus-per-node", overrides, "cluster.gpus_per_node", cfg)
+    nodes = common.flag_or_cluster(nodes, "--nodes", overrides, "cluster.num_nodes", cfg)
+    gpus = common.flag_or_cluster(gpus_per_node, "--gpus-per-node", overrides, "cluster.gpus_per_node", cfg)
     if cfg is None and (nodes is None or gpus is None):
         raise LaunchError(
             "with Hydra flags after --, usp-launch does not compose the run config, so it cannot read the job's "
