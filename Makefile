@@ -6,8 +6,6 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` (each test module on one worker; the job-starting ones together)
-TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 EVAL_ARGS ?= eval=passkey
 
@@ -29,7 +27,7 @@ eval: install
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m usp.eval recipe=tiny model.path=outputs/demo/hf hydra.run.dir=outputs/demo $(EVAL_ARGS)
 
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

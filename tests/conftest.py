@@ -13,30 +13,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _POOLS: dict[int, DistPool] = {}
 
-LAUNCH_MODULES = {
-    "test_bench_maxlen",
-    "test_demo",
-    "test_eval_ruler_run",
-    "test_eval_run",
-    "test_faults",
-    "test_faults_launch",
-    "test_launch_ray",
-    "test_newcomer_errors",
-}
-"""Modules whose tests start whole jobs (torchrun, Ray, a process per attempt): one xdist group, so that two
-such jobs never share the 2 cores of a CI machine at once."""
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N --dist loadgroup`` (``make test``): each module runs on one worker (its module and
-    session fixtures are built once, as without xdist), and the modules of :data:`LAUNCH_MODULES` on one
-    worker together. Before xdist reads the groups (``tryfirst``)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            module = item.module.__name__.rsplit(".", 1)[-1]
-            item.add_marker(pytest.mark.xdist_group("launch" if module in LAUNCH_MODULES else module))
-
 
 @pytest.fixture(scope="session")
 def dist_pools():
