@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.records import complete_records
 from usp.config import WandbConfig
 from usp.config.compose import run_id
 from usp.data.cli import main as prepare_main
@@ -123,10 +124,7 @@ class Job:
 
 
 def _steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return complete_records(run_dir / "metrics.jsonl")
 
 
 def _wait_for_step(job: Job, run_dir: Path, step: int, timeout: float = 240) -> None:

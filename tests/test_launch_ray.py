@@ -7,7 +7,6 @@ The end-to-end case starts a real local Ray cluster with 4 CPU workers (gloo) on
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.records import complete_records
 from usp.launch import cli, ray_job
 from usp.launch.ray_train import pinned_run_name
 
@@ -42,10 +42,7 @@ def _env() -> dict[str, str]:
 
 
 def _steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return complete_records(run_dir / "metrics.jsonl")
 
 
 def _losses(run_dir: Path) -> torch.Tensor:
