@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 EVAL_ARGS ?= eval=passkey
 
@@ -26,8 +27,13 @@ demo: install
 eval: install
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m usp.eval recipe=tiny model.path=outputs/demo/hf hydra.run.dir=outputs/demo $(EVAL_ARGS)
 
+# Two phases: the tests not marked `serial` on TEST_WORKERS parallel workers (one test module per worker at a
+# time), then the `serial` ones in one process. Both always run; exit code 5 (nothing selected) is no failure.
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@rc=0; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ] || rc=1; \
+	$(PY) -m pytest -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ] || rc=1; \
+	exit $$rc
 
 lint: install
 	$(VENV)/bin/ruff check .

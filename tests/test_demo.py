@@ -1,4 +1,6 @@
-"""The tiny recipe end to end under torchrun: 4 CPU processes (2 emulated nodes of 2), metrics + a checkpoint."""
+"""The tiny recipe end to end under torchrun: 4 CPU processes (2 emulated nodes of 2), metrics + a checkpoint.
+
+The run is the session's shared one (``tiny_torchrun_run``, :mod:`tests.tiny_run`), which the Ray test also reads."""
 
 from __future__ import annotations
 
@@ -8,13 +10,13 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
+from tests.tiny_run import STEPS
 from usp.train.metrics import METRIC_FIELDS
 
-TORCHRUN = Path(sys.executable).parent / "torchrun"
+pytestmark = pytest.mark.serial  # reads the session's shared torchrun run, as the Ray test does: one process
 
 FIT_RUNTIME_GIB = 0.414
 """:func:`runtime_gib` under the torch build the planner's CPU entry was fitted with (2.13.0+cpu; 0.414 GiB on
@@ -37,26 +39,10 @@ def runtime_gib() -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_tiny_recipe_trains_under_torchrun(tmp_path):
-    run_dir = tmp_path / "run"
-    steps = 6
-    cmd = [
-        str(TORCHRUN),
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        "-m",
-        "usp.train",
-        "recipe=tiny",
-        f"hydra.run.dir={run_dir}",
-        f"trainer.max_steps={steps}",
-        "trainer.checkpoint_every=3",
-        "logging.progress_bar=false",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-
+def test_tiny_recipe_trains_under_torchrun(tiny_torchrun_run):
+    run = tiny_torchrun_run
+    assert run.returncode == 0, run.output[-9000:]
+    run_dir, steps = run.run_dir, STEPS
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     for r in records:

@@ -34,6 +34,8 @@ from usp.train.__main__ import REQUEUE_EXIT_CODE
 from usp.train.signals import StopRequest
 from usp.train.watchdog import WARMUP_STEPS, StepWatchdog
 
+pytestmark = pytest.mark.serial  # step timing: the watchdog and the seconds a stopped rank takes to fail
+
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 SLURM_SBATCH = REPO / "launch" / "slurm.sbatch"

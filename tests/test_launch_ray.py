@@ -2,7 +2,8 @@
 a layout that cannot keep Ulysses groups inside a node is refused before Ray starts.
 
 The end-to-end case starts a real local Ray cluster with 4 CPU workers (gloo) on the tiny recipe, next to a
-``torchrun`` run of the same overrides (the demo's layout: Ulysses 2 x ring 2, 2 emulated nodes of 2).
+``torchrun`` run of the same overrides (the demo's layout: Ulysses 2 x ring 2, 2 emulated nodes of 2): the
+session's shared run (``tiny_torchrun_run``), which the demo test checks as well.
 """
 
 from __future__ import annotations
@@ -18,27 +19,15 @@ import pytest
 import torch
 
 from tests.records import complete_records
+from tests.tiny_run import OVERRIDES as TINY_RUN
+from tests.tiny_run import STEPS, launch_env
 from usp.launch import cli, ray_job
 from usp.launch.ray_train import pinned_run_name
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.serial  # Ray's raylet waits a fixed 30 s to start; the shared torchrun run
+
 BIN = Path(sys.executable).parent
-STEPS = 8
-TINY = [
-    "recipe=tiny",
-    "trainer.export_hf=false",
-    "logging.progress_bar=false",
-    f"trainer.max_steps={STEPS}",
-    "trainer.checkpoint_every=3",
-]
-
-
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    }
+TINY = [*TINY_RUN, "trainer.export_hf=false"]
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -164,24 +153,16 @@ def test_placement_and_worker_environment():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_ray_run_equals_torchrun_and_a_killed_worker_resumes(tmp_path):
+def test_ray_run_equals_torchrun_and_a_killed_worker_resumes(tmp_path, tiny_torchrun_run):
     """4 CPU workers on a local Ray cluster, ``--max-restarts 1``: rank 1's process is killed after step 4 (a
     checkpoint every 3 steps); Ray Train restarts the group, the ranks resume from the last checkpoint and the run reaches step
     8 with every step's loss equal to an uninterrupted torchrun run of the same overrides (fp32: bitwise up to
     the JSON round trip)."""
     pytest.importorskip("ray.train", reason="Ray Train is the optional extra usp[ray]")
-    ref_dir, ray_dir = tmp_path / "torchrun", tmp_path / "ray"
-    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4", "-m", "usp.train"]
-    ref = subprocess.run(
-        [*torchrun, *TINY, f"hydra.run.dir={ref_dir}"],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    reference = _losses(ref_dir)
+    ray_dir = tmp_path / "ray"
+    ref = tiny_torchrun_run  # the session's torchrun run of the same overrides (tests/tiny_run.py)
+    assert ref.returncode == 0, ref.output[-6000:]
+    reference = _losses(ref.run_dir)
     assert len(reference) == STEPS
 
     launch = [str(BIN / "usp-launch"), "ray", "--cpu", "--nproc-per-node", "4", "--max-restarts", "1"]
@@ -189,7 +170,7 @@ def test_ray_run_equals_torchrun_and_a_killed_worker_resumes(tmp_path):
     job = subprocess.Popen(
         [*launch, *TINY, f"hydra.run.dir={ray_dir}"],
         cwd=tmp_path,
-        env=_env(),
+        env=launch_env(),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

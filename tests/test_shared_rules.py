@@ -72,6 +72,7 @@ def test_meminfo_read(tmp_path) -> None:
 
 
 @pytest.mark.skipif(not os.path.exists(host.PROC_STATUS), reason="no /proc/self/status (not Linux)")
+@pytest.mark.serial  # its 512 MiB parent and the child's peak are read while other workers allocate
 def test_peak_rss_is_the_process_own_not_the_parent_it_was_forked_from() -> None:
     """A child forked by a parent holding 512 MiB and exec-ing a small program: its peak is its own (tens of
     MiB); getrusage in the same child reports the parent's (Linux keeps the replaced image's peak), which is
