@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from usp.model.capabilities import Purpose, causal_lm_class, model_capabilities
+from usp.model.moe_weights import ExpertFill, plan_weights
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -300,26 +301,38 @@ def materialize_empty(
         modules[name]._buffers[buf] = value.to(device)
 
 
-def _weights_mismatch(model: nn.Module, stored: set[str]) -> tuple[dict[str, str], str | None]:
-    """``(model key -> stored key, error)``: which stored tensor fills each model tensor, or what does not fit.
+def _weights_mismatch(
+    model: nn.Module, stored: set[str]
+) -> tuple[dict[str, str], dict[str, ExpertFill], str | None]:
+    """``(model key -> stored key, model key -> ExpertFill, error)``: which stored tensor fills each model tensor,
+    how each fused expert parameter is built from per-expert stored tensors (:mod:`usp.model.moe_weights`:
+    transformers' conversion rules for the model), or what does not fit.
 
     A tied ``lm_head.weight`` missing from the files is filled from ``model.embed_tokens.weight``; RoPE
     ``inv_freq`` buffers that old exports saved are ignored.
     """
     stored = {k for k in stored if not k.endswith("rotary_emb.inv_freq")}
     head, embed = "lm_head.weight", "model.embed_tokens.weight"
-    sources = {k: k for k in model.state_dict()}
+    try:
+        plan = plan_weights(model, stored)
+    except ValueError as e:  # an expert layout the rules cannot map: named by plan_weights
+        return {}, {}, str(e)
+    sources = dict(plan.identity)
     if getattr(model.config, "tie_word_embeddings", False) and head not in stored and embed in stored:
         sources[head] = embed
-    missing = sorted(k for k, src in sources.items() if src not in stored)
-    unexpected = sorted(stored - set(sources.values()))
+    missing = sorted(k for k in plan.missing if k not in sources)
+    unexpected = sorted(plan.unexpected)
     if not missing and not unexpected:
-        return sources, None
-    return sources, (
-        f"the weights do not match the model its config.json describes (missing {missing[:5]}"
-        f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-        f"{' ...' if len(unexpected) > 5 else ''}). Point model.path at a complete checkpoint whose "
-        f"weights and config.json belong together."
+        return sources, plan.experts, None
+    return (
+        sources,
+        plan.experts,
+        (
+            f"the weights do not match the model its config.json describes (missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}). Point model.path at a complete checkpoint whose "
+            f"weights and config.json belong together."
+        ),
     )
 
 
@@ -346,7 +359,11 @@ def load_sharded_weights(
     Collective: call on every rank. ``*.safetensors`` checkpoints are read shard by shard: every rank reads
     only the slices of its own parameter shards (``torch.distributed.checkpoint`` with its Hugging Face
     storage reader), so no host holds the whole model (a 70B checkpoint is ~140 GB). ``pytorch_model*.bin``
-    checkpoints cannot be sliced: rank 0 reads them and broadcasts each tensor. Either way the values are
+    checkpoints cannot be sliced: rank 0 reads them and broadcasts each tensor. Mixture-of-experts checkpoints
+    store each expert's tensors apart while the model holds them fused (``experts.gate_up_proj`` ``[E, 2I, H]``):
+    transformers' conversion rules say which stored tensors build which parameter
+    (:func:`usp.model.moe_weights.plan_weights`); each rank reads the tensors of the experts of its own
+    ``Shard(0)`` rows only, and the broadcast path builds the fused tensors on rank 0. Either way the values are
     upcast to the fp32 parameters, missing or unexpected keys raise, and a checkpoint some rank cannot read
     (a truncated or corrupt file) raises ``ValueError`` naming ``model.path`` on *every* rank.
     """
@@ -366,18 +383,25 @@ def _load_safetensors_shards(model: PreTrainedModel, path: str | os.PathLike) ->
 
     error: str | None = None
     sources: dict[str, str] = {}
+    experts: dict[str, ExpertFill] = {}
+    files: dict[str, str] = {}  # stored tensor -> its file
     try:  # headers only: every rank computes the same answer, no collective needed
-        stored: set[str] = set()
         for f in sorted(Path(path).glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as handle:
-                stored.update(handle.keys())
-        sources, error = _weights_mismatch(model, stored)
+                files.update(dict.fromkeys(handle.keys(), str(f)))
     except Exception as e:  # noqa: BLE001 - a header that does not parse is a damaged file
         error = _unreadable(e, "this rank")
+    if error is None:
+        sources, experts, error = _weights_mismatch(model, set(files))
+    if error is None and experts:
+        error = _expert_shapes_mismatch(experts, files)
     if error is not None:
         raise ValueError(f"model.path={str(path)!r}: {error}")
     state = model.state_dict()  # DTensor shards: DCP reads only the slices this rank owns, in place
-    request = {src: state[key] for key, src in sources.items() if key == src}
+    if experts:  # fused expert parameters: each rank reads the per-expert tensors of its own experts
+        _load_expert_shards(state, experts, files, path)
+    # identity tensors (renamed ones too); not the tied lm_head, whose source is the embedding already requested
+    request = {src: state[key] for key, src in sources.items() if key == src or src not in state}
     try:
         dcp.load(request, storage_reader=HuggingFaceStorageReader(str(path)), process_group=dist.group.WORLD)
     except CheckpointException as e:  # raised on every rank when any rank failed to read
@@ -386,6 +410,115 @@ def _load_safetensors_shards(model: PreTrainedModel, path: str | os.PathLike) ->
         raise ValueError(
             f"model.path={str(path)!r}: {_unreadable(first, f'rank(s) {sorted(failures)}')}"
         ) from e
+
+
+def _expert_shapes_mismatch(experts: dict[str, ExpertFill], files: dict[str, str]) -> str | None:
+    """What does not fit between the fused expert parameters and the shapes in the safetensors headers."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for fill in experts.values():
+        for part in fill.parts:
+            for name in part:
+                by_file.setdefault(files[name], []).append(name)
+    shapes: dict[str, list[int]] = {}
+    try:
+        for f, names in by_file.items():
+            with safe_open(f, framework="pt") as handle:
+                shapes.update({name: handle.get_slice(name).get_shape() for name in names})
+    except Exception as e:  # noqa: BLE001 - a header that does not parse is a damaged file
+        return _unreadable(e, "this rank")
+    try:
+        for key, fill in experts.items():
+            fill.check_shapes(key, shapes)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _first_local_row(param: torch.Tensor) -> int:
+    """The global index along dim 0 of the first row of this rank's shard of ``param``: a plain tensor, or a
+    DTensor replicated or sharded along dim 0 (FSDP2's ``Shard(0)``; uneven: the last ranks hold fewer rows, or
+    none)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        return 0
+    start, length = 0, param.shape[0]
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard) and placement.dim == 0:
+            n, i = param.device_mesh.size(mesh_dim), param.device_mesh.get_local_rank(mesh_dim)
+            chunk = -(-length // n)  # torch.chunk's split, as DTensor's Shard
+            first, end = min(i * chunk, length), min((i + 1) * chunk, length)
+            start, length = start + first, end - first
+        elif placement.is_shard():
+            length = -1
+            break
+    if length != param.to_local().shape[0]:
+        raise ValueError(
+            f"a fused expert parameter is sharded as {param.placements} over {param.device_mesh}; usp's expert "
+            f"loader reads parameters sharded along the experts dim (Shard(0), as FSDP2) or replicated."
+        )
+    return start
+
+
+def _load_expert_shards(
+    state: dict[str, torch.Tensor],
+    experts: dict[str, ExpertFill],
+    files: dict[str, str],
+    path: str | os.PathLike,
+) -> None:
+    """Collective: fill each fused expert parameter's local rows from the stored tensors of this rank's experts
+    (``safe_open(...).get_tensor``, upcast by the copy); a rank that cannot read raises on every rank."""
+    import torch.distributed as dist
+
+    from usp.parallel.agree import raise_if_any_failed
+
+    error: ValueError | None = None
+    try:  # the same answer on every rank (shards of one model); agreed on below all the same
+        firsts = {key: _first_local_row(state[key]) for key in experts}
+    except ValueError as e:
+        error = ValueError(f"model.path={str(path)!r}: {e}")
+    if error is None:
+        try:
+            _read_local_experts(state, experts, files, firsts)
+        except Exception as e:  # noqa: BLE001 - shared with every rank below, then raised there
+            error = ValueError(f"model.path={str(path)!r}: {_unreadable(e, f'rank {dist.get_rank()}')}")
+    raise_if_any_failed(error, "loading the expert weights")
+
+
+def _read_local_experts(
+    state: dict[str, torch.Tensor],
+    experts: dict[str, ExpertFill],
+    files: dict[str, str],
+    firsts: dict[str, int],
+) -> None:
+    """Copy rows ``firsts[key] ..`` of each fused expert parameter from their per-expert stored tensors."""
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    with ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def read(name: str) -> torch.Tensor:
+            f = files[name]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(f, framework="pt"))
+            return handles[f].get_tensor(name)
+
+        for key, fill in experts.items():
+            param = state[key]
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if local.shape[0] == 0:  # uneven sharding: this rank holds none of the experts
+                continue
+            if local.device.type == "cpu":
+                fill.fill_rows(local, firsts[key], read)
+            else:  # built on the host, one copy to the device
+                rows = torch.empty(local.shape, dtype=local.dtype)
+                fill.fill_rows(rows, firsts[key], read)
+                local.copy_(rows)
 
 
 def _load_broadcast_from_rank0(model: PreTrainedModel, path: str | os.PathLike) -> None:
@@ -401,9 +534,18 @@ def _load_broadcast_from_rank0(model: PreTrainedModel, path: str | os.PathLike) 
             state = read_full_state_dict(path)
         except Exception as e:  # noqa: BLE001 - shared with every rank below, then raised there
             error = _unreadable(e, "rank 0")
-        sources, mismatch = _weights_mismatch(model, set(state))
+        sources, experts, mismatch = _weights_mismatch(model, set(state))
         error = error or mismatch
-        state = {key: state[src] for key, src in sources.items() if src in state}
+        fused: dict[str, torch.Tensor] = {}
+        if error is None:  # the fused expert parameters, whole, built here and broadcast like the rest
+            try:
+                shapes = {name: list(tensor.shape) for name, tensor in state.items()}
+                for key, fill in experts.items():
+                    fill.check_shapes(key, shapes)
+                    fused[key] = fill.build(state.__getitem__)
+            except ValueError as e:
+                error = str(e)
+        state = {key: state[src] for key, src in sources.items() if src in state} | fused
     raise_if_any_failed(
         None if error is None else ValueError(f"model.path={str(path)!r}: {error}"), "loading weights"
     )

@@ -18,6 +18,7 @@ import copy
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,43 @@ def _scrub_attention(config_json: Path) -> None:
     config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def _saved_layout(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (the model's full state dict) in the layout ``save_pretrained`` writes: transformers' conversion
+    rules for the model reverted (``revert_weight_conversion``, as ``save_pretrained`` does). A MoE layer's fused
+    ``experts.gate_up_proj`` ``[E, 2I, H]`` / ``experts.down_proj`` become one tensor per expert under the names
+    published checkpoints use (qwen3_moe ``mlp.experts.e.{gate,up,down}_proj.weight``, mixtral
+    ``block_sparse_moe.experts.e.w{1,3,2}.weight``), which every loader reads; models without rules are unchanged.
+    Reverted one decoder layer at a time (no rule spans layers): a fused tensor and its split copies exist for one
+    layer at a time.
+    """
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError as e:
+        from usp.model.moe_weights import conversion_rules
+
+        if not conversion_rules(model, legacy=False):
+            return tensors
+        raise ValueError(
+            f"this transformers has no core_model_loading.revert_weight_conversion ({e}): usp cannot write the "
+            f"{model.config.model_type!r} checkpoint in the layout transformers loads. Install the transformers "
+            f"release usp pins (pyproject.toml)."
+        ) from e
+    groups: dict[str, list[str]] = {}
+    for key in tensors:
+        match = _LAYER.match(key)
+        groups.setdefault(match.group(1) if match else "", []).append(key)
+    out: dict[str, torch.Tensor] = {}
+    for keys in groups.values():  # entries leave ``tensors`` as their layer is reverted
+        for key, t in revert_weight_conversion(model, {k: tensors.pop(k) for k in keys}).items():
+            # an expert's slice of a fused tensor gets storage of its own: the writer refuses partial views
+            whole = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            out[key] = t if whole else t.clone(memory_format=torch.contiguous_format)
+    return out
+
+
 def _write_files(
     tmp: Path,
     tensors: dict[str, torch.Tensor],
@@ -150,7 +188,8 @@ def export_hf(
 
     Collective when a process group is initialized (call on every rank; works for FSDP2-sharded and plain
     models). Floating-point weights are cast to ``dtype`` (e.g. ``torch.bfloat16`` for fp32 master weights);
-    ``None`` keeps the parameter dtype. Tied output embeddings are stored once. ``out_dir`` is
+    ``None`` keeps the parameter dtype. Tied output embeddings are stored once. The tensors are written in the
+    layout ``save_pretrained`` writes (:func:`_saved_layout`: a MoE model's experts one tensor each). ``out_dir`` is
     replaced atomically if it holds an earlier export; any other non-empty directory raises ``ValueError``.
     Returns ``out_dir``.
     """
@@ -173,6 +212,7 @@ def export_hf(
                 v = tensors[k].detach().cpu()
                 tensors[k] = v.to(dtype) if dtype is not None and v.is_floating_point() else v
                 del v  # the fp32 original is freed as soon as its entry is replaced
+            tensors = _saved_layout(model, tensors)
             dtypes = {v.dtype for v in tensors.values() if v.is_floating_point()}
             saved_dtype = dtypes.pop() if len(dtypes) == 1 else None
             write_dir(
