@@ -160,11 +160,24 @@ def test_unsupported_family_is_refused_naming_the_field(family):
     assert family in str(err.value)
 
 
-def test_moe_forward_is_supported_but_training_is_refused():
-    caps = model_capabilities(family_config("qwen3_moe"))
-    caps.check("forward")
-    with pytest.raises(ValueError, match="num_experts"):
-        caps.check("train")
+def test_moe_trains_when_usp_computes_its_router_loss():
+    """qwen3_moe's router loss is the one usp computes sharded (tests/test_moe_router_loss.py): it trains. Doge's
+    is another formula: its forward is served, its training refused, naming the field."""
+    from transformers import DogeConfig
+
+    model_capabilities(family_config("qwen3_moe")).check("train")
+    doge = DogeConfig(
+        is_moe=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with pytest.raises(ValueError, match="num_experts: a mixture-of-experts model whose router loss"):
+        model_capabilities(doge).check("train")
 
 
 def test_docs_models_page_holds_the_generated_matrix():

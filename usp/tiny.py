@@ -103,11 +103,13 @@ def is_tiny_model(config: Any) -> bool:
 def build_tiny_llama(path: str | os.PathLike, seed: int = 0, **config_overrides: Any) -> Path:
     """Save a tiny random Llama checkpoint (+ tokenizer) at ``path`` unless one is already there.
 
-    ``config_overrides`` are LlamaConfig fields (e.g. ``num_key_value_heads=1``). Written aside and renamed,
-    so concurrent callers (several ranks) and interrupted runs never leave a half-written checkpoint.
+    ``config_overrides`` are LlamaConfig fields (e.g. ``num_key_value_heads=1``); with ``model_type`` (e.g.
+    ``qwen3_moe`` and its ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``) they are that
+    family's config fields and the model is that family's causal LM (``recipe=tiny_moe``). Written aside and
+    renamed, so concurrent callers (several ranks) and interrupted runs never leave a half-written checkpoint.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
@@ -116,7 +118,8 @@ def build_tiny_llama(path: str | os.PathLike, seed: int = 0, **config_overrides:
     def write(tmp: Path) -> None:
         tokenizer = build_tiny_tokenizer(tmp)
         fields = {**TINY_LLAMA_DEFAULTS, **config_overrides}
-        config = LlamaConfig(
+        config = AutoConfig.for_model(
+            fields.pop("model_type", "llama"),
             vocab_size=len(tokenizer),
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
@@ -125,7 +128,7 @@ def build_tiny_llama(path: str | os.PathLike, seed: int = 0, **config_overrides:
         )
         config.usp_tiny = True  # saved in config.json and kept by the export: "the random demo model"
         torch.manual_seed(seed)
-        LlamaForCausalLM(config).save_pretrained(str(tmp), safe_serialization=True)
+        AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp), safe_serialization=True)
 
     write_dir(path, write, replace=False)  # False: another process won the race; its checkpoint is complete
     return path

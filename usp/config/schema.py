@@ -29,6 +29,9 @@ class ModelConfig:
     """Override ``rope_scaling`` (e.g. ``{rope_type: llama3, factor: 8.0, ...}``)."""
     max_position_embeddings: int | None = None
     """Override ``max_position_embeddings`` (set to at least ``trainer.seq_len``)."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts models: the router load-balancing loss coefficient; ``None`` keeps the checkpoint's
+    ``router_aux_loss_coef`` (0 turns the router loss off). Ignored by dense models."""
     build_tiny: bool = False
     """Create a tiny random Llama checkpoint at ``path`` if it does not exist (demo/tests only)."""
     tiny_size: dict[str, Any] = field(default_factory=dict)

@@ -36,7 +36,7 @@ LAYER_KINDS: dict[str, str] = {
 _MIXER_CLASSES = re.compile(
     r"Mamba|DeltaNet|LinearAttention|ShortConv|Rwkv|RWKV|Recurrent|Mlstm|Slstm|Lightning"
 )
-_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _SPARSE_FIELDS = ("index_topk", "index_n_heads")  # DeepSeek sparse attention (V3.2-style indexers)
 
 
@@ -132,6 +132,37 @@ def causal_lm_class(config: PretrainedConfig) -> type | None:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
         return None
+
+
+ROUTER_LOSS_REFERENCE = "qwen3_moe"
+"""The family whose ``load_balancing_loss_func`` usp computes sharded (:mod:`usp.train.router_loss`); 31 families of
+transformers 5.24 share its code."""
+
+
+def _balancing_code(module_name: str) -> tuple | None:
+    import importlib
+
+    try:
+        fn = getattr(importlib.import_module(module_name), "load_balancing_loss_func", None)
+    except ImportError:
+        return None
+    if fn is None:
+        return None
+    code = fn.__code__
+    return code.co_code, code.co_names, code.co_consts[1:]  # co_consts[0]: the docstring
+
+
+def router_loss_kind(causal_lm: type | None) -> Literal["none", "load_balancing", "other"]:
+    """How a causal LM class adds a router loss to its LM loss: ``none`` (dense, or MoE with bias-balanced
+    routing such as deepseek_v3), ``load_balancing`` (the code of :data:`ROUTER_LOSS_REFERENCE`'s
+    ``load_balancing_loss_func``, which usp implements) or ``other`` (a formula usp does not implement)."""
+    code = None if causal_lm is None else _balancing_code(causal_lm.__module__)
+    if code is None:
+        return "none"
+    reference = _balancing_code(
+        f"transformers.models.{ROUTER_LOSS_REFERENCE}.modeling_{ROUTER_LOSS_REFERENCE}"
+    )
+    return "load_balancing" if code == reference else "other"
 
 
 def layer_specs(config: PretrainedConfig | dict) -> tuple[LayerSpec, ...]:
@@ -347,14 +378,15 @@ def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None)
         lm_head_fields = tuple(lm_head_transform(text).source_fields)
     except ValueError as e:  # a head no transform reproduces (the losses would be wrong)
         refusals.append(Refusal("lm_head", str(e).rstrip("."), ""))  # usp-eval's losses too
-    moe = any((getattr(text, f, None) or 0) > 1 for f in _MOE_FIELDS)
-    if moe:
+    moe = any((getattr(text, f, None) or 0) > 1 for f in MOE_FIELDS)
+    if moe and router_loss_kind(causal_lm_class(config)) == "other":
         refusals.append(
             Refusal(
                 "num_experts",
-                "a mixture-of-experts model: usp's loss has no router load-balancing loss yet and its sharded "
-                "loader does not map expert weights (apply_usp's forward is exact)",
-                "Training MoE checkpoints is the next step (router loss, loader); use a dense checkpoint.",
+                "a mixture-of-experts model whose router loss (its load_balancing_loss_func) is not the one "
+                "usp computes under sequence parallelism, so the training loss would not be the model's own "
+                "(apply_usp's forward is exact)",
+                "Train a family whose router loss usp implements (qwen3_moe, mixtral, olmoe, gpt_oss, ...).",
                 purpose="train",
             )
         )

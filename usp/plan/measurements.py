@@ -208,10 +208,11 @@ def _model_from_config(cfg: dict[str, Any], run_dir: Path) -> ModelSpec:
             if (candidate / "config.json").is_file():
                 return load_model_spec(str(candidate))
     tiny = model.get("tiny_size") or {}
-    if tiny:  # the trainer builds the tiny checkpoint from LlamaConfig(**tiny_size): same defaults here
-        from transformers import LlamaConfig
+    if tiny:  # the trainer builds the tiny checkpoint from tiny_size (a Llama unless it names a model_type)
+        from transformers import AutoConfig
 
-        return load_model_spec(LlamaConfig(**tiny).to_dict())
+        fields = dict(tiny)
+        return load_model_spec(AutoConfig.for_model(fields.pop("model_type", "llama"), **fields).to_dict())
     raise ValueError(f"{run_dir}: cannot find the model shape (model.path/config.json or model.tiny_size).")
 
 

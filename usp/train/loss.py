@@ -41,6 +41,7 @@ from transformers import PreTrainedModel
 from usp.model.capabilities import decoder_of
 from usp.model.lm_head import LMHeadTransform, lm_head_transform
 from usp.model.usp_attention_fn import packed_sequence_kwargs
+from usp.train.router_loss import RouterAuxSpec, RouterLogitsRecorder, RouterStats, load_balancing_share
 from usp.train.tiling import deferrable_final_norm
 
 IGNORE_INDEX = -100
@@ -126,9 +127,21 @@ class ChunkedCausalLMLoss(nn.Module):
     When sequence tiling made the decoder's final norm deferrable (:mod:`usp.train.tiling`, ``mlp_tiles > 1``)
     the decoder runs without it and each loss chunk applies it. The model's LM-head transform
     (:func:`usp.model.lm_head_transform`) is read from its config here, once.
+
+    Mixture-of-experts models: with ``router_aux`` (:func:`usp.train.router_loss.router_aux_spec`) each forward
+    also adds ``coef * aux_scale *`` this rank's share of the router load-balancing loss over ``aux_group``
+    (every rank of the job; :mod:`usp.train.router_loss`), and keeps the detached parts of its last forward in
+    ``last_cross_entropy`` (this rank's cross-entropy share) and ``last_router_stats``.
     """
 
-    def __init__(self, model: PreTrainedModel, *, chunk_size: int):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        chunk_size: int,
+        router_aux: RouterAuxSpec | None = None,
+        aux_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__()
         if chunk_size < 1:
             raise ValueError(
@@ -137,6 +150,11 @@ class ChunkedCausalLMLoss(nn.Module):
         self.model = model
         self.chunk_size = chunk_size
         self.lm_head_transform = lm_head_transform(model.config)
+        self.router_aux = router_aux
+        self.aux_group = aux_group
+        self._router_recorder = None if router_aux is None else RouterLogitsRecorder(model, router_aux)
+        self.last_cross_entropy: torch.Tensor | None = None
+        self.last_router_stats: RouterStats | None = None
 
     def forward(
         self,
@@ -146,16 +164,24 @@ class ChunkedCausalLMLoss(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         num_targets: int | float = 1.0,
+        aux_scale: float = 1.0,
     ) -> torch.Tensor:
-        """``sum of this rank's token losses / num_targets`` (fp32 scalar).
+        """``sum of this rank's token losses / num_targets`` (fp32 scalar), plus, for a MoE with ``router_aux``,
+        ``coef * aux_scale * `` this rank's router-loss share (collective over ``aux_group``).
 
         ``input_ids``, ``labels``, ``position_ids``: this rank's slice ``[B, S_local]``; ``cu_seqlens``: global
-        document boundaries or ``None``; ``num_targets``: the global target count of the whole step.
+        document boundaries or ``None``; ``num_targets``: the global target count of the whole step;
+        ``aux_scale``: ``1 / micro-batches`` of the step (the router loss is the mean over micro-batches); 0 for
+        evaluation (the same on every rank: no router loss, no collective).
         """
         extra = packed_sequence_kwargs(cu_seqlens)  # transformers' names: cu_seq_lens_q/k, max_length_q/k
         decoder = decoder_of(self.model)
         final_norm = deferrable_final_norm(decoder)
-        with final_norm.deferred() if final_norm is not None else nullcontext():
+        recorder = self._router_recorder
+        with (
+            final_norm.deferred() if final_norm is not None else nullcontext(),
+            recorder.recording() if recorder is not None else nullcontext() as router_logits,
+        ):
             out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         hidden = out.last_hidden_state  # [B, S_local, H], after the final norm (before it when deferred)
         head = self.model.get_output_embeddings()
@@ -168,4 +194,9 @@ class ChunkedCausalLMLoss(nn.Module):
             norm=None if final_norm is None else final_norm.norm,
             transform=self.lm_head_transform,
         )
-        return loss_sum / num_targets
+        loss = loss_sum / num_targets
+        if self.router_aux is None or aux_scale == 0:  # evaluation: the cross-entropy alone
+            return loss
+        share, self.last_router_stats = load_balancing_share(router_logits, self.router_aux, self.aux_group)
+        self.last_cross_entropy = loss.detach()
+        return loss + (self.router_aux.coef * aux_scale) * share

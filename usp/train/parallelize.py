@@ -38,6 +38,7 @@ from usp.modes import AC_MODES, FSDP_MODES
 from usp.parallel import SPMesh
 from usp.train.checkpoint_offload import HostCheckpointStore, apply_offload_checkpointing
 from usp.train.loss import ChunkedCausalLMLoss
+from usp.train.router_loss import is_moe, router_aux_spec
 from usp.train.tiling import apply_sequence_tiling
 
 
@@ -134,6 +135,7 @@ def parallelize(
     cpu_offload: bool = False,
     mlp_tiles: int = 1,
     attn_head_chunks: int = 1,
+    router_aux_loss_coef: float | None = None,
 ) -> ChunkedCausalLMLoss:
     """Apply the whole recipe to a loaded (fp32, CPU) model; returns the FSDP2-wrapped loss module.
 
@@ -143,8 +145,16 @@ def parallelize(
     :class:`~usp.train.checkpoint_offload.HostCheckpointStore` (``host_bytes``: what its host slots hold); else ``None``.
     ``mlp_tiles``: a resolved tile count (:func:`usp.mlp_tiles.resolve_mlp_tiles`), 1 = off.
     ``attn_head_chunks``: ``parallel.attn_head_chunks`` (:func:`usp.attention.usp_attention`), 1 = off.
+    ``router_aux_loss_coef``: a mixture-of-experts model's router-loss coefficient (``None``: its config's
+    ``router_aux_loss_coef``); the loss module adds the family's own router loss (:mod:`usp.train.router_loss`).
     """
     assert fsdp_mode in FSDP_MODES, f"fsdp_mode={fsdp_mode!r} is not one of {FSDP_MODES} (validate_choices)"
+    router_aux = router_aux_spec(model, router_aux_loss_coef)
+    if is_moe(model) and mlp_tiles > 1:
+        raise ValueError(
+            f"parallel.mlp_tiles={mlp_tiles}: MLP tiles are not supported for mixture-of-experts layers (the "
+            f"router's loss needs the routing graph that tiling drops); set parallel.mlp_tiles=1."
+        )
     apply_usp(model, mesh, backend=attention_backend, attn_head_chunks=attn_head_chunks)
     layers = decoder_layers(model)
     apply_sequence_tiling(layers, getattr(decoder_of(model), "norm", None), mlp_tiles)
@@ -154,7 +164,9 @@ def parallelize(
         index = torch.cuda.current_device() if device_type == "cuda" else None
         store = HostCheckpointStore(torch.device(device_type, index))
     apply_activation_checkpointing(layers, activation_checkpointing, ac_every_k, offload_store=store)
-    loss_model = ChunkedCausalLMLoss(model, chunk_size=loss_chunk_size)
+    loss_model = ChunkedCausalLMLoss(
+        model, chunk_size=loss_chunk_size, router_aux=router_aux, aux_group=mesh.group("fsdp")
+    )
     loss_model.offload_store = store
     if fsdp_mode == "hybrid_shard":
         device_mesh = build_hsdp_mesh(mesh, node_size or dist.get_world_size())

@@ -47,6 +47,11 @@ class StepResult:
     no_targets: bool = False
     """The step's micro-batches held no target token on any rank (e.g. chat rows whose assistant turns were all
     truncated away): nothing was run, ``loss`` is NaN, the step is skipped."""
+    aux_loss: float | None = None
+    """Mixture-of-experts models whose loss has a router term: the router load-balancing loss (mean over the
+    micro-batches, without its coefficient; :mod:`usp.train.router_loss`). ``loss`` stays the cross-entropy."""
+    expert_tokens: list[list[int]] | None = None
+    """Top-k selections per MoE layer and expert, summed over every rank and micro-batch of the step."""
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -114,6 +119,8 @@ def train_step(
     loss_sum = torch.zeros(
         (), dtype=torch.float64, device=device
     )  # float64 so fp64 runs are reported exactly
+    routed = getattr(loss_model, "router_aux", None) is not None
+    aux_sum, expert_tokens = 0.0, None
     for b in batches:
         loss = loss_model(
             b["input_ids"],
@@ -121,9 +128,17 @@ def train_step(
             position_ids=b["position_ids"],
             cu_seqlens=b["cu_seqlens"],
             num_targets=num_targets,  # > 0; a rank (or micro-batch) without targets adds an exact 0
+            aux_scale=1.0 / len(batches),
         )
         loss.backward()
-        loss_sum += loss.detach().double()
+        if routed:  # the reported loss is the cross-entropy; the router's is apart
+            stats = loss_model.last_router_stats
+            loss_sum += loss_model.last_cross_entropy.double()
+            aux_sum += float(stats.aux) / len(batches)
+            counts = stats.expert_tokens.round().long()
+            expert_tokens = counts if expert_tokens is None else expert_tokens + counts
+        else:
+            loss_sum += loss.detach().double()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(loss_sum, group=group)  # shares of the global mean -> the global mean
     grad_norm = clip_grad_norm(loss_model.parameters(), grad_clip)  # no clipping when it is not finite
@@ -146,4 +161,6 @@ def train_step(
         step_time_s=time.perf_counter() - start,
         document_lengths=doc_lengths,
         skipped=not finite,
+        aux_loss=aux_sum if routed else None,
+        expert_tokens=None if expert_tokens is None else expert_tokens.tolist(),
     )

@@ -51,6 +51,7 @@ from usp.train.job import Job, ModelShape, start_job
 from usp.train.metrics import MetricsLogger
 from usp.train.resume import run_fingerprint
 from usp.train.rng import rng_state
+from usp.train.router_loss import router_metrics
 from usp.train.rundir import claim_run_dir
 from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
 from usp.train.step import StepResult, train_step
@@ -258,6 +259,8 @@ def _step_extra(job: Job, res: StepResult, guard: StepGuard, done: int, end: _Lo
         "skipped_steps": guard.total,
         "attn_work_imbalance": _step_imbalance(res.document_lengths, job.mesh, job.device),
     }
+    if res.aux_loss is not None:  # a MoE: its router loss and how evenly the routers spread the tokens
+        extra.update(router_metrics(res.aux_loss, res.expert_tokens))
     if _due(job.cfg.trainer.eval_every, done) and job.val_loader is not None:
         extra.update(validation_metrics(job.cfg, job.loss_model, job.val_loader, job.mesh, job.device))
         end.val_losses[done] = extra["val_loss"]

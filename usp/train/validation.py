@@ -30,6 +30,7 @@ def evaluate(loss_model: torch.nn.Module, loader: Any, mesh: SPMesh, device: tor
             position_ids=batch["position_ids"].to(device),
             cu_seqlens=None if cu is None else cu.to(dtype=torch.int32),
             num_targets=1.0,  # host-side
+            aux_scale=0.0,  # a MoE's router loss is no part of the validation loss
         )
         total[0] += loss_sum.double()
         total[1] += (labels != IGNORE_INDEX).sum()
