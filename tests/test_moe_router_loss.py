@@ -318,7 +318,7 @@ def test_trainer_logs_the_router_loss_and_expert_loads(dist_pools, tmp_path):
     for r in records:
         assert sum(r["expert_tokens"]) == layers * tokens * top_k and len(r["expert_tokens"]) == 4
         assert 1.0 <= r["expert_load_max_mean"] <= 4 / top_k
-        assert 0.0 < r["aux_loss"] < 4.0  # E x sum f P: 1 when balanced, at most E
+        assert 0.0 < r["aux_loss"] <= 4.0 + 1e-9  # k when the counts are balanced, E when all go to the same k
     assert [r["loss"] for r in records] == pytest.approx(out["losses"])
     assert sorted(out["val_losses"]) == [2, 4]
     exported = AutoModelForCausalLM.from_pretrained(out["export_dir"], local_files_only=True)

@@ -51,7 +51,7 @@ from usp.train.job import Job, ModelShape, start_job
 from usp.train.metrics import MetricsLogger
 from usp.train.resume import run_fingerprint
 from usp.train.rng import rng_state
-from usp.train.router_loss import router_metrics
+from usp.train.router_loss import is_moe, router_metrics
 from usp.train.rundir import claim_run_dir
 from usp.train.signals import REQUEUE_EXIT_CODE, StopRequest
 from usp.train.step import StepResult, train_step
@@ -168,6 +168,15 @@ def _log_start(job: Job) -> None:
         cfg.trainer.max_steps,
         job.run_dir,
     )
+    router = getattr(job.loss_model, "router_aux", None)
+    if is_moe(job.model):
+        logger.info(
+            "mixture of experts: experts computed by transformers' %r implementation; router loss %s",
+            getattr(job.model.config, "_experts_implementation", None) or "eager",
+            "none (the family's own loss has none)"
+            if router is None
+            else f"load balancing x {router.coef} (top-{router.top_k} of {router.num_experts} experts)",
+        )
 
 
 def _metrics_logger(job: Job) -> MetricsLogger:
