@@ -232,10 +232,10 @@ def run_train_step(family: str) -> dict | None:
 
 
 def run_checkpointed_steps(family: str) -> dict | None:
-    """Worker: the same step without and with full activation checkpointing (whose recomputation in backward
-    must record no router logits a second time). Without :class:`KeepFloat64`, which checkpointing's
+    """Worker: the same step without and with full and offloaded activation checkpointing (whose recomputation
+    in backward must record no router logits a second time). Without :class:`KeepFloat64`, which checkpointing's
     recomputation does not run under: the family's fp32 router and norms, identical in both runs."""
-    out = {mode: _one_train_step(family, mode) for mode in ("none", "full")}
+    out = {mode: _one_train_step(family, mode) for mode in ("none", "full", "offload")}
     return out if torch.distributed.get_rank() == 0 else None
 
 
@@ -279,12 +279,14 @@ def test_train_step_adds_the_mean_router_loss_of_the_micro_batches(dist_pools):
 
 def test_activation_checkpointing_records_each_router_once(dist_pools):
     got = dist_pools(4).run(run_checkpointed_steps, "mixtral", timeout=300)[0]
-    plain, checkpointed = got["none"], got["full"]
-    assert checkpointed["res"].expert_tokens == plain["res"].expert_tokens
-    for key in ("loss", "aux_loss", "grad_norm"):
-        assert getattr(checkpointed["res"], key) == getattr(plain["res"], key), key
-    for name, value in plain["after"].items():
-        assert torch.equal(checkpointed["after"][name], value), f"SGD step of {name}"
+    plain = got["none"]
+    for mode in ("full", "offload"):  # offload: the checkpoints' inputs kept on the host
+        checkpointed = got[mode]
+        assert checkpointed["res"].expert_tokens == plain["res"].expert_tokens, mode
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert getattr(checkpointed["res"], key) == getattr(plain["res"], key), (mode, key)
+        for name, value in plain["after"].items():
+            assert torch.equal(checkpointed["after"][name], value), f"{mode}: SGD step of {name}"
 
 
 def run_tiny_moe(cfg) -> dict:
@@ -318,7 +320,9 @@ def test_trainer_logs_the_router_loss_and_expert_loads(dist_pools, tmp_path):
     for r in records:
         assert sum(r["expert_tokens"]) == layers * tokens * top_k and len(r["expert_tokens"]) == 4
         assert 1.0 <= r["expert_load_max_mean"] <= 4 / top_k
-        assert 0.0 < r["aux_loss"] <= 4.0 + 1e-9  # k when the counts are balanced, E when all go to the same k
+        assert (
+            0.0 < r["aux_loss"] <= 4.0 + 1e-9
+        )  # k when the counts are balanced, E when all go to the same k
     assert [r["loss"] for r in records] == pytest.approx(out["losses"])
     assert sorted(out["val_losses"]) == [2, 4]
     exported = AutoModelForCausalLM.from_pretrained(out["export_dir"], local_files_only=True)
