@@ -210,6 +210,19 @@ def paste_overrides(
     return out
 
 
+def _params(model: ModelSpec) -> str:
+    """``8.03B params``; a MoE's also its active parameters per token (with and without the embedding table:
+    publishers count both ways) and its experts."""
+    out = f"{model.num_params / 1e9:.2f}B params"
+    if model.moe is not None:
+        m, active = model.moe, model.active_params / 1e9
+        out += (
+            f" ({active:.2f}B active per token, {active - model.embedding_params / 1e9:.2f}B without the "
+            f"embedding: {m.top_k} of {m.num_experts} experts)"
+        )
+    return out
+
+
 def _batch_note(layouts: list[LayoutEstimate], global_batch: int | None) -> str:
     if global_batch is not None:
         return (
@@ -235,7 +248,7 @@ def format_table(
 ) -> str:
     nodes = nodes or 1
     head = (
-        f"{model.name}: {model.num_params / 1e9:.2f}B params, seq_len={seq_len}, {world} x {device.name} "
+        f"{model.name}: {_params(model)}, seq_len={seq_len}, {world} x {device.name} "
         f"({device.memory_gib:g} GiB, {device.peak_tflops:g} TFLOP/s peak); {len(layouts)} layouts fit"
     )
     cols = (
@@ -298,7 +311,7 @@ def format_max_seq_len(
 ) -> str:
     best = answers[0]
     head = (
-        f"{model.name}: {model.num_params / 1e9:.2f}B params on {world} x {device.name} ({device.memory_gib:g} "
+        f"{model.name}: {_params(model)} on {world} x {device.name} ({device.memory_gib:g} "
         f"GiB, host {device.host_mem_gib:g} GiB/node): longest sequence {best.max_seq_len} tokens "
         f"({best.max_seq_len / 2**20:.3g}M)"
     )

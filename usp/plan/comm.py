@@ -7,7 +7,7 @@ the collective crosses. Ulysses groups are adjacent ranks (NVLink, inside a node
 
 from __future__ import annotations
 
-from usp.plan.compute import ATTN_BWD_OVER_FWD_HW
+from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, compute_time
 from usp.plan.hardware import GB, DeviceSpec
 from usp.plan.models import ModelSpec
 
@@ -127,3 +127,60 @@ def fsdp_comm(
         seconds = intra / (device.intra_node_gbps * GB) + inter / (device.inter_node_gbps * GB)
         return {"fsdp_bytes": intra + inter, "fsdp_s": seconds}
     raise ValueError(f"parallel.fsdp_mode={fsdp_mode!r} is invalid; choose full_shard or hybrid_shard.")
+
+
+def fsdp_layer_balance(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    seq_len: int,
+    world_size: int,
+    node_size: int,
+    ulysses_degree: int = 1,
+    ring_degree: int = 1,
+    compute_bytes: int = ACT_BYTES,
+) -> dict[str, float]:
+    """One decoder layer's ``full_shard`` FSDP traffic against its compute, per rank and micro step (one
+    sequence of ``seq_len`` over ``ulysses x ring`` ranks): where expert parallelism would start to pay for a
+    mixture of experts.
+
+    FSDP moves every parameter of the layer (all of a MoE layer's experts: :attr:`ModelSpec.layer_params`)
+    as :func:`fsdp_comm` does (bf16 all-gather in forward and again in backward, fp32 reduce-scatter:
+    ``P (n - 1) / n (2 B + 4)`` bytes, at NVLink inside a node, else the network), while the layer computes
+    only what its tokens go through: ``6 x`` :attr:`ModelSpec.layer_matmul_params` FLOPs per token at the
+    dense efficiency, and its attention (:func:`usp.plan.compute.compute_time`, its mean layer, without
+    recomputation). Returns, for one layer: ``layer_params``, ``layer_matmul_params``, ``fsdp_bytes``,
+    ``fsdp_s``, ``local_tokens``, ``matmul_s``, ``attention_s``, ``compute_s`` (their sum), ``fsdp_over_compute``
+    (above 1: the traffic no longer hides behind the layer's compute, and sharding the experts by expert
+    parallelism, which moves tokens instead of weights, starts to pay) and ``break_even_tokens`` (the tokens
+    per rank at which the traffic equals the matmuls alone: the bound without attention). ``ep_bytes``: what
+    expert parallelism over the same ``n`` ranks would send instead for a MoE layer (each token's ``k``
+    copies out to their experts and back, forward and backward: ``4 k h B (n - 1) / n`` per local token;
+    0 when dense), which grows with the tokens where FSDP's does not."""
+    n = world_size
+    P = model.layer_params
+    nodes = max(1, world_size // node_size)
+    bw = (device.intra_node_gbps if nodes == 1 else device.inter_node_gbps) * GB
+    nbytes = P * (n - 1) / n * (2 * compute_bytes + GRAD_REDUCE_BYTES) if n > 1 else 0.0
+    per_token = 6.0 * model.layer_matmul_params / (device.peak_flops * device.dense_efficiency)
+    local = seq_len / (ulysses_degree * ring_degree)
+    times = compute_time(
+        model, device, seq_len=seq_len, ulysses_degree=ulysses_degree, ring_degree=ring_degree
+    )
+    attention = times["attention_s"] / model.num_layers
+    compute = per_token * local + attention
+    top_k = model.moe.top_k if model.moe is not None else 0
+    ep_bytes = 4 * top_k * model.hidden_size * compute_bytes * (n - 1) / n * local
+    return {
+        "layer_params": float(P),
+        "layer_matmul_params": float(model.layer_matmul_params),
+        "fsdp_bytes": nbytes,
+        "fsdp_s": nbytes / bw,
+        "local_tokens": local,
+        "matmul_s": per_token * local,
+        "attention_s": attention,
+        "compute_s": compute,
+        "fsdp_over_compute": nbytes / bw / compute,
+        "break_even_tokens": nbytes / bw / per_token,
+        "ep_bytes": ep_bytes,
+    }

@@ -10,7 +10,11 @@ Conventions (2 FLOPs per multiply-add):
   document of ``s`` tokens has ``s (s + 1) / 2`` pairs (:func:`attention_pairs`), and attention never crosses
   a packed document; the backward costs 2.5 forwards in a fused kernel (it recomputes ``P``), the model-FLOP
   count (for MFU) uses 2;
-- activation checkpointing recomputes the forward of the checkpointed layers (hardware FLOPs, not model FLOPs).
+- activation checkpointing recomputes the forward of the checkpointed layers (hardware FLOPs, not model FLOPs);
+- mixture of experts: ``matmul_params`` counts the parameters one token goes through (attention, the router
+  ``E h``, its ``k`` experts, the shared experts, the LM head), not the experts it is not routed to, so MFU is
+  ``6 x active x tokens + attention`` over the peak; the grouped expert matmuls are costed at the dense
+  efficiency.
 
 Model FLOPs (:func:`training_flops`, the one count the trainer's ``metrics.jsonl``, ``usp.bench.throughput``
 and the planner's MFU use): ``6 * matmul_params * tokens + 12 * L * H * d * pairs``; MFU (:func:`mfu`): model

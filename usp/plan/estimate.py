@@ -21,7 +21,7 @@ from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
 from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, compute_time, mfu, model_flops_per_token
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
-from usp.plan.memory import checkpointed_layers, peak_memory
+from usp.plan.memory import check_moe_tiles, checkpointed_layers, peak_memory
 from usp.plan.models import ModelSpec
 from usp.plan.offload import OFFLOAD_OPTIMIZER, host_bytes, offload_seconds, usable_host_bytes
 from usp.units import divisors
@@ -29,6 +29,14 @@ from usp.units import divisors
 AC_CANDIDATES: tuple[tuple[str, int], ...] = (("none", 2), ("every_k", 2), ("full", 2), ("offload", 2))
 MLP_TILE_CANDIDATES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
 """``mlp_tiles=auto`` tries these in order and keeps the first that fits (more tiles only save memory)."""
+
+
+def mlp_tile_candidates(model: ModelSpec) -> tuple[int, ...]:
+    """The tile counts ``mlp_tiles=auto`` tries for ``model``: :data:`MLP_TILE_CANDIDATES`, none for a
+    mixture of experts (the trainer refuses MLP tiles there, :func:`usp.plan.memory.check_moe_tiles`)."""
+    return () if model.is_moe else MLP_TILE_CANDIDATES
+
+
 HEAD_CHUNK_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8)
 """``parallel.attn_head_chunks`` the planner tries (those that fit the layout's heads), only when fewer do not
 fit: more chunks only save ring buffers (in more, smaller messages)."""
@@ -155,7 +163,9 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
     host = host_bytes(work, cand)
     # One layer's forward (what a checkpoint's copy out hides behind) and its recompute + backward (the copy in)
     attn_fwd_layer = comp["attention_s"] / ((1 + ATTN_BWD_OVER_FWD_HW) * L + n_ckpt)
-    layer_fwd = 2.0 * model.layer_params * seq_len / (U * R) / (device.peak_flops * device.dense_efficiency)
+    layer_fwd = (  # a MoE layer: the parameters one token goes through
+        2.0 * model.active_layer_params * seq_len / (U * R) / (device.peak_flops * device.dense_efficiency)
+    )
     layer_fwd += attn_fwd_layer
     layer_bwd = max(0.0, (comp["dense_s"] + comp["attention_s"]) / L - layer_fwd)
     off = offload_seconds(work, cand, device, layer_fwd_s=layer_fwd, layer_bwd_s=layer_bwd)
@@ -331,6 +341,7 @@ def enumerate_candidates(
     if bad:
         raise ValueError(f"states={bad} are invalid; choose from {STATE_PLACEMENTS}.")
     model, seq_len = work.model, work.seq_len
+    check_moe_tiles(model, space.mlp_tiles)
     out: list[LayoutEstimate] = []
     pairs, rejected = valid_pairs(model, space)
     for U, R, dims in pairs:
@@ -350,7 +361,7 @@ def enumerate_candidates(
                 f"{tag}: parallel.mlp_tiles={space.mlp_tiles} does not divide {local} local tokens"
             )
             continue
-        tiles = [t for t in MLP_TILE_CANDIDATES if local % t == 0] if space.mlp_tiles is None else []
+        tiles = [t for t in mlp_tile_candidates(model) if local % t == 0] if space.mlp_tiles is None else []
         head_chunks = head_chunks_to_try(model, U, R, space.attn_head_chunks)
         if not head_chunks:
             rejected.append(
@@ -386,6 +397,7 @@ __all__ = [
     "enumerate_candidates",
     "estimate_layout",
     "head_chunk_candidates",
+    "mlp_tile_candidates",
     "split_layout",
     "valid_pairs",
 ]

@@ -24,15 +24,16 @@ from typing import Any
 from usp.longest import longest_passing
 from usp.parallel.layout import sequence_multiple
 from usp.plan.estimate import (
-    MLP_TILE_CANDIDATES,
     LayoutEstimate,
     base_candidates,
     estimate_layout,
     head_chunks_to_try,
+    mlp_tile_candidates,
     valid_pairs,
 )
 from usp.plan.hardware import DeviceSpec
 from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
+from usp.plan.memory import check_moe_tiles
 from usp.plan.models import ModelSpec
 
 SEQ_MULTIPLE = 1024
@@ -163,7 +164,9 @@ def longest_per_candidate(
     varies; the rest of ``work`` is kept), unordered; candidates that fit at no length are left out. Raises
     ``ValueError`` when every (ulysses, ring) pair is rejected."""
     model = work.model
-    most_tiles = MLP_TILE_CANDIDATES[-1] if space.mlp_tiles is None else space.mlp_tiles
+    check_moe_tiles(model, space.mlp_tiles)
+    tile_counts = mlp_tile_candidates(model)  # none for a MoE: the trainer refuses MLP tiles there
+    most_tiles = (tile_counts[-1] if tile_counts else 1) if space.mlp_tiles is None else space.mlp_tiles
     out: list[MaxSeqLenEstimate] = []
     valid, rejected = valid_pairs(model, space)
     pairs = len(valid) + len(rejected)
@@ -199,7 +202,7 @@ def longest_per_candidate(
             chunk = next(c for x, c in by_chunk if x == seq)  # the largest chunk that gets there
             tiles = most_tiles
             if space.mlp_tiles is None:  # auto: the fewest tiles that fit at this length
-                tiles = next(t for t in (1, *MLP_TILE_CANDIDATES) if estimate(seq, t, chunk).fits)
+                tiles = next(t for t in (1, *tile_counts) if estimate(seq, t, chunk).fits)
             # the fewest head chunks that fit
             heads = next(c for c in head_chunks if estimate(seq, tiles, chunk, c).fits)
             out.append(MaxSeqLenEstimate(seq, g, estimate(seq, tiles, chunk, heads), chunk))

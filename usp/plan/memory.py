@@ -40,6 +40,34 @@ whole backward: its parameters in ``B`` bytes and the LM head's ``[V, h]`` gradi
 Sharded states: 16 B per parameter on the device; with them offloaded (``offload``: FSDP2 CPU offload, what
 ``parallel.cpu_offload=true`` and an ``optim.name`` that steps on the host both select) nothing stays on the
 device between uses.
+
+Mixture-of-experts layers (:class:`usp.plan.models.MoESpec`: ``E`` experts, ``k`` per token, expert width
+``I_e``, shared experts ``I_s``) keep, per local token, in place of the dense MLP's ``4 I B``, what
+transformers' ``grouped_mm`` experts (its default) and the family's router save (measured in
+``tests/test_plan_moe.py``)::
+
+    4 E              router probabilities over every expert, fp32 (softmax output; gpt-oss: B k, a softmax
+                     over the k chosen logits)
+    8 k              the top-k indices, int64
+    4 k + 4          the fp32 top-k probabilities and their sum, when renormalized (norm_topk_prob, Mixtral)
+    8 k (3 + b)      int64 [T k]: the sort by expert, each copy's token, the inverse permutation (and, with
+                     expert biases, b = 1, each copy's expert)
+    2 k h B          the token copies sorted by expert (the grouped matmuls' input), the experts' outputs
+    w k              each copy's routing weight (w = 4 when the family keeps them fp32: Mixtral; else B)
+    a k I_e B        each copy's expert intermediates: a = 4 for SwiGLU (gate_up 2 I_e, silu(gate), the
+                     product), 7 for gpt-oss's clamped GLU
+    4 I_s B          the shared experts (a dense MLP), + h B + B with Qwen2-MoE's sigmoid gate
+
+(and ``4 E`` bytes per layer, not per token: the int32 group offsets). Under checkpointing a MoE layer keeps
+its input like any layer and the recomputed one holds the above. A family with a router load-balancing loss
+(:attr:`MoESpec.router_aux_loss`; :mod:`usp.train.router_loss`) also keeps, per token and MoE layer, whatever
+the checkpointing, the router logits ``E B`` (recorded with their graph until the loss) and the loss's fp32
+softmax ``4 E`` (at the layer peaks the logits' waiting gradients take that place): held item ``router``. A
+MoE layer's backward (:func:`moe_backward_bytes_per_token`, an estimate, not measured) allocates at its peak
+the experts' output gradient ``k h B`` and, at the product's backward, the gradients of silu(gate) and up
+``2 k I_e B`` (and ``2 I_s B`` for the shared experts), where the dense MLP's allocates ``2 I B``. MLP tiles
+are refused for MoE layers, as the trainer refuses them. Gathered parameters: one decoder layer with all of
+its experts (:attr:`ModelSpec.layer_params`), so a MoE's per-layer gathers are its total parameters.
 """
 
 from __future__ import annotations
@@ -96,25 +124,95 @@ class MemoryBreakdown:
 
 
 def activation_bytes_per_token_layer(
-    model: ModelSpec, ulysses_degree: int, compute_bytes: int = ACT_BYTES, tiled: bool = False
+    model: ModelSpec,
+    ulysses_degree: int,
+    compute_bytes: int = ACT_BYTES,
+    tiled: bool = False,
+    routed: bool | None = None,
 ) -> int:
     """Saved activations of one decoder layer per local token, in bytes (module docstring).
 
     ``tiled`` (``mlp_tiles > 1``, :mod:`usp.train.tiling`): the RMSNorms are recomputed per tile by their
     consumers, so the layer keeps its input (``B h``, for the q/k/v tiles) and the residual after attention
-    (``B h``, for the norm + MLP tiles) instead of ``2 h (4 + 2B)``, two rsqrt and the MLP's ``4 I B``."""
+    (``B h``, for the norm + MLP tiles) instead of ``2 h (4 + 2B)``, two rsqrt and the MLP's ``4 I B``.
+    ``routed``: a MoE layer (its block's :func:`moe_bytes_per_token` in place of the MLP's) or a dense one;
+    None: the model's larger kind (dense models: the dense layer)."""
+    if routed is None:
+        return max(
+            activation_bytes_per_token_layer(model, ulysses_degree, compute_bytes, tiled, kind)
+            for kind in set(model.layer_kinds)
+        )
     h, d, H, B = model.hidden_size, model.head_dim, model.num_heads, compute_bytes
     kv = model.kv_heads_per_rank(ulysses_degree) * ulysses_degree  # max(Hkv, U) when even
     attention = (H + 2 * kv) * d * B + H * d * B * (2 if ulysses_degree > 1 else 1)
     if tiled:
         return 2 * h * B + attention + 4 * H
     norms = 2 * h * (4 + 2 * B)
-    return norms + attention + 4 * H + 8 + mlp_bytes_per_token(model, compute_bytes)
+    mlp = moe_bytes_per_token(model, compute_bytes) if routed else mlp_bytes_per_token(model, compute_bytes)
+    return norms + attention + 4 * H + 8 + mlp
 
 
 def mlp_bytes_per_token(model: ModelSpec, compute_bytes: int = ACT_BYTES) -> int:
     """What the MLP keeps per token for backward: gate, up, silu(gate), silu(gate) * up (``4 I B``)."""
     return 4 * model.intermediate_size * compute_bytes
+
+
+def moe_bytes_per_token(model: ModelSpec, compute_bytes: int = ACT_BYTES) -> int:
+    """What a MoE layer's router and experts keep per token for backward (module docstring; 0 when dense)."""
+    m = model.moe
+    if m is None:
+        return 0
+    E, k, h, B = m.num_experts, m.top_k, model.hidden_size, compute_bytes
+    router = 4 * E if m.router_softmax == "all" else B * k  # softmax output over every expert / the top-k
+    router += 8 * k + (4 * k + 4 if m.norm_topk_prob else 0)  # top-k indices; renormalized weights and sum
+    dispatch = 8 * k * (3 + m.expert_bias) + 2 * k * h * B  # index tensors; token copies in, expert outputs
+    dispatch += (4 if m.routing_weights_fp32 else B) * k  # each copy's routing weight
+    experts = m.expert_widths * k * m.expert_intermediate_size * B
+    shared = 4 * m.shared_intermediate_size * B + ((h + 1) * B if m.shared_expert_gate else 0)
+    return router + dispatch + experts + shared
+
+
+def moe_backward_bytes_per_token(model: ModelSpec, compute_bytes: int = ACT_BYTES) -> int:
+    """What a MoE layer's block backward allocates at its peak per token (module docstring; an estimate):
+    the experts' output gradient ``k h B``, the gradients of silu(gate) and up ``2 k I_e B``, and the shared
+    experts' ``2 I_s B``."""
+    m = model.moe
+    if m is None:
+        return 0
+    B = compute_bytes
+    return (
+        m.top_k * (model.hidden_size + 2 * m.expert_intermediate_size) * B
+        + 2 * m.shared_intermediate_size * B
+    )
+
+
+def router_held_bytes_per_token(model: ModelSpec, compute_bytes: int = ACT_BYTES) -> int:
+    """What a family's router load-balancing loss keeps per local token over all MoE layers, whatever the
+    checkpointing: the recorded logits ``E B`` and the loss's fp32 softmax ``4 E`` per MoE layer (module
+    docstring); 0 when dense or without that loss."""
+    m = model.moe
+    if m is None or not m.router_aux_loss:
+        return 0
+    return m.num_moe_layers * m.num_experts * (compute_bytes + 4)
+
+
+def check_moe_tiles(model: ModelSpec, mlp_tiles: int | None) -> None:
+    """``ValueError`` when MLP tiles are asked of a mixture-of-experts model (the trainer refuses them,
+    :func:`usp.train.parallelize.parallelize`)."""
+    if model.is_moe and mlp_tiles is not None and mlp_tiles != 1:
+        raise ValueError(
+            f"parallel.mlp_tiles={mlp_tiles}: MLP tiles are not supported for mixture-of-experts layers (the "
+            "router's loss needs the routing graph that tiling drops); set parallel.mlp_tiles=1."
+        )
+
+
+def checkpointed_layer_indices(num_layers: int, activation_checkpointing: str, ac_every_k: int = 2) -> range:
+    """The decoder layers that keep only their input (:func:`checkpointed_layers` of them): all, none, or
+    under ``every_k`` layers ``0, k, 2k, ...`` (:mod:`usp.train.parallelize`)."""
+    n = checkpointed_layers(num_layers, activation_checkpointing, ac_every_k)
+    if activation_checkpointing == "every_k":
+        return range(0, num_layers, ac_every_k)
+    return range(n)
 
 
 def check_mlp_tiles(mlp_tiles: int, local_tokens: float) -> None:
@@ -170,7 +268,8 @@ def held_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
     :func:`usp.bench.track_memory.track_memory` measures as held bytes): ``layers`` (every saved activation of the
     layers that are not checkpointed, the input of those that are, nothing of the inputs ``offload`` moved to
     the host), ``rotary`` (cos and sin) and ``final_norm`` (what the final norm and the loss keep: with tiles
-    only the pre-norm hidden, ``B h`` per token); ``total`` their sum."""
+    only the pre-norm hidden, ``B h`` per token); a MoE model also ``router`` (what its router loss keeps,
+    :func:`router_held_bytes_per_token`); ``total`` their sum."""
     model, seq_len, micro_batch_size, compute_bytes = (
         work.model,
         work.seq_len,
@@ -186,15 +285,26 @@ def held_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
     B, h = compute_bytes, model.hidden_size
     s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
     check_mlp_tiles(mlp_tiles, s)
+    check_moe_tiles(model, mlp_tiles)
     tiled = mlp_tiles > 1
-    per_layer = activation_bytes_per_token_layer(model, ulysses_degree, B, tiled)
     n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
     inputs = 0 if activation_checkpointing == "offload" else n_ckpt
+    if model.moe is None:
+        per_layer = activation_bytes_per_token_layer(model, ulysses_degree, B, tiled)
+        kept = (model.num_layers - n_ckpt) * per_layer
+    else:  # each layer not checkpointed keeps its own kind's activations
+        ckpt = set(checkpointed_layer_indices(model.num_layers, activation_checkpointing, ac_every_k))
+        per_kind = {
+            k: activation_bytes_per_token_layer(model, ulysses_degree, B, tiled, k) for k in (False, True)
+        }
+        kept = sum(per_kind[kind] for i, kind in enumerate(model.layer_kinds) if i not in ckpt)
     out = {
-        "layers": ((model.num_layers - n_ckpt) * per_layer + inputs * h * B) * s,
+        "layers": (kept + inputs * h * B) * s,
         "rotary": 2 * model.head_dim * B * s,
         "final_norm": (h * B if tiled else h * (4 + 2 * B)) * s,
     }
+    if model.moe is not None:  # the router loss's logits and softmax (module docstring)
+        out["router"] = router_held_bytes_per_token(model, B) * s
     return out | {"total": sum(out.values())}
 
 
@@ -267,7 +377,11 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     s = seq_len / (U * R) * micro_batch_size  # local tokens
     h = model.hidden_size
     check_mlp_tiles(mlp_tiles, s)
+    check_moe_tiles(model, mlp_tiles)
     tiled = mlp_tiles > 1
+    kinds = (
+        model.layer_kinds
+    )  # per layer: a MoE layer (True) or dense; the top layer's and the bottom's below
 
     shard = shard_degree(world_size, node_size, fsdp_mode)
     # fp32 parameters and Adam moments; the fp32 gradient shards come into being during the backward, after
@@ -285,7 +399,7 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     layer = model.layer_params * B if casts else 0.0
     head_grad = model.vocab_size * h * B
 
-    per_layer = activation_bytes_per_token_layer(model, U, B, tiled=tiled) * s
+    per_layer = activation_bytes_per_token_layer(model, U, B, tiled=tiled, routed=kinds[-1]) * s
     n_ckpt = checkpointed_layers(L, activation_checkpointing, ac_every_k)
     held = held_activation_bytes(
         model,
@@ -313,7 +427,9 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
         min(n_ckpt, OFFLOAD_DEVICE_CHECKPOINTS) * h * s * B if activation_checkpointing == "offload" else 0
     )
     tile = mlp_bytes_per_token(model, B) * s / mlp_tiles if tiled else 0.0
-    layer_acts = held["layers"] + held["rotary"]
+    # a MoE's router loss keeps its logits and softmax through the backward (module docstring)
+    router = held.get("router", 0)
+    layer_acts = held["layers"] + held["rotary"] + router
 
     def _attention_phase(checkpointed: bool) -> float:
         """Per local token, a layer during its attention backward (its input kept by an on-device checkpoint,
@@ -355,28 +471,36 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     mlp_backward = 2 * model.intermediate_size * B * s / mlp_tiles
     if tiled:
         mlp_backward += h * B * s + (3 * h * B + 4 * h) * s / mlp_tiles
+    # a MoE layer's block backward instead (module docstring): the top layer's kind here, the bottom's below
+    moe_backward = moe_backward_bytes_per_token(model, B) * s
+    top_mlp_backward = moe_backward if kinds[-1] else mlp_backward
     mlp_acts = layer_acts - top_held + top_full + in_flight + tile
     # The attention backward of the top layer: the layers below hold theirs, the top layer what its attention
     # backward still needs (usp.plan.attention_memory) in place of what it held after the forward
     top_after_forward = top_held if top_checkpointed else per_layer
     attn_acts = layer_acts - top_after_forward + _attention_phase(top_checkpointed) * s + in_flight
     peak_layer = max(
-        (states, layer_gathers, mlp_acts, mlp_backward, 0.0),
+        (states, layer_gathers, mlp_acts, top_mlp_backward, 0.0),
         (states, layer_gathers, attn_acts, attn_workspace, 0.0),
         key=sum,
     )
     # peak 3, the bottom layer's backward: the layers above have freed their activations but left their fp32
     # gradient shards (on the device unless the states are offloaded); the bottom layer's full activations
-    grads_above = 0.0 if offload else 4 * model.layer_params * (L - 1) / shard
+    bottom_params = model.layer_params if model.moe is None else model.params_of_layer(0)
+    grads_above = 0.0 if offload else 4 * (model.decoder_params - bottom_params) / shard
+    bottom_layer = per_layer
+    if kinds[0] != kinds[-1]:
+        bottom_layer = activation_bytes_per_token_layer(model, U, B, tiled=tiled, routed=kinds[0]) * s
     bottom = (
         held["rotary"]
-        + per_layer
+        + bottom_layer
         - (h * B * s if tiled and n_ckpt and activation_checkpointing != "offload" else 0.0)
     )
     bottom += (h * B * s if n_ckpt and activation_checkpointing != "offload" else 0.0) + in_flight + tile
-    bottom_attn = held["rotary"] + _attention_phase(n_ckpt > 0) * s + in_flight
+    bottom += router
+    bottom_attn = held["rotary"] + _attention_phase(n_ckpt > 0) * s + in_flight + router
     peak_bottom = max(
-        (states + grads_above, layer_gathers, bottom, mlp_backward, 0.0),
+        (states + grads_above, layer_gathers, bottom, moe_backward if kinds[0] else mlp_backward, 0.0),
         (states + grads_above, layer_gathers, bottom_attn, attn_workspace, 0.0),
         key=sum,
     )
@@ -384,9 +508,11 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     # root's gradients in the compute dtype (one left), their fp32 copies (none in an fp32 run), FSDP2's flat
     # reduce-scatter input and its output shard
     root_params = model.embedding_params + model.head_params + h
-    grads_all = 0.0 if offload else 4 * model.layer_params * L / shard
+    grads_all = 0.0 if offload else 4 * model.decoder_params / shard
     reduce = model.vocab_size * h * B + root_params * ((4 if B < 4 else 0) + 4 + 4 / shard)
-    peak_root = (states + grads_all, reduce, 0.0, 0.0, 0.0)
+    # (a MoE's router logits are still held by the loss's recorder: E B per token and MoE layer)
+    logits = model.moe.num_moe_layers * model.moe.num_experts * B * s if router else 0.0
+    peak_root = (states + grads_all, reduce, logits, 0.0, 0.0)
     terms = max(peak_loss, peak_layer, peak_bottom, peak_root, key=sum)
     extra = untracked_bytes(cand, device)
     overhead = overhead_frac * sum(terms) + extra["context"] + extra["nccl"]

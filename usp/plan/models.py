@@ -1,4 +1,20 @@
-"""Model shapes the planner needs, from a Hugging Face ``config.json`` (a path or a dict) or a named preset."""
+"""Model shapes the planner needs, from a Hugging Face ``config.json`` (a path or a dict) or a named preset.
+
+Mixture-of-experts models (:class:`MoESpec`, learned from the config's expert fields by
+:func:`moe_spec_of`): a MoE layer replaces the dense MLP by a router (``[E, h]``, a bias in gpt-oss), ``E``
+routed experts of width ``I_e`` (each a gated MLP, ``3 h I_e``; gpt-oss adds ``2 I_e + h`` biases) of which
+each token uses ``k``, and optionally shared experts every token uses (DeepSeek's ``n_shared_experts``,
+Qwen2-MoE's ``shared_expert_intermediate_size`` with its sigmoid gate ``[1, h]``). Two counts follow:
+
+- total parameters (:attr:`ModelSpec.num_params`): every expert; what the weights, gradients and Adam states
+  take, and what FSDP all-gathers and reduce-scatters (one decoder layer, the FSDP unit, holds all of its
+  experts: :attr:`ModelSpec.layer_params`);
+- active parameters per token (:attr:`ModelSpec.active_params`; :attr:`ModelSpec.matmul_params` the part in
+  matmuls, the model-FLOP count's ``N``): attention, the router, the ``k`` chosen experts, the shared ones.
+
+Not counted, dense or MoE (as the dense count never did): attention biases, attention sinks and per-head
+q/k norm weights (elementwise, under 0.01 % of the presets).
+"""
 
 from __future__ import annotations
 
@@ -117,13 +133,219 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 49152,
         "tie_word_embeddings": True,
     },
+    # Mixture-of-experts presets: their config.json fields (published totals / active parameters per token in
+    # tests/test_plan_moe.py). Qwen/Qwen3-30B-A3B: 48 layers, 32 query / 4 KV heads of 128, 128 experts of
+    # 768, 8 per token, every layer sparse, renormalized top-k; no sliding window in use
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+    # openai/gpt-oss-20b: 24 layers alternating sliding window 128 / full attention, 64 query / 8 KV heads of
+    # 64 (attention biases and sinks), 32 experts of 2880, 4 per token
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 2880,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "router_aux_loss_coef": 0.9,
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "vocab_size": 201088,
+        "max_position_embeddings": 131072,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+        "tie_word_embeddings": False,
+    },
+    # openai/gpt-oss-120b: gpt-oss-20b's layer with 128 experts, 36 layers
+    "gpt-oss-120b": {
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 2880,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "router_aux_loss_coef": 0.9,
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "vocab_size": 201088,
+        "max_position_embeddings": 131072,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)],
+        "tie_word_embeddings": False,
+    },
+    # mistralai/Mixtral-8x7B-v0.1: 32 layers, 32 query / 8 KV heads of 128, 8 experts of 14336, 2 per token
+    "mixtral-8x7b": {
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.02,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
 }
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""Where families keep the routed expert count (the first one set wins)."""
+TOP_K_FIELDS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+"""Where families keep the experts each token is routed to."""
+_MOE_FAMILIES: dict[str, dict[str, Any]] = {
+    # router Linear with a bias, top-k of the logits then a softmax over the k chosen ones (compute dtype);
+    # expert biases; the clamped GLU keeps gate_up, clamp(gate), sigmoid, glu, up + 1 and its output
+    "gpt_oss": {
+        "router_bias": True,
+        "expert_bias": True,
+        "expert_widths": 7,
+        "router_softmax": "top_k",
+        "norm_topk_prob": False,
+    },
+    # softmax over every expert in fp32, top-k renormalized, the routing weights left in fp32
+    "mixtral": {"routing_weights_fp32": True, "norm_topk_prob": True},
+}
+"""What a family's MoE block does differently from the Qwen3-MoE one (the default): the router's softmax,
+biases, and what its experts keep for backward (measured in ``tests/test_plan_moe.py``)."""
+_EXPERT_WIDTH_FIELD = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}
+"""Families whose experts are ``intermediate_size`` wide whatever else the config holds (their modules read it)."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts block of a model's MoE layers (:func:`moe_spec_of`)."""
+
+    num_experts: int
+    """Routed experts ``E``."""
+    top_k: int
+    """Routed experts per token ``k``."""
+    expert_intermediate_size: int
+    """Each routed expert's MLP width ``I_e``."""
+    layers: tuple[bool, ...]
+    """Per decoder layer: True when it routes to experts, False when it runs the dense MLP
+    (``intermediate_size``: DeepSeek's ``first_k_dense_replace``, Qwen-MoE's ``mlp_only_layers`` and
+    ``decoder_sparse_step``)."""
+    shared_intermediate_size: int = 0
+    """Width of the shared experts together (every token uses them): ``n_shared_experts x
+    moe_intermediate_size``, or ``shared_expert_intermediate_size``; 0 = none."""
+    shared_expert_gate: bool = False
+    """A sigmoid gate ``[1, h]`` scales the shared experts' output (Qwen2-MoE's ``shared_expert_gate``)."""
+    router_bias: bool = False
+    expert_bias: bool = False
+    """Each expert's projections have biases (gate/up ``2 I_e``, down ``h``): gpt-oss."""
+    expert_widths: int = 4
+    """What one routed copy of a token keeps inside its expert for backward, in units of ``I_e`` values of
+    the compute dtype: 4 for SwiGLU (gate_up ``2 I_e``, silu(gate), the product), 7 for gpt-oss's clamped
+    GLU."""
+    router_softmax: str = "all"
+    """``all``: softmax over every expert, in fp32 (kept: ``4 E`` per token); ``top_k``: over the ``k``
+    chosen logits, in the compute dtype (gpt-oss)."""
+    routing_weights_fp32: bool = False
+    """The routing weights stay fp32 into the experts' weighted sum (Mixtral); else the compute dtype."""
+    norm_topk_prob: bool = False
+    """The top-k probabilities are renormalized (keeps them, fp32, and their sum for backward)."""
+    router_aux_loss: bool = False
+    """The family's loss adds a router load-balancing loss (``router_aux_loss_coef`` in its config): usp
+    keeps every MoE layer's router logits, and the loss their fp32 softmax, to the backward
+    (:mod:`usp.train.router_loss`)."""
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.layers)
+
+
+def _first_set(config: dict[str, Any], keys: tuple[str, ...]) -> int:
+    for key in keys:
+        if config.get(key) is not None:
+            return int(config[key])
+    return 0
+
+
+def moe_layer_pattern(config: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """Which decoder layers route to experts, by the families' rules: DeepSeek's ``first_k_dense_replace``
+    (dense below it; ``moe_layer_freq``: every n-th layer above), else Qwen-MoE's ``mlp_only_layers`` and
+    ``decoder_sparse_step`` (layer ``i`` is sparse when ``(i + 1) % step == 0``), else every layer."""
+    if config.get("first_k_dense_replace") is not None or config.get("moe_layer_freq") is not None:
+        first = int(config.get("first_k_dense_replace") or 0)
+        freq = int(config.get("moe_layer_freq") or 1)
+        return tuple(i >= first and i % freq == 0 for i in range(num_layers))
+    dense = {int(i) for i in config.get("mlp_only_layers") or ()}
+    step = int(config.get("decoder_sparse_step") or 1)
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def moe_spec_of(config: dict[str, Any]) -> MoESpec | None:
+    """The MoE block of an HF config dict, or None for a dense model (no expert count, no top-k, or no layer
+    that routes). Field names by family: experts :data:`EXPERT_COUNT_FIELDS`, top-k :data:`TOP_K_FIELDS`,
+    expert width ``moe_intermediate_size`` (Mixtral and gpt-oss: ``intermediate_size``), shared experts
+    ``n_shared_experts`` (of ``moe_intermediate_size`` each) or ``shared_expert_intermediate_size``, dense
+    layers :func:`moe_layer_pattern`; what a family's router and experts do: :data:`_MOE_FAMILIES`."""
+    experts, top_k = _first_set(config, EXPERT_COUNT_FIELDS), _first_set(config, TOP_K_FIELDS)
+    if experts < 1 or top_k < 1:
+        return None
+    if top_k > experts:
+        raise ValueError(f"the model routes each token to {top_k} experts but has {experts}.")
+    layers = moe_layer_pattern(config, int(config["num_hidden_layers"]))
+    if not any(layers):
+        return None
+    width_field = _EXPERT_WIDTH_FIELD.get(str(config.get("model_type")), "moe_intermediate_size")
+    width = int(config.get(width_field) or config["intermediate_size"])
+    shared, gate = 0, False
+    if config.get("n_shared_experts"):
+        shared = int(config["n_shared_experts"]) * width
+    elif config.get("shared_expert_intermediate_size"):
+        shared, gate = int(config["shared_expert_intermediate_size"]), True
+    family = {"norm_topk_prob": bool(config.get("norm_topk_prob", False))}
+    family |= _MOE_FAMILIES.get(str(config.get("model_type")), {})
+    return MoESpec(
+        num_experts=experts,
+        top_k=top_k,
+        expert_intermediate_size=width,
+        layers=layers,
+        shared_intermediate_size=shared,
+        shared_expert_gate=gate,
+        router_aux_loss=config.get("router_aux_loss_coef") is not None,
+        **family,
+    )
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-family decoder: the shapes that set parameter count, FLOPs and activation sizes."""
+    """A Llama-family decoder: the shapes that set parameter count, FLOPs and activation sizes (with
+    :attr:`moe`, a mixture of experts: module docstring)."""
 
     name: str
     hidden_size: int
@@ -140,6 +362,9 @@ class ModelSpec:
     layer_attention: tuple[tuple[int | None, int | None], ...] = ()
     """Each layer's ``(sliding window, chunk)`` (:func:`usp.model.capabilities.layer_specs`); empty when every
     layer is full causal attention. The attention FLOPs count what each layer attends."""
+    moe: MoESpec | None = None
+    """The mixture-of-experts block (:func:`moe_spec_of`); None for a dense model, whose counts are the
+    Llama ones."""
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str = "model") -> ModelSpec:
@@ -165,16 +390,100 @@ class ModelSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=config.get("max_position_embeddings"),
             layer_attention=layer_attention_of(config),
+            moe=moe_spec_of(config),
         )
 
     # --- parameter counts ---------------------------------------------------------------------------------
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: q, k, v, o projections, gated MLP, two RMSNorm weights."""
+        """Parameters of one decoder layer: q, k, v, o projections, gated MLP, two RMSNorm weights. A MoE's
+        largest layer (one that routes, with all of its experts and its router): the FSDP unit each layer
+        gathers."""
+        if self.moe is not None:
+            return max(self._layer_params(routed) for routed in set(self.moe.layers))
         h, d = self.hidden_size, self.head_dim
         attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
         mlp = 3 * h * self.intermediate_size
         return attn + mlp + 2 * h
+
+    @property
+    def attention_params(self) -> int:
+        """One layer's q, k, v, o projections."""
+        h, d = self.hidden_size, self.head_dim
+        return h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+
+    @property
+    def moe_block_params(self) -> int:
+        """One MoE layer's router, every routed expert and the shared experts, biases included (0 when
+        dense)."""
+        m, h = self.moe, self.hidden_size
+        if m is None:
+            return 0
+        width = m.expert_intermediate_size
+        expert = 3 * h * width + ((2 * width + h) if m.expert_bias else 0)
+        router = m.num_experts * h + (m.num_experts if m.router_bias else 0)
+        return m.num_experts * expert + router + self._shared_params
+
+    @property
+    def moe_block_active_params(self) -> int:
+        """What one token uses of a MoE layer's block: the router, its ``k`` experts, the shared experts."""
+        m, h = self.moe, self.hidden_size
+        if m is None:
+            return 0
+        width = m.expert_intermediate_size
+        expert = 3 * h * width + ((2 * width + h) if m.expert_bias else 0)
+        router = m.num_experts * h + (m.num_experts if m.router_bias else 0)
+        return m.top_k * expert + router + self._shared_params
+
+    @property
+    def moe_block_matmul_params(self) -> int:
+        """The matmul weights one token goes through in a MoE layer's block (no biases): router ``E h``,
+        ``k`` experts ``3 h I_e`` each, shared experts ``3 h I_s`` (and their gate ``h``)."""
+        m, h = self.moe, self.hidden_size
+        if m is None:
+            return 0
+        return m.num_experts * h + m.top_k * 3 * h * m.expert_intermediate_size + self._shared_params
+
+    @property
+    def _shared_params(self) -> int:
+        m, h = self.moe, self.hidden_size
+        assert m is not None
+        return 3 * h * m.shared_intermediate_size + (h if m.shared_expert_gate else 0)
+
+    def _layer_params(self, routed: bool) -> int:
+        """One layer of a MoE model: attention, its MLP (the MoE block when ``routed``), two norms."""
+        mlp = self.moe_block_params if routed else 3 * self.hidden_size * self.intermediate_size
+        return self.attention_params + mlp + 2 * self.hidden_size
+
+    def _layer_active_params(self, routed: bool) -> int:
+        mlp = self.moe_block_active_params if routed else 3 * self.hidden_size * self.intermediate_size
+        return self.attention_params + mlp + 2 * self.hidden_size
+
+    def _layer_matmul_params(self, routed: bool) -> int:
+        mlp = self.moe_block_matmul_params if routed else 3 * self.hidden_size * self.intermediate_size
+        return self.attention_params + mlp
+
+    def params_of_layer(self, index: int) -> int:
+        """Parameters of decoder layer ``index`` (its kind's: a MoE layer with every expert, or dense)."""
+        if self.moe is None:
+            return self.layer_params
+        return self._layer_params(self.moe.layers[index])
+
+    @property
+    def layer_kinds(self) -> tuple[bool, ...]:
+        """Per decoder layer, whether it routes to experts (all False for a dense model)."""
+        return self.moe.layers if self.moe is not None else (False,) * self.num_layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    @property
+    def decoder_params(self) -> int:
+        """Parameters of all decoder layers (every expert)."""
+        if self.moe is None:
+            return self.num_layers * self.layer_params
+        return sum(self._layer_params(routed) for routed in self.moe.layers)
 
     @property
     def embedding_params(self) -> int:
@@ -187,21 +496,47 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        return (
-            self.embedding_params + self.num_layers * self.layer_params + self.hidden_size + self.head_params
-        )
+        """Total parameters, every expert of a MoE counted: what the states take and FSDP moves."""
+        return self.embedding_params + self.decoder_params + self.hidden_size + self.head_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: :attr:`num_params` less the routed experts it is not sent to (the
+        embedding table included, as Qwen and Mistral count their active figures; OpenAI's gpt-oss figures
+        leave the embedding out: ``active_params - embedding_params``). Equal to :attr:`num_params` when
+        dense."""
+        if self.moe is None:
+            return self.num_params
+        decoder = sum(self._layer_active_params(routed) for routed in self.moe.layers)
+        return self.embedding_params + decoder + self.hidden_size + self.head_params
+
+    @property
+    def active_layer_params(self) -> int:
+        """One decoder layer's parameters one token uses (a MoE: the mean over its layers, rounded down);
+        :attr:`layer_params` when dense."""
+        if self.moe is None:
+            return self.layer_params
+        return sum(self._layer_active_params(routed) for routed in self.moe.layers) // self.num_layers
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights of one decoder layer's linear layers (``layer_params`` less the two RMSNorm weights)."""
-        return self.layer_params - 2 * self.hidden_size
+        """Weights of one decoder layer's linear layers (``layer_params`` less the two RMSNorm weights); a
+        MoE's: those one token goes through (attention, router, ``k`` experts, shared experts), the mean over
+        its layers rounded down (what a recomputed layer's forward costs)."""
+        if self.moe is None:
+            return self.layer_params - 2 * self.hidden_size
+        return (self.matmul_params - self.vocab_size * self.hidden_size) // self.num_layers
 
     @property
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token: every linear layer and the LM head (tied or not);
         not the input embedding (a lookup) nor the norm weights (elementwise). The model-FLOP count's ``N``
-        (:func:`usp.plan.compute.training_flops`)."""
-        return self.num_layers * self.layer_matmul_params + self.vocab_size * self.hidden_size
+        (:func:`usp.plan.compute.training_flops`). A MoE's are its active ones: the router, the ``k`` experts
+        a token is routed to and the shared experts, not the others (no biases)."""
+        if self.moe is None:
+            return self.num_layers * self.layer_matmul_params + self.vocab_size * self.hidden_size
+        layers = sum(self._layer_matmul_params(routed) for routed in self.moe.layers)
+        return layers + self.vocab_size * self.hidden_size
 
     # --- per-token sizes ----------------------------------------------------------------------------------
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:

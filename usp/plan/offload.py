@@ -68,11 +68,25 @@ def pinned_block_bytes(nbytes: float) -> float:
 def offloaded_state_bytes(model: ModelSpec, shard: int) -> float:
     """Host bytes of one rank's states under FSDP2 CPU offload: each fp32 parameter shard and its fp32 gradient
     shard pinned (each its own block, rounded by :func:`pinned_block_bytes`), the Adam moments ``m, v`` in
-    plain host memory (8 B per parameter of the shard)."""
+    plain host memory (8 B per parameter of the shard). A MoE layer's tensors: transformers' (router
+    ``[E, h]``, stacked experts ``gate_up [E, 2 I_e, h]`` and ``down [E, h, I_e]``, their biases, the shared
+    experts' projections)."""
     h, d, inter, V = model.hidden_size, model.head_dim, model.intermediate_size, model.vocab_size
     layer = [h * model.num_heads * d] * 2 + [h * model.num_kv_heads * d] * 2 + [h * inter] * 3 + [h] * 2
     root = [V * h] * (1 if model.tie_word_embeddings else 2) + [h]
-    pinned = sum(pinned_block_bytes(4 * math.ceil(n / shard)) for n in layer) * model.num_layers
+    if model.moe is None:
+        pinned = sum(pinned_block_bytes(4 * math.ceil(n / shard)) for n in layer) * model.num_layers
+    else:  # a MoE layer's tensors in place of the MLP's: router, the experts' stacked weights, shared experts
+        m = model.moe
+        E, I_e, I_s = m.num_experts, m.expert_intermediate_size, m.shared_intermediate_size
+        moe = layer[:4] + [h] * 2 + [E * h] + [E * 2 * I_e * h, E * h * I_e]
+        moe += ([E] if m.router_bias else []) + ([E * 2 * I_e, E * h] if m.expert_bias else [])
+        moe += ([h * I_s] * 3 if I_s else []) + ([h] if m.shared_expert_gate else [])
+        kind_bytes = {
+            kind: sum(pinned_block_bytes(4 * math.ceil(n / shard)) for n in (moe if kind else layer))
+            for kind in (False, True)
+        }
+        pinned = sum(kind_bytes[kind] for kind in m.layers)
     pinned += sum(pinned_block_bytes(4 * math.ceil(n / shard)) for n in root)
     return 2 * pinned + 8 * model.num_params / shard
 

@@ -35,13 +35,33 @@ def attention_work_imbalance(document_lengths: list[list[int]], ring_degree: int
 def count_matmul_params(model: Any) -> int:
     """Weights of every ``nn.Linear`` of ``model`` (global numel, also under FSDP2): the projections, the MLP
     and the LM head, tied to the input embedding or not. Not the embedding table (a lookup), the norm weights
-    or biases (elementwise). For a Llama this is :attr:`usp.plan.models.ModelSpec.matmul_params`."""
+    or biases (elementwise). For a Llama this is :attr:`usp.plan.models.ModelSpec.matmul_params`.
+
+    Mixture-of-experts layers (transformers 5 stores a layer's experts as 3D ``[E, ., .]`` parameters and its
+    router as a plain ``[E, H]`` weight): the weights a token multiplies, ``top_k / E`` of every expert tensor
+    and the whole router, as the planner's ``matmul_params`` counts them (the FLOPs and MFU of active
+    parameters)."""
     from torch import nn
 
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
     seen: set[int] = set()
     total = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and id(module.weight) not in seen:
             seen.add(id(module.weight))
             total += module.weight.numel()
+            continue
+        experts = getattr(module, "num_experts", None)
+        if not top_k or not isinstance(experts, int) or isinstance(module, nn.Linear):
+            continue
+        for param in module.parameters(recurse=False):
+            if id(param) in seen or param.dim() < 2 or param.shape[0] != experts:
+                continue
+            seen.add(id(param))
+            if param.dim() == 3:  # [E, out, in]: each token uses top_k of the E experts
+                total += param.numel() * top_k // experts
+            elif param.dim() == 2 and hasattr(module, "top_k"):  # the router's [E, H] weight
+                total += param.numel()
     return int(total)
