@@ -327,3 +327,24 @@ def test_trainer_logs_the_router_loss_and_expert_loads(dist_pools, tmp_path):
     assert sorted(out["val_losses"]) == [2, 4]
     exported = AutoModelForCausalLM.from_pretrained(out["export_dir"], local_files_only=True)
     assert exported.config.num_experts == 4
+
+
+def test_mlp_tiles_are_refused_for_moe_before_anything_runs():
+    """``parallel.mlp_tiles`` > 1 on a MoE is a ``ValueError`` naming the setting at the layout check (start-up
+    and ``usp-launch``); ``auto`` resolves to 1 tile there (a dense model of the same shape gets several)."""
+    from tests.family_models import family_config
+    from usp.config import TrainConfig
+    from usp.startup.degrees import plan_layout
+
+    def layout(family: str, tiles):
+        cfg = TrainConfig()
+        cfg.trainer.seq_len, cfg.parallel.ulysses_degree, cfg.parallel.ring_degree = 4096, 2, 1
+        cfg.parallel.mlp_tiles = tiles
+        return plan_layout(cfg, family_config(family).to_dict(), world_size=2, node_size=2, gpu="cpu")
+
+    with pytest.raises(
+        ValueError, match="parallel.mlp_tiles=4: MLP tiles are not supported for mixture-of-experts"
+    ):
+        layout("qwen3_moe", 4)
+    assert layout("qwen3_moe", "auto").mlp_tiles == 1
+    assert layout("llama", "auto").mlp_tiles > 1

@@ -16,6 +16,7 @@ RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 CPU_RECIPES = {
     "tiny",
     "tiny_sft",
+    "tiny_moe",
     "smollm2_135m_16k",
 }  # CPU over gloo (the demos; the measured SmolLM2 context extension)
 REAL = [name for name in RECIPES if name not in CPU_RECIPES]
@@ -37,7 +38,9 @@ def test_the_promised_recipes_exist():
         "smollm2_135m_16k",
         "smollm2_135m_32k",
         "qwen3_8b_128k",
+        "qwen3_30b_a3b_128k",
         "gemma3_12b_128k",
+        "tiny_moe",
     }
     assert expected <= set(RECIPES)
 

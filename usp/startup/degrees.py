@@ -23,6 +23,7 @@ import torch
 
 from usp.config import TrainConfig, states_on_host
 from usp.mlp_tiles import resolve_mlp_tiles
+from usp.model.capabilities import MOE_FIELDS
 from usp.parallel import ParallelLayout, SPMesh, init_sp_mesh
 from usp.parallel.mesh import resolve_node_size
 from usp.plan import load_model_spec
@@ -80,6 +81,14 @@ def plan_layout(
             states=states,
         )
     layout.check_sequence_length(cfg.trainer.seq_len)
+    text = model_config.get("text_config") or model_config
+    if any((text.get(f) or 0) > 1 for f in MOE_FIELDS):  # TiledMLP would drop the router loss's graph
+        if p.mlp_tiles != "auto" and int(p.mlp_tiles) > 1:
+            raise ValueError(
+                f"parallel.mlp_tiles={p.mlp_tiles}: MLP tiles are not supported for mixture-of-experts layers "
+                f"(the router's loss needs the routing graph that tiling drops); set parallel.mlp_tiles=1."
+            )
+        return layout.replace(mlp_tiles=1)
     if planner_chose and p.mlp_tiles == "auto":
         return layout  # the planner's count (the fewest tiles that fit), as it planned it
     hidden_size = model_config.get("hidden_size") if p.mlp_tiles == "auto" else None
