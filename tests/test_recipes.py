@@ -39,6 +39,7 @@ def test_the_promised_recipes_exist():
         "smollm2_135m_32k",
         "qwen3_8b_128k",
         "qwen3_30b_a3b_128k",
+        "qwen3_30b_a3b_1m",
         "gemma3_12b_128k",
         "tiny_moe",
     }
