@@ -3,7 +3,8 @@
 The full (unsharded) state dict is gathered with ``get_model_state_dict(full_state_dict=True,
 cpu_offload=True)``: a collective over the FSDP2 mesh that leaves full CPU tensors on rank 0 only, so peak
 memory on rank 0 is one copy of the model in host RAM (in the training dtype) plus one tensor: the cast to the
-export dtype replaces the entries one by one. Rank 0 writes the files into
+export dtype replaces the entries one by one (a mixture-of-experts model: plus one decoder layer's experts,
+split back into the per-expert tensors ``save_pretrained`` writes). Rank 0 writes the files into
 ``.<name>.tmp-export`` beside ``out_dir`` and renames the directory into place (:func:`usp.atomic.write_dir`),
 so a crash never leaves a half-written export at ``out_dir``: a previous export stays whole until the new one
 replaces it. The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)`` in
