@@ -196,7 +196,7 @@ def test_router_metrics_show_a_collapsed_router():
     assert collapsed["expert_load_max_mean"] == pytest.approx(2.0)  # E / k: every token to the same 2 experts
 
 
-def _one_train_step(family: str, checkpointing: str) -> dict:
+def _one_train_step(family: str, checkpointing: str, scope: str = "micro_batch") -> dict:
     from usp.train.parallelize import parallelize
     from usp.train.step import train_step
 
@@ -212,6 +212,7 @@ def _one_train_step(family: str, checkpointing: str) -> dict:
         activation_checkpointing=checkpointing,
         loss_chunk_size=5,
         router_aux_loss_coef=COEF,
+        router_loss_scope=scope,
     )
     batches = []
     for m in range(2):
@@ -223,11 +224,11 @@ def _one_train_step(family: str, checkpointing: str) -> dict:
     return {"res": res, "after": {n: p.full_tensor().detach() for n, p in model.named_parameters()}}
 
 
-def run_train_step(family: str) -> dict | None:
+def run_train_step(family: str, scope: str = "micro_batch") -> dict | None:
     """Worker: one ``train_step`` (FSDP2, 2 micro-batches, dp 2 x u2) with SGD at lr 1, so that the new weights
     are the old minus the summed gradients, in float64 end to end; rank 0 returns the figures."""
     with KeepFloat64():
-        out = _one_train_step(family, "none")
+        out = _one_train_step(family, "none", scope)
     return out if torch.distributed.get_rank() == 0 else None
 
 
@@ -348,3 +349,47 @@ def test_mlp_tiles_are_refused_for_moe_before_anything_runs():
         layout("qwen3_moe", 4)
     assert layout("qwen3_moe", "auto").mlp_tiles == 1
     assert layout("llama", "auto").mlp_tiles > 1
+
+
+def test_step_scope_router_loss_is_the_whole_steps(dist_pools):
+    """``model.router_loss_scope=step``: the router loss of the step's 4 rows (2 micro-batches x 2 replicas) is the
+    unsharded model's on all 4 rows in one forward (the counts of every micro-batch, from the routing pass), and
+    the step's gradients are that loss's."""
+    family = "mixtral"
+    got = dist_pools(4).run(run_train_step, family, "step", timeout=300)[0]
+    with KeepFloat64():
+        reference = _model(family)
+        rows = _rows(reference.config.vocab_size, 4)
+        before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        spec = router_aux_spec(reference)
+        out = reference(input_ids=rows, labels=rows, output_router_logits=True)
+        ce = out.loss - spec.coef * out.aux_loss
+        (ce + COEF * out.aux_loss).backward()
+        counts = torch.stack(
+            [
+                torch.bincount(torch.topk(lg, spec.top_k).indices.reshape(-1), minlength=4)
+                for lg in out.router_logits
+            ]
+        )
+    res = got["res"]
+    assert_exact(torch.tensor([res.loss], dtype=torch.float64), ce.detach().reshape(1), "the step's loss")
+    assert_exact(
+        torch.tensor([res.aux_loss], dtype=torch.float64),
+        out.aux_loss.detach().reshape(1),
+        "the step's aux_loss",
+    )
+    assert res.expert_tokens == counts.tolist()
+    for name, p in reference.named_parameters():
+        assert_exact(got["after"][name], before[name] - p.grad, f"SGD step of {name}")
+
+
+def test_router_loss_scope_is_checked_at_composition():
+    from usp.config import TrainConfig
+    from usp.config.checks import validate_choices
+
+    cfg = TrainConfig()
+    cfg.model.path, cfg.data.build_tiny_corpus = "/ckpt/m", True
+    validate_choices(cfg)
+    cfg.model.router_loss_scope = "global"
+    with pytest.raises(ValueError, match="model.router_loss_scope"):
+        validate_choices(cfg)

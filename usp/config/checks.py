@@ -37,6 +37,8 @@ PROCESS_GROUP_BACKENDS: tuple[str | None, ...] = (None, "nccl", "gloo")
 :data:`usp.modes.ATTENTION_BACKENDS`."""
 DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
 WANDB_MODES: tuple[str, ...] = ("online", "offline", "disabled")
+ROUTER_LOSS_SCOPES: tuple[str, ...] = ("micro_batch", "step")
+"""``model.router_loss_scope`` (:mod:`usp.train.router_loss`)."""
 
 
 def text_fields_per_input(text_field: str | Sequence[str], inputs: Sequence[str]) -> list[str]:
@@ -74,6 +76,7 @@ def validate_choices(cfg: TrainConfig) -> None:
     """
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("model.attention_backend", cfg.model.attention_backend, ATTENTION_BACKENDS)
+    _check_choice("model.router_loss_scope", cfg.model.router_loss_scope, ROUTER_LOSS_SCOPES)
     if cfg.model.path in ("", "???"):
         raise ValueError(
             "model.path is not set: point it at a local Hugging Face checkpoint dir "

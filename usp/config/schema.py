@@ -32,6 +32,12 @@ class ModelConfig:
     router_aux_loss_coef: float | None = None
     """Mixture-of-experts models: the router load-balancing loss coefficient; ``None`` keeps the checkpoint's
     ``router_aux_loss_coef`` (0 turns the router loss off). Ignored by dense models."""
+    router_loss_scope: str = "micro_batch"
+    """Mixture-of-experts models: the routing statistics the router loss uses. ``micro_batch``: each forward's
+    (every rank's tokens of one micro-batch, as transformers computes it per forward; the step's loss is the mean
+    over micro-batches). ``step``: the whole step's (every micro-batch too), from a routing pass without
+    gradients before the step (one more forward per micro-batch; the same as ``micro_batch`` when
+    ``trainer.grad_accum_steps`` is 1)."""
     build_tiny: bool = False
     """Create a tiny random Llama checkpoint at ``path`` if it does not exist (demo/tests only)."""
     tiny_size: dict[str, Any] = field(default_factory=dict)

@@ -172,6 +172,7 @@ def build_model(
         mlp_tiles=layout.mlp_tiles,
         attn_head_chunks=layout.attn_head_chunks,
         router_aux_loss_coef=cfg.model.router_aux_loss_coef,
+        router_loss_scope=cfg.model.router_loss_scope,
     )
     param_device, _ = weight_devices(device, cpu_offload=host_states)  # offload: shards on the CPU
     load_sharded_weights(model, cfg.model.path, device=device, param_device=param_device)

@@ -41,7 +41,13 @@ from transformers import PreTrainedModel
 from usp.model.capabilities import decoder_of
 from usp.model.lm_head import LMHeadTransform, lm_head_transform
 from usp.model.usp_attention_fn import packed_sequence_kwargs
-from usp.train.router_loss import RouterAuxSpec, RouterLogitsRecorder, RouterStats, load_balancing_share
+from usp.train.router_loss import (
+    RouterAuxSpec,
+    RouterLogitsRecorder,
+    RouterStats,
+    load_balancing_share,
+    routing_counts,
+)
 from usp.train.tiling import deferrable_final_norm
 
 IGNORE_INDEX = -100
@@ -141,6 +147,7 @@ class ChunkedCausalLMLoss(nn.Module):
         chunk_size: int,
         router_aux: RouterAuxSpec | None = None,
         aux_group: dist.ProcessGroup | None = None,
+        router_scope: str = "micro_batch",
     ):
         super().__init__()
         if chunk_size < 1:
@@ -152,6 +159,7 @@ class ChunkedCausalLMLoss(nn.Module):
         self.lm_head_transform = lm_head_transform(model.config)
         self.router_aux = router_aux
         self.aux_group = aux_group
+        self.router_scope = router_scope  # model.router_loss_scope: micro_batch | step (train_step reads it)
         self._router_recorder = None if router_aux is None else RouterLogitsRecorder(model, router_aux)
         self.last_cross_entropy: torch.Tensor | None = None
         self.last_router_stats: RouterStats | None = None
@@ -165,6 +173,8 @@ class ChunkedCausalLMLoss(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         num_targets: int | float = 1.0,
         aux_scale: float = 1.0,
+        routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+        routing_only: bool = False,
     ) -> torch.Tensor:
         """``sum of this rank's token losses / num_targets`` (fp32 scalar), plus, for a MoE with ``router_aux``,
         ``coef * aux_scale * `` this rank's router-loss share (collective over ``aux_group``).
@@ -172,7 +182,9 @@ class ChunkedCausalLMLoss(nn.Module):
         ``input_ids``, ``labels``, ``position_ids``: this rank's slice ``[B, S_local]``; ``cu_seqlens``: global
         document boundaries or ``None``; ``num_targets``: the global target count of the whole step;
         ``aux_scale``: ``1 / micro-batches`` of the step (the router loss is the mean over micro-batches); 0 for
-        evaluation (the same on every rank: no router loss, no collective).
+        evaluation (the same on every rank: no router loss, no collective). ``routing``: the step's router counts
+        (:func:`usp.train.router_loss.load_balancing_share`). ``routing_only`` (a MoE, under ``torch.no_grad``):
+        run the decoder only and return this rank's :func:`usp.train.router_loss.routing_counts`.
         """
         extra = packed_sequence_kwargs(cu_seqlens)  # transformers' names: cu_seq_lens_q/k, max_length_q/k
         decoder = decoder_of(self.model)
@@ -183,6 +195,9 @@ class ChunkedCausalLMLoss(nn.Module):
             recorder.recording() if recorder is not None else nullcontext() as router_logits,
         ):
             out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+        if routing_only:
+            assert self.router_aux is not None and not torch.is_grad_enabled(), "routing pass: a MoE, no grad"
+            return routing_counts(router_logits, self.router_aux)
         hidden = out.last_hidden_state  # [B, S_local, H], after the final norm (before it when deferred)
         head = self.model.get_output_embeddings()
         loss_sum = chunked_cross_entropy_sum(
@@ -197,6 +212,8 @@ class ChunkedCausalLMLoss(nn.Module):
         loss = loss_sum / num_targets
         if self.router_aux is None or aux_scale == 0:  # evaluation: the cross-entropy alone
             return loss
-        share, self.last_router_stats = load_balancing_share(router_logits, self.router_aux, self.aux_group)
+        share, self.last_router_stats = load_balancing_share(
+            router_logits, self.router_aux, self.aux_group, routing
+        )
         self.last_cross_entropy = loss.detach()
         return loss + (self.router_aux.coef * aux_scale) * share

@@ -136,6 +136,7 @@ def parallelize(
     mlp_tiles: int = 1,
     attn_head_chunks: int = 1,
     router_aux_loss_coef: float | None = None,
+    router_loss_scope: str = "micro_batch",
 ) -> ChunkedCausalLMLoss:
     """Apply the whole recipe to a loaded (fp32, CPU) model; returns the FSDP2-wrapped loss module.
 
@@ -146,7 +147,8 @@ def parallelize(
     ``mlp_tiles``: a resolved tile count (:func:`usp.mlp_tiles.resolve_mlp_tiles`), 1 = off.
     ``attn_head_chunks``: ``parallel.attn_head_chunks`` (:func:`usp.attention.usp_attention`), 1 = off.
     ``router_aux_loss_coef``: a mixture-of-experts model's router-loss coefficient (``None``: its config's
-    ``router_aux_loss_coef``); the loss module adds the family's own router loss (:mod:`usp.train.router_loss`).
+    ``router_aux_loss_coef``); the loss module adds the family's own router loss (:mod:`usp.train.router_loss`),
+    from each micro-batch's routing or the whole step's (``router_loss_scope``: ``micro_batch`` | ``step``).
     """
     assert fsdp_mode in FSDP_MODES, f"fsdp_mode={fsdp_mode!r} is not one of {FSDP_MODES} (validate_choices)"
     router_aux = router_aux_spec(model, router_aux_loss_coef)
@@ -165,7 +167,11 @@ def parallelize(
         store = HostCheckpointStore(torch.device(device_type, index))
     apply_activation_checkpointing(layers, activation_checkpointing, ac_every_k, offload_store=store)
     loss_model = ChunkedCausalLMLoss(
-        model, chunk_size=loss_chunk_size, router_aux=router_aux, aux_group=mesh.group("fsdp")
+        model,
+        chunk_size=loss_chunk_size,
+        router_aux=router_aux,
+        aux_group=mesh.group("fsdp"),
+        router_scope=router_loss_scope,
     )
     loss_model.offload_store = store
     if fsdp_mode == "hybrid_shard":

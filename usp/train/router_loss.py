@@ -13,7 +13,10 @@ and ``R`` are global. Each rank therefore adds the share ``E * sum_e (c_e / R) *
 same tokens, and FSDP2's summed gradients (``usp.train.loss``) are its exact gradient.
 
 One forward is one micro-batch of every rank, as transformers computes it per forward call; with gradient
-accumulation the step's loss is the mean over micro-batches (the accumulation transformers' Trainer does).
+accumulation the step's loss is the mean over micro-batches (the accumulation transformers' Trainer does), or,
+with ``model.router_loss_scope=step``, the ``aux`` of the whole step: a routing pass without gradients counts
+every micro-batch's selections first (one more forward per micro-batch), and each micro-batch then adds its
+part of the step's ``aux`` (linear in its probabilities once the step's counts are fixed).
 Families whose CausalLM adds no router loss (deepseek_v3, glm4_moe: bias-balanced routing) get none, as
 their own loss has none; a family with another formula is refused by :func:`router_aux_spec`.
 """
@@ -119,8 +122,28 @@ class RouterLogitsRecorder:
             h.remove()
 
 
+def routing_counts(logits: list[torch.Tensor], spec: RouterAuxSpec) -> torch.Tensor:
+    """``[L E + 1]`` (fp64): this rank's top-k selections per layer and expert, then its routed rows; summed over
+    the micro-batches of a step and all-reduced, the ``routing`` of :func:`load_balancing_share`."""
+    dtype = torch.promote_types(logits[0].dtype, torch.float32)
+    counts = [  # chosen as load_balancing_share chooses them: top-k of the softmax
+        torch.bincount(
+            torch.topk(torch.softmax(layer.to(dtype), dim=-1), spec.top_k, dim=-1).indices.reshape(-1),
+            minlength=spec.num_experts,
+        )
+        for layer in logits
+    ]
+    rows = sum(layer.shape[0] for layer in logits)
+    return torch.cat(
+        [torch.stack(counts).reshape(-1).double(), torch.tensor([float(rows)], dtype=torch.float64)]
+    )
+
+
 def load_balancing_share(
-    logits: list[torch.Tensor], spec: RouterAuxSpec, group: dist.ProcessGroup | None
+    logits: list[torch.Tensor],
+    spec: RouterAuxSpec,
+    group: dist.ProcessGroup | None,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, RouterStats]:
     """This rank's share of the load-balancing loss of one micro-batch, and the micro-batch's routing stats.
 
@@ -129,6 +152,11 @@ def load_balancing_share(
     ``all_reduce`` (a sum) of the per-layer counts, the detached probability sums and the row count. The share
     (fp32, fp64 for fp64 logits) carries the gradient of this rank's rows; the shares of all ranks sum to the
     unsharded ``aux``.
+
+    ``routing``: ``(counts [L, E], rows)`` of the whole step over every rank (``model.router_loss_scope=step``):
+    then only the probability sums are all-reduced, the share is this micro-batch's part of the step's ``aux``
+    (linear in the probabilities once the counts are fixed: the parts of all micro-batches and ranks sum to it),
+    and ``RouterStats.aux`` is this micro-batch's part of the step's ``aux``.
     """
     assert logits, "a MoE forward recorded no router logits"
     num_experts, dtype = spec.num_experts, torch.promote_types(logits[0].dtype, torch.float32)
@@ -140,14 +168,21 @@ def load_balancing_share(
         prob_sums.append(probs.sum(dim=0))  # [E], with the graph
     local_probs = torch.stack(prob_sums)  # [L, E]
     rows = sum(layer.shape[0] for layer in logits)
-    packed = torch.cat([torch.stack(counts).reshape(-1), local_probs.detach().reshape(-1)])
-    packed = torch.cat([packed, packed.new_tensor([rows])])  # [2 L E + 1]
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(packed, group=group)
+    distributed = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
     layers = local_probs.shape[0]
-    global_counts = packed[: layers * num_experts].reshape(layers, num_experts)
-    global_probs = packed[layers * num_experts : -1].reshape(layers, num_experts)
-    total_rows = packed[-1]
+    if routing is not None:  # the step's counts, from the routing pass
+        global_probs = local_probs.detach().clone()
+        if distributed:
+            dist.all_reduce(global_probs, group=group)
+        global_counts, total_rows = routing[0].to(dtype), routing[1].to(dtype)
+    else:
+        packed = torch.cat([torch.stack(counts).reshape(-1), local_probs.detach().reshape(-1)])
+        packed = torch.cat([packed, packed.new_tensor([rows])])  # [2 L E + 1]
+        if distributed:
+            dist.all_reduce(packed, group=group)
+        global_counts = packed[: layers * num_experts].reshape(layers, num_experts)
+        global_probs = packed[layers * num_experts : -1].reshape(layers, num_experts)
+        total_rows = packed[-1]
     tokens_per_expert = global_counts.sum(dim=0) / total_rows  # [E], pooled over layers as transformers does
     share = num_experts * (tokens_per_expert * local_probs.sum(dim=0) / total_rows).sum()
     aux = num_experts * (tokens_per_expert * global_probs.sum(dim=0) / total_rows).sum()

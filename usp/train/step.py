@@ -63,6 +63,27 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return out
 
 
+def _step_routing(
+    loss_model: nn.Module, batches: list[dict[str, Any]], group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.router_loss_scope=step``: every micro-batch's forward without gradients, its routers' top-k
+    counted; ``(counts [L, E], rows)`` over the step and every rank (one all_reduce)."""
+    with torch.no_grad():
+        packed = sum(
+            loss_model(
+                b["input_ids"],
+                b["labels"],
+                position_ids=b["position_ids"],
+                cu_seqlens=b["cu_seqlens"],
+                routing_only=True,
+            )
+            for b in batches
+        )
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(packed, group=group)
+    return packed[:-1].reshape(-1, loss_model.router_aux.num_experts), packed[-1]
+
+
 def train_step(
     loss_model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -120,7 +141,11 @@ def train_step(
         (), dtype=torch.float64, device=device
     )  # float64 so fp64 runs are reported exactly
     routed = getattr(loss_model, "router_aux", None) is not None
-    aux_sum, expert_tokens = 0.0, None
+    aux_sum, expert_tokens, routing = 0.0, None, None
+    aux_scale = 1.0 / len(batches)  # the router loss: the mean of the micro-batches' ...
+    if routed and loss_model.router_scope == "step" and len(batches) > 1:
+        routing = _step_routing(loss_model, batches, group)
+        aux_scale = 1.0  # ... or each micro-batch's part of the step's, from the step's counts
     for b in batches:
         loss = loss_model(
             b["input_ids"],
@@ -128,15 +153,19 @@ def train_step(
             position_ids=b["position_ids"],
             cu_seqlens=b["cu_seqlens"],
             num_targets=num_targets,  # > 0; a rank (or micro-batch) without targets adds an exact 0
-            aux_scale=1.0 / len(batches),
+            aux_scale=aux_scale,
+            **({} if routing is None else {"routing": routing}),
         )
         loss.backward()
         if routed:  # the reported loss is the cross-entropy; the router's is apart
             stats = loss_model.last_router_stats
             loss_sum += loss_model.last_cross_entropy.double()
-            aux_sum += float(stats.aux) / len(batches)
+            aux_sum += float(stats.aux) * aux_scale
             counts = stats.expert_tokens.round().long()
-            expert_tokens = counts if expert_tokens is None else expert_tokens + counts
+            if routing is not None:  # the step's counts already
+                expert_tokens = counts
+            else:
+                expert_tokens = counts if expert_tokens is None else expert_tokens + counts
         else:
             loss_sum += loss.detach().double()
     if dist.get_world_size(group) > 1:
