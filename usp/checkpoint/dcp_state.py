@@ -15,15 +15,24 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.optim import Optimizer
+
+STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+"""Frozen parameters are not checkpointed: a LoRA run's base weights are ``model.path`` itself, loaded again at
+resume (:mod:`usp.model.lora`); only what trains (and its optimizer states) is written."""
+LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""Loading what :data:`STATE_OPTIONS` saved: not strict about the frozen parameters, which are not in it. The
+state DCP fills is :func:`model_optim_state`'s (every trainable key; DCP fails on one the checkpoint lacks), so
+nothing trainable is left unloaded."""
 
 
 def model_optim_state(model: torch.nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
-    """``{"model": state}`` or, with an optimizer, ``{"model": ..., "optim": ...}`` for DCP."""
+    """``{"model": state}`` or, with an optimizer, ``{"model": ..., "optim": ...}`` for DCP: the trainable
+    parameters (:data:`STATE_OPTIONS`), buffers, and the optimizer's states."""
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=STATE_OPTIONS)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_OPTIONS)
     return {"model": model_sd, "optim": optim_sd}
 
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_st
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from usp.checkpoint.dcp_state import first_failure, model_optim_state, single_process_quiet
+from usp.checkpoint.dcp_state import LOAD_OPTIONS, first_failure, model_optim_state, single_process_quiet
 from usp.checkpoint.files import DCP_DIR, FORMAT_VERSION, META_FILE, resolve_checkpoint
 from usp.checkpoint.integrity import verify_checkpoint
 from usp.checkpoint.reader import REFUSED, SafeFileSystemReader, load_plain
@@ -86,9 +86,15 @@ def load_checkpoint(
             f"with a new hydra.run.dir / trainer.checkpoint_dir."
         ) from e
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=LOAD_OPTIONS)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=LOAD_OPTIONS,
+        )
     if scheduler is not None:
         if meta["scheduler"] is None:
             raise ValueError(

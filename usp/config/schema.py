@@ -14,6 +14,29 @@ from typing import Any
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (``peft`` LoRA) on a frozen base model (:mod:`usp.model.lora`, docs/training.md)."""
+
+    rank: int = 0
+    """The adapters' rank ``r``; 0 = off (full training)."""
+    alpha: float = 16.0
+    """The adapters' scale numerator: each adapted layer adds ``(alpha / rank) * B @ A``."""
+    dropout: float = 0.0
+    """Dropout on each adapted layer's input to its adapter (training only)."""
+    target_modules: list[str] | None = None
+    """Names (last component, e.g. ``q_proj``) of the linear layers that get adapters; default: every linear
+    layer of the decoder blocks whose name ends in ``proj`` (the attention and MLP projections, not a
+    mixture-of-experts router)."""
+    train_embeddings_and_norms: bool = False
+    """Also train the input embeddings and every normalization layer (LongLoRA's finding for context
+    extension); they are saved with the adapters (PEFT ``modules_to_save``)."""
+    export_merged: bool = False
+    """At the end of the run, also write the base model with the adapters merged into its weights (a plain
+    Hugging Face checkpoint in ``<run dir>/hf``); the adapter directory ``<run dir>/adapter`` is always
+    written (with ``trainer.export_hf``)."""
+
+
+@dataclass
 class ModelConfig:
     path: str = "???"
     """Local Hugging Face checkpoint dir (config.json + safetensors + tokenizer). For the ``tiny`` recipe a
@@ -38,6 +61,8 @@ class ModelConfig:
     over micro-batches). ``step``: the whole step's (every micro-batch too), from a routing pass without
     gradients before the step (one more forward per micro-batch; the same as ``micro_batch`` when
     ``trainer.grad_accum_steps`` is 1)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters on a frozen base (``model.lora.rank`` > 0): :class:`LoraConfig`."""
     build_tiny: bool = False
     """Create a tiny random Llama checkpoint at ``path`` if it does not exist (demo/tests only)."""
     tiny_size: dict[str, Any] = field(default_factory=dict)

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from usp.model.capabilities import Purpose, causal_lm_class, model_capabilities
+from usp.model.lora import base_key, base_state, has_lora, is_adapter_key
 from usp.model.moe_weights import ExpertFill, plan_weights
 
 DTYPES: dict[str, torch.dtype] = {
@@ -397,7 +398,7 @@ def _load_safetensors_shards(model: PreTrainedModel, path: str | os.PathLike) ->
         error = _expert_shapes_mismatch(experts, files)
     if error is not None:
         raise ValueError(f"model.path={str(path)!r}: {error}")
-    state = model.state_dict()  # DTensor shards: DCP reads only the slices this rank owns, in place
+    state = base_state(model)  # DTensor shards: DCP reads only the slices this rank owns, in place
     if experts:  # fused expert parameters: each rank reads the per-expert tensors of its own experts
         _load_expert_shards(state, experts, files, path)
     # identity tensors (renamed ones too); not the tied lm_head, whose source is the embedding already requested
@@ -549,6 +550,12 @@ def _load_broadcast_from_rank0(model: PreTrainedModel, path: str | os.PathLike) 
     raise_if_any_failed(
         None if error is None else ValueError(f"model.path={str(path)!r}: {error}"), "loading weights"
     )
+    adapted = has_lora(model)  # LoRA: the base's names -> the model's; the adapters are initialized apart
+    if adapted and dist.get_rank() == 0:
+        names = {base_key(k): k for k in model.state_dict() if not is_adapter_key(k)}
+        state = {names[k]: v for k, v in state.items()}
     set_model_state_dict(
-        model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+        model,
+        state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not adapted),
     )

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from usp.model.lora import base_state
+
 _API = (
     "transformers.conversion_mapping.get_checkpoint_conversion_mapping and core_model_loading's WeightConverter, "
     "WeightRenaming (.rename_source_key), MergeModulelist and Concatenate"
@@ -201,7 +203,7 @@ def plan_weights(model: nn.Module, stored: Iterable[str]) -> WeightPlan:
     :class:`ExpertFill` implements, when the experts of a fused parameter are stored incompletely or with
     indices other than ``0 .. E-1``, or when a fused expert parameter's stored tensors match no rule.
     """
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in base_state(model).items()}  # LoRA: the base checkpoint's names
     model_type = getattr(model.config, "model_type", "?")
     rules, classes = conversion_rules(model), _rule_classes()
     converters = [r for r in rules or [] if classes and isinstance(r, classes[0])]

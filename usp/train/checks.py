@@ -20,6 +20,7 @@ import torch
 from usp.attention import check_attn_head_chunks, resolve_backend
 from usp.config import TrainConfig, states_on_host, validate_choices
 from usp.model import apply_rope_overrides, check_model_dir, parse_dtype
+from usp.model.lora import LoraSpec, check_lora_spec
 from usp.parallel import ParallelLayout
 from usp.plan.models import head_dim_of
 from usp.startup import check_model_for_degrees, resolve_layout
@@ -119,6 +120,28 @@ def _check_trainer(cfg: TrainConfig) -> None:
         )
 
 
+def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
+    """``model.lora`` as :class:`usp.model.lora.LoraSpec`, or ``None`` when ``model.lora.rank`` is 0 (off)."""
+    lora = cfg.model.lora
+    if lora.rank == 0:
+        return None
+    targets = None if lora.target_modules is None else tuple(lora.target_modules)
+    return LoraSpec(lora.rank, lora.alpha, lora.dropout, targets, lora.train_embeddings_and_norms)
+
+
+def check_lora(cfg: TrainConfig, model_config: Any) -> None:
+    """``model.lora``: the numbers in range and every target module a linear layer of this model's decoder
+    blocks (read from the model built on the meta device: no weights); ``ValueError`` naming the setting."""
+    spec = lora_spec(cfg)
+    if spec is None:
+        if cfg.model.lora.export_merged:
+            raise ValueError("model.lora.export_merged=true needs adapters: set model.lora.rank > 0.")
+        return
+    from usp.model import build_empty_causal_lm
+
+    check_lora_spec(spec, build_empty_causal_lm(model_config))
+
+
 def start_up_warnings(cfg: TrainConfig) -> list[str]:
     """What is legal but almost surely not meant (the trainer logs each line on rank 0, after :func:`check_training_run`):
     ``trainer.seq_len`` beyond the checkpoint's own context without a RoPE change, a warmup longer than the
@@ -172,6 +195,7 @@ def check_training_run(cfg: TrainConfig, world_size: int, device: torch.device) 
             "parallel.cpu_offload=true needs CUDA devices (it moves FSDP2 shards between GPU and host); "
             "set parallel.cpu_offload=false for CPU runs."
         )
+    check_lora(cfg, model_config)
     layout = resolve_layout(cfg, model_config, world_size, device)
     check_model_for_degrees(model_config, layout)
     _check_memory_tricks(cfg, model_config, layout, world_size)

@@ -28,6 +28,7 @@ from huggingface_hub import save_torch_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from usp.atomic import write_dir
+from usp.model.lora import has_lora, merged_state
 from usp.parallel.agree import dist_rank, raise_if_any_failed
 
 EXPORT_MARKER = "usp_export.json"
@@ -184,6 +185,7 @@ def export_hf(
     out_dir: str | os.PathLike,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
+    merge_lora_scale: float | None = None,
 ) -> Path:
     """Write ``model``'s full weights, config and ``tokenizer`` to ``out_dir`` as a Hugging Face checkpoint.
 
@@ -192,17 +194,22 @@ def export_hf(
     ``None`` keeps the parameter dtype. Tied output embeddings are stored once. The tensors are written in the
     layout ``save_pretrained`` writes (:func:`_saved_layout`: a MoE model's experts one tensor each). ``out_dir`` is
     replaced atomically if it holds an earlier export; any other non-empty directory raises ``ValueError``.
-    Returns ``out_dir``.
+    A model with LoRA adapters (:mod:`usp.model.lora`) is written merged: ``merge_lora_scale`` is the adapters'
+    ``alpha / rank`` (:func:`usp.model.lora.merged_state`; required then). Returns ``out_dir``.
     """
     out_dir = Path(out_dir)
     if not hasattr(model, "config"):
         raise ValueError("export_hf needs a transformers model (with .config); got a plain nn.Module.")
     _check_out_dir(out_dir)  # on every rank, before any collective: a bad path raises everywhere, no hang
+    if has_lora(model) and merge_lora_scale is None:
+        raise ValueError("export_hf of a model with LoRA adapters needs merge_lora_scale (alpha / rank).")
 
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     error: BaseException | None = None
     if dist_rank() == 0:
         try:
+            if merge_lora_scale is not None:
+                state_dict = merged_state(state_dict, merge_lora_scale)
             drop = _tied_output_key(model, state_dict)
             if drop is not None:
                 del state_dict[drop]

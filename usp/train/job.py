@@ -22,11 +22,18 @@ from usp.checkpoint import load_checkpoint
 from usp.config import TrainConfig
 from usp.data import build_dataloaders
 from usp.model import build_empty_causal_lm, load_sharded_weights, parse_dtype, weight_devices
+from usp.model.lora import LoraSpec, init_adapter_weights, resolve_lora
 from usp.parallel import ParallelLayout, SPMesh
 from usp.parallel.agree import on_every_rank
 from usp.plan.models import head_dim_of, layer_attention_of
 from usp.startup import build_mesh
-from usp.train.checks import build_tiny_if_asked, check_training_run, keeps_states_on_host, start_up_warnings
+from usp.train.checks import (
+    build_tiny_if_asked,
+    check_training_run,
+    keeps_states_on_host,
+    lora_spec,
+    start_up_warnings,
+)
 from usp.train.flops import count_matmul_params
 from usp.train.optim import build_optimizer, reapply_schedule
 from usp.train.parallelize import decoder_layers, parallelize
@@ -72,6 +79,8 @@ class Job:
     resumed_from: Path | None
     model_shape: ModelShape
     peak_flops: float | None
+    lora: LoraSpec | None = None
+    """The adapters trained (target modules resolved), or ``None`` for full training."""
 
     @property
     def run_dir(self) -> Path:
@@ -114,7 +123,7 @@ def start_job(cfg: TrainConfig, device: torch.device) -> Job:
         ),
         "building the data loaders",
     )
-    model, loss_model, model_shape = build_model(cfg, model_config, layout, mesh, device)
+    model, loss_model, model_shape, lora = build_model(cfg, model_config, layout, mesh, device)
     optimizer, scheduler = build_optimizer(loss_model, cfg.optim, max_steps=cfg.trainer.max_steps)
     job = Job(
         cfg=cfg,
@@ -135,6 +144,7 @@ def start_job(cfg: TrainConfig, device: torch.device) -> Job:
         resumed_from=None,
         model_shape=model_shape,
         peak_flops=peak_flops,
+        lora=lora,
     )
     if resume_from is not None:
         resume_job(job, Path(resume_from))
@@ -143,11 +153,12 @@ def start_job(cfg: TrainConfig, device: torch.device) -> Job:
 
 def build_model(
     cfg: TrainConfig, model_config: Any, layout: ParallelLayout, mesh: SPMesh, device: torch.device
-) -> tuple[torch.nn.Module, torch.nn.Module, ModelShape]:
+) -> tuple[torch.nn.Module, torch.nn.Module, ModelShape, LoraSpec | None]:
     """fp32 master weights, never whole on any rank: an empty (meta) model is sharded by
     :func:`usp.train.parallelize.parallelize`, then each rank's shards are filled from ``model.path`` (the RoPE
-    overrides were applied to ``model_config`` by the checks). Returns the HF model, the loss model and what
-    the step's FLOPs depend on (counted before sharding)."""
+    overrides were applied to ``model_config`` by the checks). With ``model.lora``, adapters on the frozen base,
+    initialized once the base is loaded. Returns the HF model, the loss model, what the step's FLOPs depend on
+    (counted before sharding) and the adapters (target modules resolved) or ``None``."""
     host_states = keeps_states_on_host(cfg, device)  # FSDP2 shards and optimizer states in host memory
     model = build_empty_causal_lm(model_config)
     shape = ModelShape(
@@ -157,6 +168,8 @@ def build_model(
         head_dim_of(model_config),
         layer_attention_of(model_config),
     )
+    lora = lora_spec(cfg)
+    lora = None if lora is None else resolve_lora(lora, model)
     loss_model = parallelize(
         model,
         mesh,
@@ -173,10 +186,13 @@ def build_model(
         attn_head_chunks=layout.attn_head_chunks,
         router_aux_loss_coef=cfg.model.router_aux_loss_coef,
         router_loss_scope=cfg.model.router_loss_scope,
+        lora=lora,
     )
     param_device, _ = weight_devices(device, cpu_offload=host_states)  # offload: shards on the CPU
     load_sharded_weights(model, cfg.model.path, device=device, param_device=param_device)
-    return model, loss_model, shape
+    if lora is not None:
+        init_adapter_weights(model, cfg.trainer.seed)
+    return model, loss_model, shape, lora
 
 
 def resume_job(job: Job, resume_from: Path) -> None:

@@ -3,6 +3,7 @@
 ``parallelize(model, mesh, ...)`` is a short ordered list of ``apply_*`` steps, each taking a mesh and plain
 arguments:
 
+0. :func:`usp.model.lora.apply_lora` - low-rank adapters on a frozen base (``lora``; else full training);
 1. :func:`usp.model.apply_usp` - attention over the sequence-parallel mesh;
 2. :func:`usp.train.tiling.apply_sequence_tiling` - MLPs and RMSNorms over the sequence in tiles
    (``mlp_tiles`` > 1);
@@ -34,6 +35,7 @@ from torch.distributed.fsdp import (
 from transformers import PreTrainedModel
 
 from usp.model import apply_usp, decoder_of
+from usp.model.lora import LoraSpec, apply_lora
 from usp.modes import AC_MODES, FSDP_MODES
 from usp.parallel import SPMesh
 from usp.train.checkpoint_offload import HostCheckpointStore, apply_offload_checkpointing
@@ -137,6 +139,7 @@ def parallelize(
     attn_head_chunks: int = 1,
     router_aux_loss_coef: float | None = None,
     router_loss_scope: str = "micro_batch",
+    lora: LoraSpec | None = None,
 ) -> ChunkedCausalLMLoss:
     """Apply the whole recipe to a loaded (fp32, CPU) model; returns the FSDP2-wrapped loss module.
 
@@ -157,6 +160,8 @@ def parallelize(
             f"parallel.mlp_tiles={mlp_tiles}: MLP tiles are not supported for mixture-of-experts layers (the "
             f"router's loss needs the routing graph that tiling drops); set parallel.mlp_tiles=1."
         )
+    if lora is not None:
+        apply_lora(model, lora)
     apply_usp(model, mesh, backend=attention_backend, attn_head_chunks=attn_head_chunks)
     layers = decoder_layers(model)
     apply_sequence_tiling(layers, getattr(decoder_of(model), "norm", None), mlp_tiles)

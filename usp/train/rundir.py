@@ -144,6 +144,7 @@ def claim_run_dir(cfg: TrainConfig, rank: int) -> RunDirClaim:
     check_run_dir(run_dir)
     if cfg.trainer.export_hf:
         check_export_dir(run_dir / "hf")
+        check_export_dir(run_dir / "adapter")
     locks = [DirLock(run_dir).acquire()]
     try:
         ckpt_root = checkpoint_root(cfg).resolve()

@@ -45,6 +45,7 @@ from usp.plan.compute import training_flops
 from usp.startup import run_in_process_group
 from usp.train.checks import keeps_states_on_host
 from usp.train.export import export_hf
+from usp.train.export_lora import export_adapter
 from usp.train.flops import attention_work_imbalance
 from usp.train.guard import StepGuard, check_finite_weights
 from usp.train.job import Job, ModelShape, start_job
@@ -105,7 +106,7 @@ def _step_imbalance(document_lengths: list[list[int]], mesh: SPMesh, device: tor
 # --- the job ------------------------------------------------------------------------------------------
 def run(cfg: TrainConfig, *, save_final: bool = True) -> dict[str, Any]:
     """Train as ``cfg`` says; returns ``{"losses", "final_step", "run_dir", "layout", "checkpoint",
-    "export_dir", "val_losses", "metrics", "preempted"}`` (the same on every rank; ``losses`` are this run's
+    "export_dir", "adapter_dir", "val_losses", "metrics", "preempted"}`` (the same on every rank; ``losses`` are this run's
     steps only; ``preempted``: stopped by a signal after saving the checkpoint at ``final_step``).
 
     ``save_final=False`` skips the checkpoint after the last step (a measurement that keeps nothing, e.g.
@@ -168,6 +169,20 @@ def _log_start(job: Job) -> None:
         cfg.trainer.max_steps,
         job.run_dir,
     )
+    if job.lora is not None:
+        trainable = sum(p.numel() for p in job.model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in job.model.parameters())
+        logger.info(
+            "LoRA rank %d, alpha %g, dropout %g on %s%s: %.2fM of %.1fM parameters train (%.2f%%), the rest frozen",
+            job.lora.rank,
+            job.lora.alpha,
+            job.lora.dropout,
+            ",".join(job.lora.target_modules or ()),
+            " + embeddings and norms" if job.lora.train_embeddings_and_norms else "",
+            trainable / 1e6,
+            total / 1e6,
+            100 * trainable / total,
+        )
     router = getattr(job.loss_model, "router_aux", None)
     if is_moe(job.model):
         logger.info(
@@ -319,24 +334,35 @@ def _finish(job: Job, end: _LoopEnd) -> dict[str, Any]:
             "final_step": end.done,
             "checkpoint": str(end.last_ckpt),
             "export_dir": None,
+            "adapter_dir": None,
             "preempted": True,
         }
     final_step = max(job.start_step, job.cfg.trainer.max_steps)
-    export_dir = None
+    export_dir = adapter_dir = None
     if job.cfg.trainer.export_hf:
         check_finite_weights(
             job.model, step=final_step, what="the Hugging Face export", last_checkpoint=end.last_ckpt
         )
-        export_dir = export_hf(
-            job.model,
-            tokenizer=job.tokenizer,
-            out_dir=job.run_dir / "hf",
-            dtype=parse_dtype(job.cfg.model.dtype),
-        )
+        if job.lora is not None:
+            adapter_dir = export_adapter(
+                job.model,
+                job.lora,
+                out_dir=job.run_dir / "adapter",
+                base_path=str(Path(job.cfg.model.path).resolve()),
+                tokenizer=job.tokenizer,
+            )
+        if job.lora is None or job.cfg.model.lora.export_merged:
+            export_dir = export_hf(
+                job.model,
+                tokenizer=job.tokenizer,
+                out_dir=job.run_dir / "hf",
+                dtype=parse_dtype(job.cfg.model.dtype),
+                merge_lora_scale=None if job.lora is None else job.lora.scale,
+            )
     if job.rank == 0:
         steady = sorted(r["tokens_per_s"] for r in end.records[1:] or end.records)
         logger.info(
-            "done: step %d, loss %s -> %s, median %s tok/s; metrics %s, checkpoint %s, export %s",
+            "done: step %d, loss %s -> %s, median %s tok/s; metrics %s, checkpoint %s, export %s%s",
             final_step,
             f"{end.losses[0]:.4f}" if end.losses else "-",
             f"{end.losses[-1]:.4f}" if end.losses else "-",
@@ -344,11 +370,13 @@ def _finish(job: Job, end: _LoopEnd) -> dict[str, Any]:
             end.metrics_path,
             end.last_ckpt,
             export_dir,
+            "" if adapter_dir is None else f", adapter {adapter_dir}",
         )
     return {
         **result,
         "final_step": final_step,
         "checkpoint": None if end.last_ckpt is None else str(end.last_ckpt),
         "export_dir": None if export_dir is None else str(export_dir),
+        "adapter_dir": None if adapter_dir is None else str(adapter_dir),
         "preempted": False,
     }
