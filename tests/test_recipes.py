@@ -17,6 +17,7 @@ CPU_RECIPES = {
     "tiny",
     "tiny_sft",
     "tiny_moe",
+    "tiny_lora",
     "smollm2_135m_16k",
 }  # CPU over gloo (the demos; the measured SmolLM2 context extension)
 REAL = [name for name in RECIPES if name not in CPU_RECIPES]
@@ -42,6 +43,7 @@ def test_the_promised_recipes_exist():
         "qwen3_30b_a3b_1m",
         "gemma3_12b_128k",
         "tiny_moe",
+        "tiny_lora",
     }
     assert expected <= set(RECIPES)
 
