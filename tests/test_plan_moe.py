@@ -24,14 +24,20 @@ H100 = GPUS["h100-80g"]
 
 # Published figures (billions): Qwen3-30B-A3B's model card (30.5B total, 3.3B activated), Mistral's
 # Mixtral-8x7B announcement (46.7B total, 12.9B active), OpenAI's gpt-oss model card (20.91B / 3.61B and
-# 116.83B / 5.13B). Qwen and Mistral count the embedding table among the active parameters; OpenAI does not
-# (its active figures are the ones a token's matmuls go through, the unembedding included).
+# 116.83B / 5.13B), Meta's Llama 4 model card (Scout 109B total / 17B activated, Maverick 400B / 17B; the
+# released multimodal checkpoints, the presets are their text models). Qwen, Mistral and Meta count the
+# embedding table among the active parameters; OpenAI does not (its active figures are the ones a token's
+# matmuls go through, the unembedding included).
 PUBLISHED = {
     "qwen3-30b-a3b": (30.5, 3.3, True),
     "mixtral-8x7b": (46.7, 12.9, True),
     "gpt-oss-20b": (21.0, 3.6, False),
     "gpt-oss-120b": (117.0, 5.1, False),
+    "llama4-scout": (109.0, 17.0, True),
+    "llama4-maverick": (400.0, 17.0, True),
 }
+NO_ROUTER_LOSS = {"llama4-scout", "llama4-maverick"}
+"""Presets whose causal LM adds no router loss (Llama4ForCausalLM), whatever ``router_aux_loss_coef`` says."""
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -57,7 +63,48 @@ def test_preset_shapes_from_their_configs():
     # gpt-oss alternates a 128-token sliding window with full attention, starting with the window
     assert oss.layer_attention[:2] == ((128, None), (None, None)) and len(oss.layer_attention) == 36
     for name in PUBLISHED:
-        assert PRESETS[name]["router_aux_loss_coef"] > 0 and load_model_spec(name).moe.router_aux_loss
+        own_loss = name not in NO_ROUTER_LOSS
+        assert PRESETS[name]["router_aux_loss_coef"] > 0
+        assert load_model_spec(name).moe.router_aux_loss is own_loss
+
+
+def _llama4_by_formula(h, L, V, heads, kv, d, E, k, width, dense_width, step) -> tuple[int, int]:
+    """(total, active) of a Llama 4 text model from its shapes: attention, two norms per layer; a MoE layer
+    (``(i + 1) % step == 0``) holds ``E`` experts of ``width``, the router ``E h`` and one shared expert of
+    ``width``; the others a dense MLP of ``dense_width``; untied embedding and LM head, the final norm."""
+    attention = 2 * h * heads * d + 2 * h * kv * d
+    expert = 3 * h * width
+    total = active = 2 * V * h + h
+    for i in range(L):
+        if (i + 1) % step == 0:
+            total += attention + E * expert + E * h + expert + 2 * h
+            active += attention + k * expert + E * h + expert + 2 * h
+        else:
+            total += attention + 3 * h * dense_width + 2 * h
+            active += attention + 3 * h * dense_width + 2 * h
+    return total, active
+
+
+def test_llama4_presets_interleave_moe_and_dense_layers():
+    scout, maverick = load_model_spec("llama4-scout"), load_model_spec("llama4-maverick")
+    assert (scout.num_params, scout.active_params) == _llama4_by_formula(
+        5120, 48, 202048, 40, 8, 128, 16, 1, 8192, 16384, 1
+    )
+    assert (maverick.num_params, maverick.active_params) == _llama4_by_formula(
+        5120, 48, 202048, 40, 8, 128, 128, 1, 8192, 16384, 2
+    )
+    assert scout.moe.layers == (True,) * 48 and scout.moe.shared_intermediate_size == 8192
+    assert maverick.moe.layers == tuple(i % 2 == 1 for i in range(48))  # layers 1, 3, ..., 47
+    assert maverick.moe.num_moe_layers == 24 and maverick.intermediate_size == 16384
+    assert maverick.moe.expert_intermediate_size == 8192 and maverick.moe.shared_intermediate_size == 8192
+    # the largest FSDP unit: a MoE layer; a dense layer is its own width (intermediate_size_mlp)
+    h, attention = 5120, 2 * 5120 * 40 * 128 + 2 * 5120 * 8 * 128
+    assert maverick.params_of_layer(0) == attention + 3 * h * 16384 + 2 * h
+    assert maverick.layer_params == maverick.params_of_layer(1) > maverick.params_of_layer(0)
+    # Meta's figures: 17B active for both, Maverick ~4x Scout's total
+    assert scout.active_params == pytest.approx(maverick.active_params, rel=0.01)
+    # chunked attention (8192) on three layers of four, every fourth global
+    assert scout.layer_attention[:4] == ((None, 8192),) * 3 + ((None, None),)
 
 
 # --- against transformers' own models ---------------------------------------------------------------------
@@ -115,6 +162,21 @@ TINY = {
         num_key_value_heads=2,
         vocab_size=128,
     ),
+    # Llama 4: every second layer sparse (interleave_moe_layer_step), the others a dense MLP of
+    # intermediate_size_mlp; the experts (and the one ungated shared expert) intermediate_size wide
+    "llama4_text": dict(
+        hidden_size=64,
+        intermediate_size=32,
+        intermediate_size_mlp=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        interleave_moe_layer_step=2,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+    ),
 }
 NOT_COUNTED = ("q_norm.weight", "k_norm.weight", "self_attn.sinks", "_proj.bias")
 """Parameters the planner leaves out, dense or MoE (models module docstring): per-head q/k norms, attention
@@ -146,6 +208,14 @@ def _by_hand(model_type: str) -> tuple[int, int, int]:
     gate = h if c.get("shared_expert_intermediate_size") else 0
     dense_mlp = 3 * h * c["intermediate_size"]
     step = c.get("decoder_sparse_step", 1)
+    if (
+        model_type == "llama4_text"
+    ):  # one shared expert of the expert width; dense layers intermediate_size_mlp
+        shared, dense_mlp, step = (
+            3 * h * width,
+            3 * h * c["intermediate_size_mlp"],
+            c["interleave_moe_layer_step"],
+        )
     sparse = [i not in c.get("mlp_only_layers", []) and (i + 1) % step == 0 for i in range(L)]
     total = active = matmul = 0
     for routed in sparse:
@@ -170,10 +240,17 @@ def test_tiny_moe_counts_match_transformers(model_type):
     counted = sum(p.numel() for n, p in named if not n.endswith(NOT_COUNTED))
     spec = ModelSpec.from_hf_config(config.to_dict(), name=model_type)
     assert spec.num_params == counted
+    if model_type == "llama4_text":  # a config.json without the moe_layers Llama4TextConfig derives: the same
+        raw = {k: v for k, v in config.to_dict().items() if k != "moe_layers"}
+        assert ModelSpec.from_hf_config(raw, name=model_type) == spec
+        assert spec.moe.layers == (False, True, False, True)
     total, active, matmul = _by_hand(model_type)
     assert counted == total  # the hand count is the model's own
     assert spec.active_params == active
     assert spec.matmul_params == matmul
+    from usp.train.flops import count_matmul_params
+
+    assert count_matmul_params(model) == matmul  # the trainer's MFU count on the same module
     assert spec.active_params < spec.num_params
     # the largest layer is the FSDP unit: a sparse layer with all of its experts, as the model holds it
     layers = model.model.layers
@@ -181,6 +258,50 @@ def test_tiny_moe_counts_match_transformers(model_type):
         own = sum(p.numel() for n, p in layer.named_parameters() if not n.endswith(NOT_COUNTED))
         assert spec.params_of_layer(i) == own
     assert spec.layer_params == max(spec.params_of_layer(i) for i in range(len(layers)))
+
+
+def test_llama4_moe_layers_follow_its_config():
+    """Llama 4's sparse layers: ``moe_layers`` when set, else every ``interleave_moe_layer_step``-th layer,
+    exactly the list ``Llama4TextConfig`` derives (what its decoder layers read)."""
+    from transformers import Llama4TextConfig
+
+    for layers in (1, 4, 7, 48):
+        for step in (1, 2, 3, 4):
+            own = Llama4TextConfig(num_hidden_layers=layers, interleave_moe_layer_step=step).moe_layers
+            raw = {"interleave_moe_layer_step": step}  # a config.json without moe_layers
+            assert moe_layer_pattern(raw, layers) == tuple(i in own for i in range(layers))
+    # moe_layers wins over the step, as in Llama4TextConfig
+    assert moe_layer_pattern({"moe_layers": [0, 3], "interleave_moe_layer_step": 2}, 4) == (
+        True,
+        False,
+        False,
+        True,
+    )
+    config = Llama4TextConfig(**(TINY["llama4_text"] | {"moe_layers": [0, 3]}))
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    assert spec.moe.layers == (True, False, False, True)
+    # no MoE layer at all: a dense model of intermediate_size_mlp
+    dense = ModelSpec.from_hf_config(Llama4TextConfig(**(TINY["llama4_text"] | {"moe_layers": []})).to_dict())
+    assert dense.moe is None and dense.intermediate_size == 96
+    # the multimodal config.json (Llama4Config): its text_config, the same counts
+    from transformers import Llama4Config
+
+    nested = Llama4Config(text_config=TINY["llama4_text"]).to_dict()
+    assert "hidden_size" not in nested and nested["model_type"] == "llama4"
+    text = ModelSpec.from_hf_config(_llama4_text_config().to_dict())
+    whole = ModelSpec.from_hf_config(nested)
+    assert (whole.num_params, whole.active_params, whole.matmul_params) == (
+        text.num_params,
+        text.active_params,
+        text.matmul_params,
+    )
+    assert whole.moe == text.moe and not whole.moe.router_aux_loss
+
+
+def _llama4_text_config(**overrides):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("llama4_text", **(TINY["llama4_text"] | overrides))
 
 
 def test_dense_layers_of_a_moe_follow_the_family_rules():
@@ -230,6 +351,8 @@ def _moe_block(model_type: str, dtype: torch.dtype, **overrides):
     config._experts_implementation = "grouped_mm"  # transformers' default for a loaded model
     if model_type == "gpt_oss":
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as Block
+    elif model_type == "llama4_text":
+        from transformers.models.llama4.modeling_llama4 import Llama4TextMoe as Block
     elif model_type == "mixtral":
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
     else:
@@ -259,8 +382,15 @@ def _saved_bytes(module, x, skip=(), **kwargs) -> int:
 
 @pytest.mark.parametrize(
     "model_type,overrides",
-    [("qwen3_moe", {}), ("qwen3_moe", {"norm_topk_prob": False}), ("mixtral", {}), ("gpt_oss", {})],
-    ids=["qwen3_moe", "qwen3_moe-unnormalized", "mixtral", "gpt_oss"],
+    [
+        ("qwen3_moe", {}),
+        ("qwen3_moe", {"norm_topk_prob": False}),
+        ("mixtral", {}),
+        ("gpt_oss", {}),
+        ("llama4_text", {}),
+        ("llama4_text", {"num_experts_per_tok": 1, "num_local_experts": 8}),
+    ],
+    ids=["qwen3_moe", "qwen3_moe-unnormalized", "mixtral", "gpt_oss", "llama4", "llama4-top1-of-8"],
 )
 @pytest.mark.parametrize(
     "dtype,compute_bytes", [(torch.bfloat16, 2), (torch.float32, 4)], ids=["bf16", "fp32"]
@@ -271,8 +401,11 @@ def test_moe_block_bytes_match_what_autograd_saves(model_type, overrides, dtype,
     x = torch.randn(1, T, config.hidden_size, dtype=dtype, requires_grad=True)
     spec = ModelSpec.from_hf_config(config.to_dict())
     E = spec.moe.num_experts
-    # per token, and the grouped matmuls' int32 offsets once per layer (4 E bytes)
-    assert _saved_bytes(block, x) == T * moe_bytes_per_token(spec, compute_bytes) + 4 * E
+    # per token, and the grouped matmuls' int32 offsets once per layer (4 E bytes; Llama 4 runs every expert
+    # on every token, by batched matmuls: no offsets, E copies of each token)
+    offsets = 0 if spec.moe.every_expert_runs else 4 * E
+    assert spec.moe.every_expert_runs is (model_type == "llama4_text")
+    assert _saved_bytes(block, x) == T * moe_bytes_per_token(spec, compute_bytes) + offsets
     # the dense MLP's 4 I B is not what a MoE layer keeps: its k experts' and the router's instead
     assert moe_bytes_per_token(spec, compute_bytes) > 4 * spec.moe.top_k * spec.moe.expert_intermediate_size
 
@@ -301,6 +434,36 @@ def test_mixtral_decoder_layer_bytes_match_what_autograd_saves():
     assert saved == T * per_token + 4 * spec.moe.num_experts
     dense = activation_bytes_per_token_layer(spec, 1, 2, routed=False)
     assert per_token - dense == moe_bytes_per_token(spec, 2) - 4 * spec.intermediate_size * 2
+
+
+def test_llama4_decoder_layers_bytes_match_what_autograd_saves():
+    """Whole Llama 4 decoder layers (SDPA), a dense one (an MLP of intermediate_size_mlp) and a MoE one (every
+    expert run on every token, the shared expert), against the planner's per-token formula of each kind. The
+    q/k norm (use_qk_norm) and the temperature-tuned queries of the NoPE layers are switched off: what they keep
+    is not modelled, for any family (docs/planning.md, known limits)."""
+    from transformers.models.llama4.modeling_llama4 import Llama4TextDecoderLayer, Llama4TextRotaryEmbedding
+
+    config = _llama4_text_config(use_qk_norm=False, attn_temperature_tuning=False, attention_chunk_size=None)
+    config._attn_implementation = "sdpa"
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    assert spec.moe.layers == (False, True, False, True)
+    T = 64
+    pos = torch.arange(T)[None]
+    for index in (0, 1):
+        layer = Llama4TextDecoderLayer(config, index).to(torch.bfloat16)
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        x = torch.randn(1, T, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        freqs = Llama4TextRotaryEmbedding(config)(x, pos)
+        saved = _saved_bytes(layer, x, skip=(freqs,), position_embeddings=freqs, attention_mask=None)
+        routed = spec.moe.layers[index]
+        assert layer.is_moe_layer is routed
+        assert saved == T * activation_bytes_per_token_layer(spec, 1, 2, routed=routed)
+    # the dense layer keeps its own MLP's 4 I B, of intermediate_size_mlp (96), not the experts' width (32)
+    dense = activation_bytes_per_token_layer(spec, 1, 2, routed=False)
+    assert dense - activation_bytes_per_token_layer(
+        spec, 1, 2, routed=True
+    ) == 4 * 96 * 2 - moe_bytes_per_token(spec, 2)
 
 
 def test_held_bytes_count_each_layer_kind_and_the_router_loss():
@@ -345,6 +508,42 @@ def test_flops_and_mfu_use_the_active_parameters():
     assert t["dense_s"] == pytest.approx(
         6 * active_matmul * S / 8 / (H100.peak_flops * H100.dense_efficiency)
     )
+
+
+def test_llama4_time_counts_the_experts_that_run_and_mfu_the_active_ones():
+    """transformers' Llama 4 runs every expert on every token: the compute time counts those matmuls (checked
+    against torch's FLOP counter on the tiny model), the model FLOPs and MFU only the active ones."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    config = _llama4_text_config(attention_chunk_size=None)
+    config._attn_implementation = "eager"
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    h, E, k, width = 64, 4, 2, 32
+    assert spec.idle_expert_matmul_params == 2 * (E - k) * 3 * h * width  # two MoE layers
+    assert spec.executed_matmul_params == spec.matmul_params + spec.idle_expert_matmul_params
+    model = AutoModelForCausalLM.from_config(config)
+    T = 16
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(0, 128, (1, T)))
+    # the eager attention: Q K^T and P V over all T x T pairs, 4 T^2 H d per layer
+    attention = 4 * 4 * T * T * 4 * 16
+    assert counter.get_total_flops() == 2 * spec.executed_matmul_params * T + attention
+    # the planner's time of the dense part: the executed weights; the model FLOPs: the active ones
+    S = 4096
+    t = compute_time(spec, H100, seq_len=S, ulysses_degree=1, ring_degree=1)
+    assert t["dense_s"] == pytest.approx(
+        6 * spec.executed_matmul_params * S / (H100.peak_flops * H100.dense_efficiency)
+    )
+    assert model_flops_per_token(spec, S) * S == training_flops(
+        matmul_params=spec.matmul_params, num_layers=4, num_heads=4, head_dim=16, document_lengths=[[S]]
+    )
+    # a family with grouped experts executes what it counts
+    qwen = load_model_spec("qwen3-30b-a3b")
+    assert qwen.executed_matmul_params == qwen.matmul_params and qwen.idle_expert_matmul_params == 0
+    # Scout: 15 idle experts of 3 h I_e per layer, run anyway
+    scout = load_model_spec("llama4-scout")
+    assert scout.executed_matmul_params - scout.matmul_params == 48 * 15 * 3 * 5120 * 8192
 
 
 def test_memory_and_fsdp_traffic_grow_with_the_total_parameters():
@@ -431,12 +630,14 @@ def test_dense_models_are_counted_as_before():
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "llama4_text"])
 def test_trainer_flops_count_the_planners_active_matmul_params(family):
     """The trainer's MFU (``usp.train.flops.count_matmul_params`` on the module) and the planner's
     (``ModelSpec.matmul_params`` from the config) count the same active weights: top-k of the experts and the
     router, on the tiny family models of the exactness matrix (a stray ``moe_intermediate_size`` in Mixtral's
-    config, which its experts ignore, included)."""
+    config, which its experts ignore, included; Llama 4's: a dense first layer, a sparse second one with its
+    shared expert). The tiny models of ``TINY`` too (test_tiny_moe_counts_match_transformers), whose Llama 4
+    has dense and expert widths that differ."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -212,13 +212,18 @@ def paste_overrides(
 
 def _params(model: ModelSpec) -> str:
     """``8.03B params``; a MoE's also its active parameters per token (with and without the embedding table:
-    publishers count both ways) and its experts."""
+    publishers count both ways), its experts, shared experts and MoE layers when not every layer is one."""
     out = f"{model.num_params / 1e9:.2f}B params"
     if model.moe is not None:
         m, active = model.moe, model.active_params / 1e9
+        experts = f"{m.top_k} of {m.num_experts} experts"
+        if m.shared_intermediate_size:
+            experts += " + shared"
+        if m.num_moe_layers < model.num_layers:
+            experts += f" on {m.num_moe_layers} of {model.num_layers} layers"
         out += (
             f" ({active:.2f}B active per token, {active - model.embedding_params / 1e9:.2f}B without the "
-            f"embedding: {m.top_k} of {m.num_experts} experts)"
+            f"embedding: {experts})"
         )
     return out
 

@@ -147,7 +147,8 @@ def fsdp_layer_balance(
     FSDP moves every parameter of the layer (all of a MoE layer's experts: :attr:`ModelSpec.layer_params`)
     as :func:`fsdp_comm` does (bf16 all-gather in forward and again in backward, fp32 reduce-scatter:
     ``P (n - 1) / n (2 B + 4)`` bytes, at NVLink inside a node, else the network), while the layer computes
-    only what its tokens go through: ``6 x`` :attr:`ModelSpec.layer_matmul_params` FLOPs per token at the
+    only what its tokens go through: ``6 x`` :attr:`ModelSpec.layer_matmul_params` FLOPs per token (with the
+    idle experts a Llama 4 layer runs anyway: :attr:`ModelSpec.executed_layer_matmul_params`) at the
     dense efficiency, and its attention (:func:`usp.plan.compute.compute_time`, its mean layer, without
     recomputation). Returns, for one layer: ``layer_params``, ``layer_matmul_params``, ``fsdp_bytes``,
     ``fsdp_s``, ``local_tokens``, ``matmul_s``, ``attention_s``, ``compute_s`` (their sum), ``fsdp_over_compute``
@@ -162,7 +163,7 @@ def fsdp_layer_balance(
     nodes = max(1, world_size // node_size)
     bw = (device.intra_node_gbps if nodes == 1 else device.inter_node_gbps) * GB
     nbytes = P * (n - 1) / n * (2 * compute_bytes + GRAD_REDUCE_BYTES) if n > 1 else 0.0
-    per_token = 6.0 * model.layer_matmul_params / (device.peak_flops * device.dense_efficiency)
+    per_token = 6.0 * model.executed_layer_matmul_params / (device.peak_flops * device.dense_efficiency)
     local = seq_len / (ulysses_degree * ring_degree)
     times = compute_time(
         model, device, seq_len=seq_len, ulysses_degree=ulysses_degree, ring_degree=ring_degree

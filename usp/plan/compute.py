@@ -14,7 +14,10 @@ Conventions (2 FLOPs per multiply-add):
 - mixture of experts: ``matmul_params`` counts the parameters one token goes through (attention, the router
   ``E h``, its ``k`` experts, the shared experts, the LM head), not the experts it is not routed to, so MFU is
   ``6 x active x tokens + attention`` over the peak; the grouped expert matmuls are costed at the dense
-  efficiency.
+  efficiency. Where transformers runs every expert on every token (Llama 4,
+  :attr:`usp.plan.models.MoESpec.every_expert_runs`) the time counts what runs,
+  :attr:`usp.plan.models.ModelSpec.executed_matmul_params` (the idle experts too), and MFU still the active
+  ``matmul_params``.
 
 Model FLOPs (:func:`training_flops`, the one count the trainer's ``metrics.jsonl``, ``usp.bench.throughput``
 and the planner's MFU use): ``6 * matmul_params * tokens + 12 * L * H * d * pairs``; MFU (:func:`mfu`): model
@@ -241,8 +244,8 @@ def compute_time(
     sp = ulysses_degree * ring_degree
     local_tokens = seq_len / sp
     L = model.num_layers
-    dense_flops = 6.0 * model.matmul_params * local_tokens
-    dense_flops += 2.0 * model.layer_matmul_params * local_tokens * recompute_layers
+    dense_flops = 6.0 * model.executed_matmul_params * local_tokens  # = matmul_params unless idle experts run
+    dense_flops += 2.0 * model.executed_layer_matmul_params * local_tokens * recompute_layers
     dense_flops += 2.0 * 3 * model.hidden_size * model.intermediate_size * local_tokens * mlp_recompute_layers
     # Attention forward of one layer on one rank: the causal pairs of the row over the ranks, times the
     # busiest rank's share

@@ -98,7 +98,7 @@ def estimate_inference(
     free = device.memory_bytes - weights - overhead_gb * GB
     capacity = max(0, math.floor(free / (kv + acts)))
     # Prefill: forward only.
-    dense = 2.0 * model.matmul_params * local / (device.peak_flops * device.dense_efficiency)
+    dense = 2.0 * model.executed_matmul_params * local / (device.peak_flops * device.dense_efficiency)
     pairs = attention_pairs([[seq_len]])
     attn_flops = 4.0 * pairs * model.num_heads * model.head_dim / W * causal_imbalance(R, ring_layout) * L
     step = attention_fwd_flops(model, seq_len / R, seq_len / R, model.q_heads_per_rank(U)) / 2

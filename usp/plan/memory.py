@@ -58,14 +58,21 @@ transformers' ``grouped_mm`` experts (its default) and the family's router save 
                      product), 7 for gpt-oss's clamped GLU
     4 I_s B          the shared experts (a dense MLP), + h B + B with Qwen2-MoE's sigmoid gate
 
-(and ``4 E`` bytes per layer, not per token: the int32 group offsets). Under checkpointing a MoE layer keeps
+(and ``4 E`` bytes per layer, not per token: the int32 group offsets). Llama 4's block in transformers
+(:attr:`usp.plan.models.MoESpec.every_expert_runs`) runs every expert on every token instead, and keeps
+``4 E + 8 k`` (the fp32 sigmoid scores over every expert, the top-k indices), ``E B`` (each copy's score),
+``2 E h B`` (the input repeated ``E`` times and its scaled copy), ``4 E I_e B`` (every expert's SwiGLU) and its
+shared expert's ``4 I_s B`` (measured in ``tests/test_plan_moe.py``): ``E`` copies where the grouped experts
+keep ``k``, no index tensors, no group offsets. Only the MoE layers keep this; a model's dense layers (Llama
+4's layers not in ``moe_layers``) keep the dense MLP's ``4 I B`` of their own width. Under checkpointing a MoE layer keeps
 its input like any layer and the recomputed one holds the above. A family with a router load-balancing loss
 (:attr:`MoESpec.router_aux_loss`; :mod:`usp.train.router_loss`) also keeps, per token and MoE layer, whatever
 the checkpointing, the router logits ``E B`` (recorded with their graph until the loss) and the loss's fp32
 softmax ``4 E`` (at the layer peaks the logits' waiting gradients take that place): held item ``router``. A
 MoE layer's backward (:func:`moe_backward_bytes_per_token`, an estimate, not measured) allocates at its peak
 the experts' output gradient ``k h B`` and, at the product's backward, the gradients of silu(gate) and up
-``2 k I_e B`` (and ``2 I_s B`` for the shared experts), where the dense MLP's allocates ``2 I B``. MLP tiles
+``2 k I_e B`` (and ``2 I_s B`` for the shared experts; ``E`` copies for Llama 4's), where the dense MLP's
+allocates ``2 I B``. MLP tiles
 are refused for MoE layers, as the trainer refuses them. Gathered parameters: one decoder layer with all of
 its experts (:attr:`ModelSpec.layer_params`), so a MoE's per-layer gathers are its total parameters.
 """
@@ -165,24 +172,31 @@ def moe_bytes_per_token(model: ModelSpec, compute_bytes: int = ACT_BYTES) -> int
     E, k, h, B = m.num_experts, m.top_k, model.hidden_size, compute_bytes
     router = 4 * E if m.router_softmax == "all" else B * k  # softmax output over every expert / the top-k
     router += 8 * k + (4 * k + 4 if m.norm_topk_prob else 0)  # top-k indices; renormalized weights and sum
-    dispatch = 8 * k * (3 + m.expert_bias) + 2 * k * h * B  # index tensors; token copies in, expert outputs
-    dispatch += (4 if m.routing_weights_fp32 else B) * k  # each copy's routing weight
-    experts = m.expert_widths * k * m.expert_intermediate_size * B
+    if m.every_expert_runs:  # E copies of each token, each scaled by its score (0 unless chosen): no indices
+        copies = E
+        dispatch = 2 * E * h * B + (4 if m.routing_weights_fp32 else B) * E
+    else:
+        copies = k
+        dispatch = (
+            8 * k * (3 + m.expert_bias) + 2 * k * h * B
+        )  # index tensors; token copies in, expert outputs
+        dispatch += (4 if m.routing_weights_fp32 else B) * k  # each copy's routing weight
+    experts = m.expert_widths * copies * m.expert_intermediate_size * B
     shared = 4 * m.shared_intermediate_size * B + ((h + 1) * B if m.shared_expert_gate else 0)
     return router + dispatch + experts + shared
 
 
 def moe_backward_bytes_per_token(model: ModelSpec, compute_bytes: int = ACT_BYTES) -> int:
     """What a MoE layer's block backward allocates at its peak per token (module docstring; an estimate):
-    the experts' output gradient ``k h B``, the gradients of silu(gate) and up ``2 k I_e B``, and the shared
-    experts' ``2 I_s B``."""
+    the experts' output gradient ``k h B``, the gradients of silu(gate) and up ``2 k I_e B`` (``E`` copies
+    when every expert runs), and the shared experts' ``2 I_s B``."""
     m = model.moe
     if m is None:
         return 0
     B = compute_bytes
+    copies = m.num_experts if m.every_expert_runs else m.top_k
     return (
-        m.top_k * (model.hidden_size + 2 * m.expert_intermediate_size) * B
-        + 2 * m.shared_intermediate_size * B
+        copies * (model.hidden_size + 2 * m.expert_intermediate_size) * B + 2 * m.shared_intermediate_size * B
     )
 
 

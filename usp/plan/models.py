@@ -4,7 +4,10 @@ Mixture-of-experts models (:class:`MoESpec`, learned from the config's expert fi
 :func:`moe_spec_of`): a MoE layer replaces the dense MLP by a router (``[E, h]``, a bias in gpt-oss), ``E``
 routed experts of width ``I_e`` (each a gated MLP, ``3 h I_e``; gpt-oss adds ``2 I_e + h`` biases) of which
 each token uses ``k``, and optionally shared experts every token uses (DeepSeek's ``n_shared_experts``,
-Qwen2-MoE's ``shared_expert_intermediate_size`` with its sigmoid gate ``[1, h]``). Two counts follow:
+Qwen2-MoE's ``shared_expert_intermediate_size`` with its sigmoid gate ``[1, h]``, Llama 4's one ungated
+``shared_expert`` of the expert width). Only some layers may route (:attr:`MoESpec.layers`, by the family's rule:
+:func:`moe_layer_pattern`); the others run the dense MLP of width :attr:`ModelSpec.intermediate_size` (Llama 4's
+``intermediate_size_mlp``, whose ``intermediate_size`` is the expert width). Two counts follow:
 
 - total parameters (:attr:`ModelSpec.num_params`): every expert; what the weights, gradients and Adam states
   take, and what FSDP all-gathers and reduce-scatters (one decoder layer, the FSDP unit, holds all of its
@@ -217,6 +220,49 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sliding_window": None,
         "tie_word_embeddings": False,
     },
+    # meta-llama/Llama-4-Scout-17B-16E (text model): 48 layers, 40 query / 8 KV heads of 128, chunked attention
+    # (8192) on three layers of four, the fourth global without RoPE; every layer MoE: 16 experts of 8192, 1 per
+    # token, one shared expert of 8192; no router loss in its causal LM
+    "llama4-scout": {
+        "model_type": "llama4_text",
+        "hidden_size": 5120,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1,
+        "router_aux_loss_coef": 0.001,
+        "vocab_size": 202048,
+        "max_position_embeddings": 10485760,
+        "attention_chunk_size": 8192,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "chunked_attention" for i in range(48)],
+        "tie_word_embeddings": False,
+    },
+    # meta-llama/Llama-4-Maverick-17B-128E (text model): Scout's shapes with 128 experts on every second layer
+    # (interleave_moe_layer_step 2: layers 1, 3, ..., 47), the other 24 a dense MLP of 16384
+    "llama4-maverick": {
+        "model_type": "llama4_text",
+        "hidden_size": 5120,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "router_aux_loss_coef": 0.001,
+        "vocab_size": 202048,
+        "max_position_embeddings": 1048576,
+        "attention_chunk_size": 8192,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "chunked_attention" for i in range(48)],
+        "tie_word_embeddings": False,
+    },
 }
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
@@ -237,11 +283,27 @@ _MOE_FAMILIES: dict[str, dict[str, Any]] = {
     },
     # softmax over every expert in fp32, top-k renormalized, the routing weights left in fp32
     "mixtral": {"routing_weights_fp32": True, "norm_topk_prob": True},
+    # a sigmoid of the top-k logits (fp32, the others -inf), and every expert run on every token (the input
+    # repeated E times, scaled by its score: 0 for the experts not chosen); Llama4ForCausalLM adds no router
+    # loss whatever router_aux_loss_coef says
+    "llama4_text": {"every_expert_runs": True, "router_aux_loss": False},
 }
 """What a family's MoE block does differently from the Qwen3-MoE one (the default): the router's softmax,
 biases, and what its experts keep for backward (measured in ``tests/test_plan_moe.py``)."""
-_EXPERT_WIDTH_FIELD = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}
+_EXPERT_WIDTH_FIELD = {
+    "mixtral": "intermediate_size",
+    "gpt_oss": "intermediate_size",
+    "llama4_text": "intermediate_size",
+}
 """Families whose experts are ``intermediate_size`` wide whatever else the config holds (their modules read it)."""
+_SHARED_EXPERTS = {"llama4_text": 1}
+"""Families whose MoE layers hold shared experts of the expert width, ungated, that no config field states
+(Llama 4's ``shared_expert``: a ``Llama4TextMLP`` of ``intermediate_size``)."""
+DENSE_WIDTH_FIELDS = ("intermediate_size_mlp", "intermediate_size")
+"""Where a config keeps the width of its dense MLP layers, the first one set wins: Llama 4's dense layers (those
+not in ``moe_layers``) are ``intermediate_size_mlp`` wide, its experts ``intermediate_size``."""
+_FAMILY_ALIASES = {"llama4": "llama4_text"}
+"""A multimodal config's ``model_type`` and its text model's (the family rules are keyed by the latter)."""
 
 
 @dataclass(frozen=True)
@@ -256,11 +318,13 @@ class MoESpec:
     """Each routed expert's MLP width ``I_e``."""
     layers: tuple[bool, ...]
     """Per decoder layer: True when it routes to experts, False when it runs the dense MLP
-    (``intermediate_size``: DeepSeek's ``first_k_dense_replace``, Qwen-MoE's ``mlp_only_layers`` and
-    ``decoder_sparse_step``)."""
+    (:attr:`ModelSpec.intermediate_size` wide: DeepSeek's ``first_k_dense_replace``, Qwen-MoE's
+    ``mlp_only_layers`` and ``decoder_sparse_step``, Llama 4's layers not in ``moe_layers`` /
+    ``interleave_moe_layer_step``)."""
     shared_intermediate_size: int = 0
-    """Width of the shared experts together (every token uses them): ``n_shared_experts x
-    moe_intermediate_size``, or ``shared_expert_intermediate_size``; 0 = none."""
+    """Width of the shared experts together (every token uses them), in each MoE layer: ``n_shared_experts x
+    moe_intermediate_size``, ``shared_expert_intermediate_size``, or Llama 4's one expert of
+    ``intermediate_size``; 0 = none."""
     shared_expert_gate: bool = False
     """A sigmoid gate ``[1, h]`` scales the shared experts' output (Qwen2-MoE's ``shared_expert_gate``)."""
     router_bias: bool = False
@@ -281,6 +345,11 @@ class MoESpec:
     """The family's loss adds a router load-balancing loss (``router_aux_loss_coef`` in its config): usp
     keeps every MoE layer's router logits, and the loss their fp32 softmax, to the backward
     (:mod:`usp.train.router_loss`)."""
+    every_expert_runs: bool = False
+    """transformers runs every expert on every token, the ``k`` chosen ones weighted by their score and the
+    others by 0 (Llama 4): a MoE layer keeps and computes ``E`` copies of each token where the grouped experts
+    keep ``k`` (:func:`usp.plan.memory.moe_bytes_per_token`, :attr:`ModelSpec.executed_matmul_params`). The
+    model FLOPs and the MFU still count the ``k`` active experts."""
 
     @property
     def num_moe_layers(self) -> int:
@@ -295,9 +364,19 @@ def _first_set(config: dict[str, Any], keys: tuple[str, ...]) -> int:
 
 
 def moe_layer_pattern(config: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
-    """Which decoder layers route to experts, by the families' rules: DeepSeek's ``first_k_dense_replace``
-    (dense below it; ``moe_layer_freq``: every n-th layer above), else Qwen-MoE's ``mlp_only_layers`` and
+    """Which decoder layers route to experts, by the families' rules: Llama 4's ``moe_layers`` (the list of
+    sparse layers) or, without it, ``interleave_moe_layer_step`` (layers ``step - 1, 2 step - 1, ...``, as
+    ``Llama4TextConfig`` derives ``moe_layers``); DeepSeek's ``first_k_dense_replace`` (dense below it;
+    ``moe_layer_freq``: every n-th layer above); else Qwen-MoE's ``mlp_only_layers`` and
     ``decoder_sparse_step`` (layer ``i`` is sparse when ``(i + 1) % step == 0``), else every layer."""
+    if config.get("moe_layers") is not None:
+        sparse = {int(i) for i in config["moe_layers"]}
+        return tuple(i in sparse for i in range(num_layers))
+    if config.get("interleave_moe_layer_step") is not None:
+        step = int(config["interleave_moe_layer_step"])
+        if step < 1:
+            raise ValueError(f"interleave_moe_layer_step={step} must be >= 1.")
+        return tuple((i + 1) % step == 0 for i in range(num_layers))
     if config.get("first_k_dense_replace") is not None or config.get("moe_layer_freq") is not None:
         first = int(config.get("first_k_dense_replace") or 0)
         freq = int(config.get("moe_layer_freq") or 1)
@@ -310,9 +389,10 @@ def moe_layer_pattern(config: dict[str, Any], num_layers: int) -> tuple[bool, ..
 def moe_spec_of(config: dict[str, Any]) -> MoESpec | None:
     """The MoE block of an HF config dict, or None for a dense model (no expert count, no top-k, or no layer
     that routes). Field names by family: experts :data:`EXPERT_COUNT_FIELDS`, top-k :data:`TOP_K_FIELDS`,
-    expert width ``moe_intermediate_size`` (Mixtral and gpt-oss: ``intermediate_size``), shared experts
-    ``n_shared_experts`` (of ``moe_intermediate_size`` each) or ``shared_expert_intermediate_size``, dense
-    layers :func:`moe_layer_pattern`; what a family's router and experts do: :data:`_MOE_FAMILIES`."""
+    expert width ``moe_intermediate_size`` (Mixtral, gpt-oss and Llama 4: ``intermediate_size``), shared
+    experts ``n_shared_experts`` (of ``moe_intermediate_size`` each), ``shared_expert_intermediate_size`` or
+    the family's own (:data:`_SHARED_EXPERTS`), dense layers :func:`moe_layer_pattern`; what a family's router
+    and experts do: :data:`_MOE_FAMILIES`."""
     experts, top_k = _first_set(config, EXPERT_COUNT_FIELDS), _first_set(config, TOP_K_FIELDS)
     if experts < 1 or top_k < 1:
         return None
@@ -321,15 +401,22 @@ def moe_spec_of(config: dict[str, Any]) -> MoESpec | None:
     layers = moe_layer_pattern(config, int(config["num_hidden_layers"]))
     if not any(layers):
         return None
-    width_field = _EXPERT_WIDTH_FIELD.get(str(config.get("model_type")), "moe_intermediate_size")
+    model_type = str(config.get("model_type"))
+    model_type = _FAMILY_ALIASES.get(model_type, model_type)
+    width_field = _EXPERT_WIDTH_FIELD.get(model_type, "moe_intermediate_size")
     width = int(config.get(width_field) or config["intermediate_size"])
     shared, gate = 0, False
     if config.get("n_shared_experts"):
         shared = int(config["n_shared_experts"]) * width
     elif config.get("shared_expert_intermediate_size"):
         shared, gate = int(config["shared_expert_intermediate_size"]), True
-    family = {"norm_topk_prob": bool(config.get("norm_topk_prob", False))}
-    family |= _MOE_FAMILIES.get(str(config.get("model_type")), {})
+    elif model_type in _SHARED_EXPERTS:
+        shared = _SHARED_EXPERTS[model_type] * width
+    family = {
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "router_aux_loss": config.get("router_aux_loss_coef") is not None,
+    }
+    family |= _MOE_FAMILIES.get(model_type, {})
     return MoESpec(
         num_experts=experts,
         top_k=top_k,
@@ -337,9 +424,24 @@ def moe_spec_of(config: dict[str, Any]) -> MoESpec | None:
         layers=layers,
         shared_intermediate_size=shared,
         shared_expert_gate=gate,
-        router_aux_loss=config.get("router_aux_loss_coef") is not None,
         **family,
     )
+
+
+def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's fields of a multimodal ``config.json`` (Llama 4's ``text_config``: its ``model_type``
+    ``llama4_text``, and the outer ``tie_word_embeddings`` when the inner one is unset); ``config`` itself
+    when it holds them at the top."""
+    text = config.get("text_config")
+    if config.get("hidden_size") is not None or not isinstance(text, dict):
+        return config
+    out = dict(text)
+    if out.get("model_type") is None and config.get("model_type") is not None:
+        model_type = str(config["model_type"])
+        out["model_type"] = _FAMILY_ALIASES.get(model_type, model_type)
+    if out.get("tie_word_embeddings") is None and config.get("tie_word_embeddings") is not None:
+        out["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return out
 
 
 @dataclass(frozen=True)
@@ -354,6 +456,8 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
+    """The dense MLP's width: every layer of a dense model, the layers of a MoE that do not route
+    (:data:`DENSE_WIDTH_FIELDS`: Llama 4's ``intermediate_size_mlp``)."""
     vocab_size: int
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
@@ -368,7 +472,9 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str = "model") -> ModelSpec:
-        """Build from an HF config dict; ``head_dim`` defaults to ``hidden_size / num_attention_heads``."""
+        """Build from an HF config dict (a multimodal one's ``text_config``: :func:`text_config_of`); ``head_dim``
+        defaults to ``hidden_size / num_attention_heads``."""
+        config = text_config_of(config)
         missing = [k for k in _REQUIRED if config.get(k) is None]
         if missing:
             raise ValueError(f"model config {name!r} lacks {missing}; give a Llama-style HF config.json.")
@@ -385,7 +491,7 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=kv,
             head_dim=int(head_dim),
-            intermediate_size=int(config["intermediate_size"]),
+            intermediate_size=_first_set(config, DENSE_WIDTH_FIELDS),
             vocab_size=int(config["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=config.get("max_position_embeddings"),
@@ -537,6 +643,33 @@ class ModelSpec:
             return self.num_layers * self.layer_matmul_params + self.vocab_size * self.hidden_size
         layers = sum(self._layer_matmul_params(routed) for routed in self.moe.layers)
         return layers + self.vocab_size * self.hidden_size
+
+    @property
+    def idle_expert_matmul_params(self) -> int:
+        """Matmul weights of the experts a token is not routed to that its MoE layers run anyway, over all
+        layers (:attr:`MoESpec.every_expert_runs`, Llama 4 in transformers: ``(E - k) 3 h I_e`` per MoE layer);
+        0 for the grouped experts and dense models."""
+        m = self.moe
+        if m is None or not m.every_expert_runs:
+            return 0
+        return (
+            m.num_moe_layers * (m.num_experts - m.top_k) * 3 * self.hidden_size * m.expert_intermediate_size
+        )
+
+    @property
+    def executed_matmul_params(self) -> int:
+        """The matmul weights each token's forward executes: :attr:`matmul_params` plus
+        :attr:`idle_expert_matmul_params`. Sets the compute time; the model FLOPs and the MFU count
+        :attr:`matmul_params`."""
+        return self.matmul_params + self.idle_expert_matmul_params
+
+    @property
+    def executed_layer_matmul_params(self) -> int:
+        """:attr:`layer_matmul_params` with the idle experts that run anyway: what a recomputed layer's
+        forward executes (the mean over the layers, rounded down)."""
+        if self.moe is None:
+            return self.layer_matmul_params
+        return (self.executed_matmul_params - self.vocab_size * self.hidden_size) // self.num_layers
 
     # --- per-token sizes ----------------------------------------------------------------------------------
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
