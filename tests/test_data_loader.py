@@ -133,6 +133,8 @@ def test_every_token_once_per_epoch_world4(dist_pools, corpus, ulysses, ring, la
         for res in results:
             d = res["coords"][0]
             for s, (ids, b) in enumerate(res[kind]):
+                assert b["row_index"] == ids  # the dataset rows of the samples, on every sp rank
+                assert "document_roles" not in b and "document_index" not in b  # text rows: no pair keys
                 for j, row_id in enumerate(ids):
                     row = ds[row_id]
                     assert glob["input_ids"][s, d][j].tolist() == row["input_ids"]
@@ -223,6 +225,8 @@ def test_resume_single_process_and_errors(corpus):
     assert val is None and train.tokens_dropped > 0
     it = iter(train)
     batches = [next(it) for _ in range(train.steps_per_epoch + 3)]  # crosses into the second epoch
+    for k, b in enumerate(batches):
+        assert b["row_index"] == train.sample_ids(k * train.samples_per_step)
     for k in (0, 1, train.steps_per_epoch - 1, train.steps_per_epoch + 1):
         fresh, _ = build_dataloaders(cfg, **kw)
         for _ in zip(range(k), fresh):

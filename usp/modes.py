@@ -52,9 +52,11 @@ ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 CUDA_BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 """The backends that run on CUDA devices only."""
 
-DataFormat = Literal["text", "chat"]
-"""``data.format`` / ``usp-prepare-data --format``: plain documents (every token trained) or conversations
-rendered with the tokenizer's chat template, with a ``loss_mask`` per token (``usp.data.chat``)."""
+DataFormat = Literal["text", "chat", "preference"]
+"""``data.format`` / ``usp-prepare-data --format``: plain documents (every token trained), conversations
+rendered with the tokenizer's chat template, with a ``loss_mask`` per token (``usp.data.chat``), or preference
+pairs ``{prompt, chosen, rejected}`` for DPO, two documents per pair with ``document_roles``
+(``usp.data.preference``)."""
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 
 LossOn = Literal["assistant", "all", "last_assistant"]

@@ -108,6 +108,17 @@ def validate_choices(cfg: TrainConfig) -> None:
             "data.format=chat packs one conversation per document and needs data.document_masking=true (attention "
             "must not cross conversations or reach the padding)."
         )
+    if d.format == "preference":
+        if not d.document_masking:
+            raise ValueError(
+                "data.format=preference packs prompt+chosen and prompt+rejected as separate documents and needs "
+                "data.document_masking=true (attention must not cross from one completion into the other)."
+            )
+        if d.loss_on not in (None, "last_assistant"):
+            raise ValueError(
+                f"data.loss_on={d.loss_on} does not apply to data.format=preference: the targets are always the "
+                "completion (the last assistant message). Remove data.loss_on."
+            )
     p = cfg.parallel
     _check_degree("parallel.ulysses_degree", p.ulysses_degree)
     _check_degree("parallel.ring_degree", p.ring_degree)

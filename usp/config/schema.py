@@ -96,7 +96,9 @@ class DataConfig:
     seed: int = 1234
     format: str = "text"
     """``text`` (documents, every token trained) | ``chat`` (conversations rendered with the chat template,
-    a ``loss_mask`` per token, best-fit packed; docs/data.md, "Chat data")."""
+    a ``loss_mask`` per token, best-fit packed; docs/data.md, "Chat data") | ``preference`` (DPO pairs
+    ``{prompt, chosen, rejected}`` in columns of those names, two documents per pair with ``document_roles``;
+    docs/data.md, "Preference data")."""
     messages_field: str = "messages"
     """Chat: the column holding the ``[{role, content}]`` list (ShareGPT ``conversations`` and ``prompt`` /
     ``completion`` rows are recognised too)."""
@@ -174,6 +176,25 @@ class OptimConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Preference optimization (``trainer.objective=dpo``; :mod:`usp.train.dpo`, docs/training.md "DPO")."""
+
+    beta: float = 0.1
+    """The DPO temperature: rewards are ``beta x (log pi - log ref)`` of each completion (``simpo``:
+    ``beta x`` its mean token log-probability)."""
+    loss_type: str = "sigmoid"
+    """``sigmoid`` (DPO: ``-log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r)))``), ``ipo``
+    (``((pi_c - ref_c) - (pi_r - ref_r) - 1 / (2 beta))^2``) or ``simpo`` (reference-free:
+    ``-log sigmoid(beta (pi_c / n_c - pi_r / n_r) - simpo_gamma)``, ``n`` the completion's tokens)."""
+    simpo_gamma: float = 0.5
+    """``loss_type=simpo``: the target reward margin gamma."""
+    reference_path: str | None = None
+    """The reference model (a Hugging Face checkpoint of the same architecture); default ``model.path``, the
+    starting policy (with LoRA: the base, adapters off). Its log-probabilities of every row are computed once,
+    on the training mesh, and cached beside the prepared data."""
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 1000
     seq_len: int = 131072
@@ -201,6 +222,10 @@ class TrainerConfig:
     eval_ppl_by_position: bool = True
     """With ``eval_every``: also log ``val_ppl_by_position`` (mean loss / perplexity per bucket of
     ``eval.bucket_size`` positions in the document) to metrics.jsonl and wandb."""
+    objective: str = "lm"
+    """``lm`` (next-token cross-entropy: pretraining, SFT) | ``dpo`` (preference pairs from
+    ``data.format=preference``; ``trainer.dpo.*``)."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     seed: int = 0
     device: str = "auto"
     """``auto`` | ``cuda`` | ``cpu``."""

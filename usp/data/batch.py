@@ -66,16 +66,32 @@ def cu_seqlens_of(document_lengths: Sequence[int]) -> torch.Tensor:
     return torch.as_tensor(np.concatenate([[0], np.cumsum(document_lengths)]), dtype=torch.int32)
 
 
+def document_index_of(document_lengths: Sequence[int]) -> torch.Tensor:
+    """For each token of one packed row ``[S]`` (int64), the index of the document (within the row) holding it."""
+    lengths = torch.as_tensor(list(document_lengths), dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+
+
 def collate_rows(
-    rows: Sequence[dict[str, Any]], *, mesh: SPMesh | None, document_masking: bool
+    rows: Sequence[dict[str, Any]],
+    *,
+    mesh: SPMesh | None,
+    document_masking: bool,
+    row_indices: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """Packed rows (``input_ids``, ``document_lengths``, ``first_position``; ``loss_mask`` for chat rows) ->
-    this rank's batch dict.
+    """Packed rows (``input_ids``, ``document_lengths``, ``first_position``; ``loss_mask`` for chat and
+    preference rows; ``document_roles`` for preference rows) -> this rank's batch dict.
 
     Returns ``input_ids``, ``labels``, ``position_ids`` (int64 ``[B, S_local]``), ``cu_seqlens`` (int32
     ``[num_docs + 1]`` of the global row when ``B == 1`` and document masking, else ``None``) and
     ``document_lengths`` (per sample, the global lengths of the attention segments: the document pieces
-    with document masking, the whole row ``[S]`` without it).
+    with document masking, the whole row ``[S]`` without it). With ``row_indices`` (the dataset rows of the
+    samples; :class:`usp.data.loader.PackedLoader` passes them), also ``row_index``: a list of ints. For rows
+    with ``document_roles`` (``data.format=preference``; :mod:`usp.data.pack_preference`), also
+    ``document_roles`` (per sample, the global list of python ints: 1 chosen, 2 rejected, 0 padding) and
+    ``document_index`` (int64 ``[B, S_local]``: the index, within its row, of the document holding each
+    token; sharded with ``labels`` in the same call, so the same token positions). Rows without
+    ``document_roles`` return neither key.
     """
     ids = torch.stack([torch.as_tensor(np.asarray(r["input_ids"]), dtype=torch.long) for r in rows])  # [B, S]
     seq_len = ids.size(1)
@@ -102,16 +118,30 @@ def collate_rows(
             for i in range(len(rows))
         ]
     )
+    raw_roles = [r.get("document_roles") for r in rows]
+    roles = None
+    tensors = [ids, labels, positions]
+    if any(x is not None for x in raw_roles):
+        assert all(x is not None for x in raw_roles), "a batch mixes rows with and without document_roles"
+        roles = [[int(k) for k in np.asarray(x).tolist()] for x in raw_roles]
+        for rr, lengths in zip(roles, doc_lengths):
+            assert len(rr) == len(lengths), f"{len(rr)} document_roles for {len(lengths)} documents"
+        tensors.append(torch.stack([document_index_of(lengths) for lengths in doc_lengths]))
     cu_seqlens = cu_seqlens_of(doc_lengths[0]) if len(rows) == 1 and document_masking else None
     if mesh is not None and mesh.sp_degree > 1:  # balanced: placed from the row's boundaries
-        # one index computation for the three tensors; the length was checked at start-up (trainer.seq_len)
-        ids, labels, positions = shard_sequences(
-            (ids, labels, positions), mesh, dim=1, cu_seqlens=cu_seqlens, checked=True
-        )
-    return {
-        "input_ids": ids,
-        "labels": labels,
-        "position_ids": positions,
+        # one index computation for every tensor; the length was checked at start-up (trainer.seq_len)
+        tensors = shard_sequences(tensors, mesh, dim=1, cu_seqlens=cu_seqlens, checked=True)
+    out: dict[str, Any] = {
+        "input_ids": tensors[0],
+        "labels": tensors[1],
+        "position_ids": tensors[2],
         "cu_seqlens": cu_seqlens,
         "document_lengths": doc_lengths if document_masking else [[seq_len] for _ in rows],
     }
+    if roles is not None:
+        out["document_roles"] = roles
+        out["document_index"] = tensors[3]
+    if row_indices is not None:
+        assert len(row_indices) == len(rows), "one row index per row"
+        out["row_index"] = [int(i) for i in row_indices]
+    return out

@@ -1,7 +1,9 @@
 """The ``usp-prepare-data`` command line: parse the flags, then call :func:`usp.data.prepare.prepare_dataset`
-(text) or :func:`usp.data.chat_prepare.prepare_chat_dataset` (``--format chat``) with plain arguments.
+(text), :func:`usp.data.chat_prepare.prepare_chat_dataset` (``--format chat``) or
+:func:`usp.data.preference_prepare.prepare_preference_dataset` (``--format preference``) with plain arguments.
 
-Examples and what the output holds: :mod:`usp.data.prepare`; conversations: :mod:`usp.data.chat_prepare`.
+Examples and what the output holds: :mod:`usp.data.prepare`; conversations: :mod:`usp.data.chat_prepare`;
+preference pairs: :mod:`usp.data.preference_prepare`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 
 from usp.data.chat_prepare import ChatOptions, prepare_chat_dataset
 from usp.data.pack import LengthShaping
+from usp.data.preference_prepare import PreferenceOptions, prepare_preference_dataset
 from usp.data.prepare import prepare_dataset
 from usp.data.tokenize import load_tokenizer
 from usp.errors import guarded, pop_verbose
@@ -61,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-doc-factor", type=float, default=1.0, help="expected copies of each long document")
     p.add_argument("--max-documents", type=int, help="use only the first N documents (a quick sample)")
     p.add_argument(
-        "--no-bos", action="store_true", help="do not prepend BOS to each document (EOS is always added)"
+        "--no-bos",
+        action="store_true",
+        help="do not prepend BOS to each document, or to text-form preference pairs (EOS is always added)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing usp-prepare-data output")
     p.add_argument(
@@ -71,13 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat = p.add_argument_group("conversations (--format chat; docs/data.md, 'Chat data')")
     chat.add_argument(
-        "--format", default="text", choices=list(DATA_FORMATS), help="text documents or conversations"
+        "--format",
+        default="text",
+        choices=list(DATA_FORMATS),
+        help="text documents, conversations, or preference pairs (DPO)",
     )
     chat.add_argument(
         "--messages-field", default="messages", help="column holding the [{role, content}] list"
     )
     chat.add_argument(
-        "--chat-template", help="Jinja chat template file (or a shipped one: chatml, tiny_chatml)"
+        "--chat-template",
+        help="Jinja chat template file (or a shipped one: chatml, tiny_chatml); also for chat-form preference pairs",
     )
     chat.add_argument("--loss-on", default="assistant", help=f"target tokens: {', '.join(LOSS_ON)}")
     chat.add_argument(
@@ -90,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--split-long-conversations",
         action="store_true",
         help="cut conversations longer than --seq-len across rows instead",
+    )
+    pref = p.add_argument_group("preference pairs (--format preference; docs/data.md, 'Preference data')")
+    pref.add_argument("--prompt-field", default="prompt", help="column holding the prompt (default: prompt)")
+    pref.add_argument(
+        "--chosen-field", default="chosen", help="column holding the preferred completion (default: chosen)"
+    )
+    pref.add_argument(
+        "--rejected-field",
+        default="rejected",
+        help="column holding the dispreferred completion (default: rejected)",
     )
     p.add_argument("--ring-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument("--ulysses-degree", type=int, default=1, help="check --seq-len suits this training layout")
@@ -107,8 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """The parsed flags as the library's arguments; the work itself is :func:`prepare_dataset` or
-    :func:`prepare_chat_dataset`."""
+    """The parsed flags as the library's arguments; the work itself is :func:`prepare_dataset`,
+    :func:`prepare_chat_dataset` or :func:`prepare_preference_dataset`."""
     check_sequence_length(
         args.seq_len, args.ring_degree, args.ulysses_degree, args.ring_layout, setting="--seq-len"
     )
@@ -135,6 +154,16 @@ def _run(args: argparse.Namespace) -> int:
             split_long_conversations=args.split_long_conversations,
         )
         prepare_chat_dataset(args.input, options=options, **common)
+        return 0
+    if args.format == "preference":
+        prefs = PreferenceOptions(
+            prompt_field=args.prompt_field,
+            chosen_field=args.chosen_field,
+            rejected_field=args.rejected_field,
+            chat_template=args.chat_template,
+            add_bos=not args.no_bos,
+        )
+        prepare_preference_dataset(args.input, options=prefs, **common)
         return 0
     prepare_dataset(
         args.input,

@@ -35,10 +35,17 @@ from usp.parallel.agree import on_rank0
 
 logger = logging.getLogger(__name__)
 STATE_VERSION = 1
+TINY_INPUTS = {"chat": "tiny_chats.jsonl", "preference": "tiny_preferences.jsonl"}
+"""``data.build_tiny_corpus``: the synthetic input written in the cache dir per ``data.format`` (text:
+``tiny_corpus.jsonl``)."""
 
 
 class PackedLoader:
     """Iterable of this rank's batches (see :func:`usp.data.batch.collate_rows` for the item layout).
+
+    Every batch also carries ``row_index``: per sample, the global index of its row in ``dataset`` (the
+    same on every sp rank of a dp group; e.g. the key of per-row cached values such as DPO reference
+    log-probabilities). Preference rows add ``document_roles`` and ``document_index``.
 
     Args:
         dataset: packed rows (``input_ids``, ``document_lengths``, ``first_position``).
@@ -127,9 +134,10 @@ class PackedLoader:
             if not self.infinite and self._consumed + self.samples_per_step > self.num_samples:
                 self._consumed = 0  # the next iter() is a fresh pass
                 return
-            rows = [self.dataset[i] for i in self.sample_ids(self._consumed)]
+            ids = self.sample_ids(self._consumed)
+            rows = [self.dataset[i] for i in ids]
             self._consumed += self.samples_per_step
-            yield collate_rows(rows, mesh=self.mesh, document_masking=self.document_masking)
+            yield collate_rows(rows, mesh=self.mesh, document_masking=self.document_masking, row_indices=ids)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -205,7 +213,7 @@ def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_di
         inputs = list(cfg.inputs)
         tiny = not inputs and cfg.build_tiny_corpus
         if tiny:
-            inputs = [str(cache_dir / ("tiny_chats.jsonl" if cfg.format == "chat" else "tiny_corpus.jsonl"))]
+            inputs = [str(cache_dir / TINY_INPUTS.get(cfg.format, "tiny_corpus.jsonl"))]
         else:
             check_inputs(inputs, cfg.weights)
         check_tokenizer(tokenizer, setting="model.path")
@@ -214,10 +222,18 @@ def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_di
 
             if cfg.format == "chat":
                 build_tiny_chats(inputs[0], seed=cfg.seed)
+            elif cfg.format == "preference":
+                from usp.data.preference import build_tiny_preferences
+
+                build_tiny_preferences(inputs[0], seed=cfg.seed)
             else:
                 build_tiny_corpus(inputs[0], seed=cfg.seed, text_field=cfg.text_field)
         if cfg.format == "chat":
             return _prepare_chat(
+                cfg, inputs, tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache_dir, hf_cache=hf_cache
+            )
+        if cfg.format == "preference":
+            return _prepare_preference(
                 cfg, inputs, tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache_dir, hf_cache=hf_cache
             )
         key = preparation_key(
@@ -297,6 +313,48 @@ def _prepare_chat(
     return entry
 
 
+def preference_options(cfg: DataConfig) -> Any:
+    """The preference settings of ``cfg`` (``data.format=preference``) as
+    :class:`usp.data.preference_prepare.PreferenceOptions`: the columns are ``prompt``, ``chosen`` and
+    ``rejected`` (other names: prepare with ``usp-prepare-data --prompt-field ...``); ``data.chat_template``
+    renders chat-form rows."""
+    from usp.data.preference_prepare import PreferenceOptions
+
+    return PreferenceOptions(chat_template=cfg.chat_template)
+
+
+def _prepare_preference(
+    cfg: DataConfig, inputs: list[str], *, tokenizer: Any, seq_len: int, cache_dir: Path, hf_cache: str
+) -> Path:
+    """On-the-fly ``--format preference`` preparation into ``cache_dir/packed/preference-seq<S>-<key>`` (the key
+    covers the format, the field names and the template; reused when there)."""
+    from usp.data.preference_prepare import preference_preparation_key, prepare_preference_dataset
+
+    options = preference_options(cfg)
+    options.check()
+    key = preference_preparation_key(
+        inputs, tokenizer, seq_len, options, cfg.weights, cfg.seed, cfg.streaming, None
+    )
+    entry = cache_dir / "packed" / f"preference-seq{seq_len}-{key}"
+    if is_prepared_dataset(entry):
+        logger.info("reusing prepared preference pairs at %s", entry)
+        return entry
+    prepare_preference_dataset(
+        inputs,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        output=entry,
+        options=options,
+        weights=cfg.weights,
+        seed=cfg.seed,
+        streaming=cfg.streaming,
+        num_proc=cfg.num_proc,
+        cache_dir=hf_cache,
+        log=logger.info,
+    )
+    return entry
+
+
 def check_tokenizer_matches(path: Path, tokenizer: Any, setting: str) -> None:
     """Raise ``ValueError`` if the rows at ``path`` were tokenized with another tokenizer than ``tokenizer``.
 
@@ -332,8 +390,23 @@ def check_tokenizer_matches(path: Path, tokenizer: Any, setting: str) -> None:
         )
 
 
-def _check_loss_mask(cfg: DataConfig, path: Path, has_mask: bool) -> None:
-    """Chat settings need rows with ``loss_mask``; rows with it need document masking."""
+def _check_loss_mask(cfg: DataConfig, path: Path, columns: list[str]) -> None:
+    """Chat settings need rows with ``loss_mask``; rows with it need document masking; preference settings
+    need rows with ``document_roles``, and such rows need preference settings."""
+    has_mask, has_roles = "loss_mask" in columns, "document_roles" in columns
+    if cfg.format == "preference" and not has_roles:
+        held = "conversations" if has_mask else "text documents"
+        raise ValueError(
+            f"data.format=preference but the prepared data at {str(path)!r} has no document_roles column (it "
+            f"holds {held}). Prepare it with usp-prepare-data --format preference, or set data.format to "
+            f"{'chat' if has_mask else 'text'}."
+        )
+    if has_roles and cfg.format != "preference":
+        raise ValueError(
+            f"the prepared data at {str(path)!r} holds preference pairs (document_roles: chosen and rejected "
+            f"completions), but data.format={cfg.format}: training on them as {cfg.format} data would learn the "
+            "rejected completions too. Set data.format=preference (with trainer.objective=dpo)."
+        )
     if cfg.format == "chat" and not has_mask:
         raise ValueError(
             f"data.format=chat but the prepared data at {str(path)!r} has no loss_mask column (it holds text "
@@ -415,7 +488,7 @@ def build_dataloaders(
             f"Re-run usp-prepare-data with --seq-len {seq_len}, or set trainer.seq_len={row_len}."
         )
     dp_rank, dp_degree = (mesh.dp_rank, mesh.dp_degree) if mesh is not None else (0, 1)
-    _check_loss_mask(cfg, path, "loss_mask" in dataset.column_names)
+    _check_loss_mask(cfg, path, list(dataset.column_names))
     setting = "data.prepared_path" if cfg.prepared_path else "data.inputs"
     check_tokenizer_matches(path, tokenizer, setting)
     need = dp_degree * micro_batch_size
