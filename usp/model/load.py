@@ -351,8 +351,12 @@ def load_sharded_weights(
     *,
     device: torch.device,
     param_device: torch.device | None = None,
+    materialize: bool = True,
 ) -> None:
     """Materialize a meta-device, FSDP2-sharded ``model`` and load the checkpoint into it.
+
+    ``materialize=False``: ``model`` holds weights already (the same shapes); they are overwritten in place
+    (DPO's reference checkpoint loaded into the training model for one pass, then the policy's again).
 
     ``device`` is the compute device (RoPE buffers live there); ``param_device`` (default ``device``) holds the
     parameter shards: the CPU under FSDP2 CPU offload (:func:`weight_devices`).
@@ -368,7 +372,8 @@ def load_sharded_weights(
     upcast to the fp32 parameters, missing or unexpected keys raise, and a checkpoint some rank cannot read
     (a truncated or corrupt file) raises ``ValueError`` naming ``model.path`` on *every* rank.
     """
-    materialize_empty(model, device=device, param_device=param_device)
+    if materialize:
+        materialize_empty(model, device=device, param_device=param_device)
     if any(Path(path).glob("*.safetensors")):
         _load_safetensors_shards(model, path)
     else:

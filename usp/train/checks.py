@@ -25,6 +25,7 @@ from usp.parallel import ParallelLayout
 from usp.plan.models import head_dim_of
 from usp.startup import check_model_for_degrees, resolve_layout
 from usp.train.checkpoint_offload import check_host_memory
+from usp.train.dpo import OBJECTIVES, DpoSpec, check_dpo_spec
 from usp.train.optim import check_optim_config
 from usp.train.tiling import check_tiling_available
 
@@ -142,6 +143,80 @@ def check_lora(cfg: TrainConfig, model_config: Any) -> None:
     check_lora_spec(spec, build_empty_causal_lm(model_config))
 
 
+def dpo_spec(cfg: TrainConfig) -> DpoSpec | None:
+    """``trainer.dpo`` as :class:`usp.train.dpo.DpoSpec` when ``trainer.objective=dpo``, else ``None``."""
+    if cfg.trainer.objective != "dpo":
+        return None
+    d = cfg.trainer.dpo
+    return DpoSpec(beta=d.beta, loss_type=d.loss_type, simpo_gamma=d.simpo_gamma)
+
+
+_SAME_ARCHITECTURE = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+
+
+def check_objective(cfg: TrainConfig, model_config: Any) -> None:
+    """``trainer.objective`` and, for ``dpo``, what the preference loss needs: preference rows with document
+    masking, no validation pass (not implemented for pairs), no router loss, a reference checkpoint of the
+    same architecture. ``ValueError`` naming the setting."""
+    objective = cfg.trainer.objective
+    if objective not in OBJECTIVES:
+        raise ValueError(f"trainer.objective={objective!r} is invalid; choose one of {list(OBJECTIVES)}.")
+    if objective != "dpo":
+        if cfg.data.format == "preference":
+            raise ValueError(
+                "data.format=preference holds chosen/rejected pairs for trainer.objective=dpo; set "
+                "trainer.objective=dpo (or prepare the data as text or chat)."
+            )
+        return
+    spec = dpo_spec(cfg)
+    assert spec is not None
+    check_dpo_spec(spec)
+    if cfg.data.format != "preference":
+        raise ValueError(
+            f"trainer.objective=dpo trains on preference pairs: set data.format=preference (got "
+            f"data.format={cfg.data.format!r}; usp-prepare-data --format preference, docs/data.md)."
+        )
+    if not cfg.data.document_masking:
+        raise ValueError(
+            "trainer.objective=dpo needs data.document_masking=true: a pair's chosen and rejected sequences "
+            "share a row and must not attend to each other."
+        )
+    if cfg.trainer.eval_every:
+        raise ValueError(
+            f"trainer.eval_every={cfg.trainer.eval_every}: validation is not implemented for "
+            "trainer.objective=dpo yet; set trainer.eval_every=0 (the step's rewards and accuracy are logged)."
+        )
+    if getattr(model_config, "output_router_logits", False) or getattr(
+        model_config, "router_aux_loss_coef", 0
+    ):
+        from usp.model import build_empty_causal_lm
+        from usp.train.router_loss import router_aux_spec
+
+        if router_aux_spec(build_empty_causal_lm(model_config), cfg.model.router_aux_loss_coef) is not None:
+            raise ValueError(
+                "trainer.objective=dpo on a mixture-of-experts model with a router loss is not supported yet "
+                "(the router's load-balancing loss would be dropped); set model.router_aux_loss_coef=0 to "
+                "train without it on purpose."
+            )
+    ref = cfg.trainer.dpo.reference_path
+    if ref is not None and spec.needs_reference:
+        try:
+            ref_config = check_model_dir(ref)
+        except ValueError as e:
+            raise ValueError(f"trainer.dpo.reference_path: {e}") from e
+        diffs = [
+            f"{k} {getattr(ref_config, k, None)!r} vs {getattr(model_config, k, None)!r}"
+            for k in _SAME_ARCHITECTURE
+            if getattr(ref_config, k, None) != getattr(model_config, k, None)
+        ]
+        if diffs:
+            raise ValueError(
+                f"trainer.dpo.reference_path={ref!r} is not the architecture of model.path ({'; '.join(diffs)}). "
+                f"The reference must be the same model family and size (e.g. the SFT checkpoint the policy "
+                f"starts from)."
+            )
+
+
 def start_up_warnings(cfg: TrainConfig) -> list[str]:
     """What is legal but almost surely not meant (the trainer logs each line on rank 0, after :func:`check_training_run`):
     ``trainer.seq_len`` beyond the checkpoint's own context without a RoPE change, a warmup longer than the
@@ -196,6 +271,7 @@ def check_training_run(cfg: TrainConfig, world_size: int, device: torch.device) 
             "set parallel.cpu_offload=false for CPU runs."
         )
     check_lora(cfg, model_config)
+    check_objective(cfg, model_config)
     layout = resolve_layout(cfg, model_config, world_size, device)
     check_model_for_degrees(model_config, layout)
     _check_memory_tricks(cfg, model_config, layout, world_size)

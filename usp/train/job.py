@@ -30,14 +30,17 @@ from usp.startup import build_mesh
 from usp.train.checks import (
     build_tiny_if_asked,
     check_training_run,
+    dpo_spec,
     keeps_states_on_host,
     lora_spec,
     start_up_warnings,
 )
+from usp.train.dpo import DpoSpec
 from usp.train.flops import count_matmul_params
 from usp.train.optim import build_optimizer, reapply_schedule
 from usp.train.parallelize import decoder_layers, parallelize
 from usp.train.peak_flops import peak_flops_per_device
+from usp.train.reference import ReferenceLogps, reference_logps
 from usp.train.resume import choose_resume
 from usp.train.rng import seed_everything, set_rng_state
 from usp.train.rundir import checkpoint_root
@@ -50,11 +53,16 @@ class ModelShape:
     """What a step's model FLOPs depend on (:func:`usp.plan.compute.training_flops`)."""
 
     matmul_params: int
+    """Every matmul weight a token goes through (:func:`usp.train.flops.count_matmul_params`), with LoRA the
+    adapters too (:func:`usp.train.flops.count_lora_matmul_params`)."""
     num_layers: int
     num_heads: int
     head_dim: int
     layer_attention: tuple[tuple[int | None, int | None], ...] = ()
     """Each layer's ``(sliding window, chunk)``; empty when all are full causal."""
+    trainable_matmul_params: int | None = None
+    """Of ``matmul_params``, those with a weight gradient (LoRA: the adapters, and a tied LM head when the
+    embeddings train); ``None``: all of them (full training, ``6 N``)."""
 
 
 @dataclasses.dataclass
@@ -81,6 +89,10 @@ class Job:
     peak_flops: float | None
     lora: LoraSpec | None = None
     """The adapters trained (target modules resolved), or ``None`` for full training."""
+    dpo: DpoSpec | None = None
+    """``trainer.objective=dpo``: the preference loss; ``None`` for the language-model loss."""
+    reference: ReferenceLogps | None = None
+    """DPO's cached reference log-probabilities (:mod:`usp.train.reference`; ``None`` for ``simpo``)."""
 
     @property
     def run_dir(self) -> Path:
@@ -145,7 +157,10 @@ def start_job(cfg: TrainConfig, device: torch.device) -> Job:
         model_shape=model_shape,
         peak_flops=peak_flops,
         lora=lora,
+        dpo=dpo_spec(cfg),
     )
+    if job.dpo is not None and job.dpo.needs_reference:  # before resuming: the model holds the start weights
+        job.reference = build_reference(job)
     if resume_from is not None:
         resume_job(job, Path(resume_from))
     return job
@@ -161,15 +176,22 @@ def build_model(
     (counted before sharding) and the adapters (target modules resolved) or ``None``."""
     host_states = keeps_states_on_host(cfg, device)  # FSDP2 shards and optimizer states in host memory
     model = build_empty_causal_lm(model_config)
+    lora = lora_spec(cfg)
+    lora = None if lora is None else resolve_lora(lora, model)
+    matmul_params, trainable_matmul_params = count_matmul_params(model), None
+    if lora is not None:  # counted on the plain model: the adapters run with it, only they (mostly) train
+        from usp.train.flops import count_lora_matmul_params
+
+        adapter_params, trainable_matmul_params = count_lora_matmul_params(model, lora)
+        matmul_params += adapter_params
     shape = ModelShape(
-        count_matmul_params(model),
+        matmul_params,
         len(decoder_layers(model)),
         model_config.num_attention_heads,
         head_dim_of(model_config),
         layer_attention_of(model_config),
+        trainable_matmul_params,
     )
-    lora = lora_spec(cfg)
-    lora = None if lora is None else resolve_lora(lora, model)
     loss_model = parallelize(
         model,
         mesh,
@@ -193,6 +215,37 @@ def build_model(
     if lora is not None:
         init_adapter_weights(model, cfg.trainer.seed)
     return model, loss_model, shape, lora
+
+
+def build_reference(job: Job) -> ReferenceLogps:
+    """DPO's reference log-probabilities of every row (cached; :func:`usp.train.reference.reference_logps`).
+    Called before the checkpoint of a resumed run is loaded, so the model holds ``model.path`` (the starting
+    policy; with LoRA, adapters that add zero); ``trainer.dpo.reference_path`` is loaded for the pass and
+    ``model.path`` again after it. Collective."""
+    cfg = job.cfg
+    reference_path = cfg.trainer.dpo.reference_path or cfg.model.path
+    other = Path(reference_path).resolve() != Path(cfg.model.path).resolve()
+
+    def load(path: str) -> None:  # into the weights in place, wherever they live
+        load_sharded_weights(job.model, path, device=job.device, materialize=False)
+
+    def restore() -> None:
+        load(cfg.model.path)
+        if job.lora is not None:
+            init_adapter_weights(job.model, cfg.trainer.seed)
+
+    return reference_logps(
+        job.loss_model,
+        job.train_loader.dataset,
+        mesh=job.mesh,
+        device=job.device,
+        reference_path=reference_path,
+        dtype=cfg.model.dtype,
+        run_dir=job.run_dir,
+        load_reference=(lambda: load(reference_path)) if other else None,
+        restore_policy=restore if other else None,
+        document_masking=cfg.data.document_masking,
+    )
 
 
 def resume_job(job: Job, resume_from: Path) -> None:

@@ -60,6 +60,8 @@ def _chunk_ce_sum(
     labels: torch.Tensor,
     norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
     transform: LMHeadTransform | None = None,
+    segments: torch.Tensor | None = None,
+    num_segments: int = 0,
 ) -> torch.Tensor:
     if norm is not None:
         hidden = norm(hidden)  # the deferred final norm, [chunk, H]
@@ -68,7 +70,10 @@ def _chunk_ce_sum(
         logits = logits.float()  # bf16/fp16 compute: log-softmax in fp32
     if transform is not None:
         logits = transform.apply(logits)  # the model's softcap / scale, in fp32
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if segments is None:
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    per_token = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")  # 0 if ignored
+    return per_token.new_zeros(num_segments).index_add(0, segments, per_token)  # [num_segments]
 
 
 def chunked_cross_entropy_sum(
@@ -80,6 +85,8 @@ def chunked_cross_entropy_sum(
     bias: torch.Tensor | None = None,
     norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
     transform: LMHeadTransform | None = None,
+    segments: torch.Tensor | None = None,
+    num_segments: int = 0,
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``lm_head(hidden)`` against ``labels`` (``-100`` ignored).
 
@@ -90,6 +97,8 @@ def chunked_cross_entropy_sum(
     ``hidden`` is *before* the final norm and ``norm`` is applied to each chunk inside its checkpoint, so
     only ``hidden`` is kept for backward (:class:`usp.train.tiling.DeferrableNorm`). ``transform``: the model's
     :class:`~usp.model.LMHeadTransform`, applied to each chunk's fp32 logits (``None`` or the identity: none).
+    ``segments`` (int64 ``[B, S]``, values in ``[0, num_segments)``): return the sums per segment instead,
+    ``[num_segments]`` (a sequence's summed log-probability is minus its entry: DPO, :mod:`usp.train.dpo`).
     """
     if chunk_size < 1:
         raise ValueError(
@@ -98,13 +107,24 @@ def chunked_cross_entropy_sum(
     assert hidden.shape[:-1] == labels.shape, f"hidden {tuple(hidden.shape)} vs labels {tuple(labels.shape)}"
     h = hidden.reshape(-1, hidden.size(-1))  # [B*S, H]
     y = labels.reshape(-1)  # [B*S]
+    seg = None if segments is None else segments.reshape(-1)  # [B*S]
     if transform is not None and transform.is_identity:
         transform = None  # Llama: not even a call
-    total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    total = hidden.new_zeros(() if seg is None else (num_segments,), dtype=dtype)
     for start in range(0, h.size(0), chunk_size):
         end = min(start + chunk_size, h.size(0))
         total = total + checkpoint(
-            _chunk_ce_sum, h[start:end], weight, bias, y[start:end], norm, transform, use_reentrant=False
+            _chunk_ce_sum,
+            h[start:end],
+            weight,
+            bias,
+            y[start:end],
+            norm,
+            transform,
+            None if seg is None else seg[start:end],
+            num_segments,
+            use_reentrant=False,
         )
     return total
 
@@ -175,6 +195,8 @@ class ChunkedCausalLMLoss(nn.Module):
         aux_scale: float = 1.0,
         routing: tuple[torch.Tensor, torch.Tensor] | None = None,
         routing_only: bool = False,
+        segments: torch.Tensor | None = None,
+        num_segments: int = 0,
     ) -> torch.Tensor:
         """``sum of this rank's token losses / num_targets`` (fp32 scalar), plus, for a MoE with ``router_aux``,
         ``coef * aux_scale * `` this rank's router-loss share (collective over ``aux_group``).
@@ -185,6 +207,9 @@ class ChunkedCausalLMLoss(nn.Module):
         evaluation (the same on every rank: no router loss, no collective). ``routing``: the step's router counts
         (:func:`usp.train.router_loss.load_balancing_share`). ``routing_only`` (a MoE, under ``torch.no_grad``):
         run the decoder only and return this rank's :func:`usp.train.router_loss.routing_counts`.
+        ``segments`` (int64 ``[B, S_local]``, this rank's slice): return this rank's cross-entropy sums per
+        segment, ``[num_segments]``, undivided and without a router term (DPO's sequence log-probabilities,
+        :mod:`usp.train.dpo`; through ``forward`` so that FSDP2's root hooks gather ``lm_head``).
         """
         extra = packed_sequence_kwargs(cu_seqlens)  # transformers' names: cu_seq_lens_q/k, max_length_q/k
         decoder = decoder_of(self.model)
@@ -208,7 +233,11 @@ class ChunkedCausalLMLoss(nn.Module):
             bias=head.bias,
             norm=None if final_norm is None else final_norm.norm,
             transform=self.lm_head_transform,
+            segments=segments,
+            num_segments=num_segments,
         )
+        if segments is not None:
+            return loss_sum  # [num_segments]
         loss = loss_sum / num_targets
         if self.router_aux is None or aux_scale == 0:  # evaluation: the cross-entropy alone
             return loss

@@ -52,6 +52,9 @@ class StepResult:
     micro-batches, without its coefficient; :mod:`usp.train.router_loss`). ``loss`` stays the cross-entropy."""
     expert_tokens: list[list[int]] | None = None
     """Top-k selections per MoE layer and expert, summed over every rank and micro-batch of the step."""
+    preference: dict[str, float] | None = None
+    """``trainer.objective=dpo`` (:func:`usp.train.dpo.dpo_step`): the means over the step's pairs of
+    ``rewards_chosen``, ``rewards_rejected``, ``reward_margin``, ``reward_accuracy``, and ``pairs``."""
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from usp.parallel.agree import on_every_rank
 from usp.plan.compute import training_flops
 from usp.startup import run_in_process_group
 from usp.train.checks import keeps_states_on_host
+from usp.train.dpo import dpo_step
 from usp.train.export import export_hf
 from usp.train.export_lora import export_adapter
 from usp.train.flops import attention_work_imbalance
@@ -72,7 +73,8 @@ def _step_flops(
     document_lengths: list[list[int]], shape: ModelShape, mesh: SPMesh, device: torch.device
 ) -> float:
     """The step's model FLOPs over every replica: each data-parallel replica counts its own documents, summed
-    over the replicas (one all-reduce on the dp group when ``dp_degree > 1``)."""
+    over the replicas (one all-reduce on the dp group when ``dp_degree > 1``). With LoRA only the trainable
+    matmul weights count their weight gradients (``4 N + 2 N_trainable`` per token)."""
     flops = torch.tensor(
         training_flops(
             matmul_params=shape.matmul_params,
@@ -81,6 +83,7 @@ def _step_flops(
             head_dim=shape.head_dim,
             document_lengths=document_lengths,
             layer_attention=shape.layer_attention,
+            trainable_matmul_params=shape.trainable_matmul_params,
         ),
         dtype=torch.float64,
         device=device,
@@ -183,6 +186,16 @@ def _log_start(job: Job) -> None:
             total / 1e6,
             100 * trainable / total,
         )
+    if job.dpo is not None:
+        logger.info(
+            "objective dpo: loss %s, beta %g%s; reference %s",
+            job.dpo.loss_type,
+            job.dpo.beta,
+            f", gamma {job.dpo.simpo_gamma:g}" if job.dpo.loss_type == "simpo" else "",
+            "none (reference-free)"
+            if job.reference is None
+            else f"{cfg.trainer.dpo.reference_path or cfg.model.path} (log-probabilities {job.reference.path})",
+        )
     router = getattr(job.loss_model, "router_aux", None)
     if is_moe(job.model):
         logger.info(
@@ -232,15 +245,28 @@ def _loop(job: Job, *, save_final: bool) -> _LoopEnd:
         for step in range(job.start_step, cfg.trainer.max_steps):
             watchdog.begin_step(step)
             micro = [next(batches) for _ in range(cfg.trainer.grad_accum_steps)]
-            res = train_step(
-                job.loss_model,
-                job.optimizer,
-                job.scheduler,
-                micro,
-                mesh=job.mesh,
-                grad_clip=cfg.optim.grad_clip,
-                device=job.device,
-            )
+            if job.dpo is not None:
+                res = dpo_step(
+                    job.loss_model,
+                    job.optimizer,
+                    job.scheduler,
+                    micro,
+                    mesh=job.mesh,
+                    grad_clip=cfg.optim.grad_clip,
+                    spec=job.dpo,
+                    reference=job.reference,
+                    device=job.device,
+                )
+            else:
+                res = train_step(
+                    job.loss_model,
+                    job.optimizer,
+                    job.scheduler,
+                    micro,
+                    mesh=job.mesh,
+                    grad_clip=cfg.optim.grad_clip,
+                    device=job.device,
+                )
             preempted = stop.agreed(job.device)  # every rank, every step: a signal to any rank stops all here
             flops = _step_flops(res.document_lengths, job.model_shape, job.mesh, job.device)
             watchdog.end_step()
@@ -283,6 +309,8 @@ def _step_extra(job: Job, res: StepResult, guard: StepGuard, done: int, end: _Lo
         "skipped_steps": guard.total,
         "attn_work_imbalance": _step_imbalance(res.document_lengths, job.mesh, job.device),
     }
+    if res.preference is not None:  # DPO: the rewards of the step's pairs
+        extra.update(res.preference)
     if res.aux_loss is not None:  # a MoE: its router loss and how evenly the routers spread the tokens
         extra.update(router_metrics(res.aux_loss, res.expert_tokens))
     if _due(job.cfg.trainer.eval_every, done) and job.val_loader is not None:
