@@ -28,7 +28,7 @@ from tests.tolerance import EXACT_DTYPE, assert_exact, rounding_tolerance
 from usp.config import TrainConfig
 from usp.data.batch import IGNORE_INDEX, collate_rows
 from usp.tiny import build_tiny_llama
-from usp.train.dpo import DpoSpec, dpo_step
+from usp.train.dpo import DpoSpec, dpo_step, dpo_validation
 from usp.train.parallelize import parallelize
 from usp.train.reference import ReferenceLogps, compute_reference_logps
 from usp.train.trainer import run
@@ -138,6 +138,15 @@ def dpo_worker(model_dir: str, rows: list[dict], ref: np.ndarray, ulysses: int, 
         loss_model, optimizer, None, micro, mesh=mesh, grad_clip=0.0, spec=SPECS["sigmoid"], reference=own
     )
     out["self_reference"] = {"loss": first.loss, "values": own.values}
+    # validation: every row once, this replica's share (the weights are unchanged: CaptureGrads' lr is 0)
+    val = [_batch(rows, [i], mesh) for i in range(mesh.dp_rank, len(rows), mesh.dp_degree)]
+    out["validation"] = {
+        key: dpo_validation(
+            loss_model, val, mesh=mesh, spec=spec, reference=None if key == "simpo" else ReferenceLogps(ref)
+        )
+        for key, spec in SPECS.items()
+    }
+    out["self_validation"] = dpo_validation(loss_model, val, mesh=mesh, spec=SPECS["sigmoid"], reference=own)
     return out if dist.get_rank() == 0 else {}
 
 
@@ -164,6 +173,29 @@ def formula(key: str, spec: DpoSpec, pc, pr, rc, rr, nc, nr):
     if key == "ipo":
         return ((pc - rc) - (pr - rr) - 1 / (2 * spec.beta)) ** 2, a, b
     return -F.logsigmoid(a - b), a, b
+
+
+def reference_validation(model_dir: str, rows: list[dict], ref: np.ndarray) -> dict:
+    """Every pair of every row, no gradient: the mean loss, reward accuracy and margin."""
+    model = load_float64(model_dir)
+    out = {}
+    with torch.no_grad():
+        seqs = [sequence_logps(model, r) for r in rows]
+    for key, spec in SPECS.items():
+        losses, margins = [], []
+        for i, r in enumerate(rows):
+            for c, role in enumerate(r["document_roles"]):
+                if role == 1:
+                    (pc, nc), (pr, nr) = seqs[i][c], seqs[i][c + 1]
+                    loss, a, b = formula(key, spec, pc, pr, float(ref[i, c]), float(ref[i, c + 1]), nc, nr)
+                    losses.append(float(loss))
+                    margins.append(float(a - b))
+        out[key] = {
+            "val_loss": float(np.mean(losses)),
+            "val_reward_accuracy": float(np.mean([m > 0 for m in margins])),
+            "val_reward_margin": float(np.mean(margins)),
+        }
+    return out
 
 
 def reference_run(model_dir: str, rows: list[dict], ref: np.ndarray, dp: int) -> dict:
@@ -218,6 +250,7 @@ def setup(tmp_path_factory) -> dict:
         "rows": rows,
         "ref": ref,
         "refs": {dp: reference_run(model_dir, rows, ref, dp) for dp in (1, 2)},
+        "val": reference_validation(model_dir, rows, ref),
     }
 
 
@@ -252,6 +285,12 @@ def test_dpo_loss_rewards_and_every_gradient_match_one_process(dist_pools, setup
             assert any(float(g.abs().max()) > 0 for g in step["grads"].values())
     own = got["self_reference"]
     assert_exact(_scalar(own["loss"]), _scalar(math.log(2.0)), "reference = policy: the loss is ln 2")
+    assert_exact(
+        _scalar(got["self_validation"]["val_loss"]), _scalar(math.log(2.0)), "validation, reference = policy"
+    )
+    for key in SPECS:
+        for name, value in setup["val"][key].items():
+            assert_exact(_scalar(got["validation"][key][name]), _scalar(value), f"{key} {name}")
 
 
 # --- end to end ------------------------------------------------------------------------------------------
@@ -273,6 +312,8 @@ def make_config(model_dir: str, run_dir: str, cache_dir: str, **lora) -> TrainCo
     cfg.trainer.grad_accum_steps = 2
     cfg.trainer.loss_chunk_size = 48
     cfg.trainer.checkpoint_every = 3
+    cfg.trainer.eval_every = 3
+    cfg.data.validation_fraction = 0.1
     cfg.trainer.export_hf = False
     cfg.trainer.device = "cpu"
     cfg.optim.lr = 1e-2
@@ -333,6 +374,8 @@ def test_dpo_run_starts_at_ln2_logs_rewards_and_caches_the_reference(dpo_runs):
         )
         assert 0.0 <= record["reward_accuracy"] <= 1.0 and record["pairs"] > 0
     assert first["metrics"][0]["rewards_chosen"] == pytest.approx(0.0, abs=tol)
+    last = first["metrics"][-1]
+    assert math.isfinite(last["val_loss"]) and 0.0 <= last["val_reward_accuracy"] <= 1.0
     # one cache file, written by the first run, read (not rewritten) by the second: the same losses
     assert len(dpo_runs["caches"]) == 1
     assert {p: p.stat().st_mtime_ns for p in dpo_runs["caches"]} == dpo_runs["stamps"]
@@ -365,7 +408,6 @@ def test_dpo_bad_settings_are_refused_before_any_step(dist_pools, dpo_runs, tmp_
 
     cases = [
         (cfg(data__format="text", data__loss_on=None), "data.format=preference"),
-        (cfg(trainer__eval_every=2, data__validation_fraction=0.1), "trainer.eval_every"),
         (cfg(dpo__loss_type="kto"), "trainer.dpo.loss_type"),
         (cfg(dpo__beta=0.0), "trainer.dpo.beta"),
         (cfg(dpo__reference_path=str(tmp_path / "nowhere")), "trainer.dpo.reference_path"),

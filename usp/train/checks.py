@@ -156,7 +156,7 @@ _SAME_ARCHITECTURE = ("model_type", "hidden_size", "num_hidden_layers", "vocab_s
 
 def check_objective(cfg: TrainConfig, model_config: Any) -> None:
     """``trainer.objective`` and, for ``dpo``, what the preference loss needs: preference rows with document
-    masking, no validation pass (not implemented for pairs), no router loss, a reference checkpoint of the
+    masking, no router loss, a reference checkpoint of the
     same architecture. ``ValueError`` naming the setting."""
     objective = cfg.trainer.objective
     if objective not in OBJECTIVES:
@@ -180,11 +180,6 @@ def check_objective(cfg: TrainConfig, model_config: Any) -> None:
         raise ValueError(
             "trainer.objective=dpo needs data.document_masking=true: a pair's chosen and rejected sequences "
             "share a row and must not attend to each other."
-        )
-    if cfg.trainer.eval_every:
-        raise ValueError(
-            f"trainer.eval_every={cfg.trainer.eval_every}: validation is not implemented for "
-            "trainer.objective=dpo yet; set trainer.eval_every=0 (the step's rewards and accuracy are logged)."
         )
     if getattr(model_config, "output_router_logits", False) or getattr(
         model_config, "router_aux_loss_coef", 0

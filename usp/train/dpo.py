@@ -302,3 +302,55 @@ def dpo_step(
             "pairs": total_pairs,
         },
     )
+
+
+@torch.no_grad()
+def dpo_validation(
+    loss_model: nn.Module,
+    val_loader: Any,
+    *,
+    mesh: SPMesh,
+    spec: DpoSpec,
+    reference: Any | None,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """One pass over the validation rows without gradients: ``val_loss`` (the mean pair loss),
+    ``val_reward_accuracy`` and ``val_reward_margin`` over every validation pair. Collective (every rank runs
+    the same micro-batches; the sums are all-reduced over the data-parallel group)."""
+    device = torch.device(device)
+    sums = torch.zeros(6, dtype=torch.float64, device=device)  # the figures of micro_batch_pairs, then pairs
+    for micro in val_loader:
+        b = _to_device(micro, device)
+        segments, num_segments = _segments(micro, device)
+        segment_ce = loss_model(
+            b["input_ids"],
+            b["labels"],
+            position_ids=b["position_ids"],
+            cu_seqlens=b["cu_seqlens"],
+            segments=segments,
+            num_segments=num_segments,
+        )
+        with torch.enable_grad():  # the pair loss's derivative is taken (and not used) on a few leaf numbers
+            _, figures = micro_batch_pairs(
+                micro,
+                b["labels"],
+                segment_ce,
+                segments,
+                mesh=mesh,
+                spec=spec,
+                reference=reference,
+                total_pairs=1,
+            )
+        pairs = sum(len(row_pairs(roles)) for roles in micro["document_roles"])
+        sums += torch.tensor([*figures.values(), pairs], dtype=torch.float64, device=device)
+    dp_group = mesh.group("dp")
+    if dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(sums, group=dp_group)
+    loss, _, _, correct, margin, pairs = (float(x) for x in sums)
+    if pairs == 0:
+        return {"val_loss": math.nan, "val_reward_accuracy": math.nan, "val_reward_margin": math.nan}
+    return {
+        "val_loss": loss / pairs,
+        "val_reward_accuracy": correct / pairs,
+        "val_reward_margin": margin / pairs,
+    }

@@ -44,7 +44,7 @@ from usp.parallel.agree import on_every_rank
 from usp.plan.compute import training_flops
 from usp.startup import run_in_process_group
 from usp.train.checks import keeps_states_on_host
-from usp.train.dpo import dpo_step
+from usp.train.dpo import dpo_step, dpo_validation
 from usp.train.export import export_hf
 from usp.train.export_lora import export_adapter
 from usp.train.flops import attention_work_imbalance
@@ -314,7 +314,19 @@ def _step_extra(job: Job, res: StepResult, guard: StepGuard, done: int, end: _Lo
     if res.aux_loss is not None:  # a MoE: its router loss and how evenly the routers spread the tokens
         extra.update(router_metrics(res.aux_loss, res.expert_tokens))
     if _due(job.cfg.trainer.eval_every, done) and job.val_loader is not None:
-        extra.update(validation_metrics(job.cfg, job.loss_model, job.val_loader, job.mesh, job.device))
+        if job.dpo is not None:  # the pair loss, reward accuracy and margin over the validation pairs
+            extra.update(
+                dpo_validation(
+                    job.loss_model,
+                    job.val_loader,
+                    mesh=job.mesh,
+                    spec=job.dpo,
+                    reference=job.reference,
+                    device=job.device,
+                )
+            )
+        else:
+            extra.update(validation_metrics(job.cfg, job.loss_model, job.val_loader, job.mesh, job.device))
         end.val_losses[done] = extra["val_loss"]
     return extra
 
