@@ -284,6 +284,16 @@ def lora_run(dist_pools, tmp_path_factory) -> dict:
     return {"root": root, "model": model_dir, "out": dist_pools(4).run(run_worker, cfg)[0]}
 
 
+@pytest.fixture(scope="module")
+def tied_run(dist_pools, tmp_path_factory) -> dict:
+    """The same run on a model whose LM head is its (trained) input embedding."""
+    root = tmp_path_factory.mktemp("lora_tied")
+    model_dir = str(build_tiny_llama(root / "model", tie_word_embeddings=True))
+    cfg = make_config(model_dir, str(root / "run"), str(root / "cache"))
+    cfg.trainer.max_steps = 2
+    return {"root": root, "model": model_dir, "out": dist_pools(4).run(run_worker, cfg)[0]}
+
+
 def _checkpoint_keys(step_dir: Path) -> set[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -309,12 +319,14 @@ def test_lora_checkpoints_hold_the_trainable_tensors_only_and_resume_exactly(dis
     assert second["losses"] == out["losses"][2:]
 
 
-def test_lora_exports_a_peft_adapter_and_a_merged_checkpoint_of_the_trained_model(lora_run):
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_lora_exports_a_peft_adapter_and_a_merged_checkpoint_of_the_trained_model(request, which):
     from peft import PeftModel
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader, load
     from transformers import AutoModelForCausalLM
 
+    lora_run = request.getfixturevalue("lora_run" if which == "untied" else "tied_run")
     out = lora_run["out"]
     adapter = load_file(str(Path(out["adapter_dir"]) / "adapter_model.safetensors"))
     # the adapter file holds the trained values: those of the last checkpoint (step 4, the end of the run)
@@ -322,9 +334,12 @@ def test_lora_exports_a_peft_adapter_and_a_merged_checkpoint_of_the_trained_mode
     meta = FileSystemReader(str(step_dir / "dcp")).read_metadata().state_dict_metadata
     trained = {k[len("model.") :]: torch.empty(m.size) for k, m in meta.items() if k.startswith("model.")}
     load({"model": trained}, storage_reader=FileSystemReader(str(step_dir / "dcp")), no_dist=True)
-    expected = peft_adapter_state(trained, [])
+    expected = peft_adapter_state(trained, [])  # the adapters (the trained embeddings and norms: below)
     assert expected and all(torch.equal(adapter[k], v) for k, v in expected.items())
-    assert any("embed_tokens" in k for k in adapter)  # modules_to_save
+    embed = adapter["base_model.model.model.embed_tokens.weight"]  # modules_to_save: the trained values
+    assert torch.equal(embed, trained["model.embed_tokens.weight"])
+    if which == "tied":  # the LM head is that embedding: written too, peft ties them (ensure_weight_tying)
+        assert torch.equal(adapter["base_model.model.lm_head.weight"], embed)
 
     ids = torch.randint(3, 300, (2, 48), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained(lora_run["model"], dtype=torch.float32)

@@ -197,14 +197,28 @@ def _module_of(key: str) -> str:
     return key.rsplit(".", 1)[0]
 
 
+def tied_output_module(model: nn.Module) -> tuple[str, str] | None:
+    """``(output embedding, input embedding)`` module names when the config ties the two (``lm_head``,
+    ``model.embed_tokens``), else ``None``."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return None
+    out, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    if out is None or id(out) not in names or id(embed) not in names:
+        return None
+    return names[id(out)], names[id(embed)]
+
+
 def peft_adapter_state(
-    state: Mapping[str, torch.Tensor], trained_modules: list[str]
+    state: Mapping[str, torch.Tensor], trained_modules: list[str], tied_output: tuple[str, str] | None = None
 ) -> dict[str, torch.Tensor]:
     """The tensors of ``peft``'s adapter file (``adapter_model.safetensors``) from the full model state dict.
 
     Adapter tensors ``X.lora_A.default.weight`` -> ``base_model.model.X.lora_A.weight``; the weights of each
     module in ``trained_modules`` (PEFT ``modules_to_save``: trained embeddings and norms) ->
     ``base_model.model.<module>.<param>``, as ``peft``'s ``get_peft_model_state_dict`` writes them.
+    ``tied_output``: the output embedding tied to trained input embeddings (:func:`tied_output_module`): its
+    weight is written too (the embedding's values), as ``peft`` with ``ensure_weight_tying`` loads it.
     """
     out = {}
     trained = set(trained_modules)
@@ -213,16 +227,23 @@ def peft_adapter_state(
             out["base_model.model." + key.replace(f".{ADAPTER}.", ".")] = value
         elif _module_of(base_key(key)) in trained:
             out["base_model.model." + base_key(key)] = value
+    if tied_output is not None:
+        output, embed = tied_output
+        out[f"base_model.model.{output}.weight"] = out[f"base_model.model.{embed}.weight"].clone()
     return out
 
 
-def peft_adapter_config(spec: LoraSpec, trained_modules: list[str], base_path: str):  # noqa: ANN201
+def peft_adapter_config(  # noqa: ANN201 - peft is imported lazily
+    spec: LoraSpec, trained_modules: list[str], base_path: str, tied_output: tuple[str, str] | None = None
+):
     """The ``peft.LoraConfig`` of the exported adapter (``adapter_config.json``); ``spec`` resolved
     (:func:`resolve_lora`)."""
     assert spec.target_modules is not None, "resolve_lora first"
     config = _peft_config(spec, tuple(spec.target_modules))
     config.base_model_name_or_path = base_path
     config.modules_to_save = list(trained_modules) or None
+    if tied_output is not None:  # the trained embedding is the output layer too: peft keeps them tied
+        config.ensure_weight_tying = True
     return config
 
 

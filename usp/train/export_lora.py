@@ -25,6 +25,7 @@ from usp.model.lora import (
     is_adapter_key,
     peft_adapter_config,
     peft_adapter_state,
+    tied_output_module,
 )
 from usp.parallel.agree import dist_rank, raise_if_any_failed
 from usp.train.export import EXPORT_MARKER, TMP_TAG, check_export_dir
@@ -55,18 +56,19 @@ def export_adapter(
     out_dir = Path(out_dir)
     check_export_dir(out_dir)
     saved = trained_modules(model, spec)
+    tied = tied_output_module(model) if saved else None  # trained embeddings of a tied model: lm_head too
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     )
     error: BaseException | None = None
     if dist_rank() == 0:
         try:
-            tensors = {k: v.detach().contiguous() for k, v in peft_adapter_state(full, saved).items()}
+            tensors = {k: v.detach().contiguous() for k, v in peft_adapter_state(full, saved, tied).items()}
             assert sum(is_adapter_key(k) for k in full) == sum(".lora_" in k for k in tensors) > 0
 
             def write(tmp: Path) -> None:
                 save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
-                peft_adapter_config(spec, saved, base_path).save_pretrained(str(tmp))
+                peft_adapter_config(spec, saved, base_path, tied).save_pretrained(str(tmp))
                 if tokenizer is not None:
                     tokenizer.save_pretrained(str(tmp))
                 marker = {"format": "usp-peft-adapter", "num_tensors": len(tensors), "dtype": "float32"}
