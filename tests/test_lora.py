@@ -355,6 +355,14 @@ def test_lora_exports_a_peft_adapter_and_a_merged_checkpoint_of_the_trained_mode
     )
 
 
+def test_lora_dropout_with_mlp_tiles_is_refused(dist_pools, lora_run, tmp_path):
+    cfg = make_config(lora_run["model"], str(tmp_path / "tiles"), str(lora_run["root"] / "cache"))
+    cfg.model.lora.dropout = 0.1
+    cfg.parallel.mlp_tiles = 2
+    messages = dist_pools(4).run(run_expecting_error, cfg)
+    assert all("model.lora.dropout" in m and "parallel.mlp_tiles" in m for m in messages), messages[0]
+
+
 def test_lora_bad_target_module_is_refused_before_any_step(dist_pools, lora_run, tmp_path):
     cfg = make_config(lora_run["model"], str(tmp_path / "bad"), str(lora_run["root"] / "cache"))
     cfg.model.lora.target_modules = ["q_proj", "qkv"]

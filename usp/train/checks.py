@@ -270,4 +270,10 @@ def check_training_run(cfg: TrainConfig, world_size: int, device: torch.device) 
     layout = resolve_layout(cfg, model_config, world_size, device)
     check_model_for_degrees(model_config, layout)
     _check_memory_tricks(cfg, model_config, layout, world_size)
+    if cfg.model.lora.rank and cfg.model.lora.dropout > 0 and layout.mlp_tiles > 1:
+        raise ValueError(
+            f"model.lora.dropout={cfg.model.lora.dropout} with parallel.mlp_tiles={layout.mlp_tiles}: the MLP tiles "
+            f"recompute each tile in backward without the forward's random state, so the adapters' dropout mask "
+            f"would differ between forward and backward. Set model.lora.dropout=0 or parallel.mlp_tiles=1."
+        )
     return model_config, layout
