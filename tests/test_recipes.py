@@ -18,6 +18,7 @@ CPU_RECIPES = {
     "tiny_sft",
     "tiny_moe",
     "tiny_lora",
+    "tiny_dpo",
     "smollm2_135m_16k",
 }  # CPU over gloo (the demos; the measured SmolLM2 context extension)
 REAL = [name for name in RECIPES if name not in CPU_RECIPES]
@@ -33,6 +34,8 @@ def test_the_promised_recipes_exist():
         "llama31_8b_1m_8gpu",
         "llama31_8b_4m",
         "llama3_70b_128k",
+        "llama3_70b_lora_128k",
+        "llama31_8b_dpo_64k",
         "llama2_7b_rope_32k",
         "llama2_7b_rope_64k",
         "llama2_7b_rope_128k",
@@ -44,6 +47,7 @@ def test_the_promised_recipes_exist():
         "gemma3_12b_128k",
         "tiny_moe",
         "tiny_lora",
+        "tiny_dpo",
     }
     assert expected <= set(RECIPES)
 
@@ -82,7 +86,8 @@ def test_real_recipes_are_bf16_long_context_on_gpus(name):
 
 @pytest.mark.parametrize("name", REAL)
 def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
-    """The planner (usp.plan) predicts the recipe's layout fits its GPUs; the comment quotes that figure."""
+    """The planner (usp.plan) predicts the recipe's layout fits its GPUs; the comment quotes that figure. A LoRA
+    recipe (``model.lora.rank`` > 0) is costed with its adapters and quotes the matching ``--lora-*`` flags."""
     plan = pytest.importorskip("usp.plan")
     cfg = compose_config([f"recipe={name}", *USER_SETTINGS])
     text = (RECIPES_DIR / f"{name}.yaml").read_text()
@@ -112,6 +117,7 @@ def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
         loss_chunk_size=cfg.trainer.loss_chunk_size,
         mlp_tiles=tiles,
         states_on_host=states_on_host(cfg.optim.name, cfg.parallel.cpu_offload),
+        lora=plan.LoraPlan.from_config(cfg.model.lora),
     )
     assert est.fits, f"{name}: the planner predicts {est.mem_gib_per_gpu:.1f} GiB per GPU"
     # the quoted usp-plan command is the recipe's own layout, so rerunning it refreshes the right figures
@@ -133,6 +139,10 @@ def test_real_recipe_fits_by_the_planner_and_quotes_its_memory(name):
         p.ring_degree,
         dp * cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps,
     ]
+    quoted_command = command[start : command.index(")", start)]
+    assert int(flags.get("lora-rank", 0)) == cfg.model.lora.rank
+    lora_extras = "--lora-train-embeddings-and-norms" in quoted_command.split()
+    assert lora_extras == (cfg.model.lora.rank > 0 and cfg.model.lora.train_embeddings_and_norms)
     quoted = float(re.search(r"([0-9.]+) GiB/GPU", text).group(1))
     assert quoted == pytest.approx(est.mem_gib_per_gpu, rel=0.05), (
         f"{name}: the comment quotes {quoted} GiB/GPU, the planner predicts {est.mem_gib_per_gpu:.1f}: rerun the "

@@ -11,6 +11,7 @@ from usp.plan.calibrate import Calibration, calibrate, read_bench_json, read_tra
 from usp.plan.hardware import GPUS, DeviceSpec, get_device
 from usp.plan.inference import InferenceEstimate, kv_cache_bytes_per_gpu, plan_inference
 from usp.plan.layout import Candidate, SearchSpace, Workload
+from usp.plan.lora import LoraPlan
 from usp.plan.maxlen import MaxSeqLenEstimate, max_seq_len, max_seq_lens
 from usp.plan.memory import MemoryBreakdown, held_activation_bytes, training_memory
 from usp.plan.models import PRESETS, ModelSpec, load_model_spec
@@ -25,6 +26,7 @@ __all__ = [
     "DeviceSpec",
     "InferenceEstimate",
     "LayoutEstimate",
+    "LoraPlan",
     "MaxSeqLenEstimate",
     "MemoryBreakdown",
     "ModelSpec",

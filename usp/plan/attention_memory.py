@@ -26,6 +26,7 @@ Checked against a whole training step on fake CUDA (:mod:`usp.bench.fake_memory`
 from __future__ import annotations
 
 from usp.plan.layout import Candidate, Workload
+from usp.plan.lora import LoraPlan, adapted_linears, norm_bytes_per_token
 from usp.plan.models import ModelSpec
 
 KERNEL_ROWS, KERNEL_DIM = 128, 32  # flash-attn's seqlen_q rounding and head-dim rounding (head_size_rounded)
@@ -60,19 +61,32 @@ def kernel_workspace_bytes(
 
 
 def attention_phase_bytes_per_token(
-    model: ModelSpec, ulysses_degree: int, compute_bytes: int, *, tiled: bool, keeps_input: bool
+    model: ModelSpec,
+    ulysses_degree: int,
+    compute_bytes: int,
+    *,
+    tiled: bool,
+    keeps_input: bool,
+    lora: LoraPlan | None = None,
 ) -> float:
     """What a layer holds during its attention backward, per local token (module docstring). ``keeps_input``:
     the layer input is on the device for this layer (its checkpoint's, unless offloaded; or, uncheckpointed
-    under tiles, the q/k/v projections')."""
+    under tiles, the q/k/v projections'). ``lora``: the input norm keeps what a frozen norm keeps, its output
+    only when q, k or v is adapted, and each adapted q/k/v its ``r``-wide ``A`` output
+    (:func:`usp.plan.lora.layer_lora_bytes`)."""
     U, B, h, d = ulysses_degree, compute_bytes, model.hidden_size, model.head_dim
     hq = model.q_heads_per_rank(U) * U  # per local token: the busiest rank's heads x U tokens per token
     kv = model.kv_heads_per_rank(U) * U
     saved = (hq + 2 * kv) * d * B + hq * d * B + 4 * hq  # q, k, v, out, fp32 lse
     grads = hq * d * B + h * B  # dout, the residual stream's gradient
     held = h * B if keeps_input else 0.0
-    if not tiled:  # the input norm: fp32 upcast, normalized input, rsqrt, and its output (q/k/v's input)
+    if (
+        not tiled and lora is None
+    ):  # the input norm: fp32 upcast, normalized input, rsqrt, its output (q/k/v's input)
         held += h * (4 + 2 * B) + 4
+    elif not tiled:
+        qkv = [n for n in adapted_linears(model, lora) if n in ("q_proj", "k_proj", "v_proj")]
+        held += norm_bytes_per_token(model, lora, B, output_kept=bool(qkv)) + 4 + lora.rank * B * len(qkv)
     return saved + grads + held
 
 

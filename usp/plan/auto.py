@@ -12,6 +12,7 @@ from typing import Any
 from usp.parallel.layout import ParallelLayout
 from usp.plan.hardware import get_device
 from usp.plan.layout import SearchSpace, Workload
+from usp.plan.lora import LoraPlan
 from usp.plan.models import load_model_spec
 from usp.plan.search import search_layouts
 
@@ -37,21 +38,23 @@ def auto_degrees(
     cpu_offload: bool = False,
     host_mem_gib: float | None = None,
     headroom_gib: float | None = None,
+    lora: LoraPlan | None = None,
 ) -> ParallelLayout:
     """The planner's choice for ``parallel.ulysses_degree=auto`` and/or ``parallel.ring_degree=auto``.
 
-    ``model_config`` is an HF config dict; ``gpu`` a name from :data:`usp.plan.hardware.GPUS` (default
-    ``h100-80g``; ``cpu`` for CPU runs); ``memory_gib`` overrides the device memory. The optional keywords are
-    constraints the user fixed: a degree (``ulysses_degree=4`` with ``ring_degree`` left to the planner), the
-    FSDP mode, the checkpointing mode (and its ``ac_every_k``); ``None`` lets the planner choose.
-    ``compute_bytes`` (2 for bf16/fp16 ``model.dtype``, 4 for float32), ``ring_layout`` and ``loss_chunk_size``
-    describe the run for the cost model. ``mlp_tiles`` (``parallel.mlp_tiles``: an integer, or ``"auto"`` to
-    let the planner tile when needed), ``attn_head_chunks`` (``parallel.attn_head_chunks``: a fixed count,
-    which rules out the layouts whose heads it does not split, or ``"auto"``), ``cpu_offload`` (:func:`usp.config.states_on_host`: the states and
-    the optimizer step on the host), ``host_mem_gib`` (``cluster.host_mem_gib``) and ``headroom_gib`` complete the
-    run's description. Returns the chosen :class:`usp.parallel.ParallelLayout` (the type start-up builds the
-    mesh from; its ``reason`` the one-line why, its ``node_size`` the planner's, at most ``world_size``; a fixed
-    ``mlp_tiles`` / ``attn_head_chunks`` stays as given). Raises ``ValueError`` when nothing fits.
+        ``model_config`` is an HF config dict; ``gpu`` a name from :data:`usp.plan.hardware.GPUS` (default
+        ``h100-80g``; ``cpu`` for CPU runs); ``memory_gib`` overrides the device memory. The optional keywords are
+        constraints the user fixed: a degree (``ulysses_degree=4`` with ``ring_degree`` left to the planner), the
+        FSDP mode, the checkpointing mode (and its ``ac_every_k``); ``None`` lets the planner choose.
+        ``compute_bytes`` (2 for bf16/fp16 ``model.dtype``, 4 for float32), ``ring_layout`` and ``loss_chunk_size``
+        describe the run for the cost model. ``mlp_tiles`` (``parallel.mlp_tiles``: an integer, or ``"auto"`` to
+        let the planner tile when needed), ``attn_head_chunks`` (``parallel.attn_head_chunks``: a fixed count,
+        which rules out the layouts whose heads it does not split, or ``"auto"``), ``cpu_offload`` (:func:`usp.config.states_on_host`: the states and
+        the optimizer step on the host), ``host_mem_gib`` (``cluster.host_mem_gib``) and ``headroom_gib`` complete the
+        run's description, and ``lora`` (:meth:`usp.plan.lora.LoraPlan.from_config` of ``model.lora``; ``None``: full
+    training) what trains. Returns the chosen :class:`usp.parallel.ParallelLayout` (the type start-up builds the
+        mesh from; its ``reason`` the one-line why, its ``node_size`` the planner's, at most ``world_size``; a fixed
+        ``mlp_tiles`` / ``attn_head_chunks`` stays as given). Raises ``ValueError`` when nothing fits.
     """
     model = load_model_spec(model_config)
     device = get_device(gpu or "h100-80g", memory_gib=memory_gib, host_mem_gib=host_mem_gib)
@@ -63,6 +66,7 @@ def auto_degrees(
         loss_chunk_size=loss_chunk_size,
         ring_layout=ring_layout,
         headroom_gib=headroom_gib,
+        lora=lora,
     )
     space = SearchSpace(
         world_size,
@@ -91,6 +95,7 @@ def auto_degrees(
     reason = (
         f"fastest of {len(layouts)} layouts that fit {device.name} ({device.memory_gib:g} GiB) at seq_len={seq_len} "
         f"on {world_size} ranks ({node} per node)"
+        + (f" training {lora.describe()}" if lora is not None else "")
         + (f" with {', '.join(f'{k}={v}' for k, v in fixed.items())} fixed" if fixed else "")
         + f": predicted {best.mem_gib_per_gpu:.2f} GiB/rank, "
         f"{best.step_time_s:.3g} s/step, {best.tokens_per_s_per_gpu:.4g} tokens/s/rank"

@@ -56,6 +56,7 @@ def predict_run(run: TrainingRun, device: DeviceSpec) -> LayoutEstimate:
         compute_bytes=run.compute_bytes,
         loss_chunk_size=run.loss_chunk_size,
         ring_layout=run.ring_layout,
+        lora=run.lora,
     )
     cand = Candidate(
         ulysses_degree=run.ulysses_degree,

@@ -5,6 +5,7 @@
     usp-plan calibrate --gpu cpu --run runs/tiny-a --run runs/tiny-b --bench bench.json --out calib.json
     usp-plan --model ckpt/config.json --seq-len 128K --nodes 1 --gpu cpu --calibration calib.json
     usp-plan --model llama-3.1-8b --max-seq-len --nodes 1 --gpus-per-node 8 --gpu h100-80g --json
+    usp-plan --model llama-3-70b --max-seq-len --lora-rank 16 --nodes 1 --gpus-per-node 8 --gpu h100-80g
 
 Sequence lengths take binary suffixes: ``128K`` = 131072, ``1M`` = 1048576.
 """
@@ -25,6 +26,7 @@ from usp.plan.compute import DocumentWork
 from usp.plan.hardware import GPUS, DeviceSpec, get_device
 from usp.plan.inference import InferenceEstimate, plan_inference
 from usp.plan.layout import STATE_PLACEMENTS
+from usp.plan.lora import LoraPlan, total_params, trainable_params
 from usp.plan.maxlen import (
     LOSS_CHUNK_CANDIDATES,
     SEQ_MULTIPLE,
@@ -154,6 +156,22 @@ def build_plan_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seq-multiple", type=int, default=SEQ_MULTIPLE, help="--max-seq-len answers multiples of this"
     )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="model.lora.rank: cost LoRA adapters of this rank on a frozen base (default 0: full training)",
+    )
+    p.add_argument(
+        "--lora-train-embeddings-and-norms",
+        action="store_true",
+        help="model.lora.train_embeddings_and_norms: the embeddings and norms train with the adapters",
+    )
+    p.add_argument(
+        "--lora-target-modules",
+        default=None,
+        help="model.lora.target_modules, comma-separated (e.g. q_proj,v_proj; default every *proj* layer)",
+    )
     p.add_argument("--inference", action="store_true", help="KV cache, batch capacity, prefill and decode")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", action="store_true", help="print the ranked layouts as a JSON list")
@@ -228,6 +246,31 @@ def _params(model: ModelSpec) -> str:
     return out
 
 
+def _lora_note(model: ModelSpec, lora: LoraPlan | None) -> str:
+    """``; LoRA rank 16 + embeddings and norms: 1.07B of 70.6B parameters train`` (empty for full training)."""
+    if lora is None:
+        return ""
+    trained, total = trainable_params(model, lora) / 1e9, total_params(model, lora) / 1e9
+    return f"; {lora.describe()}: {trained:.3g}B of {total:.4g}B parameters train"
+
+
+def _lora_plan(args: argparse.Namespace) -> LoraPlan | None:
+    """The ``--lora-*`` flags as a :class:`LoraPlan` (``None`` for full training); ``ValueError`` for a LoRA flag
+    without a rank."""
+    targets = None
+    if args.lora_target_modules is not None:
+        targets = tuple(t for t in args.lora_target_modules.replace(" ", "").split(",") if t)
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank={args.lora_rank} must be >= 0 (0: full training).")
+    if args.lora_rank == 0:
+        if args.lora_train_embeddings_and_norms or targets is not None:
+            raise ValueError(
+                "--lora-train-embeddings-and-norms and --lora-target-modules need --lora-rank R > 0."
+            )
+        return None
+    return LoraPlan(args.lora_rank, args.lora_train_embeddings_and_norms, targets)
+
+
 def _batch_note(layouts: list[LayoutEstimate], global_batch: int | None) -> str:
     if global_batch is not None:
         return (
@@ -253,8 +296,8 @@ def format_table(
 ) -> str:
     nodes = nodes or 1
     head = (
-        f"{model.name}: {_params(model)}, seq_len={seq_len}, {world} x {device.name} "
-        f"({device.memory_gib:g} GiB, {device.peak_tflops:g} TFLOP/s peak); {len(layouts)} layouts fit"
+        f"{model.name}: {_params(model)}{_lora_note(model, layouts[0].lora)}, seq_len={seq_len}, {world} x "
+        f"{device.name} ({device.memory_gib:g} GiB, {device.peak_tflops:g} TFLOP/s peak); {len(layouts)} layouts fit"
     )
     cols = (
         f"{'#':>3} {'ulysses':>7} {'ring':>5} {'dp':>4} {'fsdp':<12} {'ckpt':<10} {'tiles':>5} {'heads':>5} {'states':<17} "
@@ -316,7 +359,8 @@ def format_max_seq_len(
 ) -> str:
     best = answers[0]
     head = (
-        f"{model.name}: {_params(model)} on {world} x {device.name} ({device.memory_gib:g} "
+        f"{model.name}: {_params(model)}{_lora_note(model, best.estimate.lora)} on {world} x {device.name} "
+        f"({device.memory_gib:g} "
         f"GiB, host {device.host_mem_gib:g} GiB/node): longest sequence {best.max_seq_len} tokens "
         f"({best.max_seq_len / 2**20:.3g}M)"
     )
@@ -443,6 +487,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         head_chunks = None if a == "auto" else int(a) if a.isdigit() else -1
         if head_chunks is not None and head_chunks < 1:
             raise ValueError(f"--attn-head-chunks={a!r} is invalid: use an integer >= 1 or auto.")
+        lora = _lora_plan(args)
+        if lora is not None and args.inference:
+            raise ValueError(
+                "--lora-rank costs training; --inference plans the model itself (adapters merged)."
+            )
         default_states = "any" if args.max_seq_len else "device"
         states = STATE_PLACEMENTS if (args.states or default_states) == "any" else (args.states or "device",)
         dtype_bytes = compute_bytes(args.dtype)
@@ -465,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 headroom_gib=args.headroom_gib,
                 seq_multiple=args.seq_multiple,
                 attn_head_chunks=head_chunks,
+                lora=lora,
             )
             print(
                 json.dumps([a.to_dict() for a in answers[: args.top]], indent=2)
@@ -508,6 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             states=states,
             headroom_gib=args.headroom_gib,
             attn_head_chunks=head_chunks,
+            lora=lora,
         )
         if args.json:
             print(json.dumps([e.to_dict() for e in layouts], indent=2))

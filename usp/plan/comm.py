@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, compute_time
 from usp.plan.hardware import GB, DeviceSpec
+from usp.plan.lora import LoraPlan, total_params, trainable_params
 from usp.plan.models import ModelSpec
 
 ACT_BYTES = 2  # bf16 activations and gathered parameters (``compute_bytes``; 4 for an fp32 run)
@@ -102,14 +103,19 @@ def fsdp_comm(
     node_size: int,
     fsdp_mode: str,
     compute_bytes: int = ACT_BYTES,
+    lora: LoraPlan | None = None,
 ) -> dict[str, float]:
     """Parameter all-gathers (forward and again in backward, bf16) and gradient reduction, per micro step.
 
     ``full_shard``: ring collectives over all ranks, at the network bandwidth once the job spans nodes.
     ``hybrid_shard``: all-gather and reduce-scatter inside the node (NVLink), then an all-reduce of each
-    rank's gradient shard across the nodes.
+    rank's gradient shard across the nodes. ``lora``: every parameter (the adapters too) is all-gathered, only
+    the trainable ones' gradients are reduced (:mod:`usp.plan.lora`).
     """
-    P = model.num_params
+    if lora is None:
+        P = Pg = model.num_params  # all-gathered; reduced
+    else:
+        P, Pg = total_params(model, lora), trainable_params(model, lora)
     nodes = max(1, world_size // node_size)
     if fsdp_mode == "full_shard":
         n = world_size
@@ -117,13 +123,19 @@ def fsdp_comm(
             return {"fsdp_bytes": 0.0, "fsdp_s": 0.0}
         bw = (device.intra_node_gbps if nodes == 1 else device.inter_node_gbps) * GB
         frac = (n - 1) / n
-        nbytes = P * frac * (2 * compute_bytes + GRAD_REDUCE_BYTES)
+        if lora is None:
+            nbytes = P * frac * (2 * compute_bytes + GRAD_REDUCE_BYTES)
+        else:
+            nbytes = (P * 2 * compute_bytes + Pg * GRAD_REDUCE_BYTES) * frac
         return {"fsdp_bytes": nbytes, "fsdp_s": nbytes / bw}
     if fsdp_mode == "hybrid_shard":
         n = min(node_size, world_size)
         frac = (n - 1) / n
-        intra = P * frac * (2 * compute_bytes + GRAD_REDUCE_BYTES)
-        inter = 2 * (nodes - 1) / nodes * P / n * GRAD_REDUCE_BYTES if nodes > 1 else 0.0
+        if lora is None:
+            intra = P * frac * (2 * compute_bytes + GRAD_REDUCE_BYTES)
+        else:
+            intra = (P * 2 * compute_bytes + Pg * GRAD_REDUCE_BYTES) * frac
+        inter = 2 * (nodes - 1) / nodes * Pg / n * GRAD_REDUCE_BYTES if nodes > 1 else 0.0
         seconds = intra / (device.intra_node_gbps * GB) + inter / (device.inter_node_gbps * GB)
         return {"fsdp_bytes": intra + inter, "fsdp_s": seconds}
     raise ValueError(f"parallel.fsdp_mode={fsdp_mode!r} is invalid; choose full_shard or hybrid_shard.")

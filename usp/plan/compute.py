@@ -21,7 +21,10 @@ Conventions (2 FLOPs per multiply-add):
 
 Model FLOPs (:func:`training_flops`, the one count the trainer's ``metrics.jsonl``, ``usp.bench.throughput``
 and the planner's MFU use): ``6 * matmul_params * tokens + 12 * L * H * d * pairs``; MFU (:func:`mfu`): model
-FLOP/s per device over its dense peak.
+FLOP/s per device over its dense peak. LoRA on a frozen base (:mod:`usp.plan.lora`): a matmul weight costs
+``2`` forward and ``2`` for its input gradient per token, and ``2`` more for its weight gradient only when it
+trains, so ``(4 * matmul_params + 2 * trainable_matmul_params) * tokens`` (``4 N_frozen + 6 N_trainable``,
+``matmul_params`` counting the adapters too) with the same attention term.
 
 Causal work per rank of a ring of ``N`` (tile-level masking, diagonal blocks cost half):
 zigzag gives every rank ``N/2`` block-equivalents, perfectly balanced; contiguous makes the last rank wait
@@ -40,6 +43,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from usp.plan.hardware import DeviceSpec
+from usp.plan.lora import LoraPlan, adapted_linears, adapter_params
+from usp.plan.lora import matmul_params as lora_matmul_params
+from usp.plan.lora import trainable_matmul_params as lora_trainable_matmul_params
 from usp.plan.models import ModelSpec
 
 ATTN_BWD_OVER_FWD_HW = 2.5
@@ -114,23 +120,37 @@ def training_flops(
     document_lengths: Sequence[Sequence[int]],
     causal: bool = True,
     layer_attention: Sequence[LayerAttention] = (),
+    trainable_matmul_params: int | None = None,
 ) -> float:
     """Model FLOPs of one forward + backward over ``document_lengths`` (per sequence, its packed documents):
     ``6 * matmul_params * tokens + 12 * num_heads * head_dim * sum over layers of pairs``
     (:func:`attention_pairs`; ``layer_attention``: each layer's sliding window and chunk, so a windowed layer
     counts the pairs it attends, not the full causal ones; empty: ``num_layers`` full causal layers).
 
+    ``trainable_matmul_params``: of the ``matmul_params``, those that get a weight gradient (LoRA: the adapters,
+    and a tied LM head when the embeddings train; ``matmul_params`` then counts the adapters too). The matmuls
+    then count ``(4 * matmul_params + 2 * trainable_matmul_params) * tokens`` (forward, input gradients, weight
+    gradients of the trainable ones); ``None``: every weight trains, ``6 * matmul_params * tokens``.
+
     ``num_heads`` counts query heads (GQA shares K/V, not the score matmuls). Recomputation is not counted.
     """
     if min(matmul_params, num_layers, num_heads, head_dim) < 0:
         raise ValueError("training_flops: matmul_params, num_layers, num_heads and head_dim must be >= 0")
+    if trainable_matmul_params is not None and not 0 <= trainable_matmul_params <= matmul_params:
+        raise ValueError(
+            f"training_flops: trainable_matmul_params={trainable_matmul_params} must be in [0, matmul_params="
+            f"{matmul_params}]"
+        )
     if causal:
         pairs = layer_pairs(document_lengths, layer_attention, num_layers)
     else:
         pairs = num_layers * attention_pairs(document_lengths, causal)
     tokens = sum(s for seq in document_lengths for s in seq)
     passes = 1 + ATTN_BWD_OVER_FWD_MODEL
-    return passes * (2.0 * matmul_params * tokens + 4.0 * num_heads * head_dim * pairs)
+    if trainable_matmul_params is None:
+        return passes * (2.0 * matmul_params * tokens + 4.0 * num_heads * head_dim * pairs)
+    dense = (4.0 * matmul_params + 2.0 * trainable_matmul_params) * tokens
+    return dense + passes * 4.0 * num_heads * head_dim * pairs
 
 
 def mfu(flops: float, step_time_s: float, world_size: int, peak_flops: float) -> tuple[float, float]:
@@ -199,17 +219,21 @@ def seed_zigzag_speedup(ring_degree: int) -> float:
     return 4 * n / (2 * n + 1)
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int, documents: DocumentWork | None = None) -> float:
+def model_flops_per_token(
+    model: ModelSpec, seq_len: int, documents: DocumentWork | None = None, lora: LoraPlan | None = None
+) -> float:
     """Training FLOPs per token used for MFU (:func:`training_flops` of one causal sequence of ``seq_len``, or
-    of the packed ``documents``' rows, over their tokens)."""
+    of the packed ``documents``' rows, over their tokens); with ``lora``, the adapters' matmuls and only the
+    trainable weights' gradients (:func:`usp.plan.lora.trainable_matmul_params`)."""
     rows = [[seq_len]] if documents is None else documents.rows
     flops = training_flops(
-        matmul_params=model.matmul_params,
+        matmul_params=lora_matmul_params(model, lora),
         num_layers=model.num_layers,
         num_heads=model.num_heads,
         head_dim=model.head_dim,
         document_lengths=rows,
         layer_attention=model.layer_attention,
+        trainable_matmul_params=lora_trainable_matmul_params(model, lora),
     )
     return flops / (len(rows) * seq_len)
 
@@ -231,22 +255,41 @@ def compute_time(
     recompute_layers: float = 0.0,
     mlp_recompute_layers: float = 0.0,
     documents: DocumentWork | None = None,
+    lora: LoraPlan | None = None,
 ) -> dict[str, float]:
     """Seconds one rank computes per micro step (one sequence sharded over ``ulysses x ring`` ranks).
 
     ``recompute_layers``: how many decoder layers run their forward twice (activation checkpointing);
     ``mlp_recompute_layers``: how many run their MLP forward once more (a tiled MLP recomputes its tiles).
     ``documents``: packed rows of that length distribution (attention over documents, the busiest ring rank's
-    share in ``ring_layout``); ``None``: one causal sequence, an upper bound.
+    share in ``ring_layout``); ``None``: one causal sequence, an upper bound. ``lora``: adapters on a frozen
+    base (the adapters' matmuls run too; only the trainable weights' gradients are computed: module docstring).
     Returns ``dense_s``, ``attention_s``, ``overhead_s``, ``ring_step_flops`` (one rank's attention FLOPs per
     ring step and layer, forward) and ``hw_flops`` (what the rank executes).
     """
     sp = ulysses_degree * ring_degree
     local_tokens = seq_len / sp
     L = model.num_layers
-    dense_flops = 6.0 * model.executed_matmul_params * local_tokens  # = matmul_params unless idle experts run
-    dense_flops += 2.0 * model.executed_layer_matmul_params * local_tokens * recompute_layers
-    dense_flops += 2.0 * 3 * model.hidden_size * model.intermediate_size * local_tokens * mlp_recompute_layers
+    if lora is None:
+        dense_flops = (
+            6.0 * model.executed_matmul_params * local_tokens
+        )  # = matmul_params unless idle experts run
+        dense_flops += 2.0 * model.executed_layer_matmul_params * local_tokens * recompute_layers
+        dense_flops += (
+            2.0 * 3 * model.hidden_size * model.intermediate_size * local_tokens * mlp_recompute_layers
+        )
+    else:  # every weight forward and input gradient, the trainable ones' weight gradients; the adapters run too
+        adapters = adapter_params(model, lora)
+        trainable = lora_trainable_matmul_params(model, lora) or 0
+        dense_flops = (4.0 * (model.executed_matmul_params + adapters) + 2.0 * trainable) * local_tokens
+        layer = model.executed_layer_matmul_params + adapters / L  # the mean layer, as executed_layer_...
+        dense_flops += 2.0 * layer * local_tokens * recompute_layers
+        mlp = 3 * model.hidden_size * model.intermediate_size + sum(
+            lora.rank * (i + o)
+            for name, (i, o) in adapted_linears(model, lora).items()
+            if name in ("gate_proj", "up_proj", "down_proj")
+        )
+        dense_flops += 2.0 * mlp * local_tokens * mlp_recompute_layers
     # Attention forward of one layer on one rank: the causal pairs of the row over the ranks, times the
     # busiest rank's share
     # (the mean over layers: a windowed or chunked layer counts the pairs it attends; its ring share is taken

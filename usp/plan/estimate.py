@@ -12,7 +12,7 @@ degrees dividing the world, zigzag's sequence multiple ``2 x ring x ulysses``) c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from usp.attention.ring import head_chunk_options
@@ -21,6 +21,7 @@ from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
 from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, compute_time, mfu, model_flops_per_token
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
+from usp.plan.lora import LoraPlan, adapter_params
 from usp.plan.memory import check_moe_tiles, checkpointed_layers, peak_memory
 from usp.plan.models import ModelSpec
 from usp.plan.offload import OFFLOAD_OPTIMIZER, host_bytes, offload_seconds, usable_host_bytes
@@ -74,6 +75,8 @@ class LayoutEstimate:
     layout: ParallelLayout | None = None
     """The layout costed, as the run's own type (its ``ring_layout`` the workload's): what
     :func:`usp.plan.auto_degrees` returns and start-up builds the mesh from."""
+    lora: LoraPlan | None = None
+    """The LoRA adapters costed (:attr:`usp.plan.layout.Workload.lora`); ``None``: full training."""
 
     @property
     def tricks(self) -> int:
@@ -104,6 +107,8 @@ class LayoutEstimate:
             out.append(f"parallel.attn_head_chunks={self.attn_head_chunks}")
         if self.states == "cpu_offload":
             out.append(f"optim.name={OFFLOAD_OPTIMIZER}")
+        if self.lora is not None:  # the plan assumed these adapters
+            out += self.lora.overrides()
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -130,6 +135,7 @@ class LayoutEstimate:
             "host_mem_gib_per_node": round(self.host_mem_gib_per_node, 3),
             "headroom_gib": round(self.headroom_gib, 3),
             **({} if self.layout is None else {"layout": self.layout.to_dict()}),
+            **({} if self.lora is None else {"lora": asdict(self.lora)}),
         }
 
 
@@ -159,12 +165,14 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
         recompute_layers=n_ckpt,
         mlp_recompute_layers=L if cand.mlp_tiles > 1 else 0,
         documents=work.documents,
+        lora=work.lora,
     )
     host = host_bytes(work, cand)
     # One layer's forward (what a checkpoint's copy out hides behind) and its recompute + backward (the copy in)
     attn_fwd_layer = comp["attention_s"] / ((1 + ATTN_BWD_OVER_FWD_HW) * L + n_ckpt)
+    layer_params = model.active_layer_params + adapter_params(model, work.lora) / L  # with its adapters
     layer_fwd = (  # a MoE layer: the parameters one token goes through
-        2.0 * model.active_layer_params * seq_len / (U * R) / (device.peak_flops * device.dense_efficiency)
+        2.0 * layer_params * seq_len / (U * R) / (device.peak_flops * device.dense_efficiency)
     )
     layer_fwd += attn_fwd_layer
     layer_bwd = max(0.0, (comp["dense_s"] + comp["attention_s"]) / L - layer_fwd)
@@ -181,7 +189,13 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
         compute_bytes=B,
     )
     fsdp = fsdp_comm(
-        model, device, world_size=world_size, node_size=node_size, fsdp_mode=cand.fsdp_mode, compute_bytes=B
+        model,
+        device,
+        world_size=world_size,
+        node_size=node_size,
+        fsdp_mode=cand.fsdp_mode,
+        compute_bytes=B,
+        lora=work.lora,
     )
     busy = comp["dense_s"] + comp["attention_s"]
     # all-gathers (and with CPU offload the parameter copies in) prefetch behind the previous layer's compute
@@ -190,7 +204,7 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
     micro += off["ckpt_offload_exposed_s"]
     step = micro * accum + off["host_adam_s"]
     tokens_per_gpu = batch * seq_len / step / world_size
-    step_flops = model_flops_per_token(model, seq_len, work.documents) * batch * seq_len
+    step_flops = model_flops_per_token(model, seq_len, work.documents, work.lora) * batch * seq_len
     _, step_mfu = mfu(step_flops, step, world_size, device.peak_flops)
     times = {
         "dense_s": comp["dense_s"] * accum,
@@ -229,6 +243,7 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
         host_fits=host_fits,
         attn_head_chunks=cand.attn_head_chunks,
         layout=cand if cand.ring_layout == work.ring_layout else cand.replace(ring_layout=work.ring_layout),
+        lora=work.lora,
     )
 
 

@@ -1,7 +1,7 @@
 """What the planner costs, as three small frozen records passed through its internals instead of keyword chains.
 
 - :class:`Workload`: what is trained, the same for every layout of a search (model, sequence length, batch,
-  precision, loss chunk, ring layout, packed documents) and how strictly a layout is judged (allocator margin,
+  precision, loss chunk, ring layout, packed documents, LoRA adapters) and how strictly a layout is judged (allocator margin,
   headroom);
 - :class:`Candidate`: one layout being costed, i.e. a :class:`usp.parallel.ParallelLayout` (degrees, cluster
   shape, FSDP mode, checkpointing, memory tricks, where the states live);
@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from usp.parallel.layout import STATE_PLACEMENTS, ParallelLayout
 from usp.plan.compute import DocumentWork
+from usp.plan.lora import LoraPlan
 from usp.plan.models import ModelSpec
 
 
@@ -49,6 +50,9 @@ class Workload:
     picks flash_attn, or torch's flash kernel with the same buffers)."""
     headroom_gib: float | None = None
     """Device memory a layout must leave free; ``None``: :attr:`DeviceSpec.default_headroom_gib`."""
+    lora: LoraPlan | None = None
+    """LoRA adapters on a frozen base (``model.lora.*``, ``usp-plan --lora-rank``: :mod:`usp.plan.lora`);
+    ``None``: full training."""
 
 
 Candidate = ParallelLayout

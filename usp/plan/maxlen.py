@@ -33,6 +33,7 @@ from usp.plan.estimate import (
 )
 from usp.plan.hardware import DeviceSpec
 from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
+from usp.plan.lora import LoraPlan
 from usp.plan.memory import check_moe_tiles
 from usp.plan.models import ModelSpec
 
@@ -104,10 +105,12 @@ def max_seq_lens(
     headroom_gib: float | None = None,
     seq_multiple: int = SEQ_MULTIPLE,
     limit: int = SEQ_LIMIT,
+    lora: LoraPlan | None = None,
 ) -> list[MaxSeqLenEstimate]:
     """The longest fitting length of every candidate that fits at all, longest first (then fastest, then
     fewer tricks). ``mlp_tiles`` and ``attn_head_chunks`` None are ``auto`` (a fixed head chunk count is
-    kept only for layouts whose heads it splits); ``loss_chunk_sizes`` the chunks to try, largest first.
+    kept only for layouts whose heads it splits); ``loss_chunk_sizes`` the chunks to try, largest first;
+    ``lora``: LoRA adapters on a frozen base (:mod:`usp.plan.lora`; ``None``: full training).
     Raises ``ValueError`` when nothing fits at the smallest
     length, or on bad input."""
     if world_size < 1 or node_size < 1 or world_size % min(node_size, world_size):
@@ -145,6 +148,7 @@ def max_seq_lens(
         ring_layout=ring_layout,
         overhead_frac=overhead_frac,
         headroom_gib=headroom_gib,
+        lora=lora,
     )
     out = longest_per_candidate(work, space, device, chunks, seq_multiple, limit)
     if not out:

@@ -20,6 +20,7 @@ from statistics import median
 from typing import Any
 
 from usp.plan.compute import ATTN_BWD_OVER_FWD_HW
+from usp.plan.lora import LoraPlan
 from usp.plan.models import ModelSpec, load_model_spec
 from usp.plan.request import PlanRequest
 
@@ -179,6 +180,8 @@ class TrainingRun:
     """``parallel.attn_head_chunks`` of the run."""
     ring_layout: str = "zigzag"
     """``parallel.ring_layout`` of the run (a contiguous ring's causal imbalance is in its step time)."""
+    lora: LoraPlan | None = None
+    """The run's LoRA adapters (``model.lora``); ``None``: full training."""
 
 
 def _load_config(run_dir: Path) -> dict[str, Any]:
@@ -314,4 +317,5 @@ def read_training_run(
         states_on_host=request.states_on_host,
         attn_head_chunks=int(request.attn_head_chunks),
         ring_layout=str(request.ring_layout),
+        lora=request.lora,
     )

@@ -41,6 +41,14 @@ Sharded states: 16 B per parameter on the device; with them offloaded (``offload
 ``parallel.cpu_offload=true`` and an ``optim.name`` that steps on the host both select) nothing stays on the
 device between uses.
 
+LoRA on a frozen base (:attr:`usp.plan.layout.Workload.lora`, :mod:`usp.plan.lora`): every parameter stays an
+fp32 shard (``4 B`` per parameter, the adapters' too) and is gathered as above; the gradients (compute dtype, the
+fp32 reduce-scatter input, the fp32 shards) and the Adam moments exist for the trainable parameters only (``12 B``
+per trainable parameter, ``8 B`` before the backward); a frozen LM head has no ``[V, h]`` gradient. A layer keeps
+what :func:`usp.plan.lora.layer_lora_bytes` says in place of the norms' and projections' inputs above: no
+normalized input of a frozen norm, no input no adapted layer reads, and ``r B`` per adapter (measured in
+``tests/test_plan_lora.py``).
+
 Mixture-of-experts layers (:class:`usp.plan.models.MoESpec`: ``E`` experts, ``k`` per token, expert width
 ``I_e``, shared experts ``I_s``) keep, per local token, in place of the dense MLP's ``4 I B``, what
 transformers' ``grouped_mm`` experts (its default) and the family's router save (measured in
@@ -88,6 +96,19 @@ from usp.plan.attention_memory import attention_backward_bytes, attention_phase_
 from usp.plan.comm import ACT_BYTES
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.layout import Candidate, Workload, from_keywords
+from usp.plan.lora import (
+    LoraPlan,
+    gathered_layer_params,
+    head_trains,
+    layer_lora_bytes,
+    norm_bytes_per_token,
+    root_grad_matrix,
+    total_params,
+    trainable_decoder_params,
+    trainable_layer_params,
+    trainable_params,
+    trainable_root_params,
+)
 from usp.plan.models import ModelSpec
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master param + fp32 grad + Adam m and v
@@ -136,6 +157,7 @@ def activation_bytes_per_token_layer(
     compute_bytes: int = ACT_BYTES,
     tiled: bool = False,
     routed: bool | None = None,
+    lora: LoraPlan | None = None,
 ) -> int:
     """Saved activations of one decoder layer per local token, in bytes (module docstring).
 
@@ -143,14 +165,25 @@ def activation_bytes_per_token_layer(
     consumers, so the layer keeps its input (``B h``, for the q/k/v tiles) and the residual after attention
     (``B h``, for the norm + MLP tiles) instead of ``2 h (4 + 2B)``, two rsqrt and the MLP's ``4 I B``.
     ``routed``: a MoE layer (its block's :func:`moe_bytes_per_token` in place of the MLP's) or a dense one;
-    None: the model's larger kind (dense models: the dense layer)."""
+    None: the model's larger kind (dense models: the dense layer). ``lora``: adapters on a frozen base
+    (:func:`usp.plan.lora.layer_lora_bytes`: the norms, the o_proj and down_proj inputs, the adapters)."""
     if routed is None:
         return max(
-            activation_bytes_per_token_layer(model, ulysses_degree, compute_bytes, tiled, kind)
+            activation_bytes_per_token_layer(model, ulysses_degree, compute_bytes, tiled, kind, lora)
             for kind in set(model.layer_kinds)
         )
     h, d, H, B = model.hidden_size, model.head_dim, model.num_heads, compute_bytes
     kv = model.kv_heads_per_rank(ulysses_degree) * ulysses_degree  # max(Hkv, U) when even
+    if lora is not None:
+        part = layer_lora_bytes(model, lora, ulysses_degree, B, routed=routed, tiled=tiled)
+        attention = (H + 2 * kv) * d * B + H * d * B + part["o_proj_input"]
+        if tiled:
+            return 2 * h * B + attention + 4 * H + part["adapters"]
+        norms = part["input_norm"] + part["post_norm"]
+        mlp = (
+            moe_bytes_per_token(model, B) if routed else 3 * model.intermediate_size * B + part["down_input"]
+        )
+        return norms + attention + 4 * H + 8 + mlp + part["adapters"]
     attention = (H + 2 * kv) * d * B + H * d * B * (2 if ulysses_degree > 1 else 1)
     if tiled:
         return 2 * h * B + attention + 4 * H
@@ -248,10 +281,15 @@ def check_mlp_tiles(mlp_tiles: int, local_tokens: float) -> None:
         )
 
 
-def device_states_bytes(model: ModelSpec, shard: int, *, states_on_host: bool = False) -> float:
-    """Sharded parameters, gradients and optimizer states left on one device (module docstring)."""
+def device_states_bytes(
+    model: ModelSpec, shard: int, *, states_on_host: bool = False, lora: LoraPlan | None = None
+) -> float:
+    """Sharded parameters, gradients and optimizer states left on one device (module docstring); with ``lora``
+    the fp32 parameters of the base and the adapters, the gradients and Adam moments of the trainable ones."""
     if states_on_host:
         return 0.0
+    if lora is not None:
+        return (4 * total_params(model, lora) + 12 * trainable_params(model, lora)) / shard
     return model.num_params * STATE_BYTES_PER_PARAM / shard
 
 
@@ -303,19 +341,23 @@ def held_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
     tiled = mlp_tiles > 1
     n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
     inputs = 0 if activation_checkpointing == "offload" else n_ckpt
+    lora = work.lora
     if model.moe is None:
-        per_layer = activation_bytes_per_token_layer(model, ulysses_degree, B, tiled)
+        per_layer = activation_bytes_per_token_layer(model, ulysses_degree, B, tiled, lora=lora)
         kept = (model.num_layers - n_ckpt) * per_layer
     else:  # each layer not checkpointed keeps its own kind's activations
         ckpt = set(checkpointed_layer_indices(model.num_layers, activation_checkpointing, ac_every_k))
         per_kind = {
-            k: activation_bytes_per_token_layer(model, ulysses_degree, B, tiled, k) for k in (False, True)
+            k: activation_bytes_per_token_layer(model, ulysses_degree, B, tiled, k, lora)
+            for k in (False, True)
         }
         kept = sum(per_kind[kind] for i, kind in enumerate(model.layer_kinds) if i not in ckpt)
+    # the final norm: its output is the loss chunks' input; a frozen one keeps no normalized input
+    final_norm = h * B if tiled else norm_bytes_per_token(model, lora, B, output_kept=True)
     out = {
         "layers": (kept + inputs * h * B) * s,
         "rotary": 2 * model.head_dim * B * s,
-        "final_norm": (h * B if tiled else h * (4 + 2 * B)) * s,
+        "final_norm": final_norm * s,
     }
     if model.moe is not None:  # the router loss's logits and softmax (module docstring)
         out["router"] = router_held_bytes_per_token(model, B) * s
@@ -398,11 +440,19 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     )  # per layer: a MoE layer (True) or dense; the top layer's and the bottom's below
 
     shard = shard_degree(world_size, node_size, fsdp_mode)
+    lora = work.lora
     # fp32 parameters and Adam moments; the fp32 gradient shards come into being during the backward, after
     # both peaks (and with gradient accumulation they live from the first micro step: counted then)
     dp = world_size // (U * R)
     accumulating = work.global_batch is not None and work.global_batch > dp
-    states = device_states_bytes(model, shard, states_on_host=offload) * (16 if accumulating else 12) / 16
+    if lora is None:
+        states = device_states_bytes(model, shard, states_on_host=offload) * (16 if accumulating else 12) / 16
+    else:  # every parameter's fp32 shard; the trainable ones' moments (and accumulated gradients)
+        grads_and_moments = (12 if accumulating else 8) * trainable_params(model, lora)
+        states = 0.0 if offload else (4 * total_params(model, lora) + grads_and_moments) / shard
+    # what gets gradients (everything without LoRA: the layer's, the decoder's, the root's parameters)
+    layer_trainable = trainable_layer_params(model, lora)
+    decoder_trainable = trainable_decoder_params(model, lora)
     # FSDP2's compute copies: the root unit (embedding, final norm, LM head) is gathered in the compute dtype
     # for the forward and kept until the end of the backward; one decoder layer at a time is gathered (two
     # through the backward: the current one and the prefetched one); the LM head's [V, h] gradient in the compute
@@ -410,10 +460,10 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     # fp32 run does not: the parameters are used where they live).
     casts = world_size > 1 or offload or B < 4
     root = (model.embedding_params + model.head_params + h) * B if casts else 0.0
-    layer = model.layer_params * B if casts else 0.0
-    head_grad = model.vocab_size * h * B
+    layer = gathered_layer_params(model, lora) * B if casts else 0.0
+    head_grad = model.vocab_size * h * B if head_trains(model, lora) else 0.0
 
-    per_layer = activation_bytes_per_token_layer(model, U, B, tiled=tiled, routed=kinds[-1]) * s
+    per_layer = activation_bytes_per_token_layer(model, U, B, tiled=tiled, routed=kinds[-1], lora=lora) * s
     n_ckpt = checkpointed_layers(L, activation_checkpointing, ac_every_k)
     held = held_activation_bytes(
         model,
@@ -450,7 +500,7 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
         or by the tiled q/k/v projections of a layer that is not checkpointed)."""
         on_device = activation_checkpointing != "offload"
         keeps = (checkpointed and on_device) or (tiled and not checkpointed)
-        return attention_phase_bytes_per_token(model, U, B, tiled=tiled, keeps_input=keeps)
+        return attention_phase_bytes_per_token(model, U, B, tiled=tiled, keeps_input=keeps, lora=lora)
 
     # the attention backward's allocations (usp.plan.attention_memory): the kernel's buffers and gradients, and
     # on a ring its travelling K/V and fp32 accumulators
@@ -472,7 +522,7 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     # its full activations, the backward's buffers, two layers gathered, the layer's gradients in the compute
     # dtype and FSDP2's fp32 reduce-scatter input of the layer above (one unsharded layer gradient, held until
     # the next post-backward; measured, docs/memory.md)
-    layer_gathers = root + head_grad + 2 * layer + model.layer_params * B + 4 * model.layer_params
+    layer_gathers = root + head_grad + 2 * layer + layer_trainable * B + 4 * layer_trainable
     # inside a layer's backward the larger of two phases (they never overlap: the MLP's backward ends before
     # the attention's begins). The MLP backward, with its recomputed activations still alive: at the product's
     # backward, the gradient of the down projection's input replaces the product it saved, and the gradients
@@ -500,11 +550,16 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     )
     # peak 3, the bottom layer's backward: the layers above have freed their activations but left their fp32
     # gradient shards (on the device unless the states are offloaded); the bottom layer's full activations
-    bottom_params = model.layer_params if model.moe is None else model.params_of_layer(0)
-    grads_above = 0.0 if offload else 4 * (model.decoder_params - bottom_params) / shard
+    if lora is None:
+        bottom_params = model.layer_params if model.moe is None else model.params_of_layer(0)
+    else:
+        bottom_params = trainable_layer_params(model, lora, kinds[0])
+    grads_above = 0.0 if offload else 4 * (decoder_trainable - bottom_params) / shard
     bottom_layer = per_layer
     if kinds[0] != kinds[-1]:
-        bottom_layer = activation_bytes_per_token_layer(model, U, B, tiled=tiled, routed=kinds[0]) * s
+        bottom_layer = (
+            activation_bytes_per_token_layer(model, U, B, tiled=tiled, routed=kinds[0], lora=lora) * s
+        )
     bottom = (
         held["rotary"]
         + bottom_layer
@@ -521,9 +576,10 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     # peak 4, the root's reduce-scatter after the whole backward: every layer's fp32 gradient shard, the
     # root's gradients in the compute dtype (one left), their fp32 copies (none in an fp32 run), FSDP2's flat
     # reduce-scatter input and its output shard
-    root_params = model.embedding_params + model.head_params + h
-    grads_all = 0.0 if offload else 4 * model.decoder_params / shard
-    reduce = model.vocab_size * h * B + root_params * ((4 if B < 4 else 0) + 4 + 4 / shard)
+    root_params = trainable_root_params(model, lora)
+    grads_all = 0.0 if offload else 4 * decoder_trainable / shard
+    root_grad = model.vocab_size * h * B if root_grad_matrix(model, lora) else 0.0
+    reduce = root_grad + root_params * ((4 if B < 4 else 0) + 4 + 4 / shard)
     # (a MoE's router logits are still held by the loss's recorder: E B per token and MoE layer)
     logits = model.moe.num_moe_layers * model.moe.num_experts * B * s if router else 0.0
     peak_root = (states + grads_all, reduce, logits, 0.0, 0.0)

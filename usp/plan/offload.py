@@ -15,6 +15,10 @@ Three things can live in host memory (``B`` the compute dtype's size, ``s`` loca
   gradient shard out, behind compute like the all-gathers themselves; then the optimizer steps on the host,
   which nothing overlaps (the next forward needs the parameters).
 
+LoRA (:attr:`usp.plan.layout.Workload.lora`): every parameter shard (the adapters' too) is pinned and copied in
+as above, but only the trainable parameters have gradient shards, Adam moments and a host Adam step
+(:mod:`usp.plan.lora`).
+
 The host Adam step reads parameter, gradient, ``m`` and ``v`` and writes parameter, ``m``, ``v``: 28 B per
 parameter, bound by the node's DRAM bandwidth (``DeviceSpec.host_mem_gbps``) over all of its ranks' shards
 (what DeepSpeed's vectorized ``DeepSpeedCPUAdam`` approaches; torch's AdamW on the host is slower and not
@@ -31,6 +35,7 @@ from typing import Any
 
 from usp.plan.hardware import GB, GIB, DeviceSpec
 from usp.plan.layout import Candidate, Workload, from_keywords
+from usp.plan.lora import LoraPlan, adapted_linears, total_params, trainable_params
 from usp.plan.memory import checkpointed_layers, shard_degree
 from usp.plan.models import ModelSpec
 
@@ -49,7 +54,7 @@ def host_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
         n = checkpointed_layers(model.num_layers, cand.activation_checkpointing)
         ckpt = n * s * model.hidden_size * work.compute_bytes
     shard = shard_degree(cand.world_size, cand.node_size, cand.fsdp_mode)
-    states = offloaded_state_bytes(model, shard) if cand.states_on_host else 0.0
+    states = offloaded_state_bytes(model, shard, work.lora) if cand.states_on_host else 0.0
     rank = ckpt + states
     return {
         "checkpoints": ckpt,
@@ -65,12 +70,15 @@ def pinned_block_bytes(nbytes: float) -> float:
     return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 0 else 0.0
 
 
-def offloaded_state_bytes(model: ModelSpec, shard: int) -> float:
+def offloaded_state_bytes(model: ModelSpec, shard: int, lora: LoraPlan | None = None) -> float:
     """Host bytes of one rank's states under FSDP2 CPU offload: each fp32 parameter shard and its fp32 gradient
     shard pinned (each its own block, rounded by :func:`pinned_block_bytes`), the Adam moments ``m, v`` in
     plain host memory (8 B per parameter of the shard). A MoE layer's tensors: transformers' (router
     ``[E, h]``, stacked experts ``gate_up [E, 2 I_e, h]`` and ``down [E, h, I_e]``, their biases, the shared
-    experts' projections)."""
+    experts' projections). ``lora``: the adapters' ``A [r, in]`` and ``B [out, r]`` pinned too; gradient shards
+    and moments for the trainable tensors only (the adapters, and the embedding and norms when they train)."""
+    if lora is not None:
+        return _lora_offloaded_state_bytes(model, shard, lora)
     h, d, inter, V = model.hidden_size, model.head_dim, model.intermediate_size, model.vocab_size
     layer = [h * model.num_heads * d] * 2 + [h * model.num_kv_heads * d] * 2 + [h * inter] * 3 + [h] * 2
     root = [V * h] * (1 if model.tie_word_embeddings else 2) + [h]
@@ -89,6 +97,34 @@ def offloaded_state_bytes(model: ModelSpec, shard: int) -> float:
         pinned = sum(kind_bytes[kind] for kind in m.layers)
     pinned += sum(pinned_block_bytes(4 * math.ceil(n / shard)) for n in root)
     return 2 * pinned + 8 * model.num_params / shard
+
+
+def _lora_offloaded_state_bytes(model: ModelSpec, shard: int, lora: LoraPlan) -> float:
+    """:func:`offloaded_state_bytes` with LoRA: every parameter shard pinned as in full training (the base's
+    blocks, the adapters'), a pinned gradient shard for each trainable tensor, Adam moments of the trainable
+    parameters."""
+    h, V = model.hidden_size, model.vocab_size
+
+    def pinned(sizes: list[int]) -> float:
+        return sum(pinned_block_bytes(4 * math.ceil(n / shard)) for n in sizes)
+
+    # full training pins one parameter block and one gradient block per tensor: half of it is the parameters
+    base = (offloaded_state_bytes(model, shard) - 8 * model.num_params / shard) / 2
+    per_kind = {
+        kind: pinned(
+            [
+                n
+                for i, o in adapted_linears(model, lora, kind).values()
+                for n in (lora.rank * i, lora.rank * o)
+            ]
+        )
+        for kind in set(model.layer_kinds)
+    }
+    adapters = sum(per_kind[kind] for kind in model.layer_kinds)  # A and B of every adapted layer
+    grads = adapters
+    if lora.train_embeddings_and_norms:  # the embedding's (a tied LM head's with it) and every norm's
+        grads += pinned([V * h]) + pinned([h] * (2 * model.num_layers + 1))
+    return base + adapters + grads + 8 * trainable_params(model, lora) / shard
 
 
 def usable_host_bytes(device: DeviceSpec) -> float:
@@ -126,8 +162,13 @@ def offload_seconds(
         L = model.num_layers
         out["ckpt_copy_s"] = copy
         out["ckpt_offload_exposed_s"] = L * (max(0.0, copy - layer_fwd_s) + max(0.0, copy - layer_bwd_s))
-    shard_params = model.num_params / shard_degree(cand.world_size, cand.node_size, cand.fsdp_mode)
-    if cand.states_on_host:
+    shard = shard_degree(cand.world_size, cand.node_size, cand.fsdp_mode)
+    shard_params = model.num_params / shard
+    if cand.states_on_host and work.lora is not None:  # every parameter copied in, trainable gradients out
+        trained = trainable_params(model, work.lora) / shard
+        out["fsdp_offload_s"] = (2 * total_params(model, work.lora) / shard + trained) * 4 / bw
+        out["host_adam_s"] = trained * ranks * HOST_ADAM_BYTES_PER_PARAM / (device.host_mem_gbps * GB)
+    elif cand.states_on_host:
         out["fsdp_offload_s"] = shard_params * 4 * 3 / bw  # param shard in (forward, backward), grad out
         node_params = shard_params * ranks
         out["host_adam_s"] = node_params * HOST_ADAM_BYTES_PER_PARAM / (device.host_mem_gbps * GB)

@@ -4,7 +4,7 @@ longest-sequence benchmark use.
 A :class:`PlanRequest` holds the plain values of a run that the cost model reads (``trainer.seq_len``, the
 compute dtype's bytes, ``parallel.ring_layout``, ``trainer.loss_chunk_size``, ``parallel.mlp_tiles``,
 ``parallel.attn_head_chunks``, where the states live, ``cluster.host_mem_gib``, the degrees and the
-checkpointing). :meth:`PlanRequest.from_config` reads them from a :class:`usp.config.TrainConfig`;
+checkpointing, ``model.lora``'s rank, targets and trained embeddings and norms). :meth:`PlanRequest.from_config` reads them from a :class:`usp.config.TrainConfig`;
 :meth:`PlanRequest.from_dict` from a run's saved config (calibration). Two questions use it, so both ask the
 planner the same thing:
 
@@ -28,6 +28,7 @@ from usp.plan.auto import auto_degrees
 from usp.plan.estimate import LayoutEstimate, estimate_layout
 from usp.plan.hardware import DeviceSpec, get_device
 from usp.plan.layout import Workload
+from usp.plan.lora import LoraPlan
 from usp.plan.models import ModelSpec
 
 if TYPE_CHECKING:
@@ -83,6 +84,24 @@ class PlanRequest:
     fsdp_mode: str = _PARALLEL_DEFAULTS.fsdp_mode
     activation_checkpointing: str = _PARALLEL_DEFAULTS.activation_checkpointing
     ac_every_k: int = _PARALLEL_DEFAULTS.ac_every_k
+    lora_rank: int = 0
+    """``model.lora.rank``: 0 = full training."""
+    lora_train_embeddings_and_norms: bool = False
+    """``model.lora.train_embeddings_and_norms``."""
+    lora_target_modules: tuple[str, ...] | None = None
+    """``model.lora.target_modules`` (``None``: every ``*proj*`` layer)."""
+
+    @property
+    def lora(self) -> LoraPlan | None:
+        """The adapters the run trains, as the planner costs them (:mod:`usp.plan.lora`); ``None``: full
+        training."""
+        return LoraPlan.from_config(
+            {
+                "rank": self.lora_rank,
+                "train_embeddings_and_norms": self.lora_train_embeddings_and_norms,
+                "target_modules": self.lora_target_modules,
+            }
+        )
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> PlanRequest:
@@ -106,6 +125,14 @@ class PlanRequest:
             ),
             "host_mem_gib": (cfg.get("cluster") or {}).get("host_mem_gib"),
         }
+        lora = model.get("lora") or {}
+        if int(lora.get("rank", 0) or 0):
+            targets = lora.get("target_modules")
+            values |= {
+                "lora_rank": int(lora["rank"]),
+                "lora_train_embeddings_and_norms": bool(lora.get("train_embeddings_and_norms", False)),
+                "lora_target_modules": None if targets is None else tuple(targets),
+            }
         for name in (
             "ring_layout",
             "mlp_tiles",
@@ -136,6 +163,7 @@ class PlanRequest:
             "attn_head_chunks": self.attn_head_chunks,
             "cpu_offload": self.states_on_host,
             "host_mem_gib": self.host_mem_gib,
+            "lora": self.lora,
         }
         for name in ("ulysses_degree", "ring_degree"):
             value = getattr(self, name)
@@ -193,6 +221,7 @@ class PlanRequest:
             compute_bytes=self.compute_bytes,
             loss_chunk_size=self.loss_chunk_size,
             ring_layout=self.ring_layout,
+            lora=self.lora,
         )
         return estimate_layout(work, layout, device)
 

@@ -1,6 +1,7 @@
 """What the trainer counts for its model FLOPs and attention balance: the matmul parameters of the real model
-(:func:`count_matmul_params`, the ``N`` of :func:`usp.plan.compute.training_flops`, the one model-FLOP count)
-and the attention work balance over the ring ranks (:func:`attention_work_imbalance`).
+(:func:`count_matmul_params`, the ``N`` of :func:`usp.plan.compute.training_flops`, the one model-FLOP count),
+with LoRA the adapters' and the trainable ones (:func:`count_lora_matmul_params`), and the attention work
+balance over the ring ranks (:func:`attention_work_imbalance`).
 
 MFU from these: :func:`usp.plan.compute.mfu` over :func:`usp.train.peak_flops.peak_flops_per_device`.
 """
@@ -65,3 +66,38 @@ def count_matmul_params(model: Any) -> int:
             elif param.dim() == 2 and hasattr(module, "top_k"):  # the router's [E, H] weight
                 total += param.numel()
     return int(total)
+
+
+def count_lora_matmul_params(model: Any, spec: Any) -> tuple[int, int]:
+    """``(adapter_params, trainable_matmul_params)`` of the LoRA adapters ``spec``
+    (:class:`usp.model.lora.LoraSpec`, target modules resolved or not) on ``model`` before they are injected
+    (the plain model, on the meta device or not; nothing is changed).
+
+    ``adapter_params``: ``r (in + out)`` for every ``nn.Linear`` of the decoder blocks that
+    :func:`usp.model.lora.apply_lora` adapts (the one ``A [r, in]``, ``B [out, r]`` pair each): matmul weights
+    every token runs, to add to :func:`count_matmul_params` for the model's ``N``. ``trainable_matmul_params``
+    (the ``trainable_matmul_params`` of :func:`usp.plan.compute.training_flops`): the adapters, plus the matmul
+    weights that train with ``train_embeddings_and_norms`` (an LM head tied to the trained input embedding; the
+    embedding itself is a lookup). Like the planner (:mod:`usp.plan.lora`) it counts the adapters of linear
+    layers only, not those ``peft`` may put on a MoE's stacked expert parameters."""
+    from torch import nn
+
+    from usp.model.lora import default_target_modules, embeddings_and_norms
+
+    targets = set(spec.target_modules or default_target_modules(model))
+    adapters = 0
+    for name, module in model.named_modules():
+        in_decoder = ".layers." in f".{name}" and "lora_" not in name
+        if isinstance(module, nn.Linear) and in_decoder and name.rsplit(".", 1)[-1] in targets:
+            adapters += spec.rank * (module.in_features + module.out_features)
+    trained = 0
+    if spec.train_embeddings_and_norms:
+        modules = dict(model.named_modules())
+        ids = {id(p) for name in embeddings_and_norms(model) for p in modules[name].parameters(recurse=False)}
+        seen: set[int] = set()
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, nn.Linear) and id(weight) in ids and id(weight) not in seen:
+                seen.add(id(weight))
+                trained += weight.numel()
+    return int(adapters), int(adapters + trained)
