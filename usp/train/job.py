@@ -36,7 +36,7 @@ from usp.train.checks import (
     start_up_warnings,
 )
 from usp.train.dpo import DpoSpec
-from usp.train.flops import count_matmul_params
+from usp.train.flops import count_lora_matmul_params, count_matmul_params
 from usp.train.optim import build_optimizer, reapply_schedule
 from usp.train.parallelize import decoder_layers, parallelize
 from usp.train.peak_flops import peak_flops_per_device
@@ -180,8 +180,6 @@ def build_model(
     lora = None if lora is None else resolve_lora(lora, model)
     matmul_params, trainable_matmul_params = count_matmul_params(model), None
     if lora is not None:  # counted on the plain model: the adapters run with it, only they (mostly) train
-        from usp.train.flops import count_lora_matmul_params
-
         adapter_params, trainable_matmul_params = count_lora_matmul_params(model, lora)
         matmul_params += adapter_params
     shape = ModelShape(
