@@ -97,10 +97,10 @@ def test_clip_grad_norm_plain_tensors():
 
 def test_batches_go_to_the_device_but_cu_seqlens_stay_on_the_host():
     """The attention reads cu_seqlens on the host (docs/attention.md): a device copy would cost a sync."""
-    from usp.train.step import _to_device
+    from usp.train.step import batch_to_device
 
     batch = {k: torch.zeros(1, 8, dtype=torch.int64) for k in ("input_ids", "labels", "position_ids")}
     batch["cu_seqlens"] = torch.tensor([0, 3, 8])
-    out = _to_device(batch, torch.device("meta"))  # "meta" stands in for a CUDA device
+    out = batch_to_device(batch, torch.device("meta"))  # "meta" stands in for a CUDA device
     assert all(out[k].device.type == "meta" for k in ("input_ids", "labels", "position_ids"))
     assert out["cu_seqlens"].device.type == "cpu" and out["cu_seqlens"].dtype == torch.int32

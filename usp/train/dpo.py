@@ -33,10 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.parallel import SPMesh
-from usp.train.guard import all_finite
 from usp.train.loss import IGNORE_INDEX, global_target_count
-from usp.train.optim import clip_grad_norm
-from usp.train.step import StepResult, _to_device
+from usp.train.step import StepResult, apply_update, batch_to_device, skip_update
 
 OBJECTIVES: tuple[str, ...] = ("lm", "dpo")
 """``trainer.objective``."""
@@ -126,6 +124,24 @@ def step_pair_count(micro_batches: Sequence[dict[str, Any]], mesh: SPMesh, devic
     return global_target_count(local, mesh.group("dp"), device)
 
 
+def segment_forward(
+    loss_model: nn.Module, micro: dict[str, Any], device: torch.device
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """One forward of a preference micro-batch: ``(batch on the device, this rank's cross-entropy sums per
+    segment [B x D], the segment ids [B, S_local])``."""
+    b = batch_to_device(micro, device)
+    segments, num_segments = _segments(micro, device)
+    segment_ce = loss_model(
+        b["input_ids"],
+        b["labels"],
+        position_ids=b["position_ids"],
+        cu_seqlens=b["cu_seqlens"],
+        segments=segments,
+        num_segments=num_segments,
+    )
+    return b, segment_ce, segments
+
+
 def _segments(batch: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, int]:
     """Segment ids ``[B, S_local]`` (document ``d`` of row ``b`` -> ``b D + d``) and ``B x D``."""
     index = batch["document_index"].to(device)  # [B, S_local]
@@ -178,12 +194,12 @@ def micro_batch_pairs(
         return segment_ce.sum() * 0.0, figures
     ci = torch.tensor(chosen, device=logp.device)
     ri = torch.tensor(rejected, device=logp.device)
-    as_t = lambda v: torch.tensor(v, dtype=torch.float64, device=logp.device)  # noqa: E731
+    refs = [torch.tensor(v, dtype=torch.float64, device=logp.device) for v in (ref_c, ref_r)]
     losses, reward_c, reward_r = pair_losses(
         logp[ci],
         logp[ri],
-        as_t(ref_c) if reference is not None else None,
-        as_t(ref_r) if reference is not None else None,
+        refs[0] if reference is not None else None,
+        refs[1] if reference is not None else None,
         n_tokens[ci],
         n_tokens[ri],
         spec,
@@ -234,9 +250,7 @@ def dpo_step(
     local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
     num_targets = global_target_count(local_targets, mesh.group("fsdp"), device)
     if total_pairs == 0:
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
+        skip_update(optimizer, scheduler)
         return StepResult(
             loss=math.nan,
             grad_norm=math.nan,
@@ -250,16 +264,7 @@ def dpo_step(
         )
     sums = torch.zeros(5, dtype=torch.float64, device=device)
     for micro in micro_batches:
-        b = _to_device(micro, device)
-        segments, num_segments = _segments(micro, device)
-        segment_ce = loss_model(
-            b["input_ids"],
-            b["labels"],
-            position_ids=b["position_ids"],
-            cu_seqlens=b["cu_seqlens"],
-            segments=segments,
-            num_segments=num_segments,
-        )
+        b, segment_ce, segments = segment_forward(loss_model, micro, device)
         surrogate, figures = micro_batch_pairs(
             micro,
             b["labels"],
@@ -276,15 +281,15 @@ def dpo_step(
     if dist.get_world_size(dp_group) > 1:
         dist.all_reduce(sums, group=dp_group)  # every sp rank of a replica holds the same figures
     loss_sum, chosen_sum, rejected_sum, correct, margin = (float(x) for x in sums / total_pairs)
-    grad_norm = clip_grad_norm(loss_model.parameters(), grad_clip)
-    finite = all_finite(math.isfinite(loss_sum) and math.isfinite(grad_norm), mesh.group("fsdp"), device)
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if scheduler is not None:
-        scheduler.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    grad_norm, finite = apply_update(
+        loss_model,
+        optimizer,
+        scheduler,
+        loss=loss_sum,
+        grad_clip=grad_clip,
+        group=mesh.group("fsdp"),
+        device=device,
+    )
     return StepResult(
         loss=loss_sum,
         grad_norm=grad_norm,
@@ -320,16 +325,7 @@ def dpo_validation(
     device = torch.device(device)
     sums = torch.zeros(6, dtype=torch.float64, device=device)  # the figures of micro_batch_pairs, then pairs
     for micro in val_loader:
-        b = _to_device(micro, device)
-        segments, num_segments = _segments(micro, device)
-        segment_ce = loss_model(
-            b["input_ids"],
-            b["labels"],
-            position_ids=b["position_ids"],
-            cu_seqlens=b["cu_seqlens"],
-            segments=segments,
-            num_segments=num_segments,
-        )
+        b, segment_ce, segments = segment_forward(loss_model, micro, device)
         with torch.enable_grad():  # the pair loss's derivative is taken (and not used) on a few leaf numbers
             _, figures = micro_batch_pairs(
                 micro,

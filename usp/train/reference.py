@@ -31,7 +31,7 @@ from usp.atomic import write_file
 from usp.data.batch import collate_rows
 from usp.parallel import SPMesh
 from usp.parallel.agree import raise_if_any_failed
-from usp.train.step import _to_device
+from usp.train.step import batch_to_device
 
 logger = logging.getLogger(__name__)
 CACHE_VERSION = 1
@@ -104,7 +104,7 @@ def compute_reference_logps(
         index = first + replica
         row = dataset[index if index < rows else 0]
         batch = collate_rows([row], mesh=mesh, document_masking=document_masking)
-        b = _to_device(batch, device)
+        b = batch_to_device(batch, device)
         docs = len(row["document_roles"])
         segment_ce = loss_model(
             b["input_ids"],

@@ -57,13 +57,45 @@ class StepResult:
     ``rewards_chosen``, ``rewards_rejected``, ``reward_margin``, ``reward_accuracy``, and ``pairs``."""
 
 
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def batch_to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     missing = [k for k in BATCH_KEYS if k not in batch]
     assert not missing, f"batch lacks {missing}; a batch is a dict with {BATCH_KEYS} (+ cu_seqlens)"
     out = {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS}
     cu = batch.get("cu_seqlens")
     out["cu_seqlens"] = None if cu is None else cu.to(dtype=torch.int32)  # stays on the CPU: read on the host
     return out
+
+
+def skip_update(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None
+) -> None:
+    """A step that runs nothing (no target, no pair on any rank): no update; the schedule still advances."""
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+
+
+def apply_update(
+    loss_model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    *,
+    loss: float,
+    grad_clip: float,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> tuple[float, bool]:
+    """The end of a step once the gradients are accumulated: clip (the global norm), step the optimizer when
+    the loss and the norm are finite on every rank of ``group`` (one MIN all-reduce of a flag), drop the
+    gradients, advance the schedule. Returns ``(grad_norm, finite)``."""
+    grad_norm = clip_grad_norm(loss_model.parameters(), grad_clip)  # no clipping when it is not finite
+    finite = all_finite(math.isfinite(loss) and math.isfinite(grad_norm), group, device)
+    if finite:
+        optimizer.step()
+    skip_update(optimizer, scheduler)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return grad_norm, finite
 
 
 def _step_routing(
@@ -114,7 +146,7 @@ def train_step(
     device = torch.device(device)
     start = time.perf_counter()
     group = mesh.group("fsdp")
-    batches = [_to_device(b, device) for b in micro_batches]
+    batches = [batch_to_device(b, device) for b in micro_batches]
     local_targets = sum(count_targets(b["labels"]) for b in batches)
     num_targets = global_target_count(local_targets, group, device)
     lr = optimizer.param_groups[0]["lr"]
@@ -125,9 +157,7 @@ def train_step(
             b.get("document_lengths") or [[b["input_ids"].size(1) * mesh.sp_degree]] * b["input_ids"].size(0)
         )
     if num_targets == 0:  # every rank agrees (a global count): no forward, no division by zero, no update
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
+        skip_update(optimizer, scheduler)
         return StepResult(
             loss=math.nan,
             grad_norm=math.nan,
@@ -173,17 +203,10 @@ def train_step(
             loss_sum += loss.detach().double()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(loss_sum, group=group)  # shares of the global mean -> the global mean
-    grad_norm = clip_grad_norm(loss_model.parameters(), grad_clip)  # no clipping when it is not finite
     loss_value = float(loss_sum.item())
-    finite = all_finite(math.isfinite(loss_value) and math.isfinite(grad_norm), group, device)
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if scheduler is not None:
-        scheduler.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
+    grad_norm, finite = apply_update(
+        loss_model, optimizer, scheduler, loss=loss_value, grad_clip=grad_clip, group=group, device=device
+    )
     return StepResult(
         loss=loss_value,
         grad_norm=grad_norm,

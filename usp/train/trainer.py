@@ -28,6 +28,7 @@ Order (every rank runs all of it; each stage is collective where it says so):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from contextlib import ExitStack
 from pathlib import Path
@@ -237,6 +238,11 @@ def _loop(job: Job, *, save_final: bool) -> _LoopEnd:
     metrics = _metrics_logger(job)
     end.metrics_path = metrics.path
     batches = iter(job.train_loader)
+    step_fn = (
+        train_step
+        if job.dpo is None
+        else functools.partial(dpo_step, spec=job.dpo, reference=job.reference)  # trainer.objective=dpo
+    )
     guard = StepGuard(cfg.trainer.max_bad_steps, cfg.trainer.loss_spike_factor)
     with ExitStack() as guards:  # SIGTERM/SIGUSR1/SIGINT handlers, the step watchdog, the metrics file
         guards.callback(metrics.close)
@@ -245,28 +251,15 @@ def _loop(job: Job, *, save_final: bool) -> _LoopEnd:
         for step in range(job.start_step, cfg.trainer.max_steps):
             watchdog.begin_step(step)
             micro = [next(batches) for _ in range(cfg.trainer.grad_accum_steps)]
-            if job.dpo is not None:
-                res = dpo_step(
-                    job.loss_model,
-                    job.optimizer,
-                    job.scheduler,
-                    micro,
-                    mesh=job.mesh,
-                    grad_clip=cfg.optim.grad_clip,
-                    spec=job.dpo,
-                    reference=job.reference,
-                    device=job.device,
-                )
-            else:
-                res = train_step(
-                    job.loss_model,
-                    job.optimizer,
-                    job.scheduler,
-                    micro,
-                    mesh=job.mesh,
-                    grad_clip=cfg.optim.grad_clip,
-                    device=job.device,
-                )
+            res = step_fn(
+                job.loss_model,
+                job.optimizer,
+                job.scheduler,
+                micro,
+                mesh=job.mesh,
+                grad_clip=cfg.optim.grad_clip,
+                device=job.device,
+            )
             preempted = stop.agreed(job.device)  # every rank, every step: a signal to any rank stops all here
             flops = _step_flops(res.document_lengths, job.model_shape, job.mesh, job.device)
             watchdog.end_step()
