@@ -15,8 +15,6 @@ hold a conversation (:func:`usp.data.chat.conversation_of`).
 from __future__ import annotations
 
 import os
-import shutil
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,23 +22,13 @@ from typing import Any
 
 import datasets
 import numpy as np
-import pyarrow as pa
 from datasets import Dataset, IterableDataset
 
-from usp.atomic import temp_path
 from usp.data.chat import ChatRenderer, check_loss_on, conversation_of, read_chat_template
+from usp.data.encoded import encode_rows, load_normalized, pad_id_of, windows_of, write_packed
 from usp.data.pack import PackStats
 from usp.data.pack_chat import CHAT_PACKED_FEATURES, LOSS_MASK_COLUMN, pack_conversations
-from usp.data.prepared import (
-    FORMAT_VERSION,
-    PreparedData,
-    check_output,
-    first_documents,
-    preparation_key,
-    publish_rows,
-    tokenizer_identity,
-)
-from usp.data.sources import check_inputs, combine_sources, load_one
+from usp.data.prepared import Preparation, options_preparation_key
 from usp.data.tokenize import check_tokenizer
 from usp.modes import LONG_CONVERSATIONS
 
@@ -93,6 +81,18 @@ class ChatOptions:
             )
         return str(shipped)
 
+    def template_text(self, tokenizer: Any) -> Any:
+        """The text of the chat template (:meth:`template_path`, else the tokenizer's own)."""
+        path = self.template_path()
+        return read_chat_template(path) if path else getattr(tokenizer, "chat_template", None)
+
+    def key_fields(self, tokenizer: Any) -> dict[str, Any]:
+        """What these settings add to the preparation key (:func:`chat_preparation_key`)."""
+        return {
+            "text_field": self.messages_field,
+            "chat": {**asdict(self), "template_text": self.template_text(tokenizer)},
+        }
+
     def renderer(self, tokenizer: Any) -> ChatRenderer:
         path = self.template_path()
         return ChatRenderer(
@@ -120,26 +120,18 @@ def load_conversations(
 ) -> Dataset | IterableDataset:
     """Every input as one column ``messages`` (``[{role, content}]``), concatenated or mixed by ``weights``.
     A row that holds no conversation or an unknown role raises ``ValueError`` naming the input and row."""
-    check_inputs(inputs, weights, setting="--input / data.inputs")
-    log = log or (lambda msg: None)
-    parts = []
-    for spec in inputs:
-        ds = load_one(spec, cache_dir=cache_dir, streaming=streaming, log=log)
-        columns = ds.column_names
-        if columns is None:  # a stream of unknown schema: peek at one row
-            columns = list(next(iter(ds.take(1)), {}).keys())
-        kwargs: dict[str, Any] = dict(
-            batched=True,
-            with_indices=True,
-            fn_kwargs={"spec": spec, "field": options.messages_field},
-            remove_columns=columns,
-            features=MESSAGE_FEATURES,
-        )
-        if isinstance(ds, Dataset):
-            kwargs["desc"] = "reading conversations"
-        parts.append(ds.map(_normalize, **kwargs))
-    return combine_sources(
-        parts, inputs, weights=weights, seed=seed, streaming=streaming, log=log, usage=usage
+    return load_normalized(
+        inputs,
+        _normalize,
+        {"field": options.messages_field},
+        MESSAGE_FEATURES,
+        "reading conversations",
+        weights=weights,
+        seed=seed,
+        streaming=streaming,
+        cache_dir=cache_dir,
+        log=log,
+        usage=usage,
     )
 
 
@@ -160,12 +152,7 @@ def conversation_windows(
     ds: Dataset | IterableDataset, window: int, stats: PackStats
 ) -> Iterator[list[tuple[np.ndarray, np.ndarray]]]:
     """Encoded conversations, ``window`` at a time; empty ones (no assistant message) are counted, not yielded."""
-    source = (
-        ds.with_format("numpy").iter(batch_size=window)
-        if isinstance(ds, Dataset)
-        else ds.iter(batch_size=window)
-    )
-    for batch in source:
+    for batch in windows_of(ds, window):
         convs = []
         for ids, mask in zip(batch["input_ids"], batch[LOSS_MASK_COLUMN]):
             if len(ids) == 0:
@@ -191,42 +178,28 @@ def pack_chat_to(
     """Render + mask (``num_proc`` processes) and pack ``raw`` into ``work/packed.arrow``; returns
     ``(file, stats, max token id)``."""
     renderer = options.renderer(tokenizer)
-    kwargs: dict[str, Any] = dict(
-        batched=True,
-        batch_size=64,
-        fn_kwargs={"renderer": renderer},
+    encoded = encode_rows(
+        raw,
+        work,
+        encode_conversations,
+        {"renderer": renderer},
         remove_columns=[MESSAGES],
         features=CHAT_ENCODED,
+        desc="rendering conversations",
+        num_proc=num_proc,
     )
-    if isinstance(raw, Dataset):
-        kwargs.update(
-            num_proc=num_proc if num_proc > 1 and len(raw) > 1 else None,
-            desc="rendering conversations",
-            cache_file_name=str(work / "encoded.arrow"),
-            load_from_cache_file=False,
-        )
-    encoded = raw.map(encode_conversations, **kwargs)
     stats = PackStats(seq_len=seq_len)
     stats.extra["conversations_no_assistant"] = 0
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    packed = work / "packed.arrow"
-    max_id = -1
-    with (
-        pa.OSFile(str(packed), "wb") as sink,
-        pa.ipc.new_stream(sink, CHAT_PACKED_FEATURES.arrow_schema) as w,
-    ):
-        for batch in pack_conversations(
-            conversation_windows(encoded, window, stats),
-            seq_len,
-            pad_id=pad_id,
-            long_conversations=options.long_conversations,
-            split_long_conversations=options.split_long_conversations,
-            stats=stats,
-        ):
-            col = batch.column(0).flatten().to_numpy(zero_copy_only=False)
-            max_id = max(max_id, int(col.max()) if col.size else -1)
-            w.write_batch(batch)
-    del encoded
+    batches = pack_conversations(
+        conversation_windows(encoded, window, stats),
+        seq_len,
+        pad_id=pad_id_of(tokenizer),
+        long_conversations=options.long_conversations,
+        split_long_conversations=options.split_long_conversations,
+        stats=stats,
+    )
+    packed, max_id = write_packed(work, CHAT_PACKED_FEATURES.arrow_schema, batches)
+    del encoded, batches
     return packed, stats, max_id
 
 
@@ -272,59 +245,29 @@ def prepare_chat_dataset(
     options.check()
     check_tokenizer(tokenizer)
     options.renderer(tokenizer)  # no chat template, a missing file: said before reading any data
-    check_inputs(inputs, weights, setting="--input / data.inputs")
-    output = Path(output)
-    check_output(output, overwrite)
-    t0 = time.perf_counter()
+    run = Preparation.start(inputs, tokenizer, output, weights, seed, streaming, overwrite, log)
     key = chat_preparation_key(inputs, tokenizer, seq_len, options, weights, seed, streaming, max_documents)
-    usage: list[dict[str, object]] = []
-    raw = load_conversations(
-        inputs,
+    raw = run.read(
+        load_conversations,
         options,
-        weights=weights,
-        seed=seed,
-        streaming=streaming,
         cache_dir=None if cache_dir is None else str(cache_dir),
-        log=log,
-        usage=usage,
+        max_documents=max_documents,
     )
-    raw = first_documents(raw, max_documents)
-    work = temp_path(output, "work")
-    work.mkdir(parents=True)
-    try:
-        packed, stats, max_id = pack_chat_to(
+
+    def no_rows(stats: PackStats) -> str:
+        return (
+            f"the inputs {list(inputs)} give no conversation to train on ({stats.documents_in} rendered, "
+            f"{stats.extra.get('conversations_no_assistant', 0)} without an assistant message, "
+            f"{stats.extra.get('conversations_dropped_long', 0)} longer than --seq-len {seq_len} dropped)."
+        )
+
+    def pack(work: Path) -> tuple[Path, PackStats, int]:
+        return pack_chat_to(
             raw, work, tokenizer=tokenizer, seq_len=seq_len, options=options, num_proc=num_proc, window=window
         )
-        if stats.rows == 0:
-            raise ValueError(
-                f"the inputs {list(inputs)} give no conversation to train on ({stats.documents_in} rendered, "
-                f"{stats.extra.get('conversations_no_assistant', 0)} without an assistant message, "
-                f"{stats.extra.get('conversations_dropped_long', 0)} longer than --seq-len {seq_len} dropped)."
-            )
-        out_tmp = work / "out"
-        Dataset.from_file(str(packed)).save_to_disk(str(out_tmp))
-        stats.seconds = time.perf_counter() - t0
-        stats.extra.update(
-            inputs=list(inputs),
-            weights=None if weights is None else list(weights),
-            seed=seed,
-            tokenizer=getattr(tokenizer, "name_or_path", ""),
-            format=FORMAT_VERSION,
-            data_format="chat",
-            chat=asdict(options),
-            preparation_key=key,
-            tokenizer_identity=tokenizer_identity(tokenizer),
-            max_token_id=max_id,
-            sources=usage,
-            tokens_per_s=stats.document_tokens / max(stats.seconds, 1e-9),
-        )
-        existing = publish_rows(out_tmp, output, stats, key=key, overwrite=overwrite, log=log)
-        if existing is not None:
-            return existing
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    log(chat_summary(stats, output))
-    return PreparedData(path=output, stats=stats)
+
+    settings = {"data_format": "chat", "chat": asdict(options)}
+    return run.publish(pack, key=key, settings=settings, no_rows=no_rows, summary=chat_summary)
 
 
 def chat_preparation_key(
@@ -338,21 +281,7 @@ def chat_preparation_key(
     max_documents: int | None,
 ) -> str:
     """The text format's key (:func:`usp.data.prepared.preparation_key`), extended by the chat settings and
-    the template's text."""
-    path = options.template_path()
-    chat = {
-        **asdict(options),
-        "template_text": read_chat_template(path) if path else getattr(tokenizer, "chat_template", None),
-    }
-    return preparation_key(
-        inputs,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        text_field=options.messages_field,
-        weights=weights,
-        seed=seed,
-        streaming=streaming,
-        shaping=None,
-        max_documents=max_documents,
-        chat=chat,
+    the template's text (:meth:`ChatOptions.key_fields`)."""
+    return options_preparation_key(
+        inputs, tokenizer, seq_len, options, weights, seed, streaming, max_documents
     )

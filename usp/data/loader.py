@@ -228,12 +228,8 @@ def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_di
                 build_tiny_preferences(inputs[0], seed=cfg.seed)
             else:
                 build_tiny_corpus(inputs[0], seed=cfg.seed, text_field=cfg.text_field)
-        if cfg.format == "chat":
-            return _prepare_chat(
-                cfg, inputs, tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache_dir, hf_cache=hf_cache
-            )
-        if cfg.format == "preference":
-            return _prepare_preference(
+        if cfg.format in ("chat", "preference"):
+            return _prepare_with_options(
                 cfg, inputs, tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache_dir, hf_cache=hf_cache
             )
         key = preparation_key(
@@ -247,24 +243,18 @@ def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_di
             shaping=shaping,
         )
         entry = cache_dir / "packed" / f"seq{seq_len}-{key}"
-        if is_prepared_dataset(entry):
-            logger.info("reusing prepared data at %s", entry)
-            return entry
-        prepare_dataset(
+        return _prepare_entry(
+            cfg,
+            entry,
+            "data",
+            prepare_dataset,
             inputs,
-            tokenizer=tokenizer,
-            seq_len=seq_len,
-            output=entry,
+            tokenizer,
+            seq_len,
+            hf_cache,
             text_field=cfg.text_field,
-            weights=cfg.weights,
-            seed=cfg.seed,
-            streaming=cfg.streaming,
-            num_proc=cfg.num_proc,
-            cache_dir=hf_cache,
             shaping=shaping,
-            log=logger.info,
         )
-        return entry
 
     return _run_once_on_rank0(resolve)
 
@@ -282,37 +272,6 @@ def chat_options(cfg: DataConfig) -> Any:
     )
 
 
-def _prepare_chat(
-    cfg: DataConfig, inputs: list[str], *, tokenizer: Any, seq_len: int, cache_dir: Path, hf_cache: str
-) -> Path:
-    """On-the-fly ``--format chat`` preparation into ``cache_dir/packed/chat-seq<S>-<key>`` (reused when there)."""
-    from usp.data.chat_prepare import chat_preparation_key, prepare_chat_dataset
-
-    options = chat_options(cfg)
-    options.check()
-    key = chat_preparation_key(
-        inputs, tokenizer, seq_len, options, cfg.weights, cfg.seed, cfg.streaming, None
-    )
-    entry = cache_dir / "packed" / f"chat-seq{seq_len}-{key}"
-    if is_prepared_dataset(entry):
-        logger.info("reusing prepared conversations at %s", entry)
-        return entry
-    prepare_chat_dataset(
-        inputs,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        output=entry,
-        options=options,
-        weights=cfg.weights,
-        seed=cfg.seed,
-        streaming=cfg.streaming,
-        num_proc=cfg.num_proc,
-        cache_dir=hf_cache,
-        log=logger.info,
-    )
-    return entry
-
-
 def preference_options(cfg: DataConfig) -> Any:
     """The preference settings of ``cfg`` (``data.format=preference``) as
     :class:`usp.data.preference_prepare.PreferenceOptions`: the columns are ``prompt``, ``chosen`` and
@@ -323,34 +282,55 @@ def preference_options(cfg: DataConfig) -> Any:
     return PreferenceOptions(chat_template=cfg.chat_template)
 
 
-def _prepare_preference(
+def _prepare_with_options(
     cfg: DataConfig, inputs: list[str], *, tokenizer: Any, seq_len: int, cache_dir: Path, hf_cache: str
 ) -> Path:
-    """On-the-fly ``--format preference`` preparation into ``cache_dir/packed/preference-seq<S>-<key>`` (the key
-    covers the format, the field names and the template; reused when there)."""
-    from usp.data.preference_prepare import preference_preparation_key, prepare_preference_dataset
+    """On-the-fly ``--format chat`` or ``preference`` preparation into ``cache_dir/packed/<format>-seq<S>-<key>``
+    (the key covers the format's settings and template; reused when there)."""
+    if cfg.format == "chat":
+        from usp.data.chat_prepare import chat_preparation_key as key_of
+        from usp.data.chat_prepare import prepare_chat_dataset as prepare
 
-    options = preference_options(cfg)
+        options, what = chat_options(cfg), "conversations"
+    else:
+        from usp.data.preference_prepare import preference_preparation_key as key_of
+        from usp.data.preference_prepare import prepare_preference_dataset as prepare
+
+        options, what = preference_options(cfg), "preference pairs"
     options.check()
-    key = preference_preparation_key(
-        inputs, tokenizer, seq_len, options, cfg.weights, cfg.seed, cfg.streaming, None
-    )
-    entry = cache_dir / "packed" / f"preference-seq{seq_len}-{key}"
+    key = key_of(inputs, tokenizer, seq_len, options, cfg.weights, cfg.seed, cfg.streaming, None)
+    entry = cache_dir / "packed" / f"{cfg.format}-seq{seq_len}-{key}"
+    return _prepare_entry(cfg, entry, what, prepare, inputs, tokenizer, seq_len, hf_cache, options=options)
+
+
+def _prepare_entry(
+    cfg: DataConfig,
+    entry: Path,
+    what: str,
+    prepare: Callable[..., Any],
+    inputs: list[str],
+    tokenizer: Any,
+    seq_len: int,
+    hf_cache: str,
+    **settings: Any,
+) -> Path:
+    """The cache entry ``entry``: reused when it holds prepared rows (logged, naming ``what``), else written by
+    ``prepare`` with the data settings of ``cfg`` and the format's ``settings``."""
     if is_prepared_dataset(entry):
-        logger.info("reusing prepared preference pairs at %s", entry)
+        logger.info("reusing prepared %s at %s", what, entry)
         return entry
-    prepare_preference_dataset(
+    prepare(
         inputs,
         tokenizer=tokenizer,
         seq_len=seq_len,
         output=entry,
-        options=options,
         weights=cfg.weights,
         seed=cfg.seed,
         streaming=cfg.streaming,
         num_proc=cfg.num_proc,
         cache_dir=hf_cache,
         log=logger.info,
+        **settings,
     )
     return entry
 

@@ -18,8 +18,6 @@ field is a ``ValueError`` naming the field, the input and the row.
 from __future__ import annotations
 
 import os
-import shutil
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -28,25 +26,14 @@ from typing import Any
 
 import datasets
 import numpy as np
-import pyarrow as pa
 from datasets import Dataset, IterableDataset
 
-from usp.atomic import temp_path
-from usp.data.chat import read_chat_template
 from usp.data.chat_prepare import ChatOptions
+from usp.data.encoded import encode_rows, load_normalized, pad_id_of, windows_of, write_packed
 from usp.data.pack import PackStats
 from usp.data.pack_preference import PREFERENCE_PACKED_FEATURES, Pair, pack_preference_pairs
 from usp.data.preference import PAIR_PARTS, PreferenceEncoder, preference_pair_of
-from usp.data.prepared import (
-    FORMAT_VERSION,
-    PreparedData,
-    check_output,
-    first_documents,
-    preparation_key,
-    publish_rows,
-    tokenizer_identity,
-)
-from usp.data.sources import check_inputs, combine_sources, load_one
+from usp.data.prepared import Preparation, PreparedData, options_preparation_key
 from usp.data.tokenize import check_tokenizer
 
 _MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
@@ -100,8 +87,19 @@ class PreferenceOptions:
         return self._chat().template_path()
 
     def template_text(self, tokenizer: Any) -> Any:
-        path = self.template_path()
-        return read_chat_template(path) if path else getattr(tokenizer, "chat_template", None)
+        return self._chat().template_text(tokenizer)
+
+    def key_fields(self, tokenizer: Any) -> dict[str, Any]:
+        """What these settings add to the preparation key (:func:`preference_preparation_key`)."""
+        return {
+            "text_field": list(self.fields),
+            "add_bos": self.add_bos,
+            "chat": {
+                "data_format": "preference",
+                **asdict(self),
+                "template_text": self.template_text(tokenizer),
+            },
+        }
 
     def encoder(self, tokenizer: Any) -> PreferenceEncoder:
         """The encoder of these options; with ``chat_template`` set its renderer is built (and checked) now,
@@ -139,26 +137,18 @@ def load_preference_pairs(
     """Every input as normalized pairs (:data:`PAIR_FEATURES`), concatenated or mixed by ``weights``. A row
     without one of the three fields raises ``ValueError`` naming the field, the input and the row (for a
     ``Dataset``: here, while reading, before any packing)."""
-    check_inputs(inputs, weights, setting="--input / data.inputs")
-    log = log or (lambda msg: None)
-    parts = []
-    for spec in inputs:
-        ds = load_one(spec, cache_dir=cache_dir, streaming=streaming, log=log)
-        columns = ds.column_names
-        if columns is None:  # a stream of unknown schema: peek at one row
-            columns = list(next(iter(ds.take(1)), {}).keys())
-        kwargs: dict[str, Any] = dict(
-            batched=True,
-            with_indices=True,
-            fn_kwargs={"spec": spec, "fields": options.fields},
-            remove_columns=columns,
-            features=PAIR_FEATURES,
-        )
-        if isinstance(ds, Dataset):
-            kwargs["desc"] = "reading preference pairs"
-        parts.append(ds.map(_normalize, **kwargs))
-    return combine_sources(
-        parts, inputs, weights=weights, seed=seed, streaming=streaming, log=log, usage=usage
+    return load_normalized(
+        inputs,
+        _normalize,
+        {"fields": options.fields},
+        PAIR_FEATURES,
+        "reading preference pairs",
+        weights=weights,
+        seed=seed,
+        streaming=streaming,
+        cache_dir=cache_dir,
+        log=log,
+        usage=usage,
     )
 
 
@@ -182,12 +172,7 @@ def pair_windows(ds: Dataset | IterableDataset, window: int, stats: PackStats) -
     """Encoded pairs, ``window`` at a time; counts ``pairs_read``, ``pairs_chat_form`` and
     ``pairs_dropped_empty_completion`` (those are not yielded)."""
     x = stats.extra
-    source = (
-        ds.with_format("numpy").iter(batch_size=window)
-        if isinstance(ds, Dataset)
-        else ds.iter(batch_size=window)
-    )
-    for batch in source:
+    for batch in windows_of(ds, window):
         pairs = []
         columns = [batch[k] for k in ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")]
         for chat, c_ids, c_mask, r_ids, r_mask in zip(batch["chat"], *columns):
@@ -221,37 +206,23 @@ def pack_preference_to(
     """Encode (``num_proc`` processes) and pack ``raw`` into ``work/packed.arrow``; returns
     ``(file, stats, max token id)``."""
     encoder = options.encoder(tokenizer)
-    kwargs: dict[str, Any] = dict(
-        batched=True,
-        batch_size=64,
-        fn_kwargs={"encoder": encoder},
+    encoded = encode_rows(
+        raw,
+        work,
+        encode_pairs,
+        {"encoder": encoder},
         remove_columns=list(PAIR_FEATURES),
         features=PAIR_ENCODED,
+        desc="encoding preference pairs",
+        num_proc=num_proc,
     )
-    if isinstance(raw, Dataset):
-        kwargs.update(
-            num_proc=num_proc if num_proc > 1 and len(raw) > 1 else None,
-            desc="encoding preference pairs",
-            cache_file_name=str(work / "encoded.arrow"),
-            load_from_cache_file=False,
-        )
-    encoded = raw.map(encode_pairs, **kwargs)
     stats = PackStats(seq_len=seq_len)
     stats.extra.update(pairs_read=0, pairs_chat_form=0, pairs_dropped_empty_completion=0)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    packed = work / "packed.arrow"
-    max_id = -1
-    with (
-        pa.OSFile(str(packed), "wb") as sink,
-        pa.ipc.new_stream(sink, PREFERENCE_PACKED_FEATURES.arrow_schema) as w,
-    ):
-        for batch in pack_preference_pairs(
-            pair_windows(encoded, window, stats), seq_len, pad_id=pad_id, stats=stats
-        ):
-            col = batch.column(0).flatten().to_numpy(zero_copy_only=False)
-            max_id = max(max_id, int(col.max()) if col.size else -1)
-            w.write_batch(batch)
-    del encoded
+    batches = pack_preference_pairs(
+        pair_windows(encoded, window, stats), seq_len, pad_id=pad_id_of(tokenizer), stats=stats
+    )
+    packed, max_id = write_packed(work, PREFERENCE_PACKED_FEATURES.arrow_schema, batches)
+    del encoded, batches
     return packed, stats, max_id
 
 
@@ -300,63 +271,33 @@ def prepare_preference_dataset(
     options.check()
     check_tokenizer(tokenizer)
     options.encoder(tokenizer)  # a --chat-template that does not load: said before reading any data
-    check_inputs(inputs, weights, setting="--input / data.inputs")
-    output = Path(output)
-    check_output(output, overwrite)
-    t0 = time.perf_counter()
+    run = Preparation.start(inputs, tokenizer, output, weights, seed, streaming, overwrite, log)
     key = preference_preparation_key(
         inputs, tokenizer, seq_len, options, weights, seed, streaming, max_documents
     )
-    usage: list[dict[str, object]] = []
-    raw = load_preference_pairs(
-        inputs,
+    raw = run.read(
+        load_preference_pairs,
         options,
-        weights=weights,
-        seed=seed,
-        streaming=streaming,
         cache_dir=None if cache_dir is None else str(cache_dir),
-        log=log,
-        usage=usage,
+        max_documents=max_documents,
     )
-    raw = first_documents(raw, max_documents)
-    work = temp_path(output, "work")
-    work.mkdir(parents=True)
-    try:
-        packed, stats, max_id = pack_preference_to(
+
+    def no_rows(stats: PackStats) -> str:
+        x = stats.extra
+        return (
+            f"the inputs {list(inputs)} give no preference pair to train on ({x['pairs_read']} read, "
+            f"{x['pairs_dropped_empty_completion']} with an empty completion, "
+            f"{x['pairs_dropped_prompt_too_long'] + x['pairs_dropped_too_long']} longer than --seq-len "
+            f"{seq_len} dropped)."
+        )
+
+    def pack(work: Path) -> tuple[Path, PackStats, int]:
+        return pack_preference_to(
             raw, work, tokenizer=tokenizer, seq_len=seq_len, options=options, num_proc=num_proc, window=window
         )
-        x = stats.extra
-        if stats.rows == 0:
-            raise ValueError(
-                f"the inputs {list(inputs)} give no preference pair to train on ({x['pairs_read']} read, "
-                f"{x['pairs_dropped_empty_completion']} with an empty completion, "
-                f"{x['pairs_dropped_prompt_too_long'] + x['pairs_dropped_too_long']} longer than --seq-len "
-                f"{seq_len} dropped)."
-            )
-        out_tmp = work / "out"
-        Dataset.from_file(str(packed)).save_to_disk(str(out_tmp))
-        stats.seconds = time.perf_counter() - t0
-        x.update(
-            inputs=list(inputs),
-            weights=None if weights is None else list(weights),
-            seed=seed,
-            tokenizer=getattr(tokenizer, "name_or_path", ""),
-            format=FORMAT_VERSION,
-            data_format="preference",
-            preference=asdict(options),
-            preparation_key=key,
-            tokenizer_identity=tokenizer_identity(tokenizer),
-            max_token_id=max_id,
-            sources=usage,
-            tokens_per_s=stats.document_tokens / max(stats.seconds, 1e-9),
-        )
-        existing = publish_rows(out_tmp, output, stats, key=key, overwrite=overwrite, log=log)
-        if existing is not None:
-            return existing
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    log(preference_summary(stats, output))
-    return PreparedData(path=output, stats=stats)
+
+    settings = {"data_format": "preference", "preference": asdict(options)}
+    return run.publish(pack, key=key, settings=settings, no_rows=no_rows, summary=preference_summary)
 
 
 def preference_preparation_key(
@@ -370,21 +311,8 @@ def preference_preparation_key(
     max_documents: int | None,
 ) -> str:
     """The text format's key (:func:`usp.data.prepared.preparation_key`), extended by the format name, the
-    field names and the template's text: never equal to a chat or text preparation's key."""
-    return preparation_key(
-        inputs,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        text_field=list(options.fields),
-        weights=weights,
-        seed=seed,
-        streaming=streaming,
-        shaping=None,
-        add_bos=options.add_bos,
-        max_documents=max_documents,
-        chat={
-            "data_format": "preference",
-            **asdict(options),
-            "template_text": options.template_text(tokenizer),
-        },
+    field names and the template's text (:meth:`PreferenceOptions.key_fields`): never equal to a chat or text
+    preparation's key."""
+    return options_preparation_key(
+        inputs, tokenizer, seq_len, options, weights, seed, streaming, max_documents
     )

@@ -18,8 +18,6 @@ format, are :mod:`usp.data.prepared`.
 from __future__ import annotations
 
 import os
-import shutil
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,18 +26,9 @@ import numpy as np
 import pyarrow as pa
 from datasets import Dataset, IterableDataset
 
-from usp.atomic import temp_path
 from usp.data.pack import PACKED_FEATURES, LengthShaping, PackStats, pack_documents
-from usp.data.prepared import (
-    FORMAT_VERSION,
-    PreparedData,
-    check_output,
-    first_documents,
-    preparation_key,
-    publish_rows,
-    tokenizer_identity,
-)
-from usp.data.sources import check_inputs, load_text_sources
+from usp.data.prepared import Preparation, PreparedData, preparation_key
+from usp.data.sources import load_text_sources
 from usp.data.tokenize import TOKENS_COLUMN, check_tokenizer, tokenize_documents
 
 
@@ -101,11 +90,8 @@ def prepare_dataset(
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"--seq-len / trainer.seq_len={seq_len!r} must be a positive number of tokens.")
     check_tokenizer(tokenizer)
-    check_inputs(inputs, weights, setting="--input / data.inputs")
-    output = Path(output)
-    check_output(output, overwrite)
+    run = Preparation.start(inputs, tokenizer, output, weights, seed, streaming, overwrite, log)
     shaping = shaping or LengthShaping()
-    t0 = time.perf_counter()
     key = preparation_key(
         inputs,
         tokenizer=tokenizer,
@@ -118,80 +104,82 @@ def prepare_dataset(
         add_bos=add_bos,
         max_documents=max_documents,
     )
-    usage: list[dict[str, object]] = []
     skipped: dict[str, int] = {}
-    raw = load_text_sources(
-        inputs,
+    raw = run.read(
+        load_text_sources,
         text_field=text_field,
-        weights=weights,
-        seed=seed,
-        streaming=streaming,
         cache_dir=cache_dir,
-        log=log,
-        usage=usage,
         skip_non_text=skip_non_text,
         skipped=skipped,
+        max_documents=max_documents,
     )
-    raw = first_documents(raw, max_documents)
-    work = temp_path(output, "work")  # tokenized and packed files, then the rows to publish: same filesystem
-    work.mkdir(parents=True)
-    try:
-        tokenized = tokenize_documents(
-            raw, tokenizer, num_proc=num_proc, add_bos=add_bos, cache_file_name=str(work / "tokenized.arrow")
+
+    def no_rows(stats: PackStats) -> str:
+        what = "no non-empty documents" if stats.documents_in == 0 else f"only {stats.tokens_in} tokens"
+        return (
+            f"the corpus {list(inputs)} gives {what} after tokenization"
+            f"{' and filtering' if shaping.min_doc_tokens else ''}, not enough for one row of --seq-len / "
+            f"trainer.seq_len={seq_len}. Add data, lower the sequence length, or relax --min-doc-tokens."
         )
-        stats = PackStats(seq_len=seq_len)
-        if isinstance(raw, Dataset):
-            stats.extra["documents_empty"] = len(raw) - len(tokenized)
-        packed_file = work / "packed.arrow"
-        max_id = [-1]
-        with (
-            pa.OSFile(str(packed_file), "wb") as sink,
-            pa.ipc.new_stream(sink, PACKED_FEATURES.arrow_schema) as w,
-        ):
-            for batch in pack_documents(
-                _track_max(document_windows(tokenized, window), max_id),
-                seq_len,
-                shaping=shaping,
-                seed=seed,
-                stats=stats,
-            ):
-                w.write_batch(batch)
-        if stats.rows == 0:
-            what = "no non-empty documents" if stats.documents_in == 0 else f"only {stats.tokens_in} tokens"
-            raise ValueError(
-                f"the corpus {list(inputs)} gives {what} after tokenization"
-                f"{' and filtering' if shaping.min_doc_tokens else ''}, not enough for one row of --seq-len / "
-                f"trainer.seq_len={seq_len}. Add data, lower the sequence length, or relax --min-doc-tokens."
-            )
-        del tokenized
-        for f in work.iterdir():  # the tokenized documents (one file per process): free the disk first
-            if f.is_file() and f != packed_file:
-                f.unlink()
-        out_tmp = work / "out"
-        Dataset.from_file(str(packed_file)).save_to_disk(str(out_tmp))
-        packed_file.unlink()
-        stats.seconds = time.perf_counter() - t0
-        stats.extra.update(
-            rows_not_text_skipped=sum(skipped.values()),  # a stream counts them as it is read: after packing
-            tokens_per_s=stats.document_tokens / max(stats.seconds, 1e-9),
-            inputs=list(inputs),
-            text_field=text_field,
-            weights=None if weights is None else list(weights),
+
+    def pack(work: Path) -> tuple[Path, PackStats, int]:
+        return _pack_text(
+            raw,
+            work,
+            tokenizer=tokenizer,
+            seq_len=seq_len,
+            shaping=shaping,
             seed=seed,
-            tokenizer=getattr(tokenizer, "name_or_path", ""),
-            format=FORMAT_VERSION,
-            preparation_key=key,
-            tokenizer_identity=tokenizer_identity(tokenizer),
-            max_token_id=max_id[0],
-            sources=usage,
+            add_bos=add_bos,
+            num_proc=num_proc,
+            window=window,
+            skipped=skipped,
         )
-        existing = publish_rows(out_tmp, output, stats, key=key, overwrite=overwrite, log=log)
-        if existing is not None:
-            return existing
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    log(summary(stats, output))
-    return PreparedData(path=output, stats=stats)
+
+    return run.publish(pack, key=key, settings={"text_field": text_field}, no_rows=no_rows, summary=summary)
+
+
+def _pack_text(
+    raw: Dataset | IterableDataset,
+    work: Path,
+    *,
+    tokenizer: Any,
+    seq_len: int,
+    shaping: LengthShaping,
+    seed: int,
+    add_bos: bool,
+    num_proc: int,
+    window: int,
+    skipped: dict[str, int],
+) -> tuple[Path, PackStats, int]:
+    """Tokenize (``num_proc`` processes), shape and pack ``raw`` into ``work/packed.arrow``, then free the disk
+    of the tokenized documents; returns ``(file, stats, max token id)``."""
+    tokenized = tokenize_documents(
+        raw, tokenizer, num_proc=num_proc, add_bos=add_bos, cache_file_name=str(work / "tokenized.arrow")
+    )
+    stats = PackStats(seq_len=seq_len)
+    if isinstance(raw, Dataset):
+        stats.extra["documents_empty"] = len(raw) - len(tokenized)
+    packed_file = work / "packed.arrow"
+    max_id = [-1]
+    with (
+        pa.OSFile(str(packed_file), "wb") as sink,
+        pa.ipc.new_stream(sink, PACKED_FEATURES.arrow_schema) as w,
+    ):
+        for batch in pack_documents(
+            _track_max(document_windows(tokenized, window), max_id),
+            seq_len,
+            shaping=shaping,
+            seed=seed,
+            stats=stats,
+        ):
+            w.write_batch(batch)
+    del tokenized
+    for f in work.iterdir():  # the tokenized documents (one file per process): free the disk first
+        if f.is_file() and f != packed_file:
+            f.unlink()
+    stats.extra["rows_not_text_skipped"] = sum(skipped.values())  # a stream counts them as it is read
+    return packed_file, stats, max_id[0]
 
 
 def _track_max(

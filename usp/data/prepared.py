@@ -1,6 +1,7 @@
 """A prepared dataset on disk, whichever format made it (text: :mod:`usp.data.prepare`; chat:
-:mod:`usp.data.chat_prepare`): the checks on ``--output``, the key naming a preparation, the summary file
-``usp_prepare.json`` next to the rows, and publishing the finished rows into place.
+:mod:`usp.data.chat_prepare`; preference: :mod:`usp.data.preference_prepare`): the checks on ``--output``, the
+key naming a preparation, the summary file ``usp_prepare.json`` next to the rows, and publishing the finished
+rows into place (:class:`Preparation`: the steps every format shares).
 """
 
 from __future__ import annotations
@@ -9,16 +10,18 @@ import glob
 import hashlib
 import json
 import os
+import shutil
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from datasets import IterableDataset
+from datasets import Dataset, IterableDataset
 
-from usp.atomic import publish_dir
+from usp.atomic import publish_dir, temp_path
 from usp.data.pack import LengthShaping, PackStats
-from usp.data.sources import is_prepared_dataset
+from usp.data.sources import check_inputs, is_prepared_dataset
 
 STATS_FILE = "usp_prepare.json"
 FORMAT_VERSION = "usp-packed-v1"
@@ -63,6 +66,107 @@ def publish_rows(
     if _publish(out_tmp, output, key=key, overwrite=overwrite, log=log):
         return None
     return PreparedData(path=output, stats=PackStats(**read_stats(output)))
+
+
+@dataclass
+class Preparation:
+    """One preparation under way, whichever its format: the request every format records in
+    ``usp_prepare.json``, and the steps they share: :meth:`start` (the checks on the inputs and ``--output``),
+    :meth:`read` the inputs, then :meth:`publish` (pack into a work directory, save, record, publish)."""
+
+    inputs: Sequence[str]
+    tokenizer: Any
+    output: Path
+    weights: Sequence[float] | None
+    seed: int
+    streaming: bool
+    overwrite: bool
+    log: Callable[[str], None]
+    started: float = field(default_factory=time.perf_counter)
+    sources: list[dict[str, object]] = field(default_factory=list)
+    """What each input gave (filled while reading, as ``usage`` by :mod:`usp.data.sources`)."""
+
+    @classmethod
+    def start(
+        cls,
+        inputs: Sequence[str],
+        tokenizer: Any,
+        output: str | os.PathLike,
+        weights: Sequence[float] | None,
+        seed: int,
+        streaming: bool,
+        overwrite: bool,
+        log: Callable[[str], None],
+    ) -> Preparation:
+        """Check ``inputs`` and ``output`` (before reading any data) and start the clock."""
+        check_inputs(inputs, weights, setting="--input / data.inputs")
+        output = Path(output)
+        check_output(output, overwrite)
+        return cls(inputs, tokenizer, output, weights, seed, streaming, overwrite, log)
+
+    def read(self, load: Callable[..., Any], *args: Any, max_documents: int | None, **kwargs: Any) -> Any:
+        """``load(inputs, *args, weights=, seed=, streaming=, log=, usage=, **kwargs)``, the first
+        ``max_documents`` of it (:func:`first_documents`)."""
+        raw = load(
+            self.inputs,
+            *args,
+            weights=self.weights,
+            seed=self.seed,
+            streaming=self.streaming,
+            log=self.log,
+            usage=self.sources,
+            **kwargs,
+        )
+        return first_documents(raw, max_documents)
+
+    def publish(
+        self,
+        pack: Callable[[Path], tuple[Path, PackStats, int]],
+        *,
+        key: str,
+        settings: dict[str, Any],
+        no_rows: Callable[[PackStats], str],
+        summary: Callable[[PackStats, Path], str],
+    ) -> PreparedData:
+        """The shared steps once the inputs are read: ``pack(work)`` writes the packed rows into a work
+        directory next to ``output`` and returns ``(packed file, stats, max token id)``; no row is a
+        ``ValueError`` saying ``no_rows(stats)``. The rows are saved, the summary recorded in ``stats.extra``
+        (the request, ``settings``: the format's own entries, ``key``, the tokenizer, tokens/s) and published
+        as ``output`` by :func:`publish_rows` (the existing dataset is returned instead when another process
+        prepared the same one meanwhile). The work directory is always removed; ``summary(stats, output)``
+        is logged."""
+        work = temp_path(self.output, "work")  # intermediate files, then the rows to publish: same filesystem
+        work.mkdir(parents=True)
+        try:
+            packed, stats, max_id = pack(work)
+            if stats.rows == 0:
+                raise ValueError(no_rows(stats))
+            out_tmp = work / "out"
+            Dataset.from_file(str(packed)).save_to_disk(str(out_tmp))
+            packed.unlink()
+            stats.seconds = time.perf_counter() - self.started
+            stats.extra.update(
+                inputs=list(self.inputs),
+                weights=None if self.weights is None else list(self.weights),
+                seed=self.seed,
+                tokenizer=getattr(self.tokenizer, "name_or_path", ""),
+                format=FORMAT_VERSION,
+                **settings,
+                preparation_key=key,
+                tokenizer_identity=tokenizer_identity(self.tokenizer),
+                max_token_id=max_id,
+                sources=self.sources,
+                tokens_per_s=stats.document_tokens / max(stats.seconds, 1e-9),
+            )
+            existing = publish_rows(
+                out_tmp, self.output, stats, key=key, overwrite=self.overwrite, log=self.log
+            )
+            if existing is not None:
+                return existing
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        self.log(summary(stats, self.output))
+        return PreparedData(path=self.output, stats=stats)
 
 
 def _occupied(path: Path) -> bool:
@@ -179,3 +283,29 @@ def preparation_key(
     if chat is not None:  # --format chat: its settings and template
         desc["chat"] = chat
     return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def options_preparation_key(
+    inputs: Sequence[str],
+    tokenizer: Any,
+    seq_len: int,
+    options: Any,
+    weights: Sequence[float] | None,
+    seed: int,
+    streaming: bool,
+    max_documents: int | None,
+) -> str:
+    """:func:`preparation_key` of a format with its own settings (chat, preference): no length shaping, and
+    what ``options.key_fields(tokenizer)`` says of them (its ``text_field``, ``add_bos``, and its settings and
+    template's text as ``chat``)."""
+    return preparation_key(
+        inputs,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        weights=weights,
+        seed=seed,
+        streaming=streaming,
+        shaping=None,
+        max_documents=max_documents,
+        **options.key_fields(tokenizer),
+    )
