@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from tests.exact_model import load_float64
 from tests.mesh_cache import cached_sp_mesh
+from tests.run_errors import run_expecting_error
 from tests.tolerance import EXACT_DTYPE, assert_exact, rounding_tolerance
 from usp.config import TrainConfig
 from usp.data.batch import IGNORE_INDEX, collate_rows
@@ -329,14 +330,6 @@ def make_config(model_dir: str, run_dir: str, cache_dir: str, **lora) -> TrainCo
 def run_worker(cfg: TrainConfig) -> dict:
     out = run(cfg)
     return {k: out[k] for k in ("losses", "metrics", "run_dir")}
-
-
-def run_expecting_error(cfg: TrainConfig) -> str:
-    try:
-        run(cfg)
-    except ValueError as e:
-        return str(e)
-    raise AssertionError("run() accepted a bad config")
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tests.exact_model import load_float64
 from tests.mesh_cache import cached_sp_mesh
+from tests.run_errors import run_expecting_error
 from tests.tolerance import EXACT_DTYPE, assert_close_scaled, assert_exact, rounding_tolerance
 from usp.config import TrainConfig
 from usp.data.batch import IGNORE_INDEX, collate_rows
@@ -266,14 +267,6 @@ def make_config(model_dir: str, run_dir: str, cache_dir: str) -> TrainConfig:
 def run_worker(cfg: TrainConfig) -> dict:
     out = run(cfg)
     return {k: out[k] for k in ("losses", "start_step", "checkpoint", "export_dir", "adapter_dir")}
-
-
-def run_expecting_error(cfg: TrainConfig) -> str:
-    try:
-        run(cfg)
-    except ValueError as e:
-        return str(e)
-    raise AssertionError("run() accepted a bad config")
 
 
 @pytest.fixture(scope="module")

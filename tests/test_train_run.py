@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.run_errors import run_expecting_error
 from tests.tolerance import assert_close_scaled, rounding_tolerance
 from usp.config import TrainConfig
 from usp.tiny import build_tiny_llama
@@ -63,15 +64,6 @@ def run_worker(cfg: TrainConfig) -> dict:
     out = run(cfg)
     keys = ("losses", "final_step", "start_step", "checkpoint", "export_dir", "layout", "val_losses")
     return {k: out[k] for k in keys}
-
-
-def run_expecting_error(cfg: TrainConfig) -> str:
-    """Worker: run() must raise ValueError on this rank; return its message."""
-    try:
-        run(cfg)
-    except ValueError as e:
-        return str(e)
-    raise AssertionError("run() accepted a bad config")
 
 
 @pytest.fixture(scope="module")

@@ -522,24 +522,28 @@ class ModelSpec:
     def moe_block_params(self) -> int:
         """One MoE layer's router, every routed expert and the shared experts, biases included (0 when
         dense)."""
-        m, h = self.moe, self.hidden_size
-        if m is None:
+        if self.moe is None:
             return 0
-        width = m.expert_intermediate_size
-        expert = 3 * h * width + ((2 * width + h) if m.expert_bias else 0)
-        router = m.num_experts * h + (m.num_experts if m.router_bias else 0)
-        return m.num_experts * expert + router + self._shared_params
+        expert, router = self._expert_and_router_params
+        return self.moe.num_experts * expert + router + self._shared_params
 
     @property
     def moe_block_active_params(self) -> int:
         """What one token uses of a MoE layer's block: the router, its ``k`` experts, the shared experts."""
-        m, h = self.moe, self.hidden_size
-        if m is None:
+        if self.moe is None:
             return 0
+        expert, router = self._expert_and_router_params
+        return self.moe.top_k * expert + router + self._shared_params
+
+    @property
+    def _expert_and_router_params(self) -> tuple[int, int]:
+        """One routed expert's parameters and the router's, biases included (a MoE model)."""
+        m, h = self.moe, self.hidden_size
+        assert m is not None
         width = m.expert_intermediate_size
         expert = 3 * h * width + ((2 * width + h) if m.expert_bias else 0)
         router = m.num_experts * h + (m.num_experts if m.router_bias else 0)
-        return m.top_k * expert + router + self._shared_params
+        return expert, router
 
     @property
     def moe_block_matmul_params(self) -> int:
