@@ -36,6 +36,33 @@ _BASE: dict[str, Any] = dict(
 _SLIDING = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
+_LINEAR = dict(  # gated DeltaNet
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+_MAMBA = dict(  # Mamba2, the mamba_* names (bamba, granitemoehybrid)
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_n_groups=2,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_expand=1,
+    mamba_chunk_size=8,
+)
+_MAMBA2 = dict(  # Mamba2, nemotron_h's names
+    mamba_num_heads=4,
+    mamba_head_dim=16,
+    n_groups=2,
+    ssm_state_size=8,
+    conv_kernel=4,
+    expand=1,
+    chunk_size=8,
+)
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": dict(sliding_window=WINDOW),
@@ -97,12 +124,89 @@ FAMILIES: dict[str, dict[str, Any]] = {
         first_k_dense_replace=1,
         num_key_value_heads=4,
     ),
+    # hybrid models: recurrent / convolution mixers beside attention (usp.model.mixers)
+    "qwen3_next": dict(
+        _LINEAR,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+    "qwen3_5_text": dict(_LINEAR),
+    "olmo_hybrid": dict(_LINEAR),
+    "nemotron_h": dict(
+        _MAMBA2,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "mlp", "full_attention", "mlp"],
+    ),  # no MoE layer: nemotron_h's router computes in float32, so its logits move with the batch's shape
+    "falcon_h1": dict(
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_chunk_size=8,
+        mamba_rms_norm=True,
+    ),
+    "bamba": dict(_MAMBA, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(
+        _MAMBA, layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2
+    ),
+    "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, conv_bias=True),
+    "kimi_linear": dict(  # KDA beside MLA attention
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_heads=4,
+        linear_head_dim=16,
+        linear_conv_kernel_dim=4,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_key_value_heads=4,
+        mlp_layer_types=["dense", "dense"],
+    ),  # no MoE layer: kimi_linear's router computes in float32, so its logits move with the batch's shape
+    "lfm2_moe": dict(
+        layer_types=["conv", "full_attention"],
+        conv_L_cache=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        num_dense_layers=1,
+    ),
+    "minimax": dict(  # lightning attention (linear, with decay) beside softmax attention
+        layer_types=["linear_attention", "full_attention"],
+        block_size=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "jamba": dict(
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_dt_rank=8,
+    ),
 }
 """family -> config overrides on top of the shared tiny shape."""
 
 REFUSED: dict[str, tuple[dict[str, Any], str]] = {
-    "falcon_h1": ({}, "layer_types"),
-    "qwen3_next": (dict(layer_types=["linear_attention", "full_attention"]), "layer_types"),
+    "zamba2": (  # Mamba2 inside shared-attention hybrid blocks: not implemented
+        dict(
+            layer_types=["mamba", "hybrid"],
+            mamba_d_state=8,
+            mamba_headdim=16,
+            n_mamba_heads=4,
+            mamba_ngroups=2,
+            chunk_size=8,
+        ),
+        "Zamba2MambaMixer",
+    ),
     "bloom": (dict(n_layer=2, n_head=4), "model_type"),
     "deepseek_v32": (
         dict(

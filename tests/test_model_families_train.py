@@ -16,9 +16,20 @@ from tests.family_models import SEQ_LEN, build_family
 from tests.mesh_cache import cached_sp_mesh
 from tests.tolerance import assert_close_scaled, rounding_tolerance
 
-FAMILIES = ["gemma3_text", "gemma2", "cohere2", "phi3", "granite", "olmo3"]
+FAMILIES = [
+    "gemma3_text",
+    "gemma2",
+    "cohere2",
+    "phi3",
+    "granite",
+    "olmo3",
+    "qwen3_5_text",
+    "falcon_h1",
+    "lfm2",
+    "bamba",
+]
 """Non-persistent buffers (Gemma's ``embed_scale``), eager-only attention (Gemma 2), LM-head transforms,
-LongRoPE, sliding windows: what the trainer's loader and loss must handle beyond Llama."""
+LongRoPE, sliding windows, hybrid recurrent and convolution mixers: what the trainer's loader and loss must handle beyond Llama."""
 
 
 @pytest.fixture(scope="module")

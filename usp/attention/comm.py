@@ -2,6 +2,8 @@
 
 - :func:`all_to_all` wraps ``all_to_all_single`` over the Ulysses group (the piece a rank keeps for itself
   is not counted: it never leaves the device).
+- :func:`all_gather_dim1` gathers every rank's piece, differentiably (the recurrent and convolution mixers of
+  hybrid models, :mod:`usp.model.mixers`).
 - :class:`RingExchange` posts one ``batch_isend_irecv`` (send to ring rank ``r + 1``, receive from ``r - 1``)
   and returns at once, so the caller computes on the current block while the next one travels.
 
@@ -104,6 +106,34 @@ def all_to_all_uneven(
     )
     _record_bytes(kind, sum(nbytes(p) for j, p in enumerate(parts) if j != me))
     return [t.view(s) for t, s in zip(torch.split(recv, out_sizes), out_shapes)]
+
+
+class _AllGather(torch.autograd.Function):
+    """All-gather along dim 1; backward: each rank gets the sum of every rank's gradient of its piece (the
+    reduce-scatter, as an all-to-all plus a sum: gloo has no reduce_scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:  # noqa: ANN001
+        world = dist.get_world_size(group)
+        ctx.group, ctx.kind, ctx.width = group, kind, x.size(1)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        _record_bytes(kind, nbytes(x) * (world - 1))
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        pieces = torch.stack(torch.split(grad, ctx.width, dim=1))  # [P, B, n, ...]: piece j -> rank j
+        return all_to_all(pieces, ctx.group, ctx.kind + "_grad").sum(0), None, None
+
+
+def all_gather_dim1(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+    """Every rank's ``x`` (``[B, n, ...]``, the same shape everywhere) concatenated along dim 1 in group-rank
+    order, differentiable: the backward sums each piece's gradient over the ranks and returns it to its owner.
+    Sends ``(P - 1) * x`` forward and ``(P - 1) / P`` of the gathered gradient backward."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _AllGather.apply(x, group, kind)
 
 
 class RingExchange:

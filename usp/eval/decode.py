@@ -41,6 +41,7 @@ from torch import nn
 
 from usp.attention import attention_forward, resolve_backend
 from usp.model import decoder_of
+from usp.model.mixers import mixer_modules
 from usp.parallel import SPMesh, shard_sequence, sp_permutation
 
 
@@ -210,6 +211,14 @@ def decode(
     rank decides the same), ends the generation after ``n`` tokens when it returns True (EOS or a stop string
     in every row: the caller's rule)."""
     _check_inputs(input_ids, max_new_tokens)
+    mixers = sorted({type(m).__name__ for _, m in mixer_modules(model)})
+    if mixers:
+        raise ValueError(
+            f"usp's sharded KV-cache decoding keeps softmax attention's K/V only; this model's "
+            f"{', '.join(mixers)} layers carry a recurrent / convolution state it does not keep. Evaluate "
+            f"generation on one rank (parallel.ulysses_degree=1 parallel.ring_degree=1); perplexity by position "
+            f"runs sharded."
+        )
     backend = _model_backend(model)
     device = next(model.parameters()).device
     ids = input_ids.to(device=device, dtype=torch.long)

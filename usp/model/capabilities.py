@@ -31,10 +31,25 @@ LAYER_KINDS: dict[str, str] = {
     "sliding_attention": "sliding",
     "chunked_attention": "chunked",
 }
-"""transformers' ``layer_types`` values usp implements, and its names for them."""
+"""transformers' ``layer_types`` values of softmax attention usp implements, and its names for them."""
+
+MIXER_LAYER_TYPES: dict[str, tuple[str, bool]] = {
+    "linear_attention": ("mixer", True),
+    "mamba": ("mixer", True),
+    "conv": ("mixer", True),
+    "hybrid": ("full", True),
+    "mlp": ("none", False),
+    "moe": ("none", False),
+}
+"""Hybrid models' other ``layer_types`` values -> (usp's kind, whether the layer runs a non-attention mixer):
+``mixer`` layers have a recurrent or convolution mixer instead of attention (qwen3_next, nemotron_h, bamba,
+lfm2, ...), ``hybrid`` layers run one beside full attention (falcon_h1), ``none`` layers mix no tokens
+(nemotron_h's MLP and MoE layers). The mixer's class decides whether usp implements it
+(:data:`usp.model.mixers.MIXER_SCHEMES`)."""
 
 _MIXER_CLASSES = re.compile(
-    r"Mamba|DeltaNet|LinearAttention|ShortConv|Rwkv|RWKV|Recurrent|Mlstm|Slstm|Lightning"
+    r"Mamba|DeltaNet|DeltaAttention|TextLinearAttention|ShortConv|Rwkv|RWKV|Recurrent|Mlstm|Slstm|Lightning|"
+    r"H1Mixer|BambaMixer"
 )
 MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _SPARSE_FIELDS = ("index_topk", "index_n_heads")  # DeepSeek sparse attention (V3.2-style indexers)
@@ -45,11 +60,19 @@ class LayerSpec:
     """One decoder layer's token mixer as usp computes it."""
 
     kind: str
-    """``full``, ``sliding``, ``chunked``, or the name of a mixer usp does not implement (``layer_types``)."""
+    """``full``, ``sliding``, ``chunked`` (softmax attention), ``mixer`` (a recurrent or convolution mixer
+    instead), ``none`` (no token mixing), or a ``layer_types`` value usp does not know."""
     window: int | None = None
     """Sliding window in tokens (transformers' rule: query ``i`` sees keys ``j > i - window``), or None."""
     chunk: int | None = None
     """Chunked attention's chunk size in tokens (Llama 4), or None."""
+    mixer: bool = False
+    """The layer runs a non-attention mixer (alone, or beside attention: falcon_h1's ``hybrid``)."""
+
+    @property
+    def attention(self) -> bool:
+        """The layer computes softmax attention (one attention module)."""
+        return self.kind in LAYER_KINDS.values()
 
 
 @dataclass(frozen=True)
@@ -81,6 +104,8 @@ class ModelCapabilities:
     lm_head_fields: tuple[str, ...] = ()
     """Config fields of the LM-head transform the losses apply (:mod:`usp.model.lm_head`)."""
     moe: bool = False
+    mixers: tuple[str, ...] = ()
+    """Class names of the non-attention token mixers (hybrid models), each once (:mod:`usp.model.mixers`)."""
     refusals: tuple[Refusal, ...] = field(default=())
 
     @property
@@ -91,7 +116,8 @@ class ModelCapabilities:
     @property
     def features(self) -> tuple[str, ...]:
         """Short names of what the model uses beyond causal full attention (for logs and docs)."""
-        names = sorted({spec.kind for spec in self.layers if spec.kind != "full"})
+        names = sorted({spec.kind for spec in self.layers if spec.kind not in ("full", "mixer", "none")})
+        names += list(self.mixers)
         if self.attn_softcap is not None:
             names.append("softcap")
         if self.sinks:
@@ -182,12 +208,13 @@ def layer_specs(config: PretrainedConfig | dict) -> tuple[LayerSpec, ...]:
         types = ["sliding_attention" if on else "full_attention"] * n
     specs = []
     for t in types[:n]:
-        kind = LAYER_KINDS.get(t, t)
+        kind, mixer = MIXER_LAYER_TYPES.get(t, (LAYER_KINDS.get(t, t), False))
         specs.append(
             LayerSpec(
                 kind,
                 window=window if kind == "sliding" else None,
                 chunk=chunk if kind == "chunked" else None,
+                mixer=mixer,
             )
         )
     return tuple(specs)
@@ -225,6 +252,25 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
         and hasattr(m, "layer_idx")
         and not _MIXER_CLASSES.search(type(m).__name__)
     ]
+
+
+def mixer_classes(model: nn.Module) -> list[str]:
+    """Class names of the model's non-attention token mixers (recurrent, linear-attention, convolution), one
+    per mixer module, in module order; decoder layers named after their mixer are not mixers."""
+    return [
+        type(m).__name__
+        for m in model.modules()
+        if _MIXER_CLASSES.search(type(m).__name__) and not type(m).__name__.endswith("DecoderLayer")
+    ]
+
+
+def _attention_backend_settable(cls: type) -> bool:
+    """Whether transformers lets ``cls`` switch to a registered attention function (its own rule: the
+    family's attention calls ``ALL_ATTENTION_FUNCTIONS.get_interface``)."""
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    if callable(can_set):
+        return bool(can_set())
+    return bool(getattr(cls, "_supports_attention_backend", False))
 
 
 def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None) -> ModelCapabilities:
@@ -265,14 +311,14 @@ def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None)
         )
     layers = layer_specs(text)
     for i, spec in enumerate(layers):
-        if spec.kind not in LAYER_KINDS.values():
+        if not spec.attention and spec.kind not in ("mixer", "none"):
             refusals.append(
                 Refusal(
                     f"layer_types[{i}]",
                     f"layer {i} is a {spec.kind!r} mixer, not softmax attention; usp would run it on each rank's "
                     f"slice of the sequence as if it were the whole sequence",
-                    "Hybrid recurrent layers under sequence parallelism are not implemented yet; train it on one "
-                    "rank per sequence (ulysses_degree=ring_degree=1) elsewhere.",
+                    "usp knows the layer types "
+                    f"{', '.join(sorted({*LAYER_KINDS, *MIXER_LAYER_TYPES}))}; this one is not implemented.",
                 )
             )
             break
@@ -298,6 +344,7 @@ def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None)
             )
         )
     sinks = False
+    found: list[str] = []
     skeleton = model
     if skeleton is None and cls is not None:
         try:
@@ -311,7 +358,7 @@ def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None)
                 )
             )
     if skeleton is not None:
-        if not getattr(type(skeleton), "_supports_attention_backend", False):
+        if not _attention_backend_settable(type(skeleton)):
             refusals.append(
                 Refusal(
                     "model_type",
@@ -320,16 +367,28 @@ def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None)
                     "Use a family whose modeling code supports attention backends (Llama, Qwen, Gemma, Mistral, ...).",
                 )
             )
-        mixers = sorted(
-            {type(m).__name__ for m in skeleton.modules() if _MIXER_CLASSES.search(type(m).__name__)}
-        )
-        if mixers and not any(r.field.startswith("layer_types") for r in refusals):
+        from usp.model.mixers import MIXER_SCHEMES
+
+        found = mixer_classes(skeleton)
+        unknown = sorted({name for name in found if name not in MIXER_SCHEMES})
+        if unknown:
             refusals.append(
                 Refusal(
-                    f"modules {', '.join(mixers)}",
-                    "recurrent / linear-attention mixers run on each rank's slice as if it were the whole "
-                    "sequence",
-                    "Hybrid recurrent layers under sequence parallelism are not implemented yet.",
+                    f"modules {', '.join(unknown)}",
+                    f"{', '.join(unknown)} is a recurrent / linear-attention / convolution mixer usp does not "
+                    f"implement under sequence parallelism (it would run on each rank's slice as if it were the "
+                    f"whole sequence)",
+                    f"usp implements {', '.join(sorted(MIXER_SCHEMES))} (docs/models.md).",
+                )
+            )
+        mixer_layers = sum(spec.mixer for spec in layers)
+        if not unknown and len(found) != mixer_layers:
+            refusals.append(
+                Refusal(
+                    "layer_types",
+                    f"{mixer_layers} layers run a non-attention mixer by the config, but the model has "
+                    f"{len(found)} mixer modules usp recognises ({', '.join(sorted(set(found))) or 'none'})",
+                    "usp needs one implemented mixer module per recurrent / convolution layer.",
                 )
             )
         attn = attention_modules(skeleton)
@@ -352,9 +411,9 @@ def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None)
                     "usp trains causal (decoder-only) language models.",
                 )
             )
-        attention_layers = sum(spec.kind in LAYER_KINDS.values() for spec in layers)
+        attention_layers = sum(spec.attention for spec in layers)
         layer_refused = any(r.field.startswith("layer_types") for r in refusals)
-        if not mixers and not layer_refused and len(attn) != attention_layers:
+        if not layer_refused and len(attn) != attention_layers:
             refusals.append(
                 Refusal(
                     "num_hidden_layers",
@@ -402,5 +461,6 @@ def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None)
         global_positions=tuple(needs_global_positions(text)),
         lm_head_fields=lm_head_fields,
         moe=moe,
+        mixers=tuple(dict.fromkeys(found)),
         refusals=tuple(refusals),
     )

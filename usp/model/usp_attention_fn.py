@@ -244,7 +244,8 @@ def apply_usp(
 
     Any transformers causal LM whose every feature usp implements (docs/models.md): per-layer sliding windows
     and chunked attention, attention logit softcapping, sinks, MLA's narrower value heads, LongRoPE and Llama
-    4's attention temperature (computed from global positions). Anything else raises ``ValueError`` naming
+    4's attention temperature (computed from global positions), and hybrid models' recurrent and convolution
+    mixers (:mod:`usp.model.mixers`: gated DeltaNet, Mamba / Mamba2, short convolutions). Anything else raises ``ValueError`` naming
     the family and the config field (:func:`usp.model.capabilities.model_capabilities`; ``capabilities``
     passes a record already built). Also raises if the heads do not split over ``mesh.ulysses_degree`` (or
     into ``attn_head_chunks``).
@@ -255,6 +256,7 @@ def apply_usp(
     check_heads(config, mesh.ulysses_degree)
     from usp.attention import check_attn_head_chunks
     from usp.model.global_positions import apply_global_positions
+    from usp.model.mixers import apply_sequence_mixers
 
     hq = config.num_attention_heads
     check_attn_head_chunks(
@@ -265,7 +267,9 @@ def apply_usp(
     state = USPAttentionState(
         mesh=mesh, backend=backend, attn_head_chunks=attn_head_chunks, family=caps.model_type
     )
-    assert len(modules) == len(caps.layers), "the capability gate counted one attention module per layer"
+    assert len(modules) == sum(spec.attention for spec in caps.layers), (
+        "the capability gate counted one attention module per attention layer"
+    )
     for m in modules:
         layer = caps.layers[m.layer_idx]
         setattr(m, _STATE_ATTR, USPAttentionState(mesh, backend, attn_head_chunks, layer, caps.model_type))
@@ -274,5 +278,6 @@ def apply_usp(
         decoder.register_forward_pre_hook(_check_forward_inputs, with_kwargs=True)
     setattr(decoder, _STATE_ATTR, state)
     apply_global_positions(model, mesh)
+    apply_sequence_mixers(model, mesh)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
