@@ -127,12 +127,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # hybrid models: recurrent / convolution mixers beside attention (usp.model.mixers)
     "qwen3_next": dict(
         _LINEAR,
+        linear_num_key_heads=6,  # 6 key heads over 4 ranks: the head all-to-all's uneven split (2, 2, 1, 1)
+        linear_num_value_heads=12,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
     ),
-    "qwen3_5_text": dict(_LINEAR),
+    "qwen3_5_text": dict(_LINEAR, linear_num_key_heads=4, linear_num_value_heads=8),  # one key head per rank
     "olmo_hybrid": dict(_LINEAR),
     "nemotron_h": dict(
         _MAMBA2,

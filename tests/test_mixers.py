@@ -6,7 +6,8 @@ where it breaks first, in float64 on 4 gloo ranks:
 - ``halo``: a short convolution whose window (7 tokens) is longer than a rank's runs of consecutive positions
   (4 tokens under u1r4 zigzag), so halos span several runs and ranks; documents of 1 token and documents
   crossing ranks;
-- ``gather``: a gated DeltaNet, the same layouts and documents;
+- ``heads``: Qwen3-Next's gated DeltaNet with 6 key heads over 4 ranks (an uneven split), and ``gather``:
+  Bamba's Mamba2, the same layouts and documents;
 - the bytes each scheme sends, counted by ``record_comm`` like attention's, against the formula;
 - refusals: a hybrid mixer usp does not implement (``check_model_dir``, before any weight is read) and sharded
   KV-cache decoding of a model with a recurrent state.
@@ -24,6 +25,7 @@ from tests.exact_model import KeepFloat64
 from tests.family_models import REFUSED, family_config
 from tests.mesh_cache import cached_sp_mesh
 from tests.tolerance import assert_exact
+from usp.model.gated_deltanet import head_counts
 from usp.model.mixers import HALO, apply_sequence_mixers, mixer_modules
 from usp.parallel import gather_sequence, shard_sequence
 
@@ -135,13 +137,30 @@ def _halo_bytes(u: int, r: int, layout: str, docs: list[int] | None, field: int)
 
 def test_mixer_bytes_are_counted(dist_pools):
     """``record_comm`` counts each scheme's traffic: the gather sends ``(P - 1)`` copies of the rank's
-    ``[1, S/P, hidden]`` slice forward, and ``(P - 1) / P`` of the gathered gradient back; the halo sends
-    ``P - 1`` copies of the widest rank's tails (at most ``K - 1`` per run), and the same back."""
-    gathered = dist_pools(4).run(run_mixer, "qwen3_next")[0]
+    ``[1, S/P, hidden]`` slice forward, and ``(P - 1) / P`` of the gathered gradient back; the head all-to-all
+    sends the other ranks' key head groups of its tokens and gets its own groups' outputs back (and the
+    reverse in backward); the halo sends ``P - 1`` copies of the widest rank's tails (at most ``K - 1`` per
+    run), and the same back."""
+    gathered = dist_pools(4).run(run_mixer, "bamba")[0]
     for case in gathered:
         slice_bytes = SEQ_LEN // 4 * HIDDEN * 8
         assert case["scheme"] == "gather"
         assert case["bytes"] == {"mixer_gather": 3 * slice_bytes, "mixer_gather_grad": 3 * slice_bytes}
+    by_heads = dist_pools(4).run(run_mixer, "qwen3_next")[0]
+    config = family_config("qwen3_next")
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    r = hv // hk
+    width = 2 * dk + 2 * r * dv + 2 * r  # one key head group's [q | k | v | z | b | a]
+    counts = head_counts(hk, 4)  # rank 0 reports: it holds counts[0] key head groups
+    token = SEQ_LEN // 4 * 8  # float64 bytes per element of one rank's tokens
+    groups_out, groups_back = hk - counts[0], 3 * counts[0]  # all-to-all: sent away / gathered back
+    for case in by_heads:
+        assert case["scheme"] == "heads"
+        assert case["bytes"] == {
+            "mixer_heads": token * (groups_out * width + groups_back * r * dv),
+            "mixer_heads_grad": token * (groups_back * width + groups_out * r * dv),
+        }, case["case"]
     haloed = dist_pools(4).run(run_mixer, "long_conv")[0]
     for case in haloed:
         assert case["scheme"] == HALO and case["field"] == 7
@@ -181,4 +200,4 @@ def run_decode_refusal() -> str:
 def test_sharded_decoding_refuses_a_recurrent_state(dist_pools):
     """usp's sharded KV cache keeps attention's K/V only: a model with mixers is refused, naming them."""
     messages = dist_pools(4).run(run_decode_refusal)
-    assert all("Lfm2ShortConv" in m and "ulysses_degree=1" in m for m in messages), messages
+    assert all("Lfm2ShortConv" in m and "eval=ppl" in m for m in messages), messages

@@ -19,6 +19,7 @@ CPU_RECIPES = {
     "tiny_moe",
     "tiny_lora",
     "tiny_dpo",
+    "tiny_hybrid",
     "smollm2_135m_16k",
 }  # CPU over gloo (the demos; the measured SmolLM2 context extension)
 REAL = [name for name in RECIPES if name not in CPU_RECIPES]
@@ -48,6 +49,7 @@ def test_the_promised_recipes_exist():
         "tiny_moe",
         "tiny_lora",
         "tiny_dpo",
+        "tiny_hybrid",
     }
     assert expected <= set(RECIPES)
 

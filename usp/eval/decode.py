@@ -215,9 +215,8 @@ def decode(
     if mixers:
         raise ValueError(
             f"usp's sharded KV-cache decoding keeps softmax attention's K/V only; this model's "
-            f"{', '.join(mixers)} layers carry a recurrent / convolution state it does not keep. Evaluate "
-            f"generation on one rank (parallel.ulysses_degree=1 parallel.ring_degree=1); perplexity by position "
-            f"runs sharded."
+            f"{', '.join(mixers)} layers carry a recurrent / convolution state it does not keep, on any "
+            f"layout; perplexity by position (eval=ppl) runs sharded and exact."
         )
     backend = _model_backend(model)
     device = next(model.parameters()).device

@@ -32,6 +32,7 @@ from usp.model import (
     apply_rope_overrides,
     check_model_dir,
     check_weight_headers,
+    model_capabilities,
     parse_dtype,
 )
 from usp.parallel import ParallelLayout, sequence_multiple
@@ -80,6 +81,18 @@ def resolve_model_source(path: str) -> ModelSource:
     except ValueError as e:
         raise ValueError(f"model.path={path!r} is a checkpoint of {base}, which cannot be used: {e}") from e
     return ModelSource(Path(base), ckpt, config)
+
+
+def check_generation_support(config: Any, task: str) -> None:
+    """``ValueError`` before any weight is read when ``task`` generates text (passkey, RULER) and the model has
+    recurrent / convolution mixers: usp's decoding keeps softmax attention's K/V only, on any layout."""
+    mixers = model_capabilities(config).mixers
+    if mixers:
+        raise ValueError(
+            f"eval.task={task!r} generates text, and usp's decoding keeps softmax attention's K/V only; this "
+            f"model's {', '.join(mixers)} layers carry a recurrent / convolution state it does not keep. Use "
+            f"eval=ppl (perplexity by position runs sharded and exact for hybrid models)."
+        )
 
 
 def resolve_lengths(cfg: TrainConfig, layout: ParallelLayout | None = None) -> list[int]:
@@ -190,6 +203,8 @@ def prepare(
         from usp.eval.ppl import check_ppl_inputs
 
         check_ppl_inputs(cfg, source.config)
+    else:
+        check_generation_support(source.config, cfg.eval.task)
     check_model_for_degrees(source.config, layout)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.config_dir), local_files_only=True)

@@ -82,6 +82,16 @@ def check_known_degrees(degrees: Mapping[str, Any], *, world_size: int, local_wo
     )
 
 
+def _hybrid(cfg: TrainConfig) -> str | None:
+    """:func:`usp.plan.models.hybrid_layers_of` for the readable ``config.json`` at ``model.path``, or None."""
+    from usp.plan.models import hybrid_layers_of
+
+    config_json = Path(cfg.model.path) / "config.json"
+    if "auto" in (cfg.parallel.ulysses_degree, cfg.parallel.ring_degree) or not config_json.is_file():
+        return None
+    return hybrid_layers_of(json.loads(config_json.read_text()))
+
+
 def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> str | None:
     """The planner's memory figure for ``cfg``'s layout: a one-line note when it fits, ``None`` when it
     cannot be estimated (no readable ``config.json`` at ``model.path``). The planner's input is the trainer's
@@ -98,7 +108,7 @@ def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) ->
 
     p, t = cfg.parallel, cfg.trainer
     config_json = Path(cfg.model.path) / "config.json"
-    if not config_json.is_file():
+    if not config_json.is_file() or _hybrid(cfg) is not None:
         return None
     node_size = _node_size(p.node_size, world_size=world_size, local_world_size=local_world_size)
     run_layout = plan_layout(  # the layout start-up will make (the planner's choice for auto degrees)
@@ -142,6 +152,11 @@ def memory_skipped_reason(cfg: TrainConfig) -> str | None:
         return "memory: not checked here: the degrees are auto (the planner picks a layout that fits at start-up)"
     if cfg.model.build_tiny:
         return None
+    hybrid = _hybrid(cfg)
+    if hybrid is not None:
+        return (
+            f"memory: not checked here: the planner does not model hybrid models' mixer layers yet ({hybrid})"
+        )
     return (
         f"memory: not checked here: {cfg.model.path}/config.json cannot be read on this machine (model.path), so "
         f"the planner has no model to estimate; the trainer checks the model at start-up"

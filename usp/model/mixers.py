@@ -7,7 +7,7 @@ each mixer module of a class in :data:`MIXER_SCHEMES` (the module is not replace
 dict keys) so that every rank gets exactly the unsharded mixer's outputs and gradients for its own tokens, with
 each packed document run on its own (the state and the convolution window start fresh at a document boundary):
 
-``gather`` (recurrent mixers)
+``gather`` (the other recurrent mixers)
     One differentiable all-gather over the sp group brings the whole sequence (``[B, S, hidden]``) to every
     rank, the mixer runs once per document in natural order, and the rank keeps its own tokens' outputs.
     Backward: each rank's gradient of its inputs is summed over the ranks (an all-to-all). Exact with every
@@ -15,6 +15,9 @@ each packed document run on its own (the state and the convolution window start 
     rank computes the mixer over all ``S`` tokens (``sp_degree`` x the work) and holds the mixer's activations
     for ``S`` tokens, and the all-gather sends ``(P - 1) * S/P * hidden`` elements per rank and layer. The
     planner counts both (docs/attention.md, "Hybrid layers").
+``heads`` (gated DeltaNet: Qwen3-Next, Qwen3.5)
+    A head all-to-all: each rank runs every token of its share of the key head groups, ``S / P`` work and
+    memory (:mod:`usp.model.gated_deltanet`); with fewer key heads than ranks, the ``gather`` scheme.
 ``halo`` (short convolutions, receptive field ``K``)
     The output at position ``t`` depends on inputs ``t - K + 1 .. t`` only. Each rank sends the last ``K - 1``
     tokens of each of its runs of consecutive positions (one small all-gather), and runs the mixer on each run
@@ -28,6 +31,7 @@ halo table) are cached per ``(length, mesh, boundaries)``: a training step compu
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -37,15 +41,19 @@ import torch
 from torch import nn
 
 from usp.attention.comm import all_gather_dim1
+from usp.model.gated_deltanet import gated_deltanet_forward, supports_heads
 from usp.parallel import SPMesh
 from usp.parallel.sequence import _token_indices
 
+logger = logging.getLogger(__name__)
+
 GATHER = "gather"
 HALO = "halo"
+HEADS = "heads"
 
 MIXER_SCHEMES: dict[str, str] = {
-    "Qwen3NextGatedDeltaNet": GATHER,
-    "Qwen3_5GatedDeltaNet": GATHER,
+    "Qwen3NextGatedDeltaNet": HEADS,
+    "Qwen3_5GatedDeltaNet": HEADS,
     "OlmoHybridGatedDeltaNet": GATHER,
     "NemotronHMamba2Mixer": GATHER,
     "FalconH1Mixer": GATHER,
@@ -146,6 +154,7 @@ def _plan(
             before = range(max(doc_start, first - halo), first) if halo else range(0)
             pieces.append((i, j, [slot[p] for p in before]))
     return {
+        "order": torch.from_numpy(order),
         "inverse": torch.from_numpy(inverse),
         "local": torch.from_numpy(mine.copy()),
         "tail_slots": torch.tensor(tails[sp_rank], dtype=torch.long),
@@ -229,6 +238,10 @@ def sequence_parallel_mixer_forward(
         cu = getattr(self, _DOCUMENTS_ATTR, None)
     if state.scheme == HALO:
         out = _haloed(self, state, hidden_states, cu)
+    elif state.scheme == HEADS:
+        seq_len = hidden_states.size(1) * state.mesh.sp_degree
+        plan = _mesh_plan(state.mesh, seq_len, cu, 0)
+        out = gated_deltanet_forward(self, hidden_states, state.mesh, plan, _bounds(seq_len, cu))
     else:
         out = _gathered(self, state, hidden_states, cu)
     return (out, None) if type(self).__name__ in _ATTENTION_SIGNATURE else out
@@ -252,7 +265,7 @@ def _record_documents(mixer: nn.Module) -> Callable[..., None]:
         if kwargs.get("usp_kv_cache") is not None:
             raise ValueError(
                 f"{type(mixer).__name__} carries a recurrent / convolution state that usp's sharded KV-cache "
-                "decoding does not keep; generate on one rank (parallel.ulysses_degree=1 parallel.ring_degree=1)."
+                "decoding does not keep; evaluate hybrid models by perplexity (eval=ppl)."
             )
         setattr(mixer, _DOCUMENTS_ATTR, _documents(kwargs))
 
@@ -266,21 +279,30 @@ def _wrapped_class(cls: type) -> type:
     """``cls`` with :func:`sequence_parallel_mixer_forward` as its forward (same name, made once per class)."""
     if cls not in _WRAPPED:
         _WRAPPED[cls] = type(
-            cls.__name__, (cls,), {"forward": sequence_parallel_mixer_forward, "_usp_base": cls}
+            cls.__name__,
+            (cls,),
+            {
+                "forward": sequence_parallel_mixer_forward,
+                "_usp_base": cls,
+                "__module__": cls.__module__,  # the family's module, where its kernels live
+            },
         )
     return _WRAPPED[cls]
 
 
-def apply_sequence_mixers(model: nn.Module, mesh: SPMesh) -> int:
-    """Make every mixer of :data:`MIXER_SCHEMES` in ``model`` exact over ``mesh`` (in place); returns how many.
+def apply_sequence_mixers(model: nn.Module, mesh: SPMesh) -> dict[str, str]:
+    """Make every mixer of :data:`MIXER_SCHEMES` in ``model`` exact over ``mesh`` (in place); returns each
+    mixer's scheme by qualified module name (logged once per class on the first rank).
 
     The module's class becomes a subclass with the wrapping forward (parameters, buffers, names and state dict
     unchanged); applying twice re-targets the mesh.
     """
-    count = 0
+    schemes: dict[str, str] = {}
     for name, m in mixer_modules(model):
         base = getattr(type(m), "_usp_base", type(m))
         scheme = MIXER_SCHEMES[base.__name__]
+        if scheme == HEADS and not supports_heads(m, mesh.sp_degree):
+            scheme = GATHER  # fewer key heads than ranks: every rank runs the whole sequence
         field = receptive_field(m) if scheme == HALO else 0
         if not hasattr(m, _STATE_ATTR):
             layer = model.get_submodule(name.rpartition(".")[0])
@@ -288,5 +310,11 @@ def apply_sequence_mixers(model: nn.Module, mesh: SPMesh) -> int:
         call = _attention_like(base.forward) if base.__name__ in _ATTENTION_SIGNATURE else base.forward
         setattr(m, _STATE_ATTR, MixerState(mesh, scheme, field, call))
         m.__class__ = _wrapped_class(base)
-        count += 1
-    return count
+        schemes[name] = scheme
+    if schemes and mesh.sp_rank == 0 and mesh.dp_rank == 0:
+        by_class: dict[str, list[str]] = {}
+        for name, m in mixer_modules(model):
+            by_class.setdefault(f"{type(m).__name__} ({schemes[name]})", []).append(name)
+        for what, names in by_class.items():
+            logger.info("usp: %d mixer layers %s over %d sp ranks", len(names), what, mesh.sp_degree)
+    return schemes

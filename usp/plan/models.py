@@ -38,11 +38,30 @@ def head_dim_of(config: Any) -> int:
 
 def layer_attention_of(config: Any) -> tuple[tuple[int | None, int | None], ...]:
     """Each layer's ``(sliding window, chunk)`` from a config object or ``config.json`` dict, by the one rule of
-    :func:`usp.model.capabilities.layer_specs`; empty when every layer is full causal attention."""
+    :func:`usp.model.capabilities.layer_specs`; empty when every layer is full causal attention. A layer with
+    no softmax attention (a hybrid model's recurrent / convolution mixer layer, or an MLP-only layer) has
+    window 0: it scores no (query, key) pairs."""
     from usp.model.capabilities import layer_specs
 
-    layers = tuple((spec.window, spec.chunk) for spec in layer_specs(config))
+    layers = tuple((spec.window, spec.chunk) if spec.attention else (0, None) for spec in layer_specs(config))
     return () if all(key == (None, None) for key in layers) else layers
+
+
+def hybrid_layers_of(config: Any) -> str | None:
+    """What a hybrid model's config has beyond softmax attention in every layer (``"layer_types: 36
+    linear_attention, 12 full_attention"``), or None. The planner's counts assume attention in every layer,
+    so it refuses these configs (:meth:`ModelSpec.from_hf_config`) rather than estimate them wrongly."""
+    from usp.model.capabilities import layer_specs
+
+    specs = layer_specs(text_config_of(config) if isinstance(config, dict) else config)
+    if all(spec.attention and not spec.mixer for spec in specs):
+        return None
+    get = (
+        config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    )
+    types = list(get("layer_types", None) or [])
+    counts = ", ".join(f"{types.count(t)} {t}" for t in dict.fromkeys(types))
+    return f"layer_types: {counts}"
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -475,6 +494,14 @@ class ModelSpec:
         """Build from an HF config dict (a multimodal one's ``text_config``: :func:`text_config_of`); ``head_dim``
         defaults to ``hidden_size / num_attention_heads``."""
         config = text_config_of(config)
+        hybrid = hybrid_layers_of(config)
+        if hybrid is not None:
+            raise ValueError(
+                f"model {name!r} is a hybrid model ({hybrid}): the planner does not model recurrent / convolution "
+                f"mixer layers yet (their parameters, their cost linear in length, the sequence gather usp runs "
+                f"them with), so it gives no estimate rather than a wrong one. Set parallel.ulysses_degree and "
+                f"parallel.ring_degree yourself (docs/attention.md, 'Hybrid layers')."
+            )
         missing = [k for k in _REQUIRED if config.get(k) is None]
         if missing:
             raise ValueError(f"model config {name!r} lacks {missing}; give a Llama-style HF config.json.")
