@@ -6,8 +6,9 @@ where it breaks first, in float64 on 4 gloo ranks:
 - ``halo``: a short convolution whose window (7 tokens) is longer than a rank's runs of consecutive positions
   (4 tokens under u1r4 zigzag), so halos span several runs and ranks; documents of 1 token and documents
   crossing ranks;
-- ``heads``: Qwen3-Next's gated DeltaNet with 6 key heads over 4 ranks (an uneven split), and ``gather``:
-  Bamba's Mamba2, the same layouts and documents;
+- ``heads``: Qwen3-Next's gated DeltaNet with 6 key heads over 4 ranks (an uneven split) and Bamba's Mamba2
+  (2 groups of 2 heads: each group's B and C go to two ranks); ``gather``: Falcon-H1's Mamba2; the same
+  layouts and documents;
 - the bytes each scheme sends, counted by ``record_comm`` like attention's, against the formula;
 - refusals: a hybrid mixer usp does not implement (``check_model_dir``, before any weight is read) and sharded
   KV-cache decoding of a model with a recurrent state.
@@ -114,11 +115,15 @@ def run_mixer(name: str) -> list[dict] | None:
         return results if torch.distributed.get_rank() == 0 else None
 
 
-@pytest.mark.parametrize("name", ["long_conv", "qwen3_next", "bamba"])
+SCHEMES = {"long_conv": "halo", "qwen3_next": "heads", "bamba": "heads", "falcon_h1": "gather"}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_mixer_is_exact_under_every_layout(dist_pools, name):
     """Outputs, input gradients and parameter gradients equal the unsharded mixer run per document."""
     for case in dist_pools(4).run(run_mixer, name)[0]:
         label = f"{name} {case['case']}"
+        assert case["scheme"] == SCHEMES[name], label
         assert_exact(case["out"], case["ref_out"], f"output {label}")
         assert_exact(case["x_grad"], case["ref_x_grad"], f"input grad {label}")
         assert set(case["grads"]) == set(case["ref_grads"]), label
@@ -141,7 +146,7 @@ def test_mixer_bytes_are_counted(dist_pools):
     sends the other ranks' key head groups of its tokens and gets its own groups' outputs back (and the
     reverse in backward); the halo sends ``P - 1`` copies of the widest rank's tails (at most ``K - 1`` per
     run), and the same back."""
-    gathered = dist_pools(4).run(run_mixer, "bamba")[0]
+    gathered = dist_pools(4).run(run_mixer, "falcon_h1")[0]
     for case in gathered:
         slice_bytes = SEQ_LEN // 4 * HIDDEN * 8
         assert case["scheme"] == "gather"

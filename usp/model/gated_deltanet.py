@@ -112,7 +112,7 @@ def _document(
     return out.reshape(b, length, hk * r, dv)
 
 
-def gated_deltanet_forward(
+def forward(
     module: nn.Module, x: torch.Tensor, mesh: SPMesh, plan: dict, bounds: tuple[int, ...]
 ) -> torch.Tensor:
     """The layer's output for this rank's tokens: ``x`` ``[B, S/P, hidden]`` (local order) ->

@@ -15,9 +15,10 @@ each packed document run on its own (the state and the convolution window start 
     rank computes the mixer over all ``S`` tokens (``sp_degree`` x the work) and holds the mixer's activations
     for ``S`` tokens, and the all-gather sends ``(P - 1) * S/P * hidden`` elements per rank and layer. The
     planner counts both (docs/attention.md, "Hybrid layers").
-``heads`` (gated DeltaNet: Qwen3-Next, Qwen3.5)
-    A head all-to-all: each rank runs every token of its share of the key head groups, ``S / P`` work and
-    memory (:mod:`usp.model.gated_deltanet`); with fewer key heads than ranks, the ``gather`` scheme.
+``heads`` (gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba2: Bamba, Granite-4 hybrids, Nemotron-H)
+    A head all-to-all: each rank runs every token of its share of the heads, ``S / P`` work and memory
+    (:mod:`usp.model.gated_deltanet`, :mod:`usp.model.mamba2`); when the heads do not split over the ranks,
+    the ``gather`` scheme.
 ``halo`` (short convolutions, receptive field ``K``)
     The output at position ``t`` depends on inputs ``t - K + 1 .. t`` only. Each rank sends the last ``K - 1``
     tokens of each of its runs of consecutive positions (one small all-gather), and runs the mixer on each run
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 from usp.attention.comm import all_gather_dim1
-from usp.model.gated_deltanet import gated_deltanet_forward, supports_heads
+from usp.model import gated_deltanet, mamba2
 from usp.parallel import SPMesh
 from usp.parallel.sequence import _token_indices
 
@@ -55,10 +56,10 @@ MIXER_SCHEMES: dict[str, str] = {
     "Qwen3NextGatedDeltaNet": HEADS,
     "Qwen3_5GatedDeltaNet": HEADS,
     "OlmoHybridGatedDeltaNet": GATHER,
-    "NemotronHMamba2Mixer": GATHER,
+    "NemotronHMamba2Mixer": HEADS,
     "FalconH1Mixer": GATHER,
-    "BambaMixer": GATHER,
-    "GraniteMoeHybridMambaLayer": GATHER,
+    "BambaMixer": HEADS,
+    "GraniteMoeHybridMambaLayer": HEADS,
     "JambaMambaMixer": GATHER,
     "KimiLinearDeltaAttention": GATHER,
     "MiniMaxLightningAttention": GATHER,
@@ -73,6 +74,12 @@ _ATTENTION_SIGNATURE = {"MiniMaxLightningAttention"}
 returning ``(output, weights)``; the rest take ``hidden_states`` and return the output."""
 
 _STATE_ATTR = "usp_mixer_state"
+
+
+def _head_scheme(cls: type) -> tuple[Callable[[nn.Module, int], bool], Callable[..., torch.Tensor]]:
+    """(whether the head all-to-all applies at an sp degree, its forward) for a ``heads`` mixer class."""
+    module = gated_deltanet if cls.__name__.endswith("GatedDeltaNet") else mamba2
+    return module.supports_heads, module.forward
 
 
 def _attention_like(forward: Callable[..., object]) -> Callable[..., torch.Tensor]:
@@ -241,7 +248,8 @@ def sequence_parallel_mixer_forward(
     elif state.scheme == HEADS:
         seq_len = hidden_states.size(1) * state.mesh.sp_degree
         plan = _mesh_plan(state.mesh, seq_len, cu, 0)
-        out = gated_deltanet_forward(self, hidden_states, state.mesh, plan, _bounds(seq_len, cu))
+        forward = _head_scheme(type(self)._usp_base)[1]
+        out = forward(self, hidden_states, state.mesh, plan, _bounds(seq_len, cu))
     else:
         out = _gathered(self, state, hidden_states, cu)
     return (out, None) if type(self).__name__ in _ATTENTION_SIGNATURE else out
@@ -301,8 +309,8 @@ def apply_sequence_mixers(model: nn.Module, mesh: SPMesh) -> dict[str, str]:
     for name, m in mixer_modules(model):
         base = getattr(type(m), "_usp_base", type(m))
         scheme = MIXER_SCHEMES[base.__name__]
-        if scheme == HEADS and not supports_heads(m, mesh.sp_degree):
-            scheme = GATHER  # fewer key heads than ranks: every rank runs the whole sequence
+        if scheme == HEADS and not _head_scheme(base)[0](m, mesh.sp_degree):
+            scheme = GATHER  # the heads do not split over the ranks: every rank runs the whole sequence
         field = receptive_field(m) if scheme == HALO else 0
         if not hasattr(m, _STATE_ATTR):
             layer = model.get_submodule(name.rpartition(".")[0])
