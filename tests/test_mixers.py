@@ -206,3 +206,33 @@ def test_sharded_decoding_refuses_a_recurrent_state(dist_pools):
     """usp's sharded KV cache keeps attention's K/V only: a model with mixers is refused, naming them."""
     messages = dist_pools(4).run(run_decode_refusal)
     assert all("Lfm2ShortConv" in m and "eval=ppl" in m for m in messages), messages
+
+
+def test_a_mixer_the_gate_does_not_recognise_is_refused_by_its_convolution(monkeypatch):
+    """A hybrid whose mixer class no name rule matches (here Falcon-H1's, with the rule narrowed) and whose
+    config has no ``layer_types`` telling so: its causal convolution outside every known mixer is refused,
+    naming the class, so no future mixer is sharded blindly."""
+    import re
+
+    from usp.model import capabilities
+
+    config = family_config("falcon_h1")
+    assert not capabilities.model_capabilities(config).refusals
+    monkeypatch.setattr(capabilities, "_MIXER_CLASSES", re.compile(r"DeltaNet"))
+    refusals = capabilities.model_capabilities(config).refusals
+    assert any(r.field == "modules FalconH1Mixer" and "convolution" in r.reason for r in refusals), refusals
+
+
+def test_the_planner_refuses_hybrid_configs_instead_of_estimating_them():
+    """``usp-plan`` counts attention in every layer, so a hybrid config gets a ``ValueError`` naming its layer
+    types and the fix, not a wrong estimate; ``usp-launch``'s memory check says why it has no figure."""
+    from usp.plan import load_model_spec
+
+    config = family_config("qwen3_5_text").to_dict()
+    with pytest.raises(
+        ValueError, match=r"hybrid model \(layer_types: 1 linear_attention, 1 full_attention\)"
+    ):
+        load_model_spec(config)
+    with pytest.raises(ValueError, match="parallel.ulysses_degree"):
+        load_model_spec(config)
+    load_model_spec(family_config("llama").to_dict())  # an attention-only model still plans

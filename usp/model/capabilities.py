@@ -381,6 +381,23 @@ def model_capabilities(config: PretrainedConfig, model: nn.Module | None = None)
                     f"usp implements {', '.join(sorted(MIXER_SCHEMES))} (docs/models.md).",
                 )
             )
+        owners = [name for name, m in skeleton.named_modules() if _MIXER_CLASSES.search(type(m).__name__)]
+        stray = sorted(
+            {
+                type(skeleton.get_submodule(name.rpartition(".")[0])).__name__
+                for name, m in skeleton.named_modules()
+                if isinstance(m, nn.Conv1d) and not any(name.startswith(f"{o}.") for o in owners)
+            }
+        )
+        if stray:  # a causal convolution outside every mixer usp knows: a token mixer it would shard blindly
+            refusals.append(
+                Refusal(
+                    f"modules {', '.join(stray)}",
+                    f"{', '.join(stray)} holds a convolution over the sequence that is no mixer usp recognises "
+                    f"(it would run on each rank's slice as if it were the whole sequence)",
+                    f"usp implements {', '.join(sorted(MIXER_SCHEMES))} (docs/models.md).",
+                )
+            )
         mixer_layers = sum(spec.mixer for spec in layers)
         if not unknown and len(found) != mixer_layers:
             refusals.append(
