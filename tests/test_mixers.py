@@ -7,8 +7,8 @@ where it breaks first, in float64 on 4 gloo ranks:
   (4 tokens under u1r4 zigzag), so halos span several runs and ranks; documents of 1 token and documents
   crossing ranks;
 - ``heads``: Qwen3-Next's gated DeltaNet with 6 key heads over 4 ranks (an uneven split) and Bamba's Mamba2
-  (2 groups of 2 heads: each group's B and C go to two ranks); ``gather``: Falcon-H1's Mamba2; the same
-  layouts and documents;
+  and Falcon-H1's (2 groups of 2 heads: each group's B and C go to two ranks; Falcon-H1's muP multipliers);
+  ``gather``: Jamba's Mamba; the same layouts and documents;
 - the bytes each scheme sends, counted by ``record_comm`` like attention's, against the formula;
 - refusals: a hybrid mixer usp does not implement (``check_model_dir``, before any weight is read) and sharded
   KV-cache decoding of a model with a recurrent state.
@@ -43,10 +43,19 @@ LAYOUTS = [  # (ulysses, ring, layout, documents)
 
 
 def _mixer(family: str) -> torch.nn.Module:
-    """The first mixer of the family's tiny model (float64, seeded)."""
+    """The first mixer of the family's tiny model (float64, seeded); ``falcon_h1_silu``: Falcon-H1 without its
+    gated norm (``mamba_rms_norm=False``, the config's default: ``silu(gate)`` instead)."""
+    from transformers import AutoModelForCausalLM
+
     from tests.family_models import build_family
 
-    model = build_family(family)
+    if family == "falcon_h1_silu":
+        torch.manual_seed(0)
+        config = family_config("falcon_h1")
+        config.mamba_rms_norm = False
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    else:
+        model = build_family(family)
     return mixer_modules(model)[0][1]
 
 
@@ -115,7 +124,13 @@ def run_mixer(name: str) -> list[dict] | None:
         return results if torch.distributed.get_rank() == 0 else None
 
 
-SCHEMES = {"long_conv": "halo", "qwen3_next": "heads", "bamba": "heads", "falcon_h1": "gather"}
+SCHEMES = {
+    "long_conv": "halo",
+    "qwen3_next": "heads",
+    "bamba": "heads",
+    "falcon_h1": "heads",
+    "jamba": "gather",
+}
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))
@@ -146,7 +161,7 @@ def test_mixer_bytes_are_counted(dist_pools):
     sends the other ranks' key head groups of its tokens and gets its own groups' outputs back (and the
     reverse in backward); the halo sends ``P - 1`` copies of the widest rank's tails (at most ``K - 1`` per
     run), and the same back."""
-    gathered = dist_pools(4).run(run_mixer, "falcon_h1")[0]
+    gathered = dist_pools(4).run(run_mixer, "jamba")[0]
     for case in gathered:
         slice_bytes = SEQ_LEN // 4 * HIDDEN * 8
         assert case["scheme"] == "gather"

@@ -1,4 +1,4 @@
-"""Mamba2 mixers (Bamba, Granite-4 hybrids, Nemotron-H) under sequence parallelism by a head all-to-all.
+"""Mamba2 mixers (Bamba, Granite-4 hybrids, Nemotron-H, Falcon-H1) under sequence parallelism by a head all-to-all.
 
 The SSD scan is independent per head given its group's ``B`` and ``C``, and the convolution before it is
 depthwise, so a rank holding every token of some heads computes them exactly. Over the sp group (``P`` ranks):
@@ -12,11 +12,11 @@ depthwise, so a rank holding every token of some heads computes them exactly. Ov
    (``mamba2_chunk_scan``: mamba-ssm's kernel where transformers finds it, its torch code otherwise) with the
    rank's ``A``, ``D`` and ``dt_bias``, each document from a zero state;
 4. one all-to-all back (:func:`usp.attention.ulysses.head_to_seq`) -> ``[B, S/P, H hd]`` on the rank's tokens,
-   then the grouped gated RMSNorm with the local gate and the output projection, both per token.
+   then the grouped gated RMSNorm with the local gate and the output projection, both per token (Falcon-H1:
+   its muP multipliers on the input and the projection, and ``silu(gate)`` when it has no gated norm).
 
 It needs ``H % P == 0`` and the groups to fall on whole ranks (``G % P == 0`` or ``P % G == 0``); otherwise the
-layer runs on the gather scheme (:mod:`usp.model.mixers`). Falcon-H1's mixer (muP multipliers inside) and
-Jamba's Mamba1 run on the gather.
+layer runs on the gather scheme (:mod:`usp.model.mixers`). Jamba's Mamba1 runs on the gather.
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ def forward(
         module.head_dim,
         module.ssm_state_size,
     )
-    projected = module.in_proj(x)  # [B, n, inner + conv_dim + H]
+    if hasattr(module, "mup_vector"):  # Falcon-H1: muP multipliers on the input and on the projection
+        projected = module.in_proj(x * module.ssm_in_multiplier) * module.mup_vector
+    else:
+        projected = module.in_proj(x)  # [B, n, inner + conv_dim + H]
     gate = projected[..., :inner]
     send = []
     for rank in range(sp):
@@ -118,4 +121,8 @@ def forward(
         outs.append(scan.reshape(b, length, 1, h_local * hd))
     out = torch.cat(outs, dim=1).index_select(1, plan["order"].to(x.device))  # [B, S, 1, h hd], sp-rank order
     out = head_to_seq(out, mesh.sp_group, "mixer_heads").reshape(b, n, inner)  # [B, S/P, H hd]
-    return module.out_proj(module.norm(out, gate).to(dtype))
+    if getattr(module, "mamba_rms_norm", True):
+        out = module.norm(out, gate)
+    else:  # Falcon-H1 without its gated norm
+        out = out * nn.functional.silu(gate)
+    return module.out_proj(out.to(dtype))

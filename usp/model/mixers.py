@@ -15,7 +15,7 @@ each packed document run on its own (the state and the convolution window start 
     rank computes the mixer over all ``S`` tokens (``sp_degree`` x the work) and holds the mixer's activations
     for ``S`` tokens, and the all-gather sends ``(P - 1) * S/P * hidden`` elements per rank and layer. The
     planner counts both (docs/attention.md, "Hybrid layers").
-``heads`` (gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba2: Bamba, Granite-4 hybrids, Nemotron-H)
+``heads`` (gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba2: Bamba, Granite-4 hybrids, Nemotron-H, Falcon-H1)
     A head all-to-all: each rank runs every token of its share of the heads, ``S / P`` work and memory
     (:mod:`usp.model.gated_deltanet`, :mod:`usp.model.mamba2`); when the heads do not split over the ranks,
     the ``gather`` scheme.
@@ -57,7 +57,7 @@ MIXER_SCHEMES: dict[str, str] = {
     "Qwen3_5GatedDeltaNet": HEADS,
     "OlmoHybridGatedDeltaNet": GATHER,
     "NemotronHMamba2Mixer": HEADS,
-    "FalconH1Mixer": GATHER,
+    "FalconH1Mixer": HEADS,
     "BambaMixer": HEADS,
     "GraniteMoeHybridMambaLayer": HEADS,
     "JambaMambaMixer": GATHER,
