@@ -58,7 +58,7 @@ def test_head_dim_fallback() -> None:
     assert head_dim_of(SimpleNamespace(hidden_size=576, num_attention_heads=9, head_dim=None)) == 64
 
 
-def test_meminfo_read(tmp_path) -> None:
+def test_meminfo_read(tmp_path, monkeypatch) -> None:
     info = tmp_path / "meminfo"
     info.write_text("MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    8192 kB\n")
     assert host.meminfo_bytes("MemTotal", str(info)) == 16384 * 1024
@@ -66,9 +66,10 @@ def test_meminfo_read(tmp_path) -> None:
     with pytest.raises(OSError, match="no Mem"):
         host.meminfo_bytes("Mem", str(info))  # a prefix is not a field
     assert host.available_host_bytes(str(info)) == 8192 * 1024
-    assert host.available_host_bytes(str(tmp_path / "absent")) == os.sysconf("SC_AVPHYS_PAGES") * os.sysconf(
-        "SC_PAGE_SIZE"
-    )
+    # without the file: the free physical pages (fixed here: the real count moves while other tests allocate)
+    pages = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(host.os, "sysconf", lambda name: pages[name])
+    assert host.available_host_bytes(str(tmp_path / "absent")) == 1000 * 4096
 
 
 @pytest.mark.skipif(not os.path.exists(host.PROC_STATUS), reason="no /proc/self/status (not Linux)")
