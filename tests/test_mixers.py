@@ -251,3 +251,18 @@ def test_the_planner_refuses_hybrid_configs_instead_of_estimating_them():
     with pytest.raises(ValueError, match="parallel.ulysses_degree"):
         load_model_spec(config)
     load_model_spec(family_config("llama").to_dict())  # an attention-only model still plans
+
+
+def test_mixer_bench_counts_a_quarter_of_the_work_per_rank_on_the_head_exchange():
+    """``python -m usp.bench.mixers``' FLOP counts (docs/attention.md's table): at P = 4 the head all-to-all
+    does exactly a quarter of the unsharded layer's FLOPs per rank, the gather all of them."""
+    from usp.bench.mixers import build_parser, run
+
+    flags = vars(build_parser().parse_args(["--seq", "512", "--docs", "2", "--iters", "1", "--hidden", "64"]))
+    world = flags.pop("world")
+    flags.pop("out")
+    rows = {r["scheme"]: r for r in run(flags, world)["results"]}
+    full = rows["unsharded"]["flops_per_rank_max"]
+    assert rows["gather"]["flops_per_rank_max"] == full
+    assert rows["heads"]["flops_per_rank_max"] * 4 == full
+    assert rows["heads"]["bytes_sent_per_rank_max"] > 0 and rows["unsharded"]["bytes_sent_per_rank_max"] == 0

@@ -25,7 +25,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,25 +34,22 @@ import torch.distributed as dist
 from usp.attention import record_comm
 from usp.errors import guarded, pop_verbose
 
-_FAMILY_SIZES: dict[str, dict[str, Any]] = {  # --hidden H, --heads N: the family's mixer sizes from them
-    "qwen3_5_text": lambda h, n: dict(
+
+def _deltanet(h: int, n: int) -> dict[str, Any]:
+    return dict(
         layer_types=["linear_attention"],
         linear_num_key_heads=n,
         linear_num_value_heads=2 * n,
         linear_key_head_dim=h // n,
         linear_value_head_dim=h // n,
-    ),
-    "qwen3_next": lambda h, n: dict(
-        layer_types=["linear_attention"],
-        linear_num_key_heads=n,
-        linear_num_value_heads=2 * n,
-        linear_key_head_dim=h // n,
-        linear_value_head_dim=h // n,
-        num_experts=2,
-        num_experts_per_tok=1,
-        moe_intermediate_size=8,
-        shared_expert_intermediate_size=8,
-    ),
+    )
+
+
+_MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, shared_expert_intermediate_size=8)
+
+_FAMILY_SIZES: dict[str, Callable[[int, int], dict[str, Any]]] = {  # --hidden H, --heads N -> mixer sizes
+    "qwen3_5_text": _deltanet,
+    "qwen3_next": lambda h, n: _deltanet(h, n) | _MOE,
     "bamba": lambda h, n: dict(
         mamba_n_heads=n, mamba_d_head=2 * h // n, mamba_n_groups=1, mamba_d_state=64, mamba_chunk_size=256
     ),
@@ -90,15 +87,17 @@ def _flops(counter: Any) -> int:
     return sum(counts.values()) + (2 * counts.get("aten.convolution", 0) if backward else 0)
 
 
-def _measure(fn, iters: int) -> tuple[float, int, dict[str, int]]:
-    """(median ms, FLOPs of one call, bytes by kind of one call) of ``fn`` (forward + backward)."""
+def _measure(fn, iters: int, *, together: bool = True) -> tuple[float, int, dict[str, int]]:
+    """(median ms, FLOPs of one call, bytes by kind of one call) of ``fn`` (forward + backward); ``together``:
+    every rank runs it (a barrier before each timed call), else this rank alone."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with record_comm() as stats, FlopCounterMode(display=False) as flops:
         fn()
     times = []
     for _ in range(iters):
-        dist.barrier()
+        if together:
+            dist.barrier()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -136,23 +135,8 @@ def run_on_rank(options: dict[str, Any]) -> list[dict[str, Any]]:
         def whole() -> None:
             torch.cat([reference(xr[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])], 1).sum().backward()
 
-        from torch.utils.flop_counter import FlopCounterMode
-
-        with FlopCounterMode(display=False) as flops:
-            whole()
-        t = []
-        for _ in range(options["iters"]):
-            t0 = time.perf_counter()
-            whole()
-            t.append((time.perf_counter() - t0) * 1e3)
-        rows.append(
-            {
-                "scheme": "unsharded",
-                "ms": statistics.median(t),
-                "flops": _flops(flops),
-                "bytes": {},
-            }
-        )
+        ms, flops, _ = _measure(whole, options["iters"], together=False)
+        rows.append({"scheme": "unsharded", "ms": ms, "flops": flops, "bytes": {}})
     return rows
 
 
