@@ -45,6 +45,7 @@ def test_the_promised_recipes_exist():
         "qwen3_8b_128k",
         "qwen3_30b_a3b_128k",
         "qwen3_30b_a3b_1m",
+        "qwen3_next_80b_a3b_1m",
         "gemma3_12b_128k",
         "tiny_moe",
         "tiny_lora",

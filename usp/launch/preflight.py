@@ -83,13 +83,27 @@ def check_known_degrees(degrees: Mapping[str, Any], *, world_size: int, local_wo
 
 
 def _hybrid(cfg: TrainConfig) -> str | None:
-    """:func:`usp.plan.models.hybrid_layers_of` for the readable ``config.json`` at ``model.path``, or None."""
-    from usp.plan.models import hybrid_layers_of
+    """Why the planner has no figure for the hybrid model at ``model.path`` with this run's settings (its
+    family is not modelled, or LoRA or MLP tiles on mixer layers: :mod:`usp.plan.mixers`), or None."""
+    from usp.plan.mixers import mixer_spec_of
+    from usp.plan.models import hybrid_layers_of, text_config_of
 
     config_json = Path(cfg.model.path) / "config.json"
     if "auto" in (cfg.parallel.ulysses_degree, cfg.parallel.ring_degree) or not config_json.is_file():
         return None
-    return hybrid_layers_of(json.loads(config_json.read_text()))
+    config = text_config_of(json.loads(config_json.read_text()))
+    layers = hybrid_layers_of(config)
+    try:
+        mixer = mixer_spec_of(config)
+    except ValueError as err:
+        return f"{layers}: {err}"
+    if mixer is None:
+        return None
+    if cfg.model.lora.rank > 0:
+        return f"{layers}: LoRA on mixer layers is not modelled"
+    if cfg.parallel.mlp_tiles not in (1, "1"):
+        return f"{layers}: MLP tiles beside mixer layers are not modelled"
+    return None
 
 
 def check_memory(cfg: TrainConfig, *, world_size: int, local_world_size: int) -> str | None:
@@ -154,9 +168,7 @@ def memory_skipped_reason(cfg: TrainConfig) -> str | None:
         return None
     hybrid = _hybrid(cfg)
     if hybrid is not None:
-        return (
-            f"memory: not checked here: the planner does not model hybrid models' mixer layers yet ({hybrid})"
-        )
+        return f"memory: not checked here: the planner has no figure for this hybrid model ({hybrid})"
     return (
         f"memory: not checked here: {cfg.model.path}/config.json cannot be read on this machine (model.path), so "
         f"the planner has no model to estimate; the trainer checks the model at start-up"

@@ -203,6 +203,8 @@ def layer_specs(config: PretrainedConfig | dict) -> tuple[LayerSpec, ...]:
     window = get("sliding_window", None)
     chunk = get("attention_chunk_size", None)
     types = get("layer_types", None)
+    if types is None and isinstance(config, dict) and config.get("model_type"):
+        types = _derived_layer_types(config)
     if types is None:  # families without layer_types: one window for every layer when it is switched on
         on = window is not None and get("use_sliding_window", True) is not False
         types = ["sliding_attention" if on else "full_attention"] * n
@@ -218,6 +220,20 @@ def layer_specs(config: PretrainedConfig | dict) -> tuple[LayerSpec, ...]:
             )
         )
     return tuple(specs)
+
+
+def _derived_layer_types(config: dict) -> list[str] | None:
+    """``layer_types`` as the family's config class derives it from a ``config.json`` dict that does not list
+    them (Bamba's ``attn_layer_indices``, a Qwen3-Next ``full_attention_interval``); None when transformers
+    does not know the family or derives none."""
+    from transformers import AutoConfig
+
+    try:
+        fields = {k: v for k, v in config.items() if k != "model_type"}
+        derived = AutoConfig.for_model(str(config["model_type"]), **fields)
+    except (KeyError, ValueError, TypeError):
+        return None
+    return getattr(derived, "layer_types", None)
 
 
 def _skeleton(config: PretrainedConfig) -> nn.Module | None:

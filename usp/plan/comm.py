@@ -53,7 +53,7 @@ def ring_comm(
     kv = kv_block_bytes(model, seq_len, ulysses_degree, R, compute_bytes)
     dkv = kv_block_bytes(model, seq_len, ulysses_degree, R, 4)
     bw = ring_bandwidth_gbps(device, ulysses_degree, R, node_size) * GB
-    L = model.num_layers
+    L = model.num_attention_layers
     fwd_step, bwd_step, home = kv / bw, (kv + dkv) / bw, dkv / bw
     # attention_s covers fwd + bwd of all layers; split it over the 2 x R steps per layer by pass weight.
     per_layer = attention_s / L
@@ -91,8 +91,29 @@ def ulysses_comm(
     per_layer = (
         local_tokens * model.ulysses_a2a_heads(U) * model.head_dim * compute_bytes
     )  # forward + backward
-    total = per_layer * model.num_layers
+    total = per_layer * model.num_attention_layers
     return {"ulysses_bytes": total, "ulysses_s": total / (device.intra_node_gbps * GB)}
+
+
+def mixer_comm(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    seq_len: int,
+    sp_degree: int,
+    node_size: int,
+    compute_bytes: int = ACT_BYTES,
+) -> dict[str, float]:
+    """A hybrid model's mixer exchanges per micro step (:meth:`usp.plan.mixers.MixerSpec.comm_bytes`: the
+    head all-to-alls or the gather, forward and backward), on the critical path, over NVLink while the sp
+    group fits in a node, else the network. Zero without mixer layers."""
+    m = model.mixer
+    if m is None or sp_degree == 1:
+        return {"mixer_bytes": 0.0, "mixer_comm_s": 0.0}
+    per_layer = m.comm_bytes(seq_len / sp_degree, sp_degree, model.hidden_size, compute_bytes)
+    total = per_layer * m.num_layers
+    gbps = device.intra_node_gbps if sp_degree <= node_size else device.inter_node_gbps
+    return {"mixer_bytes": total, "mixer_comm_s": total / (gbps * GB)}
 
 
 def fsdp_comm(

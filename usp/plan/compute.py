@@ -46,6 +46,7 @@ from usp.plan.hardware import DeviceSpec
 from usp.plan.lora import LoraPlan, adapted_linears, adapter_params
 from usp.plan.lora import matmul_params as lora_matmul_params
 from usp.plan.lora import trainable_matmul_params as lora_trainable_matmul_params
+from usp.plan.mixers import MIXER_BWD_OVER_FWD
 from usp.plan.models import ModelSpec
 
 ATTN_BWD_OVER_FWD_HW = 2.5
@@ -264,8 +265,9 @@ def compute_time(
     ``documents``: packed rows of that length distribution (attention over documents, the busiest ring rank's
     share in ``ring_layout``); ``None``: one causal sequence, an upper bound. ``lora``: adapters on a frozen
     base (the adapters' matmuls run too; only the trainable weights' gradients are computed: module docstring).
-    Returns ``dense_s``, ``attention_s``, ``overhead_s``, ``ring_step_flops`` (one rank's attention FLOPs per
-    ring step and layer, forward) and ``hw_flops`` (what the rank executes).
+    Returns ``dense_s``, ``attention_s``, ``mixer_s`` (a hybrid's mixer layers: :func:`mixer_flops`),
+    ``overhead_s``, ``ring_step_flops`` (one rank's attention FLOPs per ring step and layer, forward) and
+    ``hw_flops`` (what the rank executes).
     """
     sp = ulysses_degree * ring_degree
     local_tokens = seq_len / sp
@@ -311,10 +313,35 @@ def compute_time(
     step_flops = attention_fwd_flops(model, block, block, heads) / 2
     eff = block_efficiency(step_flops, device)
     peak = device.peak_flops
+    scan, projections = mixer_flops(model, local_tokens, sp, recompute_layers)
     return {
-        "dense_s": dense_flops / (peak * device.dense_efficiency),
+        "dense_s": (dense_flops + projections) / (peak * device.dense_efficiency),
         "attention_s": attn_flops / (peak * eff),
+        "mixer_s": scan / (peak * device.attention_efficiency),
         "overhead_s": device.layer_overhead_s * L,
         "ring_step_flops": step_flops,
-        "hw_flops": dense_flops + attn_flops,
+        "hw_flops": dense_flops + attn_flops + scan + projections,
     }
+
+
+def mixer_flops(
+    model: ModelSpec, local_tokens: float, sp_degree: int, recompute_layers: float = 0.0
+) -> tuple[float, float]:
+    """A hybrid model's mixer layers on one rank per micro step, hardware FLOPs (:mod:`usp.plan.mixers`):
+    ``(scan, projections)``. ``scan``: the convolution and the chunked scan, forward, backward
+    (:data:`usp.plan.mixers.MIXER_BWD_OVER_FWD` forwards) and the recompute of the checkpointed mixer layers
+    (the same share of ``recompute_layers`` as of the layers), for the busiest rank's heads (the heads
+    scheme) or the whole sequence (the gather); costed at the attention kernels' efficiency, an assumption
+    until a GPU measures it. ``projections``: under the gather the mixer's projections run on all ``S``
+    tokens, ``P - 1`` times the local work counted in the dense FLOPs; 0 for the heads scheme. (0, 0) when
+    not hybrid."""
+    m = model.mixer
+    if m is None:
+        return 0.0, 0.0
+    gather = m.scheme(sp_degree) == "gather"
+    share = sp_degree if gather else m.head_share(sp_degree)
+    recomputed = recompute_layers * m.num_layers / model.num_layers
+    forward = m.scan_flops_per_token() * local_tokens * share
+    scan = forward * (m.num_layers * (1 + MIXER_BWD_OVER_FWD) + recomputed)
+    extra = 2.0 * m.matmul_params(model.hidden_size) * local_tokens * (sp_degree - 1) if gather else 0.0
+    return scan, extra * (3 * m.num_layers + recomputed)

@@ -17,7 +17,7 @@ from typing import Any
 
 from usp.attention.ring import head_chunk_options
 from usp.parallel.layout import ParallelLayout, sequence_multiple
-from usp.plan.comm import fsdp_comm, kv_block_bytes, ring_comm, ulysses_comm
+from usp.plan.comm import fsdp_comm, kv_block_bytes, mixer_comm, ring_comm, ulysses_comm
 from usp.plan.compute import ATTN_BWD_OVER_FWD_HW, compute_time, mfu, model_flops_per_token
 from usp.plan.hardware import GIB, DeviceSpec
 from usp.plan.layout import STATE_PLACEMENTS, Candidate, SearchSpace, Workload
@@ -34,8 +34,9 @@ MLP_TILE_CANDIDATES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
 
 def mlp_tile_candidates(model: ModelSpec) -> tuple[int, ...]:
     """The tile counts ``mlp_tiles=auto`` tries for ``model``: :data:`MLP_TILE_CANDIDATES`, none for a
-    mixture of experts (the trainer refuses MLP tiles there, :func:`usp.plan.memory.check_moe_tiles`)."""
-    return () if model.is_moe else MLP_TILE_CANDIDATES
+    mixture of experts (the trainer refuses MLP tiles there, :func:`usp.plan.memory.check_moe_tiles`) or a
+    hybrid (not modelled, :func:`usp.plan.memory.check_hybrid`)."""
+    return () if model.is_moe or model.mixer is not None else MLP_TILE_CANDIDATES
 
 
 HEAD_CHUNK_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8)
@@ -77,6 +78,9 @@ class LayoutEstimate:
     :func:`usp.plan.auto_degrees` returns and start-up builds the mesh from."""
     lora: LoraPlan | None = None
     """The LoRA adapters costed (:attr:`usp.plan.layout.Workload.lora`); ``None``: full training."""
+    mixer_scheme: str | None = None
+    """A hybrid model's mixer layers run on ``heads`` or ``gather`` at this layout (:mod:`usp.plan.mixers`);
+    ``None`` without mixer layers."""
 
     @property
     def tricks(self) -> int:
@@ -136,6 +140,7 @@ class LayoutEstimate:
             "headroom_gib": round(self.headroom_gib, 3),
             **({} if self.layout is None else {"layout": self.layout.to_dict()}),
             **({} if self.lora is None else {"lora": asdict(self.lora)}),
+            **({} if self.mixer_scheme is None else {"mixer_scheme": self.mixer_scheme}),
         }
 
 
@@ -175,7 +180,7 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
         2.0 * layer_params * seq_len / (U * R) / (device.peak_flops * device.dense_efficiency)
     )
     layer_fwd += attn_fwd_layer
-    layer_bwd = max(0.0, (comp["dense_s"] + comp["attention_s"]) / L - layer_fwd)
+    layer_bwd = max(0.0, (comp["dense_s"] + comp["attention_s"] + comp["mixer_s"]) / L - layer_fwd)
     off = offload_seconds(work, cand, device, layer_fwd_s=layer_fwd, layer_bwd_s=layer_bwd)
     uly = ulysses_comm(model, device, seq_len=seq_len, ulysses_degree=U, ring_degree=R, compute_bytes=B)
     ring = ring_comm(
@@ -197,10 +202,12 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
         compute_bytes=B,
         lora=work.lora,
     )
-    busy = comp["dense_s"] + comp["attention_s"]
+    mix = mixer_comm(model, device, seq_len=seq_len, sp_degree=U * R, node_size=node_size, compute_bytes=B)
+    busy = comp["dense_s"] + comp["attention_s"] + comp["mixer_s"]
     # all-gathers (and with CPU offload the parameter copies in) prefetch behind the previous layer's compute
     fsdp_exposed = max(0.0, fsdp["fsdp_s"] + off["fsdp_offload_s"] - busy)
     micro = busy + comp["overhead_s"] + uly["ulysses_s"] + ring["ring_exposed_s"] + fsdp_exposed
+    micro += mix["mixer_comm_s"]
     micro += off["ckpt_offload_exposed_s"]
     step = micro * accum + off["host_adam_s"]
     tokens_per_gpu = batch * seq_len / step / world_size
@@ -218,6 +225,9 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
         "ckpt_offload_exposed_s": off["ckpt_offload_exposed_s"] * accum,
         "host_adam_s": off["host_adam_s"],
     }
+    if model.mixer is not None:  # a hybrid's mixer layers (usp.plan.mixers): scan time, exchanges
+        times["mixer_s"] = comp["mixer_s"] * accum
+        times["mixer_comm_s"] = mix["mixer_comm_s"] * accum
     headroom = device.default_headroom_gib if work.headroom_gib is None else work.headroom_gib
     host_fits = host["node"] <= usable_host_bytes(device)
     return LayoutEstimate(
@@ -244,6 +254,7 @@ def estimate_layout(work: Workload, cand: Candidate, device: DeviceSpec) -> Layo
         attn_head_chunks=cand.attn_head_chunks,
         layout=cand if cand.ring_layout == work.ring_layout else cand.replace(ring_layout=work.ring_layout),
         lora=work.lora,
+        mixer_scheme=None if model.mixer is None else model.mixer.scheme(U * R),
     )
 
 

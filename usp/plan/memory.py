@@ -158,7 +158,9 @@ def activation_bytes_per_token_layer(
     tiled: bool = False,
     routed: bool | None = None,
     lora: LoraPlan | None = None,
-) -> int:
+    mixer: bool = False,
+    sp_degree: int | None = None,
+) -> float:
     """Saved activations of one decoder layer per local token, in bytes (module docstring).
 
     ``tiled`` (``mlp_tiles > 1``, :mod:`usp.train.tiling`): the RMSNorms are recomputed per tile by their
@@ -166,13 +168,21 @@ def activation_bytes_per_token_layer(
     (``B h``, for the norm + MLP tiles) instead of ``2 h (4 + 2B)``, two rsqrt and the MLP's ``4 I B``.
     ``routed``: a MoE layer (its block's :func:`moe_bytes_per_token` in place of the MLP's) or a dense one;
     None: the model's larger kind (dense models: the dense layer). ``lora``: adapters on a frozen base
-    (:func:`usp.plan.lora.layer_lora_bytes`: the norms, the o_proj and down_proj inputs, the adapters)."""
+    (:func:`usp.plan.lora.layer_lora_bytes`: the norms, the o_proj and down_proj inputs, the adapters).
+    ``mixer``: a hybrid model's mixer layer (:meth:`usp.plan.mixers.MixerSpec.kept_bytes_per_token` in place of
+    attention's, over ``sp_degree`` ranks: ``ulysses x ring``, default ``ulysses_degree``)."""
     if routed is None:
         return max(
-            activation_bytes_per_token_layer(model, ulysses_degree, compute_bytes, tiled, kind, lora)
-            for kind in set(model.layer_kinds)
+            activation_bytes_per_token_layer(
+                model, ulysses_degree, compute_bytes, tiled, kind, lora, mix, sp_degree
+            )
+            for kind, mix in set(model.layer_keys)
         )
     h, d, H, B = model.hidden_size, model.head_dim, model.num_heads, compute_bytes
+    if mixer and model.mixer is not None:  # no tiles or LoRA on hybrids (check_hybrid)
+        kept = model.mixer.kept_bytes_per_token(sp_degree or ulysses_degree, h, B)
+        mlp = moe_bytes_per_token(model, B) if routed else mlp_bytes_per_token(model, B)
+        return 2 * h * (4 + 2 * B) + kept + 8 + mlp
     kv = model.kv_heads_per_rank(ulysses_degree) * ulysses_degree  # max(Hkv, U) when even
     if lora is not None:
         part = layer_lora_bytes(model, lora, ulysses_degree, B, routed=routed, tiled=tiled)
@@ -241,6 +251,23 @@ def router_held_bytes_per_token(model: ModelSpec, compute_bytes: int = ACT_BYTES
     if m is None or not m.router_aux_loss:
         return 0
     return m.num_moe_layers * m.num_experts * (compute_bytes + 4)
+
+
+def check_hybrid(model: ModelSpec, mlp_tiles: int | None, lora: LoraPlan | None) -> None:
+    """``ValueError`` when MLP tiles or LoRA are asked of a hybrid model: the planner does not model either
+    beside mixer layers (:mod:`usp.plan.mixers`)."""
+    if model.mixer is None:
+        return
+    if mlp_tiles is not None and mlp_tiles != 1:
+        raise ValueError(
+            f"parallel.mlp_tiles={mlp_tiles}: the planner does not model MLP tiles on a hybrid model's mixer "
+            "layers; plan with parallel.mlp_tiles=1."
+        )
+    if lora is not None:
+        raise ValueError(
+            "model.lora.rank > 0: the planner does not model LoRA on a hybrid model's mixer layers; plan full "
+            "training (model.lora.rank=0) or set the degrees yourself."
+        )
 
 
 def check_moe_tiles(model: ModelSpec, mlp_tiles: int | None) -> None:
@@ -338,20 +365,24 @@ def held_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
     s = seq_len / (ulysses_degree * ring_degree) * micro_batch_size
     check_mlp_tiles(mlp_tiles, s)
     check_moe_tiles(model, mlp_tiles)
+    check_hybrid(model, mlp_tiles, work.lora)
     tiled = mlp_tiles > 1
     n_ckpt = checkpointed_layers(model.num_layers, activation_checkpointing, ac_every_k)
     inputs = 0 if activation_checkpointing == "offload" else n_ckpt
     lora = work.lora
-    if model.moe is None:
+    if model.moe is None and model.mixer is None:
         per_layer = activation_bytes_per_token_layer(model, ulysses_degree, B, tiled, lora=lora)
         kept = (model.num_layers - n_ckpt) * per_layer
     else:  # each layer not checkpointed keeps its own kind's activations
         ckpt = set(checkpointed_layer_indices(model.num_layers, activation_checkpointing, ac_every_k))
+        sp = ulysses_degree * ring_degree
         per_kind = {
-            k: activation_bytes_per_token_layer(model, ulysses_degree, B, tiled, k, lora)
-            for k in (False, True)
+            (routed, mix): activation_bytes_per_token_layer(
+                model, ulysses_degree, B, tiled, routed, lora, mixer=mix, sp_degree=sp
+            )
+            for routed, mix in set(model.layer_keys)
         }
-        kept = sum(per_kind[kind] for i, kind in enumerate(model.layer_kinds) if i not in ckpt)
+        kept = sum(per_kind[key] for i, key in enumerate(model.layer_keys) if i not in ckpt)
     # the final norm: its output is the loss chunks' input; a frozen one keeps no normalized input
     final_norm = h * B if tiled else norm_bytes_per_token(model, lora, B, output_kept=True)
     out = {
@@ -434,10 +465,11 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     h = model.hidden_size
     check_mlp_tiles(mlp_tiles, s)
     check_moe_tiles(model, mlp_tiles)
+    check_hybrid(model, mlp_tiles, work.lora)
     tiled = mlp_tiles > 1
-    kinds = (
-        model.layer_kinds
-    )  # per layer: a MoE layer (True) or dense; the top layer's and the bottom's below
+    # per layer: a MoE layer (True) or dense; the top layer's and the bottom's below
+    kinds = model.layer_kinds
+    keys = model.layer_keys  # per layer: (MoE, mixer)
 
     shard = shard_degree(world_size, node_size, fsdp_mode)
     lora = work.lora
@@ -463,7 +495,15 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     layer = gathered_layer_params(model, lora) * B if casts else 0.0
     head_grad = model.vocab_size * h * B if head_trains(model, lora) else 0.0
 
-    per_layer = activation_bytes_per_token_layer(model, U, B, tiled=tiled, routed=kinds[-1], lora=lora) * s
+    def layer_bytes(key: tuple[bool, bool]) -> float:
+        """One layer of that kind's saved activations (module docstring), all local tokens."""
+        routed, mix = key
+        per_token = activation_bytes_per_token_layer(
+            model, U, B, tiled=tiled, routed=routed, lora=lora, mixer=mix, sp_degree=U * R
+        )
+        return per_token * s
+
+    per_layer = layer_bytes(keys[-1])
     n_ckpt = checkpointed_layers(L, activation_checkpointing, ac_every_k)
     held = held_activation_bytes(
         model,
@@ -483,9 +523,8 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     )
     if top_checkpointed:
         top_held = 0.0 if activation_checkpointing == "offload" else h * B * s
-        top_full = per_layer - (h * B * s if tiled and activation_checkpointing != "offload" else 0.0)
     else:
-        top_held = top_full = 0.0
+        top_held = 0.0
     # checkpoint offload: the input being copied out (forward) or prefetched (backward) and the one in use
     in_flight = (
         min(n_ckpt, OFFLOAD_DEVICE_CHECKPOINTS) * h * s * B if activation_checkpointing == "offload" else 0
@@ -495,16 +534,25 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     router = held.get("router", 0)
     layer_acts = held["layers"] + held["rotary"] + router
 
-    def _attention_phase(checkpointed: bool) -> float:
+    def _attention_phase(checkpointed: bool, key: tuple[bool, bool] = (False, False)) -> float:
         """Per local token, a layer during its attention backward (its input kept by an on-device checkpoint,
-        or by the tiled q/k/v projections of a layer that is not checkpointed)."""
+        or by the tiled q/k/v projections of a layer that is not checkpointed); a mixer layer during its
+        mixer's backward (what the layer keeps less its MLP's, and its input when a checkpoint keeps it)."""
         on_device = activation_checkpointing != "offload"
+        if key[1]:
+            mlp_part = moe_bytes_per_token(model, B) if key[0] else mlp_bytes_per_token(model, B)
+            return layer_bytes(key) / s - mlp_part + (h * B if checkpointed and on_device else 0)
         keeps = (checkpointed and on_device) or (tiled and not checkpointed)
         return attention_phase_bytes_per_token(model, U, B, tiled=tiled, keeps_input=keeps, lora=lora)
 
     # the attention backward's allocations (usp.plan.attention_memory): the kernel's buffers and gradients, and
-    # on a ring its travelling K/V and fp32 accumulators
+    # on a ring its travelling K/V and fp32 accumulators; a mixer's backward (usp.plan.mixers)
     attn_workspace = attention_backward_bytes(work, cand)
+
+    def _workspace(key: tuple[bool, bool]) -> float:
+        if key[1] and model.mixer is not None:
+            return model.mixer.backward_bytes_per_token(U * R, h, B) * s
+        return attn_workspace
 
     # peak 1, the loss's backward: one checkpointed chunk of the cross-entropy at its peak (log-softmax backward:
     # the fp32 log-probabilities it saved, their gradient and the gradient it returns, 3 x 4 B per logit), what
@@ -537,29 +585,33 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
         mlp_backward += h * B * s + (3 * h * B + 4 * h) * s / mlp_tiles
     # a MoE layer's block backward instead (module docstring): the top layer's kind here, the bottom's below
     moe_backward = moe_backward_bytes_per_token(model, B) * s
-    top_mlp_backward = moe_backward if kinds[-1] else mlp_backward
-    mlp_acts = layer_acts - top_held + top_full + in_flight + tile
     # The attention backward of the top layer: the layers below hold theirs, the top layer what its attention
-    # backward still needs (usp.plan.attention_memory) in place of what it held after the forward
-    top_after_forward = top_held if top_checkpointed else per_layer
-    attn_acts = layer_acts - top_after_forward + _attention_phase(top_checkpointed) * s + in_flight
-    peak_layer = max(
-        (states, layer_gathers, mlp_acts, top_mlp_backward, 0.0),
-        (states, layer_gathers, attn_acts, attn_workspace, 0.0),
-        key=sum,
-    )
+    # backward still needs (usp.plan.attention_memory) in place of what it held after the forward. A hybrid
+    # model's layers differ in kind: the top layer stands for each kind present, the largest peak wins.
+    peak_layer = (0.0,) * 5
+    for key in set(keys) if model.mixer is not None else (keys[-1],):
+        full = layer_bytes(key)
+        top_full_k = full - (h * B * s if tiled and activation_checkpointing != "offload" else 0.0)
+        top_full_k = top_full_k if top_checkpointed else 0.0
+        top_after_forward = top_held if top_checkpointed else full
+        mlp_acts = layer_acts - top_held + top_full_k + in_flight + tile
+        attn_acts = layer_acts - top_after_forward + _attention_phase(top_checkpointed, key) * s + in_flight
+        peak_layer = max(
+            peak_layer,
+            (states, layer_gathers, mlp_acts, moe_backward if key[0] else mlp_backward, 0.0),
+            (states, layer_gathers, attn_acts, _workspace(key), 0.0),
+            key=sum,
+        )
     # peak 3, the bottom layer's backward: the layers above have freed their activations but left their fp32
     # gradient shards (on the device unless the states are offloaded); the bottom layer's full activations
     if lora is None:
-        bottom_params = model.layer_params if model.moe is None else model.params_of_layer(0)
+        bottom_params = model.params_of_layer(0)
     else:
         bottom_params = trainable_layer_params(model, lora, kinds[0])
     grads_above = 0.0 if offload else 4 * (decoder_trainable - bottom_params) / shard
     bottom_layer = per_layer
-    if kinds[0] != kinds[-1]:
-        bottom_layer = (
-            activation_bytes_per_token_layer(model, U, B, tiled=tiled, routed=kinds[0], lora=lora) * s
-        )
+    if keys[0] != keys[-1]:
+        bottom_layer = layer_bytes(keys[0])
     bottom = (
         held["rotary"]
         + bottom_layer
@@ -567,10 +619,10 @@ def peak_memory(work: Workload, cand: Candidate, device: DeviceSpec) -> MemoryBr
     )
     bottom += (h * B * s if n_ckpt and activation_checkpointing != "offload" else 0.0) + in_flight + tile
     bottom += router
-    bottom_attn = held["rotary"] + _attention_phase(n_ckpt > 0) * s + in_flight + router
+    bottom_attn = held["rotary"] + _attention_phase(n_ckpt > 0, keys[0]) * s + in_flight + router
     peak_bottom = max(
         (states + grads_above, layer_gathers, bottom, moe_backward if kinds[0] else mlp_backward, 0.0),
-        (states + grads_above, layer_gathers, bottom_attn, attn_workspace, 0.0),
+        (states + grads_above, layer_gathers, bottom_attn, _workspace(keys[0]), 0.0),
         key=sum,
     )
     # peak 4, the root's reduce-scatter after the whole backward: every layer's fp32 gradient shard, the

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from usp.attention.heads import UlyssesHeads, ulysses_heads
+from usp.plan.mixers import MixerSpec, mixer_spec_of
 
 
 def head_dim_of(config: Any) -> int:
@@ -49,8 +50,8 @@ def layer_attention_of(config: Any) -> tuple[tuple[int | None, int | None], ...]
 
 def hybrid_layers_of(config: Any) -> str | None:
     """What a hybrid model's config has beyond softmax attention in every layer (``"layer_types: 36
-    linear_attention, 12 full_attention"``), or None. The planner's counts assume attention in every layer,
-    so it refuses these configs (:meth:`ModelSpec.from_hf_config`) rather than estimate them wrongly."""
+    linear_attention, 12 full_attention"``), or None: what messages name (the planner models some hybrid
+    families' mixer layers and refuses the rest, :mod:`usp.plan.mixers`)."""
     from usp.model.capabilities import layer_specs
 
     specs = layer_specs(text_config_of(config) if isinstance(config, dict) else config)
@@ -282,6 +283,61 @@ PRESETS: dict[str, dict[str, Any]] = {
         "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "chunked_attention" for i in range(48)],
         "tie_word_embeddings": False,
     },
+    # Qwen/Qwen3-Next-80B-A3B (hybrid): 48 layers, 3 gated DeltaNet (16 key / 32 value heads of 128) : 1 gated
+    # attention (16 query / 2 KV heads of 256), every layer a MoE of 512 experts (10 per token, width 512) and a
+    # shared expert of 512; 80B total, 3B active (the planner counts 79.7B and 3.25B without the embedding
+    # and the LM head)
+    "qwen3-next-80b-a3b": {
+        "model_type": "qwen3_next",
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "intermediate_size": 5120,
+        "moe_intermediate_size": 512,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)],
+        "partial_rotary_factor": 0.25,
+        "vocab_size": 151936,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+    },
+    # ibm-fms/Bamba-9B (hybrid): 32 layers, Mamba2 (128 heads of 64, 1 group, state 128, conv 4) in all but
+    # layers 9, 18 and 27 (attention, 32 query / 8 KV heads of 128), dense MLP 14336 in every layer, trained
+    # at 4K; 9.78B parameters (its model card; the planner counts 9.780B)
+    "bamba-9b": {
+        "model_type": "bamba",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "attn_layer_indices": [9, 18, 27],
+        "mamba_n_heads": 128,
+        "mamba_d_head": 64,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 128,
+        "mamba_expand": 2,
+        "mamba_d_conv": 4,
+        "mamba_chunk_size": 256,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "vocab_size": 128256,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
 }
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
@@ -322,6 +378,8 @@ DENSE_WIDTH_FIELDS = ("intermediate_size_mlp", "intermediate_size")
 """Where a config keeps the width of its dense MLP layers, the first one set wins: Llama 4's dense layers (those
 not in ``moe_layers``) are ``intermediate_size_mlp`` wide, its experts ``intermediate_size``."""
 _FAMILY_ALIASES = {"llama4": "llama4_text"}
+_GATED_ATTENTION = ("qwen3_next", "qwen3_5_text", "qwen3_5")
+"""Families whose attention output is gated by a second query-sized projection (``q_proj`` ``2 H d`` wide)."""
 """A multimodal config's ``model_type`` and its text model's (the family rules are keyed by the latter)."""
 
 
@@ -488,20 +546,22 @@ class ModelSpec:
     moe: MoESpec | None = None
     """The mixture-of-experts block (:func:`moe_spec_of`); None for a dense model, whose counts are the
     Llama ones."""
+    mixer: MixerSpec | None = None
+    """A hybrid model's recurrent mixer (:mod:`usp.plan.mixers`): it replaces attention in the layers
+    :attr:`MixerSpec.layers` marks; None when every layer attends."""
+    attention_output_gate: bool = False
+    """The attention output is gated by a sigmoid of a second query-sized projection (Qwen3-Next, Qwen3.5:
+    ``q_proj`` is ``2 H d`` wide)."""
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str = "model") -> ModelSpec:
         """Build from an HF config dict (a multimodal one's ``text_config``: :func:`text_config_of`); ``head_dim``
         defaults to ``hidden_size / num_attention_heads``."""
         config = text_config_of(config)
-        hybrid = hybrid_layers_of(config)
-        if hybrid is not None:
-            raise ValueError(
-                f"model {name!r} is a hybrid model ({hybrid}): the planner does not model recurrent / convolution "
-                f"mixer layers yet (their parameters, their cost linear in length, the sequence gather usp runs "
-                f"them with), so it gives no estimate rather than a wrong one. Set parallel.ulysses_degree and "
-                f"parallel.ring_degree yourself (docs/attention.md, 'Hybrid layers')."
-            )
+        try:
+            mixer = mixer_spec_of(config)
+        except ValueError as err:
+            raise ValueError(f"model {name!r}: {err}") from None
         missing = [k for k in _REQUIRED if config.get(k) is None]
         if missing:
             raise ValueError(f"model config {name!r} lacks {missing}; give a Llama-style HF config.json.")
@@ -524,6 +584,8 @@ class ModelSpec:
             max_position_embeddings=config.get("max_position_embeddings"),
             layer_attention=layer_attention_of(config),
             moe=moe_spec_of(config),
+            mixer=mixer,
+            attention_output_gate=str(config.get("model_type")) in _GATED_ATTENTION,
         )
 
     # --- parameter counts ---------------------------------------------------------------------------------
@@ -532,8 +594,8 @@ class ModelSpec:
         """Parameters of one decoder layer: q, k, v, o projections, gated MLP, two RMSNorm weights. A MoE's
         largest layer (one that routes, with all of its experts and its router): the FSDP unit each layer
         gathers."""
-        if self.moe is not None:
-            return max(self._layer_params(routed) for routed in set(self.moe.layers))
+        if self.moe is not None or self.mixer is not None:
+            return max(self._layer_params(routed, mixer) for routed, mixer in set(self.layer_keys))
         h, d = self.hidden_size, self.head_dim
         attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
         mlp = 3 * h * self.intermediate_size
@@ -541,9 +603,10 @@ class ModelSpec:
 
     @property
     def attention_params(self) -> int:
-        """One layer's q, k, v, o projections."""
+        """One layer's q, k, v, o projections (with an output gate, ``q_proj`` is twice as wide)."""
         h, d = self.hidden_size, self.head_dim
-        return h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        gate = h * self.num_heads * d if self.attention_output_gate else 0
+        return h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2 + gate
 
     @property
     def moe_block_params(self) -> int:
@@ -587,29 +650,54 @@ class ModelSpec:
         assert m is not None
         return 3 * h * m.shared_intermediate_size + (h if m.shared_expert_gate else 0)
 
-    def _layer_params(self, routed: bool) -> int:
-        """One layer of a MoE model: attention, its MLP (the MoE block when ``routed``), two norms."""
+    def _mixing_params(self, mixer: bool) -> int:
+        """A layer's token mixer: attention's projections, or a hybrid's recurrent mixer (every parameter)."""
+        return self.mixer.params(self.hidden_size) if mixer and self.mixer else self.attention_params
+
+    def _mixing_matmul_params(self, mixer: bool) -> int:
+        return self.mixer.matmul_params(self.hidden_size) if mixer and self.mixer else self.attention_params
+
+    def _layer_params(self, routed: bool, mixer: bool = False) -> int:
+        """One layer: attention (or the mixer), its MLP (the MoE block when ``routed``), two norms."""
         mlp = self.moe_block_params if routed else 3 * self.hidden_size * self.intermediate_size
-        return self.attention_params + mlp + 2 * self.hidden_size
+        return self._mixing_params(mixer) + mlp + 2 * self.hidden_size
 
-    def _layer_active_params(self, routed: bool) -> int:
+    def _layer_active_params(self, routed: bool, mixer: bool = False) -> int:
         mlp = self.moe_block_active_params if routed else 3 * self.hidden_size * self.intermediate_size
-        return self.attention_params + mlp + 2 * self.hidden_size
+        return self._mixing_params(mixer) + mlp + 2 * self.hidden_size
 
-    def _layer_matmul_params(self, routed: bool) -> int:
+    def _layer_matmul_params(self, routed: bool, mixer: bool = False) -> int:
         mlp = self.moe_block_matmul_params if routed else 3 * self.hidden_size * self.intermediate_size
-        return self.attention_params + mlp
+        return self._mixing_matmul_params(mixer) + mlp
 
     def params_of_layer(self, index: int) -> int:
-        """Parameters of decoder layer ``index`` (its kind's: a MoE layer with every expert, or dense)."""
-        if self.moe is None:
+        """Parameters of decoder layer ``index`` (its kind's: a MoE layer with every expert, or dense; a
+        mixer layer or an attention one)."""
+        if self.moe is None and self.mixer is None:
             return self.layer_params
-        return self._layer_params(self.moe.layers[index])
+        return self._layer_params(*self.layer_keys[index])
 
     @property
     def layer_kinds(self) -> tuple[bool, ...]:
         """Per decoder layer, whether it routes to experts (all False for a dense model)."""
         return self.moe.layers if self.moe is not None else (False,) * self.num_layers
+
+    @property
+    def layer_mixers(self) -> tuple[bool, ...]:
+        """Per decoder layer, whether a recurrent mixer replaces its attention (all False unless hybrid)."""
+        return self.mixer.layers if self.mixer is not None else (False,) * self.num_layers
+
+    @property
+    def layer_keys(self) -> tuple[tuple[bool, bool], ...]:
+        """Per decoder layer, ``(routes to experts, runs a mixer)``: what sets its parameters and
+        activations."""
+        return tuple(zip(self.layer_kinds, self.layer_mixers, strict=True))
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers that run softmax attention (all but a hybrid's mixer layers): what the all-to-alls and the
+        ring run in."""
+        return self.num_layers - (self.mixer.num_layers if self.mixer is not None else 0)
 
     @property
     def is_moe(self) -> bool:
@@ -618,9 +706,9 @@ class ModelSpec:
     @property
     def decoder_params(self) -> int:
         """Parameters of all decoder layers (every expert)."""
-        if self.moe is None:
+        if self.moe is None and self.mixer is None:
             return self.num_layers * self.layer_params
-        return sum(self._layer_params(routed) for routed in self.moe.layers)
+        return sum(self._layer_params(*key) for key in self.layer_keys)
 
     @property
     def embedding_params(self) -> int:
@@ -642,25 +730,25 @@ class ModelSpec:
         embedding table included, as Qwen and Mistral count their active figures; OpenAI's gpt-oss figures
         leave the embedding out: ``active_params - embedding_params``). Equal to :attr:`num_params` when
         dense."""
-        if self.moe is None:
+        if self.moe is None and self.mixer is None:
             return self.num_params
-        decoder = sum(self._layer_active_params(routed) for routed in self.moe.layers)
+        decoder = sum(self._layer_active_params(*key) for key in self.layer_keys)
         return self.embedding_params + decoder + self.hidden_size + self.head_params
 
     @property
     def active_layer_params(self) -> int:
         """One decoder layer's parameters one token uses (a MoE: the mean over its layers, rounded down);
         :attr:`layer_params` when dense."""
-        if self.moe is None:
+        if self.moe is None and self.mixer is None:
             return self.layer_params
-        return sum(self._layer_active_params(routed) for routed in self.moe.layers) // self.num_layers
+        return sum(self._layer_active_params(*key) for key in self.layer_keys) // self.num_layers
 
     @property
     def layer_matmul_params(self) -> int:
         """Weights of one decoder layer's linear layers (``layer_params`` less the two RMSNorm weights); a
         MoE's: those one token goes through (attention, router, ``k`` experts, shared experts), the mean over
         its layers rounded down (what a recomputed layer's forward costs)."""
-        if self.moe is None:
+        if self.moe is None and self.mixer is None:
             return self.layer_params - 2 * self.hidden_size
         return (self.matmul_params - self.vocab_size * self.hidden_size) // self.num_layers
 
@@ -670,9 +758,9 @@ class ModelSpec:
         not the input embedding (a lookup) nor the norm weights (elementwise). The model-FLOP count's ``N``
         (:func:`usp.plan.compute.training_flops`). A MoE's are its active ones: the router, the ``k`` experts
         a token is routed to and the shared experts, not the others (no biases)."""
-        if self.moe is None:
+        if self.moe is None and self.mixer is None:
             return self.num_layers * self.layer_matmul_params + self.vocab_size * self.hidden_size
-        layers = sum(self._layer_matmul_params(routed) for routed in self.moe.layers)
+        layers = sum(self._layer_matmul_params(*key) for key in self.layer_keys)
         return layers + self.vocab_size * self.hidden_size
 
     @property
@@ -698,14 +786,14 @@ class ModelSpec:
     def executed_layer_matmul_params(self) -> int:
         """:attr:`layer_matmul_params` with the idle experts that run anyway: what a recomputed layer's
         forward executes (the mean over the layers, rounded down)."""
-        if self.moe is None:
+        if self.moe is None and self.mixer is None:
             return self.layer_matmul_params
         return (self.executed_matmul_params - self.vocab_size * self.hidden_size) // self.num_layers
 
     # --- per-token sizes ----------------------------------------------------------------------------------
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
-        """K and V of one token, all layers, all KV heads."""
-        return 2 * self.num_kv_heads * self.head_dim * self.num_layers * bytes_per_elem
+        """K and V of one token, all attention layers, all KV heads."""
+        return 2 * self.num_kv_heads * self.head_dim * self.num_attention_layers * bytes_per_elem
 
     def max_ulysses_degree(self, replicate_kv: bool = True) -> int:
         """Largest Ulysses degree the heads allow: the KV head count without replication, else the query heads."""
