@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.attention.ulysses import head_to_seq, seq_to_head
+from usp.model.conv_layout import conv_input
 
 if TYPE_CHECKING:
     from usp.parallel import SPMesh
@@ -92,7 +93,9 @@ def _document(
         [q.reshape(b, length, hk * dk), k.reshape(b, length, hk * dk), v.reshape(b, length, hk * r * dv)],
         dim=-1,
     ).transpose(1, 2)  # [B, C_local, L]
-    mixed = fns.causal_conv1d_fn(mixed, weight, bias, activation=module.activation).transpose(1, 2)
+    mixed = fns.causal_conv1d_fn(conv_input(mixed), weight, bias, activation=module.activation).transpose(
+        1, 2
+    )
     q, k, v = torch.split(mixed, [hk * dk, hk * dk, hk * r * dv], dim=-1)
     heads = slice(first * r, (first + hk) * r)  # the rank's value heads
     g = -module.A_log[heads].float().exp() * F.softplus(

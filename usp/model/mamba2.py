@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from usp.attention.ulysses import head_to_seq, seq_to_head
+from usp.model.conv_layout import conv_input
 
 if TYPE_CHECKING:
     from usp.parallel import SPMesh
@@ -57,22 +58,51 @@ def _channels(module: nn.Module, heads: range, groups: range) -> tuple[torch.Ten
     return torch.cat([x, inner + bc, inner + gn + bc]), torch.arange(heads.start, heads.stop)
 
 
+def _document(
+    module: nn.Module,
+    piece: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dt_index: torch.Tensor,
+    g_local: int,
+) -> torch.Tensor:
+    """One document of the rank's heads: ``piece`` ``[B, L, W]`` (the rank's ``x``, ``B``, ``C`` channels, then
+    its heads' ``dt``) -> ``[B, L, 1, h hd]``, by the family's convolution and chunked scan (mamba-ssm's
+    ``mamba_chunk_scan_combined`` and causal-conv1d where transformers finds them)."""
+    fns = sys.modules[type(module).__module__]  # the family's own kernels (hub / mamba-ssm / torch)
+    b, length, _ = piece.shape
+    hd, state, h_local = module.head_dim, module.ssm_state_size, dt_index.numel()
+    channels = weight.size(0)
+    conv = fns.causal_conv1d_fn(
+        conv_input(piece[..., :channels].transpose(1, 2)), weight, bias, activation=module.activation
+    ).transpose(1, 2)  # [B, L, C_local]
+    hs, bb, cc = torch.split(conv, [h_local * hd, g_local * state, g_local * state], dim=-1)
+    scan = fns.mamba2_chunk_scan(
+        hs.reshape(b, length, h_local, hd).contiguous(),
+        piece[..., channels:].contiguous(),
+        -torch.exp(module.A_log.float()).index_select(0, dt_index),
+        bb.reshape(b, length, g_local, state).contiguous(),
+        cc.reshape(b, length, g_local, state).contiguous(),
+        chunk_size=module.chunk_size,
+        D=module.D.index_select(0, dt_index),
+        z=None,
+        dt_bias=module.dt_bias.index_select(0, dt_index),
+        dt_softplus=True,
+        dt_limit=module.time_step_limit,
+    )
+    return scan.reshape(b, length, 1, h_local * hd)
+
+
 def forward(
     module: nn.Module, x: torch.Tensor, mesh: SPMesh, plan: dict, bounds: tuple[int, ...]
 ) -> torch.Tensor:
     """The layer's output for this rank's tokens: ``x`` ``[B, S/P, hidden]`` (local order) -> ``[B, S/P,
     hidden]``, equal to the unsharded layer run on each document of ``bounds``. ``plan``: the layout plan of
     :mod:`usp.model.mixers`."""
-    fns = sys.modules[type(module).__module__]  # the family's own kernels (hub / mamba-ssm / torch)
     sp, me = mesh.sp_degree, mesh.sp_rank
     b, n, _ = x.shape
     dtype = x.dtype
-    inner, conv_dim, hd, state = (
-        module.intermediate_size,
-        module.conv1d.weight.size(0),
-        module.head_dim,
-        module.ssm_state_size,
-    )
+    inner, conv_dim = module.intermediate_size, module.conv1d.weight.size(0)
     if hasattr(module, "mup_vector"):  # Falcon-H1: muP multipliers on the input and on the projection
         projected = module.in_proj(x * module.ssm_in_multiplier) * module.mup_vector
     else:
@@ -92,33 +122,12 @@ def forward(
     xbc, dt_index = _channels(module, heads, groups)
     weight = module.conv1d.weight.squeeze(1).index_select(0, xbc.to(x.device))  # [C_local, K]
     bias = module.conv1d.bias.index_select(0, xbc.to(x.device)) if module.conv1d.bias is not None else None
-    h_local, g_local = len(heads), len(groups)
     dt_index = dt_index.to(x.device)
-    a = -torch.exp(module.A_log.float()).index_select(0, dt_index)
-    outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end <= start:
-            continue
-        piece = rows[:, start:end]  # [B, L, W]
-        length = end - start
-        conv = fns.causal_conv1d_fn(
-            piece[..., : xbc.numel()].transpose(1, 2), weight, bias, activation=module.activation
-        ).transpose(1, 2)  # [B, L, C_local]
-        hs, bb, cc = torch.split(conv, [h_local * hd, g_local * state, g_local * state], dim=-1)
-        scan = fns.mamba2_chunk_scan(
-            hs.reshape(b, length, h_local, hd).contiguous(),
-            piece[..., xbc.numel() :].contiguous(),
-            a,
-            bb.reshape(b, length, g_local, state).contiguous(),
-            cc.reshape(b, length, g_local, state).contiguous(),
-            chunk_size=module.chunk_size,
-            D=module.D.index_select(0, dt_index),
-            z=None,
-            dt_bias=module.dt_bias.index_select(0, dt_index),
-            dt_softplus=True,
-            dt_limit=module.time_step_limit,
-        )
-        outs.append(scan.reshape(b, length, 1, h_local * hd))
+    outs = [
+        _document(module, rows[:, start:end], weight, bias, dt_index, len(groups))
+        for start, end in zip(bounds[:-1], bounds[1:])
+        if end > start
+    ]
     out = torch.cat(outs, dim=1).index_select(1, plan["order"].to(x.device))  # [B, S, 1, h hd], sp-rank order
     out = head_to_seq(out, mesh.sp_group, "mixer_heads").reshape(b, n, inner)  # [B, S/P, H hd]
     if getattr(module, "mamba_rms_norm", True):
