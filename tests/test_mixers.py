@@ -195,6 +195,12 @@ def test_mixer_bytes_are_counted(dist_pools):
     for case in mamba:  # 4 heads in 2 groups over 4 ranks: each group's B and C to two ranks
         assert case["scheme"] == "heads"
         assert sum(case["bytes"].values()) == planned.comm_bytes(SEQ_LEN // 4, 4, HIDDEN, 8), case["case"]
+    planned = load_model_spec(family_config("lfm2").to_dict()).mixer  # width 3: 2-token tails of 4-token runs
+    whole = [c for c in dist_pools(4).run(run_mixer, "lfm2")[0] if c["case"][2:] == ("zigzag", None)]
+    assert whole  # zigzag without documents: 2 runs a rank, no document start cuts a tail
+    for case in whole:
+        assert case["scheme"] == HALO
+        assert sum(case["bytes"].values()) == planned.comm_bytes(SEQ_LEN // 4, 4, HIDDEN, 8)
     haloed = dist_pools(4).run(run_mixer, "long_conv")[0]
     for case in haloed:
         assert case["scheme"] == HALO and case["field"] == 7

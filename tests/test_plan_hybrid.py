@@ -16,11 +16,11 @@ from tests.family_models import family_config
 from usp.plan import evaluate_layout, get_device, load_model_spec
 from usp.plan.comm import ulysses_comm
 from usp.plan.memory import held_activation_bytes
-from usp.plan.mixers import GATED_DELTANET, MAMBA2, UNMODELLED_HYBRIDS
+from usp.plan.mixers import GATED_DELTANET, MAMBA2, SHORT_CONV, UNMODELLED_HYBRIDS
 
-NOT_COUNTED = ("q_norm.weight", "k_norm.weight", "self_attn.sinks", "_proj.bias")
-"""What the planner leaves out (as in ``tests/test_plan_moe.py``)."""
-HYBRIDS = {"qwen3_next": GATED_DELTANET, "qwen3_5_text": GATED_DELTANET, "bamba": MAMBA2}
+NOT_COUNTED = ("q_norm.weight", "k_norm.weight", "q_layernorm.weight", "k_layernorm.weight", "_proj.bias")
+"""What the planner leaves out (as in ``tests/test_plan_moe.py``; LFM2 spells its q/k norms ``*_layernorm``)."""
+HYBRIDS = {"qwen3_next": GATED_DELTANET, "qwen3_5_text": GATED_DELTANET, "bamba": MAMBA2, "lfm2": SHORT_CONV}
 
 
 def _meta(config):
@@ -94,8 +94,21 @@ def test_the_bamba_preset_is_the_published_model():
     assert spec.mixer.scheme(8) == "heads" and spec.mixer.scheme(3) == "gather"  # 128 heads in 1 group
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
-def test_gated_deltanet_flops_match_the_flop_counter(family):
+def test_the_lfm2_preset_is_the_published_model():
+    """``lfm2-1.2b``: 10 short-convolution layers and 6 attention layers, the MLP width LFM2 derives from its
+    ``intermediate_size`` (8192 of 12288), tied embeddings: the module's count, the model card's 1.17B."""
+    from transformers import AutoConfig
+
+    from usp.plan.models import PRESETS
+
+    spec = load_model_spec("lfm2-1.2b")
+    assert spec.num_params == _counted(_meta(AutoConfig.for_model(**PRESETS["lfm2-1.2b"])))
+    assert round(spec.num_params / 1e9, 2) == 1.17 and spec.intermediate_size == 8192
+    assert spec.num_attention_layers == 6 and spec.mixer.scheme(64) == "halo"
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text", "lfm2"])
+def test_mixer_flops_match_the_flop_counter_match_the_flop_counter(family):
     """Forward FLOPs per token of a gated DeltaNet (transformers' torch code, which torch's FLOP counter
     sees): the projections' ``2 x`` matmul weights plus the convolution and the chunked rule, less the
     triangular solve the counter does not count. The slope between two lengths (the convolution's padding is
@@ -114,8 +127,42 @@ def test_gated_deltanet_flops_match_the_flop_counter(family):
         with FlopCounterMode(display=False) as counter:
             mixer(torch.randn(1, tokens, h))
         flops.append(counter.get_total_flops())
-    solve = m.heads * m.chunk * (m.key_dim + m.head_dim)
+    solve = m.heads * m.chunk * (m.key_dim + m.head_dim) if m.kind == GATED_DELTANET else 0
     assert (flops[1] - flops[0]) / 128 == 2 * m.matmul_params(h) + m.scan_flops_per_token() - solve
+
+
+def _kept_per_token(mixer: torch.nn.Module, hidden: int) -> float:
+    """Bytes autograd keeps per token for ``mixer``'s forward in bf16 (its input aside: the norm's output,
+    counted with the norms), the slope between 128 and 256 tokens."""
+
+    def kept(tokens: int) -> int:
+        x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            if t.data_ptr() != x.data_ptr():
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mixer(x)
+        return sum(storages.values())
+
+    return (kept(256) - kept(128)) / 128
+
+
+def test_short_conv_kept_bytes_match_autograd():
+    """LFM2's short convolution keeps ``6 h B`` per token: B, C, x (one projection), the convolution's input
+    and output and the output projection's input."""
+    from transformers import AutoModelForCausalLM
+
+    from usp.model.mixers import mixer_modules
+
+    config = family_config("lfm2")
+    torch.manual_seed(0)
+    mixer = mixer_modules(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))[0][1]
+    m = load_model_spec(config.to_dict()).mixer
+    assert _kept_per_token(mixer, config.hidden_size) == m.kept_bytes_per_token(4, config.hidden_size, 2)
 
 
 def test_gated_deltanet_kept_bytes_match_autograd(monkeypatch):
@@ -146,23 +193,9 @@ def test_gated_deltanet_kept_bytes_match_autograd(monkeypatch):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     mixer, h = mixer_modules(model)[0][1], config.hidden_size
-
-    def kept(tokens: int) -> int:
-        x = torch.randn(1, tokens, h, dtype=torch.bfloat16, requires_grad=True)
-        storages: dict[int, int] = {}
-
-        def pack(t):
-            if t.data_ptr() != x.data_ptr():  # the layer input is the norm's output, counted with the norms
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mixer(x)
-        return sum(storages.values())
-
     m = load_model_spec(config.to_dict()).mixer
     kernel_extras = 8 * m.key_heads + 64 * 2 * m.heads
-    assert (kept(256) - kept(128)) / 128 == m.kept_bytes_per_token(1, h, 2) - kernel_extras
+    assert _kept_per_token(mixer, h) == m.kept_bytes_per_token(1, h, 2) - kernel_extras
 
 
 def test_the_estimate_counts_mixer_layers_apart_from_attention():
@@ -202,7 +235,7 @@ def test_the_estimate_counts_mixer_layers_apart_from_attention():
     assert mixer_layer > activation_bytes_per_token_layer(spec, 8, 2, routed=True, mixer=True, sp_degree=16)
 
 
-@pytest.mark.parametrize("family", ["falcon_h1", "nemotron_h", "jamba", "lfm2"])
+@pytest.mark.parametrize("family", ["falcon_h1", "nemotron_h", "jamba", "lfm2_moe"])
 def test_unmodelled_hybrids_are_refused_not_estimated(family):
     """A hybrid family whose layers the planner does not describe gets a ``ValueError`` naming the family and
     the fix, never an estimate that counts its mixers as attention."""

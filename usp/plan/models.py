@@ -314,6 +314,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 262144,
         "tie_word_embeddings": False,
     },
+    # LiquidAI/LFM2-1.2B (hybrid): 16 layers, short convolutions (width 3) in all but layers 2, 5, 8, 10, 12, 14
+    # (attention, 32 query / 8 KV heads of 64), MLP 8192 (intermediate_size 12288 auto-adjusted), tied
+    # embeddings; 1.17B parameters (its model card; the planner counts 1.170B)
+    "lfm2-1.2b": {
+        "model_type": "lfm2",
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 12288,
+        "block_auto_adjust_ff_dim": True,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 256,
+        "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "vocab_size": 65536,
+        "max_position_embeddings": 128000,
+        "tie_word_embeddings": True,
+    },
     # ibm-fms/Bamba-9B (hybrid): 32 layers, Mamba2 (128 heads of 64, 1 group, state 128, conv 4) in all but
     # layers 9, 18 and 27 (attention, 32 query / 8 KV heads of 128), dense MLP 14336 in every layer, trained
     # at 4K; 9.78B parameters (its model card; the planner counts 9.780B)
@@ -438,6 +458,20 @@ def _first_set(config: dict[str, Any], keys: tuple[str, ...]) -> int:
         if config.get(key) is not None:
             return int(config[key])
     return 0
+
+
+def _dense_width(config: dict[str, Any]) -> int:
+    """The dense MLP's width (:data:`DENSE_WIDTH_FIELDS`); LFM2's is derived from ``intermediate_size`` as its
+    ``Lfm2MLP`` does (``block_auto_adjust_ff_dim``: two thirds, times ``block_ffn_dim_multiplier``, rounded
+    up to ``block_multiple_of``)."""
+    width = _first_set(config, DENSE_WIDTH_FIELDS)
+    if config.get("model_type") == "lfm2" and config.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        if config.get("block_ffn_dim_multiplier") is not None:
+            width = int(config["block_ffn_dim_multiplier"] * width)
+            multiple = int(config.get("block_multiple_of") or 256)
+            width = multiple * ((width + multiple - 1) // multiple)
+    return width
 
 
 def moe_layer_pattern(config: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
@@ -578,7 +612,7 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=kv,
             head_dim=int(head_dim),
-            intermediate_size=_first_set(config, DENSE_WIDTH_FIELDS),
+            intermediate_size=_dense_width(config),
             vocab_size=int(config["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=config.get("max_position_embeddings"),
