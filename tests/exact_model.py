@@ -20,6 +20,14 @@ from tests.tolerance import EXACT_DTYPE
 from usp.model import load_causal_lm
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or gradient as one whole tensor: an FSDP2 ``DTensor`` gathered, a plain one as it is (a
+    world of one in the weights' own dtype trains without FSDP2: :func:`usp.train.parallelize.needs_fsdp`)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """``LlamaRMSNorm.forward`` computed in ``promote_types(input dtype, fp32)`` instead of fp32."""
     input_dtype = hidden_states.dtype

@@ -84,7 +84,7 @@ def test_measured_ring_buffers_fall_with_head_chunks(dist_pools):
 
 def run_chunked_training(model_dir: str, ulysses: int, ring: int) -> dict | None:
     """Worker: two optimizer steps and the gradients of the first batch, with 1 and 2 head chunks."""
-    from tests.exact_model import load_float64
+    from tests.exact_model import load_float64, whole
     from tests.tolerance import EXACT_DTYPE
     from usp.train.optim import build_optimizer
     from usp.train.parallelize import parallelize
@@ -104,7 +104,7 @@ def run_chunked_training(model_dir: str, ulysses: int, ring: int) -> dict | None
         optimizer, scheduler = build_optimizer(loss_model, OPTIM, max_steps=4)
         batches = make_batches(model.config.vocab_size)[:2]
         losses, norms, params = train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches)
-        grads = {name: params[name].grad.full_tensor() for name in GRAD_PARAMS}
+        grads = {name: whole(params[name].grad) for name in GRAD_PARAMS}
         out[chunks] = {"losses": losses, "grad_norms": norms, "grads": grads}
     return out if mesh.device_mesh.get_rank() == 0 else None
 

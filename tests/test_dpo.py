@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.exact_model import load_float64
+from tests.exact_model import load_float64, whole
 from tests.mesh_cache import cached_sp_mesh
 from tests.run_errors import run_expecting_error
 from tests.tolerance import EXACT_DTYPE, assert_exact, rounding_tolerance
@@ -105,7 +105,7 @@ class CaptureGrads(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002
         params = self.param_groups[0]["params"]
-        self.grads = {n: p.grad.full_tensor().clone() for n, p in zip(self.names, params)}
+        self.grads = {n: whole(p.grad).clone() for n, p in zip(self.names, params)}
 
 
 def dpo_worker(model_dir: str, rows: list[dict], ref: np.ndarray, ulysses: int, ring: int, dp: int) -> dict:

@@ -89,6 +89,11 @@ class RecordingAdamW(torch.optim.AdamW):
         self.records.append({"grads": grads, "params": {n: _full(p) for n, p in self.named}})
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter, or the plain parameter (a world of one without FSDP2)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
@@ -110,10 +115,10 @@ def lora_worker(model_dir: str, rows: list[dict], ulysses: int, ring: int, dp: i
         with torch.no_grad():
             for name, value in adapter_values(model, seed=1).items():
                 p = dict(model.named_parameters())[name]
-                p.to_local().copy_(
-                    distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                )
-        frozen = {n: p.to_local().clone() for n, p in model.named_parameters() if not p.requires_grad}
+                if isinstance(p, DTensor):
+                    value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+                _local(p).copy_(_local(value))
+        frozen = {n: _local(p).clone() for n, p in model.named_parameters() if not p.requires_grad}
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         optimizer = RecordingAdamW(trainable, lr=LR, betas=BETAS, eps=1e-8)
         losses = []
@@ -121,7 +126,7 @@ def lora_worker(model_dir: str, rows: list[dict], ulysses: int, ring: int, dp: i
             micro = [collate_rows([rows[m[mesh.dp_rank]]], mesh=mesh, document_masking=True) for m in step]
             losses.append(train_step(loss_model, optimizer, None, micro, mesh=mesh, grad_clip=0.0).loss)
         base_unchanged = all(
-            torch.equal(p.to_local(), frozen[n]) and p.grad is None
+            torch.equal(_local(p), frozen[n]) and p.grad is None
             for n, p in model.named_parameters()
             if not p.requires_grad
         )

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from tests.exact_model import whole
 from usp.model import (
     apply_rope_overrides,
     check_heads,
@@ -97,7 +98,7 @@ def sharded_load_matches(model_dir: str, rope_theta: float) -> dict:
     load_sharded_weights(model, model_dir, device=torch.device("cpu"))
     ref = load_causal_lm(model_dir, dtype=torch.float32, rope_theta=rope_theta)
     params = dict(model.named_parameters())
-    mismatched = [n for n, p in ref.named_parameters() if not torch.equal(params[n].full_tensor(), p)]
+    mismatched = [n for n, p in ref.named_parameters() if not torch.equal(whole(params[n]), p)]
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     same_rope = torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
     return {"mismatched": mismatched, "tied": tied, "same_rope": same_rope, "n": len(params)}

@@ -17,7 +17,7 @@ import importlib
 import pytest
 import torch
 
-from tests.exact_model import KeepFloat64
+from tests.exact_model import KeepFloat64, whole
 from tests.family_models import SEQ_LEN, build_family
 from tests.mesh_cache import cached_sp_mesh
 from tests.tolerance import assert_exact
@@ -221,7 +221,7 @@ def _one_train_step(family: str, checkpointing: str, scope: str = "micro_batch")
         batches.append({k: shard_sequence(v, mesh) for k, v in full.items()})
     optimizer = torch.optim.SGD(loss_model.parameters(), lr=1.0)
     res = train_step(loss_model, optimizer, None, batches, mesh=mesh, grad_clip=0.0)
-    return {"res": res, "after": {n: p.full_tensor().detach() for n, p in model.named_parameters()}}
+    return {"res": res, "after": {n: whole(p).detach() for n, p in model.named_parameters()}}
 
 
 def run_train_step(family: str, scope: str = "micro_batch") -> dict | None:

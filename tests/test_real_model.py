@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.exact_model import whole
 from tests.mesh_cache import cached_sp_mesh
 from tests.tolerance import assert_close_scaled
 
@@ -86,10 +87,10 @@ def train_step_worker(model_dir: str, ulysses: int, ring: int) -> dict:
     optimizer, scheduler = build_optimizer(loss_model, optim, max_steps=4)
     n = int((row["labels"] != -100).sum())
     loss_model(**local, cu_seqlens=cu, num_targets=n).backward()  # gradients of the step's mean loss
-    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    grads = {name: whole(p.grad) for name, p in model.named_parameters()}
     optimizer.zero_grad()
     res = train_step(loss_model, optimizer, scheduler, [dict(local, cu_seqlens=cu)], mesh=mesh, grad_clip=1.0)
-    after = {name: p.full_tensor() for name, p in model.named_parameters()}
+    after = {name: whole(p) for name, p in model.named_parameters()}
     if torch.distributed.get_rank() != 0:
         return {}
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.exact_model import load_float64
+from tests.exact_model import load_float64, whole
 from tests.mesh_cache import cached_sp_mesh
 from tests.tolerance import EXACT_DTYPE, assert_exact
 from usp.data.batch import IGNORE_INDEX, collate_rows
@@ -44,7 +44,7 @@ class CaptureGrads(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002 - the Optimizer signature
         params = self.param_groups[0]["params"]
-        self.grads = {n: p.grad.full_tensor().clone() for n, p in zip(self.names, params)}
+        self.grads = {n: whole(p.grad).clone() for n, p in zip(self.names, params)}
 
 
 def make_rows(tokenizer) -> list[dict]:

@@ -250,7 +250,7 @@ def test_deepspeed_cpu_adam_trains_and_resumes_like_adamw(cpu_adam_built, dist_p
 def fused_vs_foreach(model_dir: str) -> dict:
     """Worker (world 1): 3 AdamW steps on FSDP2 shards with ``optim.name`` adamw and adamw_cpu_offload, and
     torch's for-each AdamW on the same parameter groups as the reference; float64."""
-    from tests.exact_model import load_float64
+    from tests.exact_model import load_float64, whole
     from tests.mesh_cache import cached_sp_mesh
     from usp.config import OptimConfig
     from usp.train.optim import build_optimizer
@@ -276,7 +276,7 @@ def fused_vs_foreach(model_dir: str) -> dict:
             opt.zero_grad()
         out[name] = {
             "fused": bool(opt.defaults.get("fused")),
-            "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()},
+            "params": {n: whole(p).detach() for n, p in model.named_parameters()},
         }
     return out
 

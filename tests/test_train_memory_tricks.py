@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist_pool import DistPool
-from tests.exact_model import load_float64
+from tests.exact_model import load_float64, whole
 from tests.mesh_cache import cached_sp_mesh
 from tests.test_train_layouts import OPTIM, STEPS, make_batches, train_then_grads
 from tests.tolerance import EXACT_DTYPE, assert_exact
@@ -56,7 +56,7 @@ def run_variants(model_dir: str, ulysses: int, ring: int) -> dict | None:
         optimizer, scheduler = build_optimizer(loss_model, OPTIM, max_steps=STEPS + 2)
         batches = make_batches(model.config.vocab_size)[:TRAIN_STEPS]
         losses, norms, params = train_then_grads(loss_model, model, mesh, optimizer, scheduler, batches)
-        grads = {name: p.grad.full_tensor() for name, p in params.items()}
+        grads = {name: whole(p.grad) for name, p in params.items()}
         store = loss_model.offload_store
         out[(ac, tiles, chunks)] = {
             "losses": losses,

@@ -66,6 +66,28 @@ def run_worker(cfg: TrainConfig) -> dict:
     return {k: out[k] for k in keys}
 
 
+def run_counting_fsdp(cfg: TrainConfig, force_fsdp: bool = False) -> dict:
+    """:func:`run_worker`, counting the FSDP2 wraps (``fsdp_calls``); ``force_fsdp``: wrap even where
+    :func:`usp.train.parallelize.needs_fsdp` says no (today's world-1 fp32 path before it skipped FSDP2)."""
+    from usp.train import parallelize as recipe
+
+    calls: list[int] = []
+    originals = recipe.apply_fsdp, recipe.needs_fsdp
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return originals[0](*args, **kwargs)
+
+    recipe.apply_fsdp = counted
+    if force_fsdp:
+        recipe.needs_fsdp = lambda *args, **kwargs: True
+    try:
+        out = run_worker(cfg)
+    finally:
+        recipe.apply_fsdp, recipe.needs_fsdp = originals
+    return out | {"fsdp_calls": len(calls)}
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("train_run")
@@ -76,7 +98,7 @@ def setup(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def straight(dist_pools, setup) -> dict:
     cfg = make_config(setup["model"], f"{setup['root']}/straight", setup["cache"])
-    return dist_pools(1).run(run_worker, cfg)[0]
+    return dist_pools(1).run(run_counting_fsdp, cfg)[0]
 
 
 def test_run_world1_trains_checkpoints_and_exports(straight, setup):
@@ -95,6 +117,22 @@ def test_run_world1_trains_checkpoints_and_exports(straight, setup):
 
     exported = AutoModelForCausalLM.from_pretrained(straight["export_dir"], local_files_only=True)
     assert exported.config.num_hidden_layers == 2
+
+
+def test_world1_fp32_skips_fsdp2_with_the_same_numbers(dist_pools, setup, straight):
+    """One rank, fp32: the plain module trains (no FSDP2 wrap) and gives bit for bit the losses, validation
+    losses and exported weights of the same run through FSDP2 (which at world 1 only copies)."""
+    from safetensors.torch import load_file
+
+    cfg = make_config(setup["model"], f"{setup['root']}/through_fsdp", setup["cache"])
+    wrapped = dist_pools(1).run(run_counting_fsdp, cfg, True)[0]
+    assert straight["fsdp_calls"] == 0 and wrapped["fsdp_calls"] == 1
+    assert wrapped["losses"] == straight["losses"]
+    assert wrapped["val_losses"] == straight["val_losses"]
+    plain, sharded = (load_file(Path(r["export_dir"]) / "model.safetensors") for r in (straight, wrapped))
+    assert plain.keys() == sharded.keys()
+    for name, tensor in plain.items():
+        torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=0, msg=name)
 
 
 def run_keeping_nothing(cfg: TrainConfig) -> dict:

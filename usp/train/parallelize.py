@@ -14,6 +14,8 @@ arguments:
    (``full_shard``: the flattened dp x ring x ulysses axis; ``hybrid_shard``: shard inside a node, replicate
    across nodes). Parameters stay fp32 (the optimizer's master copy); compute runs in ``param_dtype``;
    gradients are reduced in ``reduce_dtype`` and *summed*, not averaged (see :mod:`usp.train.loss`).
+   Skipped where FSDP2 would do nothing but copy (:func:`needs_fsdp`: one rank, compute and reduction in the
+   weights' own dtype, nothing offloaded): the plain module trains, with the same numbers.
 """
 
 from __future__ import annotations
@@ -90,6 +92,25 @@ def build_hsdp_mesh(mesh: SPMesh, node_size: int) -> DeviceMesh:
     return mesh.hsdp_mesh(node_size)
 
 
+def needs_fsdp(
+    world_size: int,
+    *,
+    weights_dtype: torch.dtype,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool,
+) -> bool:
+    """Whether the model is wrapped in FSDP2 (the one rule; the trainer, its checkpoints and exports read the
+    parameters they get, DTensor or plain). Not when one rank holds everything and FSDP2 would only copy: a
+    world of one, compute (``param_dtype``) and gradient reduction (``reduce_dtype``) in the weights' own
+    dtype (an fp32 run), no CPU offload. There FSDP2 all-gathers by copying every parameter into its
+    unsharded buffer, and reduce-scatters by copying every gradient into a flat fp32 buffer, each step
+    (docs/performance.md, issue 34). Each copy is exact, so the plain module computes the same losses,
+    gradients and updates, bit for bit (``tests/test_train_run.py``)."""
+    identity = param_dtype == weights_dtype and reduce_dtype == weights_dtype
+    return world_size > 1 or cpu_offload or not identity
+
+
 def apply_fsdp(
     root: nn.Module,
     layers: Iterable[nn.Module],
@@ -152,6 +173,7 @@ def parallelize(
     ``router_aux_loss_coef``: a mixture-of-experts model's router-loss coefficient (``None``: its config's
     ``router_aux_loss_coef``); the loss module adds the family's own router loss (:mod:`usp.train.router_loss`),
     from each micro-batch's routing or the whole step's (``router_loss_scope``: ``micro_batch`` | ``step``).
+    Where :func:`needs_fsdp` says no (one rank, an fp32 run), the loss module is returned unwrapped.
     """
     assert fsdp_mode in FSDP_MODES, f"fsdp_mode={fsdp_mode!r} is not one of {FSDP_MODES} (validate_choices)"
     router_aux = router_aux_spec(model, router_aux_loss_coef)
@@ -179,8 +201,18 @@ def parallelize(
         router_scope=router_loss_scope,
     )
     loss_model.offload_store = store
+    weights_dtype = next(model.parameters()).dtype
+    world = dist.get_world_size()
+    if not needs_fsdp(
+        world,
+        weights_dtype=weights_dtype,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        cpu_offload=cpu_offload,
+    ):
+        return loss_model
     if fsdp_mode == "hybrid_shard":
-        device_mesh = build_hsdp_mesh(mesh, node_size or dist.get_world_size())
+        device_mesh = build_hsdp_mesh(mesh, node_size or world)
     else:
         device_mesh = mesh.fsdp_mesh
     apply_fsdp(
