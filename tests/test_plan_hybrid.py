@@ -256,6 +256,16 @@ def test_lora_and_mlp_tiles_on_a_hybrid_are_refused():
         evaluate_layout(spec, device, lora=LoraPlan(rank=16), **layout)
 
 
+def test_inference_planning_refuses_hybrids():
+    """usp refuses sharded generation for hybrids, so ``usp-plan --inference`` has no layout to give."""
+    from usp.plan import plan_inference
+
+    with pytest.raises(ValueError, match="hybrid model"):
+        plan_inference(
+            load_model_spec("bamba-9b"), get_device("h200"), seq_len=8192, world_size=8, node_size=8
+        )
+
+
 def test_usp_plan_json_on_the_hybrid_preset(capsys):
     """``usp-plan --json`` on the Qwen3-Next preset: every row names its mixer scheme and times the mixer."""
     from usp.plan import cli

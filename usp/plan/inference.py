@@ -139,7 +139,16 @@ def plan_inference(
     overhead_gb: float = 2.0,
     ring_layout: str = "zigzag",
 ) -> list[InferenceEstimate]:
-    """Every valid ``ulysses x ring = world`` split for one request, largest batch capacity first."""
+    """Every valid ``ulysses x ring = world`` split for one request, largest batch capacity first.
+    ``ValueError`` for a hybrid model: usp's sharded decoding keeps attention's K/V only, so it refuses to
+    generate with recurrent mixer layers (docs/attention.md, "Hybrid layers"), and this estimate would count
+    attention in every layer."""
+    if model.mixer is not None:
+        raise ValueError(
+            f"--inference: {model.name} is a hybrid model; usp's sharded decoding keeps attention's K/V only and "
+            "refuses to generate with recurrent mixer layers, so there is no inference layout to plan. Plan "
+            "training without --inference."
+        )
     out: list[InferenceEstimate] = []
     reasons: list[str] = []
     for U in [u for u in range(1, world_size + 1) if world_size % u == 0]:
