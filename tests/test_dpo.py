@@ -9,6 +9,8 @@ gradient. Compared at ``EXACT_TOL``: each step's loss, rewards and accuracy, and
 for the ``sigmoid``, ``ipo`` and ``simpo`` losses. The rows include a pair whose two sequences lie on one rank
 (so some shard holds no completion token) and a row of two pairs. With the reference equal to the policy
 (computed by :func:`usp.train.reference.compute_reference_logps` on the training mesh) the first loss is ln 2.
+The same pairs with each prompt once (``trainer.dpo.shared_prompt``'s rows) give the same losses, gradients and
+log-probabilities under u2r2.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tests.run_errors import run_expecting_error
 from tests.tolerance import EXACT_DTYPE, assert_exact, rounding_tolerance
 from usp.config import TrainConfig
 from usp.data.batch import IGNORE_INDEX, collate_rows
+from usp.data.pack_preference import shared_prefix_length
 from usp.tiny import build_tiny_llama
 from usp.train.dpo import DpoSpec, dpo_step, dpo_validation
 from usp.train.parallelize import parallelize
@@ -294,6 +297,124 @@ def test_dpo_loss_rewards_and_every_gradient_match_one_process(dist_pools, setup
             assert_exact(_scalar(got["validation"][key][name]), _scalar(value), f"{key} {name}")
 
 
+# --- the prompt once (trainer.dpo.shared_prompt) -------------------------------------------------------------
+
+
+def shared_rows(rows: list[dict]) -> list[dict]:
+    """The same pairs in the same rows with each prompt once (``usp-prepare-data --shared-prompt``'s layout):
+    ``prompt + chosen``, then the prompt's last token + ``rejected`` linked to the rest of the prompt."""
+    out = []
+    for r in rows:
+        ids, mask = np.asarray(r["input_ids"]), np.asarray(r["loss_mask"], dtype=np.uint8)
+        starts = np.cumsum([0, *r["document_lengths"]])
+        row = {
+            k: [] for k in ("input_ids", "loss_mask", "document_lengths", "document_roles", "shared_prefix")
+        }
+        for d, role in enumerate(r["document_roles"]):
+            if role != 1:
+                continue
+            c, j = slice(starts[d], starts[d + 1]), slice(starts[d + 1], starts[d + 2])
+            pair = (ids[c], mask[c], ids[j], mask[j])
+            shared = shared_prefix_length(pair)
+            for part_ids, part_mask, role_, link in (
+                (ids[c], mask[c], 1, 0),
+                (ids[j][shared:], mask[j][shared:], 2, shared),
+            ):
+                row["input_ids"] += part_ids.tolist()
+                row["loss_mask"] += part_mask.tolist()
+                row["document_lengths"].append(len(part_ids))
+                row["document_roles"].append(role_)
+                row["shared_prefix"].append(link)
+        pad = SEQ_LEN - len(row["input_ids"])
+        row["input_ids"] += [0] * pad
+        row["loss_mask"] += [0] * pad
+        row["document_lengths"].append(pad)
+        row["document_roles"].append(0)
+        row["shared_prefix"].append(0)
+        out.append({**row, "first_position": 0})
+    return out
+
+
+SHARED_SPECS = ("sigmoid", "simpo")
+
+
+def pair_tokens(rows: list[dict]) -> int:
+    """The tokens the rows' pairs take (padding left out)."""
+    return sum(n for r in rows for n, role in zip(r["document_lengths"], r["document_roles"]) if role)
+
+
+def dpo_shared_worker(
+    model_dir: str, rows: list[dict], ref: np.ndarray, layouts: list[tuple[int, int]]
+) -> dict:
+    """The trainer's DPO step on shared-prompt rows under each ``(ulysses, ring)`` (balanced), and the
+    reference pass's log-probabilities."""
+    out: dict = {}
+    for ulysses, ring in layouts:
+        mesh = cached_sp_mesh(ulysses, ring, "balanced")
+        model = load_float64(model_dir)
+        loss_model = parallelize(
+            model,
+            mesh,
+            param_dtype=torch.float64,
+            reduce_dtype=torch.float64,
+            loss_chunk_size=7,
+            attention_backend="math",
+        )
+        optimizer = CaptureGrads(list(model.named_parameters()))
+        got: dict = {}
+        for key in SHARED_SPECS:
+            steps = []
+            for step in steps_for(1):
+                micro = [_batch(rows, m, mesh) for m in step]
+                res = dpo_step(
+                    loss_model,
+                    optimizer,
+                    None,
+                    micro,
+                    mesh=mesh,
+                    grad_clip=0.0,
+                    spec=SPECS[key],
+                    reference=None if key == "simpo" else ReferenceLogps(ref),
+                )
+                steps.append({"loss": res.loss, "preference": res.preference, "grads": optimizer.grads})
+            got[key] = steps
+        got["logps"] = compute_reference_logps(
+            loss_model, [dict(r) for r in rows], mesh=mesh, device=torch.device("cpu")
+        )
+        out[f"u{ulysses}r{ring}"] = got
+    return out if dist.get_rank() == 0 else {}
+
+
+def test_shared_prompt_layout_equals_two_sequences(dist_pools, setup):
+    """``trainer.dpo.shared_prompt``'s rows: the loss, rewards and every gradient of each step, and each
+    document's log-probability, equal one process running each sequence alone (and so the two-sequence
+    layout); with fewer tokens (the prompt once)."""
+    rows = shared_rows(setup["rows"])
+    saved = sum(p - 1 for pairs in ROWS for p, _, _ in pairs)
+    assert pair_tokens(rows) == pair_tokens(setup["rows"]) - saved == 158 - 41  # the prompt once
+    # u2r2, balanced: Ulysses and the ring (the attention test covers world 1 and u1r4)
+    got = dist_pools(4).run(dpo_shared_worker, setup["model"], rows, setup["ref"], [(2, 2)])[0]
+    model = load_float64(setup["model"])
+    with torch.no_grad():
+        logps = [[float(lp) for lp, _ in sequence_logps(model, r)] for r in setup["rows"]]
+    for name, result in got.items():
+        for key in SHARED_SPECS:
+            for k, (step, ref) in enumerate(zip(result[key], setup["refs"][1][key])):
+                where = f"{name} {key} step {k}"
+                assert_exact(_scalar(step["loss"]), _scalar(ref["loss"]), f"{where} loss")
+                assert step["preference"]["pairs"] == ref["pairs"]
+                for metric in ("rewards_chosen", "rewards_rejected", "reward_accuracy"):
+                    assert_exact(
+                        _scalar(step["preference"][metric]), _scalar(ref[metric]), f"{where} {metric}"
+                    )
+                for param, g in ref["grads"].items():
+                    assert_exact(step["grads"][param], g, f"{where} grad {param}")
+        for i, row in enumerate(setup["rows"]):
+            for d, role in enumerate(row["document_roles"]):
+                if role:
+                    assert_exact(_scalar(result["logps"][i, d]), _scalar(logps[i][d]), f"{name} logp {i} {d}")
+
+
 # --- end to end ------------------------------------------------------------------------------------------
 
 
@@ -408,3 +529,23 @@ def test_dpo_bad_settings_are_refused_before_any_step(dist_pools, dpo_runs, tmp_
     for config, setting in cases:
         messages = dist_pools(4).run(run_expecting_error, config)
         assert all(setting in m for m in messages), (setting, messages[0])
+
+
+def test_shared_prompt_is_refused_where_the_link_cannot_hold():
+    """Start-up: ``trainer.dpo.shared_prompt`` needs attention over the whole row in every layer, and DPO."""
+    from transformers import MistralConfig
+
+    from usp.train.checks import check_objective
+
+    cfg = TrainConfig()
+    cfg.trainer.objective, cfg.data.format, cfg.trainer.seq_len = "dpo", "preference", 128
+    cfg.trainer.dpo.shared_prompt = True
+    small = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=99
+    )
+    with pytest.raises(ValueError, match="shared_prompt=true needs softmax attention.*sliding 16"):
+        check_objective(cfg, MistralConfig(**small, num_key_value_heads=2, sliding_window=16))
+    check_objective(cfg, MistralConfig(**small, num_key_value_heads=2, sliding_window=4096))  # holds the row
+    cfg.trainer.objective, cfg.data.format = "lm", "text"
+    with pytest.raises(ValueError, match="trainer.dpo.shared_prompt=true .* trainer.objective=dpo"):
+        check_objective(cfg, MistralConfig(**small, num_key_value_heads=2))

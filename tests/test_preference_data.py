@@ -489,3 +489,98 @@ def test_cli_end_to_end(tok_dir, tmp_path, capsys):
     capsys.readouterr()
     assert prepare_main([*argv[:3], bad, *argv[4:], "--output", str(tmp_path / "o3")]) != 0
     assert "row 0: the 'rejected' field (rejected) is missing" in capsys.readouterr().err
+
+
+def _random_pair(
+    gen: np.random.Generator, prompt: int, chosen: int, rejected: int, differ_at: int | None = None
+):
+    """A pair of random ids sharing its prompt (but for token ``differ_at`` of the rejected sequence's)."""
+    p = gen.integers(3, 60, prompt).astype(np.int32)
+    c = np.concatenate([p, gen.integers(3, 60, chosen).astype(np.int32)])
+    r = np.concatenate([p, gen.integers(3, 60, rejected).astype(np.int32)])
+    if differ_at is not None:
+        r[differ_at] = 61 if r[differ_at] != 61 else 62
+    masks = [np.r_[np.zeros(prompt, np.uint8), np.ones(n, np.uint8)] for n in (chosen, rejected)]
+    return (c, masks[0], r, masks[1])
+
+
+def test_shared_prompt_packing_lays_the_prompt_out_once():
+    """``--shared-prompt``: ``prompt + chosen``, then the prompt's last token + ``rejected`` linked to the rest
+    of the prompt; labels, targets and positions of every token as in the two-sequence layout; fewer tokens."""
+    gen = np.random.default_rng(0)
+    # a long prompt, a one-token prompt (nothing to share), a prompt whose rejected copy differs at token 2
+    pairs = [_random_pair(gen, 9, 3, 4), _random_pair(gen, 1, 2, 2), _random_pair(gen, 6, 2, 3, differ_at=2)]
+    shared_stats, plain_stats = PackStats(seq_len=64), PackStats(seq_len=64)
+    (shared,) = [
+        r
+        for b in pack_preference_pairs([pairs], 64, pad_id=0, stats=shared_stats, shared_prompt=True)
+        for r in b.to_pylist()
+    ]
+    (plain,) = [
+        r for b in pack_preference_pairs([pairs], 64, pad_id=0, stats=plain_stats) for r in b.to_pylist()
+    ]
+    assert "shared_prefix" not in plain and shared["document_roles"] == plain["document_roles"]
+    saved = 8 + 0 + 1
+    assert (
+        shared_stats.extra["prompt_tokens_shared"] == saved and plain_stats.extra["prompt_tokens_shared"] == 0
+    )
+    assert shared_stats.tokens_packed == plain_stats.tokens_packed - saved
+    assert shared_stats.extra["target_tokens"] == plain_stats.extra["target_tokens"]
+    links = [n for n, role in zip(shared["shared_prefix"], shared["document_roles"]) if role == 2]
+    chosen_lengths = [n for n, role in zip(shared["document_lengths"], shared["document_roles"]) if role == 1]
+    assert sorted(zip(chosen_lengths, links)) == [(3, 0), (8, 1), (12, 8)]  # best-fit order: by size
+    a = collate_rows([shared], mesh=None, document_masking=True)
+    b = collate_rows([plain], mesh=None, document_masking=True)
+    assert a["shared_prefix"].tolist() == shared["shared_prefix"] and "shared_prefix" not in b
+    # token by token: the shared row's tokens are the plain row's without each rejected copy's linked prefix
+    keep, start = [], 0
+    for d, (n, role) in enumerate(zip(plain["document_lengths"], plain["document_roles"])):
+        if role:  # the pairs (the padding differs in length)
+            keep += list(range(start + shared["shared_prefix"][d], start + n))
+        start += n
+    for key in ("input_ids", "labels", "position_ids"):
+        assert a[key][0, : len(keep)].tolist() == b[key][0, keep].tolist(), key
+    assert int((a["labels"] != IGNORE_INDEX).sum()) == int((b["labels"] != IGNORE_INDEX).sum()) == 16
+
+
+def test_shared_prompt_preparation_and_the_loader_check(tokenizer, tmp_path):
+    src = _write(tmp_path / "pairs.jsonl", TEXT_PAIRS)
+    logs: list[str] = []
+    prep = prepare_preference_dataset(
+        [src],
+        tokenizer=tokenizer,
+        seq_len=64,
+        output=tmp_path / "out",
+        options=PreferenceOptions(shared_prompt=True),
+        cache_dir=tmp_path / "hf",
+        log=logs.append,
+    )
+    ds = datasets.load_from_disk(str(prep.path))
+    assert ds.column_names[-1] == "shared_prefix" and ds.features["shared_prefix"].feature.dtype == "int32"
+    x = read_stats(prep.path)["extra"]
+    # BOS + the prompt, less its last token, once per pair (the empty prompt: BOS alone, nothing shared)
+    want = sum(len(_ids(tokenizer, p["prompt"])) for p in TEXT_PAIRS)
+    assert x["prompt_tokens_shared"] == want > 0 and "laid out once" in logs[-1]
+    assert x["target_tokens"] == sum(sum(r["loss_mask"]) for r in ds)
+    kw = dict(
+        tokenizer=tokenizer, seq_len=64, mesh=None, micro_batch_size=1, seed=0, cache_dir=tmp_path / "c"
+    )
+    cfg = DataConfig(prepared_path=str(prep.path), format="preference")
+    with pytest.raises(ValueError, match="prepared with --shared-prompt.*trainer.dpo.shared_prompt=true"):
+        build_dataloaders(cfg, **kw)
+    train, _ = build_dataloaders(cfg, shared_prompt=True, **kw)
+    assert "shared_prefix" in next(iter(train))
+    plain = prepare_preference_dataset(
+        [src],
+        tokenizer=tokenizer,
+        seq_len=64,
+        output=tmp_path / "plain",
+        cache_dir=tmp_path / "hf",
+        log=lambda _: None,
+    )
+    with pytest.raises(
+        ValueError, match="trainer.dpo.shared_prompt=true but .* each prompt twice.*--shared-prompt"
+    ):
+        build_dataloaders(
+            DataConfig(prepared_path=str(plain.path), format="preference"), shared_prompt=True, **kw
+        )

@@ -21,6 +21,14 @@ from the positions themselves. Step 0 is the causal diagonal cut into documents,
 for each document both ranks hold, the rows that attend are the queries after the first key and the keys
 attended are those before the last query; the layout nests the pieces of a shared document, so those rows and
 keys form one full rectangle (checked), and the rectangles of successive documents rise in rows and keys.
+
+A *shared prefix* (``shared_prefix[d] = n > 0``: document ``d`` also attends, fully, to the first ``n`` tokens of
+document ``d - 1``; DPO's shared prompt, :mod:`usp.data.pack_preference`) adds one more block per step
+(:func:`plan_prefix_blocks`): the rows of each linked document held by the queries' part against the prefix keys
+held by the keys' part. Every prefix key precedes every row of its document, so each piece is one full
+rectangle whatever the layout; the pieces of successive documents rise in rows and keys, so they form an
+ordinary non-causal segment list. The ring computes it beside the document block of the same step and merges
+both by their ``lse`` (a step's entry is then a tuple of blocks, :func:`step_blocks`).
 """
 
 from __future__ import annotations
@@ -260,6 +268,78 @@ def plan_ring_blocks(
             block = _document_block(block, q_pos, k_pos, cu)
         plans.append(block)
     return plans
+
+
+def _prefix_block(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, cu: torch.Tensor, prefix: torch.Tensor
+) -> BlockSpec | None:
+    """The rows of each linked document (``prefix[d] > 0``) against its shared prefix (the first ``prefix[d]``
+    tokens of document ``d - 1``), full rectangles (module docstring); None when this pair of parts holds none."""
+    docs = torch.nonzero(prefix > 0).flatten()
+    if docs.numel() == 0:
+        return None
+    p0 = cu[docs - 1]
+    seg = torch.stack(
+        [
+            torch.searchsorted(q_pos, cu[docs]),
+            torch.searchsorted(q_pos, cu[docs + 1]),
+            torch.searchsorted(k_pos, p0),
+            torch.searchsorted(k_pos, p0 + prefix[docs]),
+        ],
+        dim=1,
+    )
+    seg = seg[(seg[:, 0] < seg[:, 1]) & (seg[:, 2] < seg[:, 3])]
+    if seg.size(0) == 0:
+        return None
+    q_off, k_off = int(seg[0, 0]), int(seg[0, 2])
+    q_last, k_last = int(seg[-1, 1]), int(seg[-1, 3])
+    seg = seg - torch.tensor([q_off, q_off, k_off, k_off])
+    return BlockSpec(q_off, q_last, k_off, k_last, False, None if seg.size(0) == 1 else seg)
+
+
+def plan_prefix_blocks(
+    seq_len: int,
+    ring_degree: int,
+    ring_rank: int,
+    layout: str,
+    cu_seqlens: torch.Tensor,
+    shared_prefix: torch.Tensor,
+) -> list[BlockSpec | None]:
+    """The shared-prefix block at each ring step (``None``: none), for ring rank ``ring_rank`` (module
+    docstring). ``shared_prefix``: int ``[num_docs]``, validated by the caller (``shared_prefix[0] == 0``, each at
+    most the previous document's length)."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    prefix = shared_prefix.detach().to("cpu", torch.int64)
+    if layout == "balanced" and ring_degree > 1:
+        parts = _balanced_parts(seq_len, ring_degree, cu.numpy().tobytes())
+    else:
+        layout = "zigzag" if layout == "balanced" else layout
+        parts = tuple(part_positions(seq_len, ring_degree, r, layout) for r in range(ring_degree))
+    q_pos = parts[ring_rank]
+    return [
+        _prefix_block(q_pos, parts[(ring_rank - t) % ring_degree], cu, prefix) for t in range(ring_degree)
+    ]
+
+
+StepBlocks = BlockSpec | tuple[BlockSpec, ...] | None
+"""A ring step's entry in a plan: one block, several (merged by ``lse``: a document block and its shared-prefix
+block), or None (nothing computed)."""
+
+
+def step_blocks(entry: StepBlocks) -> tuple[BlockSpec, ...]:
+    """The blocks of a ring step's entry, in the order they are computed."""
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def join_steps(main: list[BlockSpec | None], extra: list[BlockSpec | None]) -> list[StepBlocks]:
+    """Per step, ``main``'s block and ``extra``'s (a tuple when both compute something)."""
+    out: list[StepBlocks] = []
+    for a, b in zip(main, extra, strict=True):
+        blocks = tuple(x for x in (a, b) if x is not None)
+        out.append(None if not blocks else blocks[0] if len(blocks) == 1 else blocks)
+    return out
 
 
 def ring_steps_needed(plans_by_rank: list[list[BlockSpec | None]]) -> int:

@@ -30,6 +30,10 @@ steps), so each rank holds the exact ``dk, dv`` of its own K/V. Held while it ru
 * a``, dK/dV accumulators current and incoming ``2 * 2 hkv * D * a``, K/V current and incoming ``2 * 2 hkv *
 D*e``, one block's kernel gradients, and at the end ``dq, dk, dv`` in the inputs' dtype.
 
+A step may hold two blocks (a document block and its shared-prefix block, :func:`~usp.attention.blocks.
+plan_prefix_blocks`): both are computed on the same K/V part and merged like blocks of different steps, and
+their gradients are added the same way (with one step, locally).
+
 With document masking the ring may stop after ``T < R`` steps when no rank needs a later block (every rank
 computes the same ``T`` from the global ``cu_seqlens``). Bytes sent per rank: forward ``(T-1) * 2 * |kv|``;
 backward ``(T-1) * 2 * |kv| + T * 2 * |kv|_fp32`` (``T = R`` without documents; nothing when ``T = 1``).
@@ -44,7 +48,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from usp.attention.blocks import BlockSpec
+from usp.attention.blocks import BlockSpec, StepBlocks, step_blocks
 from usp.attention.comm import RingExchange, record_attention_work
 from usp.attention.kernels import accumulation_dtype, attention_backward, attention_forward
 
@@ -199,22 +203,23 @@ def _local_backward(dout, q, k, v, out, lse, spec, softmax_scale, backend):
 
 def _ring_forward(q, k, v, group, plans, softmax_scale, backend):
     """One ring pass over ``q [B, L, h, D]`` and its ``k, v``; returns ``(out [B, L, h, D] in q's dtype, lse
-    [B, h, L] fp32)``. With one step it is :func:`_local_forward`. Otherwise the first block computed
-    initialises the fp32 output accumulator (its rows; the rest 0 / ``-inf``), later ones merge into it in place
+    [B, h, L] fp32)``. With one step of one block it is :func:`_local_forward`. Otherwise the first block
+    computed initialises the fp32 output accumulator (its rows; the rest 0 / ``-inf``), later ones (later steps,
+    or a step's shared-prefix block, :func:`~usp.attention.blocks.step_blocks`) merge into it in place
     (:func:`merge_block_`); it and the rotating K/V exist only while this runs."""
     ring = len(plans)
-    if ring == 1:
+    if ring == 1 and not isinstance(plans[0], tuple):
         return _local_forward(q, k, v, plans[0], softmax_scale, backend)
     b, n, hq, _ = q.shape  # [B, L, h, D]
     acc = accumulation_dtype(q.dtype)
     out_acc = lse_acc = None
-    exchange = RingExchange(group, "ring_kv", _TAG_KV)
+    exchange = RingExchange(group, "ring_kv", _TAG_KV) if ring > 1 else None
     kc, vc = k, v
     for step in range(ring):
         if step + 1 < ring:
             exchange.start([kc, vc])  # the next block travels while this one is computed
-        spec: BlockSpec | None = plans[step]
-        if spec is not None:
+        entry: StepBlocks = plans[step]
+        for spec in step_blocks(entry):
             qs = spec.q_slice
             o, lse = _block_forward(q, kc, vc, spec, softmax_scale, backend)
             if out_acc is None:
@@ -242,9 +247,20 @@ def _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend
     one step it is :func:`_local_backward`. Otherwise the fp32 dq accumulator and the travelling fp32 dK/dV
     accumulators exist only while it runs, each initialised by the first block gradient added to it."""
     steps = len(plans)
-    if steps == 1:
+    if steps == 1 and not isinstance(plans[0], tuple):
         return _local_backward(dout, q, k, v, out, lse, plans[0], softmax_scale, backend)
     acc = accumulation_dtype(q.dtype)
+    if steps == 1:
+        # one step of several blocks (a shared prefix): their gradients added here, nothing travels
+        dq_acc = dk_acc = dv_acc = None
+        for spec in step_blocks(plans[0]):
+            qs, ks = spec.q_slice, spec.k_slice
+            gq, gk, gv = _block_backward(dout, q, k, v, out, lse, spec, softmax_scale, backend)
+            dq_acc = _accumulate(dq_acc, q.shape, qs, gq, acc)
+            dk_acc = _accumulate(dk_acc, k.shape, ks, gk, acc)
+            dv_acc = _accumulate(dv_acc, v.shape, ks, gv, acc)
+            del gq, gk, gv
+        return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
     dq_acc = dk_acc = dv_acc = None
     kv_exchange = RingExchange(group, "ring_kv_bwd", _TAG_KV)
     dkv_exchange = RingExchange(group, "ring_dkv", _TAG_DKV)
@@ -254,21 +270,21 @@ def _ring_backward(dout, q, k, v, out, lse, group, plans, softmax_scale, backend
     for step in range(steps):
         if step + 1 < steps:
             kv_exchange.start([kc, vc])
-        spec: BlockSpec | None = plans[step]
-        grads = None
-        if spec is not None:
-            qs, ks = spec.q_slice, spec.k_slice
+        kv_grads = []  # (key rows, dk, dv) of each block of the step, added once its accumulator is here
+        for spec in step_blocks(plans[step]):
             grads = _block_backward(dout, q, kc, vc, out, lse, spec, softmax_scale, backend)
-            dq_acc = _accumulate(dq_acc, q.shape, qs, grads[0], acc)
+            dq_acc = _accumulate(dq_acc, q.shape, spec.q_slice, grads[0], acc)
+            kv_grads.append((spec.k_slice, grads[1], grads[2]))
+            del grads
         if step > 0:
             dk_acc, dv_acc = dkv_exchange.wait()  # the accumulator of the K/V part we hold now
-        if grads is not None:
-            dk_acc = _accumulate(dk_acc, k.shape, ks, grads[1], acc)
-            dv_acc = _accumulate(dv_acc, v.shape, ks, grads[2], acc)
-        elif dk_acc is None:  # step 0 computed nothing: start this part's accumulator at zero
+        for ks, gk, gv in kv_grads:
+            dk_acc = _accumulate(dk_acc, k.shape, ks, gk, acc)
+            dv_acc = _accumulate(dv_acc, v.shape, ks, gv, acc)
+        if dk_acc is None:  # step 0 computed nothing: start this part's accumulator at zero
             dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
-        grads = None
+        del kv_grads
         if step + 1 < steps:
             dkv_exchange.start([dk_acc, dv_acc])  # one hop behind its K/V
         else:

@@ -24,7 +24,13 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from usp.attention.blocks import plan_banded_blocks, plan_ring_blocks, ring_steps_needed
+from usp.attention.blocks import (
+    join_steps,
+    plan_banded_blocks,
+    plan_prefix_blocks,
+    plan_ring_blocks,
+    ring_steps_needed,
+)
 from usp.attention.heads import UlyssesHeads, ulysses_heads
 from usp.attention.kernels import default_scale, resolve_backend
 from usp.attention.masks import RowRanges
@@ -96,17 +102,22 @@ def _check_cu_seqlens(cu: torch.Tensor, seq_len: int, batch: int) -> torch.Tenso
     return cu
 
 
-def _check_same_boundaries(cu: torch.Tensor, mesh: SPMesh) -> None:
-    """``ValueError`` on every sp rank unless all of them pass the same boundaries (else the ring would hang
-    or mix documents): one all-gather of a 16-byte fingerprint, before any K/V moves."""
+def _same_on_every_rank(t: torch.Tensor, mesh: SPMesh) -> bool:
+    """Whether every sp rank holds the same host int64 tensor ``t``: one all-gather of a 16-byte fingerprint."""
     if mesh.sp_degree == 1:
-        return
-    digest = hashlib.blake2b(cu.numpy().tobytes(), digest_size=8).digest()
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True), cu.numel()], dtype=torch.int64)
+        return True
+    digest = hashlib.blake2b(t.numpy().tobytes(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True), t.numel()], dtype=torch.int64)
     device = "cuda" if mesh.device_mesh.device_type == "cuda" else "cpu"
     parts = [torch.empty_like(mine, device=device) for _ in range(mesh.sp_degree)]
     dist.all_gather(parts, mine.to(device), group=mesh.sp_group)
-    if any(not torch.equal(p.cpu(), mine) for p in parts):
+    return all(torch.equal(p.cpu(), mine) for p in parts)
+
+
+def _check_same_boundaries(cu: torch.Tensor, mesh: SPMesh) -> None:
+    """``ValueError`` on every sp rank unless all of them pass the same boundaries (else the ring would hang
+    or mix documents): one all-gather of a 16-byte fingerprint, before any K/V moves."""
+    if not _same_on_every_rank(cu, mesh):
         raise ValueError(
             "cu_seqlens differs between the ranks of one sequence-parallel group: every rank of the group must "
             "pass the boundaries of the SAME packed row (global, 0 .. S), and shard that row with "
@@ -141,6 +152,41 @@ def _boundaries_key(cu_seqlens: torch.Tensor, seq_len: int, batch: int, mesh: SP
     return key
 
 
+_last_prefix: tuple[weakref.ref, int, tuple[int, ...], int, tuple[int, ...]] | None = None
+
+
+def _shared_prefix_key(prefix: torch.Tensor, cu_key: tuple[int, ...], mesh: SPMesh) -> tuple[int, ...]:
+    """The validated ``shared_prefix`` as a tuple (a plan cache key): checked against the boundaries and
+    compared across the sp group once per tensor object, as :func:`_boundaries_key` does."""
+    global _last_prefix
+    last = _last_prefix
+    if last is not None and last[0]() is prefix and last[1:4] == (prefix._version, cu_key, id(mesh)):
+        return last[4]
+    host = prefix.detach().to("cpu")
+    lengths = [b - a for a, b in zip(cu_key, cu_key[1:])]
+    if host.dim() != 1 or host.is_floating_point() or host.numel() != len(lengths):
+        raise ValueError(
+            f"shared_prefix must be a 1-D integer tensor with one entry per document ({len(lengths)}), got "
+            f"{host.dtype} {tuple(host.shape)}."
+        )
+    values = host.to(torch.int64).tolist()
+    bad = [d for d, n in enumerate(values) if n < 0 or (n > 0 and (d == 0 or n > lengths[d - 1]))]
+    if bad:
+        d = bad[0]
+        raise ValueError(
+            f"shared_prefix[{d}]={values[d]}: a document's shared prefix is the first tokens of the document "
+            f"before it (0 .. {lengths[d - 1] if d else 0} tokens here)."
+        )
+    if not _same_on_every_rank(host.to(torch.int64), mesh):
+        raise ValueError(
+            "shared_prefix differs between the ranks of one sequence-parallel group: every rank must pass the "
+            "links of the SAME packed row."
+        )
+    key = tuple(values)
+    _last_prefix = (weakref.ref(prefix), prefix._version, cu_key, id(mesh), key)
+    return key
+
+
 @lru_cache(maxsize=32)
 def _cached_plans(
     seq_len: int,
@@ -152,11 +198,14 @@ def _cached_plans(
     window: int | None = None,
     chunk: int | None = None,
     softcap: float | None = None,
+    prefix_key: tuple[int, ...] | None = None,
 ) -> list:
     """This rank's block plans (segments on the CPU), trimmed to the ring steps any rank needs.
 
     Reused by every layer of a step: the segments are computed on the host once per distinct ``cu_seqlens``
     (and per distinct window / chunk / softcap: a model with local and global layers has two plans a step).
+    ``prefix_key``: the shared prefixes (:func:`~usp.attention.blocks.plan_prefix_blocks`), whose blocks join
+    each step's document block.
     """
     cu = None if cu_key is None else torch.tensor(cu_key, dtype=torch.int64)
     if window is not None or chunk is not None:
@@ -164,22 +213,36 @@ def _cached_plans(
         every = [plan_banded_blocks(seq_len, ring, rank, layout, cu, window, chunk) for rank in range(ring)]
     else:
         every = [plan_ring_blocks(seq_len, ring, rank, layout, causal, cu) for rank in range(ring)]
+    if prefix_key is not None and any(prefix_key):
+        assert cu is not None and causal and window is None and chunk is None, "checked by usp_attention"
+        prefix = torch.tensor(prefix_key, dtype=torch.int64)
+        every = [
+            join_steps(plans, plan_prefix_blocks(seq_len, ring, rank, layout, cu, prefix))
+            for rank, plans in enumerate(every)
+        ]
     plans = every[ring_rank][: ring_steps_needed(every)]
     if softcap is not None:  # capped scores run a masking kernel: give every block its band (and tiles) now
         plans = [
             None
             if p is None
-            else dataclasses.replace(
-                p,
-                causal=False,
-                softcap=softcap,
-                segments=p.segments
-                if isinstance(p.segments, RowRanges)
-                else RowRanges.of_block(p.q_end - p.q_start, p.k_end - p.k_start, p.causal, p.segments),
-            )
+            else tuple(_capped(b, softcap) for b in p)
+            if isinstance(p, tuple)
+            else _capped(p, softcap)
             for p in plans
         ]
     return plans
+
+
+def _capped(p, softcap: float):
+    """Block ``p`` with softcapped scores, as a band (:class:`RowRanges`, with its tiles): the masking kernel."""
+    return dataclasses.replace(
+        p,
+        causal=False,
+        softcap=softcap,
+        segments=p.segments
+        if isinstance(p.segments, RowRanges)
+        else RowRanges.of_block(p.q_end - p.q_start, p.k_end - p.k_start, p.causal, p.segments),
+    )
 
 
 def _check_mask_options(window, chunk, softcap, sinks_shape, hq: int, causal: bool) -> None:
@@ -266,6 +329,7 @@ def usp_attention(
     chunk: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    shared_prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence, sharded over ``mesh``'s ulysses x ring ranks.
 
@@ -297,6 +361,13 @@ def usp_attention(
             the ``math`` kernel (no fused kernel here caps scores).
         sinks: per-head sink logits ``[Hq]`` (gpt-oss), or None: each query row's softmax denominator gains
             ``exp(sink)`` once, after the ring merge (this rank's heads' sinks only); differentiable.
+        shared_prefix: with ``cu_seqlens`` (causal, no window or chunk), int ``[num_docs]`` on the host, or
+            None: document ``d`` also attends to the first ``shared_prefix[d]`` tokens of document ``d - 1``
+            (0: no link; never more than that document's length). A prompt followed by two completions,
+            ``[prompt + chosen | rejected]`` with ``rejected``'s link the prompt's length, gives ``rejected`` the
+            attention it has in its own sequence ``[prompt + rejected]`` (its position ids continuing from the
+            prompt's, which the caller passes). Computed as one more block per ring step, merged by ``lse``
+            (:func:`usp.attention.blocks.plan_prefix_blocks`); all sp ranks must pass the same links.
 
     Returns:
         ``out [B, S_local, Hq, D]`` like ``q``. Differentiable w.r.t. ``q, k, v`` (exact gradients).
@@ -322,6 +393,14 @@ def usp_attention(
         None if sinks is None else tuple(sinks.shape),
     )
     cu_key = None if cu_seqlens is None else _boundaries_key(cu_seqlens, call.seq_len, q.size(0), mesh)
+    prefix_key = None
+    if shared_prefix is not None:
+        if cu_key is None or not causal or call.window is not None or call.chunk is not None:
+            raise ValueError(
+                "usp_attention: shared_prefix links documents of cu_seqlens under causal attention without a "
+                "sliding window or chunks; pass cu_seqlens, causal=True, window=None, chunk=None."
+            )
+        prefix_key = _shared_prefix_key(shared_prefix, cu_key, mesh)
     plans = _cached_plans(
         call.seq_len,
         mesh.ring_degree,
@@ -332,6 +411,7 @@ def usp_attention(
         call.window,
         call.chunk,
         softcap,
+        prefix_key,
     )
     heads = call.heads
     local_sinks = None

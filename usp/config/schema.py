@@ -192,6 +192,12 @@ class DpoConfig:
     """The reference model (a Hugging Face checkpoint of the same architecture); default ``model.path``, the
     starting policy (with LoRA: the base, adapters off). Its log-probabilities of every row are computed once,
     on the training mesh, and cached beside the prepared data."""
+    shared_prompt: bool = False
+    """Lay each pair out with its prompt once, ``[prompt + chosen | rejected]``, the rejected completion
+    attending to the prompt and to itself with its positions continuing from the prompt's end: the same loss
+    and gradients as two sequences, with the prompt's tokens computed once (docs/training.md "DPO"). The
+    prepared pairs must hold that layout (``usp-prepare-data --format preference --shared-prompt``; prepared so
+    on the fly); not for models with recurrent or convolution mixers, sliding windows or chunked attention."""
 
 
 @dataclass

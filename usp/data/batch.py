@@ -44,12 +44,18 @@ def row_labels(
 
 
 def row_positions(
-    seq_len: int, document_lengths: Sequence[int], first_position: int, document_masking: bool
+    seq_len: int,
+    document_lengths: Sequence[int],
+    first_position: int,
+    document_masking: bool,
+    shared_prefix: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Position ids of one packed row ``[S]``.
 
     With document masking they restart at 0 at each document, except that the row's first piece continues
-    from ``first_position`` (the part of a split document that was in the previous row). Without it: 0..S-1.
+    from ``first_position`` (the part of a split document that was in the previous row), and a document with a
+    ``shared_prefix`` of ``n`` tokens (DPO's shared prompt: it continues the first ``n`` tokens of the document
+    before it) starts at ``n``. Without document masking: 0..S-1.
     """
     if not document_masking:
         return torch.arange(seq_len)
@@ -58,6 +64,8 @@ def row_positions(
     starts = torch.cumsum(lengths, 0) - lengths
     positions = torch.arange(seq_len) - torch.repeat_interleave(starts, lengths)
     positions[: int(lengths[0])] += int(first_position)
+    if shared_prefix is not None:
+        positions += torch.repeat_interleave(torch.as_tensor(list(shared_prefix), dtype=torch.long), lengths)
     return positions
 
 
@@ -91,7 +99,10 @@ def collate_rows(
     ``document_roles`` (per sample, the global list of python ints: 1 chosen, 2 rejected, 0 padding) and
     ``document_index`` (int64 ``[B, S_local]``: the index, within its row, of the document holding each
     token; sharded with ``labels`` in the same call, so the same token positions). Rows without
-    ``document_roles`` return neither key.
+    ``document_roles`` return neither key. Rows with ``shared_prefix`` (preference rows prepared with
+    ``--shared-prompt``: per document, the leading tokens of the document before it that it continues; one row,
+    document masking) also return ``shared_prefix`` (int32 ``[num_docs]``, global, on the CPU), which the
+    attention reads beside ``cu_seqlens``; their position ids continue from the prefix.
     """
     ids = torch.stack([torch.as_tensor(np.asarray(r["input_ids"]), dtype=torch.long) for r in rows])  # [B, S]
     seq_len = ids.size(1)
@@ -112,9 +123,17 @@ def collate_rows(
             for i in range(len(rows))
         ]
     )
+    prefixes = [r.get("shared_prefix") for r in rows]
+    prefixes = [None if x is None else [int(n) for n in np.asarray(x).tolist()] for x in prefixes]
+    if any(x is not None and any(x) for x in prefixes):
+        assert document_masking and len(rows) == 1, (
+            "shared prefixes need document masking and one row per batch"
+        )
     positions = torch.stack(
         [
-            row_positions(seq_len, doc_lengths[i], int(rows[i].get("first_position", 0)), document_masking)
+            row_positions(
+                seq_len, doc_lengths[i], int(rows[i].get("first_position", 0)), document_masking, prefixes[i]
+            )
             for i in range(len(rows))
         ]
     )
@@ -138,6 +157,9 @@ def collate_rows(
         "cu_seqlens": cu_seqlens,
         "document_lengths": doc_lengths if document_masking else [[seq_len] for _ in rows],
     }
+    if prefixes[0] is not None and any(prefixes[0]):
+        assert len(prefixes[0]) == len(doc_lengths[0]), "one shared_prefix per document"
+        out["shared_prefix"] = torch.tensor(prefixes[0], dtype=torch.int32)
     if roles is not None:
         out["document_roles"] = roles
         out["document_index"] = tensors[3]

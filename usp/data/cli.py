@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="rejected",
         help="column holding the dispreferred completion (default: rejected)",
     )
+    pref.add_argument(
+        "--shared-prompt",
+        action="store_true",
+        help="lay each pair out with its prompt once, [prompt + chosen | rejected] (trainer.dpo.shared_prompt)",
+    )
     p.add_argument("--ring-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument("--ulysses-degree", type=int, default=1, help="check --seq-len suits this training layout")
     p.add_argument("--ring-layout", default="balanced", choices=list(RING_LAYOUTS), help="(for the check)")
@@ -162,6 +167,7 @@ def _run(args: argparse.Namespace) -> int:
             rejected_field=args.rejected_field,
             chat_template=args.chat_template,
             add_bos=not args.no_bos,
+            shared_prompt=args.shared_prompt,
         )
         prepare_preference_dataset(args.input, options=prefs, **common)
         return 0

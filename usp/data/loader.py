@@ -191,7 +191,9 @@ def _shaping(cfg: DataConfig) -> LengthShaping:
     )
 
 
-def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_dir: Path) -> Path:
+def _resolve_prepared(
+    cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_dir: Path, shared_prompt: bool = False
+) -> Path:
     """The packed dataset to train on: ``prepared_path``, a prepared input, or an on-the-fly cache entry.
 
     Every check that reads the filesystem runs inside the rank-0 function (inputs may exist on node 0 only),
@@ -230,7 +232,13 @@ def _resolve_prepared(cfg: DataConfig, *, tokenizer: Any, seq_len: int, cache_di
                 build_tiny_corpus(inputs[0], seed=cfg.seed, text_field=cfg.text_field)
         if cfg.format in ("chat", "preference"):
             return _prepare_with_options(
-                cfg, inputs, tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache_dir, hf_cache=hf_cache
+                cfg,
+                inputs,
+                tokenizer=tokenizer,
+                seq_len=seq_len,
+                cache_dir=cache_dir,
+                hf_cache=hf_cache,
+                shared_prompt=shared_prompt,
             )
         key = preparation_key(
             inputs,
@@ -272,18 +280,25 @@ def chat_options(cfg: DataConfig) -> Any:
     )
 
 
-def preference_options(cfg: DataConfig) -> Any:
+def preference_options(cfg: DataConfig, shared_prompt: bool = False) -> Any:
     """The preference settings of ``cfg`` (``data.format=preference``) as
     :class:`usp.data.preference_prepare.PreferenceOptions`: the columns are ``prompt``, ``chosen`` and
     ``rejected`` (other names: prepare with ``usp-prepare-data --prompt-field ...``); ``data.chat_template``
-    renders chat-form rows."""
+    renders chat-form rows; ``shared_prompt`` (``trainer.dpo.shared_prompt``) lays each prompt out once."""
     from usp.data.preference_prepare import PreferenceOptions
 
-    return PreferenceOptions(chat_template=cfg.chat_template)
+    return PreferenceOptions(chat_template=cfg.chat_template, shared_prompt=shared_prompt)
 
 
 def _prepare_with_options(
-    cfg: DataConfig, inputs: list[str], *, tokenizer: Any, seq_len: int, cache_dir: Path, hf_cache: str
+    cfg: DataConfig,
+    inputs: list[str],
+    *,
+    tokenizer: Any,
+    seq_len: int,
+    cache_dir: Path,
+    hf_cache: str,
+    shared_prompt: bool = False,
 ) -> Path:
     """On-the-fly ``--format chat`` or ``preference`` preparation into ``cache_dir/packed/<format>-seq<S>-<key>``
     (the key covers the format's settings and template; reused when there)."""
@@ -296,7 +311,7 @@ def _prepare_with_options(
         from usp.data.preference_prepare import preference_preparation_key as key_of
         from usp.data.preference_prepare import prepare_preference_dataset as prepare
 
-        options, what = preference_options(cfg), "preference pairs"
+        options, what = preference_options(cfg, shared_prompt), "preference pairs"
     options.check()
     key = key_of(inputs, tokenizer, seq_len, options, cfg.weights, cfg.seed, cfg.streaming, None)
     entry = cache_dir / "packed" / f"{cfg.format}-seq{seq_len}-{key}"
@@ -370,10 +385,24 @@ def check_tokenizer_matches(path: Path, tokenizer: Any, setting: str) -> None:
         )
 
 
-def _check_loss_mask(cfg: DataConfig, path: Path, columns: list[str]) -> None:
+def _check_loss_mask(cfg: DataConfig, path: Path, columns: list[str], shared_prompt: bool = False) -> None:
     """Chat settings need rows with ``loss_mask``; rows with it need document masking; preference settings
-    need rows with ``document_roles``, and such rows need preference settings."""
+    need rows with ``document_roles``, and such rows need preference settings; ``trainer.dpo.shared_prompt``
+    needs rows with ``shared_prefix`` (``--shared-prompt``), and such rows need it."""
     has_mask, has_roles = "loss_mask" in columns, "document_roles" in columns
+    has_prefix = "shared_prefix" in columns
+    if shared_prompt and cfg.format == "preference" and has_roles and not has_prefix:
+        raise ValueError(
+            f"trainer.dpo.shared_prompt=true but the preference pairs at {str(path)!r} were prepared with each "
+            "prompt twice ([prompt + chosen] [prompt + rejected]). Prepare them with usp-prepare-data --format "
+            "preference --shared-prompt, or set trainer.dpo.shared_prompt=false."
+        )
+    if has_prefix and not shared_prompt:
+        raise ValueError(
+            f"the preference pairs at {str(path)!r} were prepared with --shared-prompt (each prompt once, the "
+            "rejected completion linked to it); set trainer.dpo.shared_prompt=true to train on them, or prepare "
+            "them without --shared-prompt."
+        )
     if cfg.format == "preference" and not has_roles:
         held = "conversations" if has_mask else "text documents"
         raise ValueError(
@@ -437,6 +466,7 @@ def build_dataloaders(
     micro_batch_size: int,
     seed: int,
     cache_dir: str | os.PathLike,
+    shared_prompt: bool = False,
 ) -> tuple[PackedLoader, PackedLoader | None]:
     """Train and validation loaders for this rank (validation ``None`` when ``validation_fraction == 0``).
 
@@ -444,6 +474,8 @@ def build_dataloaders(
     into ``cache_dir/packed/<hash>``; the other ranks wait for it and read the same memory-mapped rows.
     ``cfg.seed`` decides the data (mixing, upsampling, validation split); ``seed`` decides the training
     order. Raises ``ValueError`` for a ``seq_len`` that does not suit ``mesh`` before any tokenization.
+    ``shared_prompt`` (``trainer.dpo.shared_prompt``): preference pairs laid out with each prompt once
+    (prepared so on the fly; prepared data must hold that layout).
     """
     if mesh is not None:
         check_sequence_length(seq_len, mesh.ring_degree, mesh.ulysses_degree, mesh.ring_layout)
@@ -459,7 +491,9 @@ def build_dataloaders(
             "or data.build_tiny_corpus=true for the synthetic demo corpus."
         )
     cache_dir = Path(cache_dir)
-    path = _resolve_prepared(cfg, tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache_dir)
+    path = _resolve_prepared(
+        cfg, tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache_dir, shared_prompt=shared_prompt
+    )
     dataset = load_from_disk(str(path))
     row_len = len(dataset[0]["input_ids"])
     if row_len != seq_len:
@@ -468,7 +502,7 @@ def build_dataloaders(
             f"Re-run usp-prepare-data with --seq-len {seq_len}, or set trainer.seq_len={row_len}."
         )
     dp_rank, dp_degree = (mesh.dp_rank, mesh.dp_degree) if mesh is not None else (0, 1)
-    _check_loss_mask(cfg, path, list(dataset.column_names))
+    _check_loss_mask(cfg, path, list(dataset.column_names), shared_prompt)
     setting = "data.prepared_path" if cfg.prepared_path else "data.inputs"
     check_tokenizer_matches(path, tokenizer, setting)
     need = dp_degree * micro_batch_size

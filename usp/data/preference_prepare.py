@@ -31,7 +31,12 @@ from datasets import Dataset, IterableDataset
 from usp.data.chat_prepare import ChatOptions
 from usp.data.encoded import encode_rows, load_normalized, pad_id_of, windows_of, write_packed
 from usp.data.pack import PackStats
-from usp.data.pack_preference import PREFERENCE_PACKED_FEATURES, Pair, pack_preference_pairs
+from usp.data.pack_preference import (
+    PREFERENCE_PACKED_FEATURES,
+    PREFERENCE_SHARED_FEATURES,
+    Pair,
+    pack_preference_pairs,
+)
 from usp.data.preference import PAIR_PARTS, PreferenceEncoder, preference_pair_of
 from usp.data.prepared import Preparation, PreparedData, options_preparation_key
 from usp.data.tokenize import check_tokenizer
@@ -69,6 +74,17 @@ class PreferenceOptions:
     tokenizer's own. Text-form rows need none."""
     add_bos: bool = True
     """Text-form rows start with BOS when the tokenizer defines one (``--no-bos``: never)."""
+    shared_prompt: bool = False
+    """Lay each pair out with its prompt once (``--shared-prompt``, for ``trainer.dpo.shared_prompt``;
+    :mod:`usp.data.pack_preference`): rows gain a ``shared_prefix`` column."""
+
+    def settings(self) -> dict[str, Any]:
+        """These options as a dict, ``shared_prompt`` only when set (so the two-sequence layout's keys and
+        summaries are those of earlier preparations)."""
+        out = asdict(self)
+        if not self.shared_prompt:
+            del out["shared_prompt"]
+        return out
 
     @property
     def fields(self) -> tuple[str, str, str]:
@@ -96,7 +112,7 @@ class PreferenceOptions:
             "add_bos": self.add_bos,
             "chat": {
                 "data_format": "preference",
-                **asdict(self),
+                **self.settings(),
                 "template_text": self.template_text(tokenizer),
             },
         }
@@ -219,9 +235,14 @@ def pack_preference_to(
     stats = PackStats(seq_len=seq_len)
     stats.extra.update(pairs_read=0, pairs_chat_form=0, pairs_dropped_empty_completion=0)
     batches = pack_preference_pairs(
-        pair_windows(encoded, window, stats), seq_len, pad_id=pad_id_of(tokenizer), stats=stats
+        pair_windows(encoded, window, stats),
+        seq_len,
+        pad_id=pad_id_of(tokenizer),
+        stats=stats,
+        shared_prompt=options.shared_prompt,
     )
-    packed, max_id = write_packed(work, PREFERENCE_PACKED_FEATURES.arrow_schema, batches)
+    features = PREFERENCE_SHARED_FEATURES if options.shared_prompt else PREFERENCE_PACKED_FEATURES
+    packed, max_id = write_packed(work, features.arrow_schema, batches)
     del encoded, batches
     return packed, stats, max_id
 
@@ -236,7 +257,13 @@ def preference_summary(stats: PackStats, output: Path | str) -> str:
         f"{x.get('pairs_dropped_too_long', 0)} longer than --seq-len (pairs are never truncated or split) -> "
         f"{stats.rows} rows x {stats.seq_len} tokens at {output}; fill ratio "
         f"{100 * float(x.get('fill_ratio', 0.0)):.2f}% ({x.get('padding_tokens', 0)} padding tokens); "
-        f"{x.get('target_tokens', 0)} completion (target) tokens of {stats.tokens_packed}; {stats.seconds:.1f}s"
+        f"{x.get('target_tokens', 0)} completion (target) tokens of {stats.tokens_packed}"
+        + (
+            f" ({x['prompt_tokens_shared']} prompt tokens laid out once instead of twice, --shared-prompt)"
+            if x.get("prompt_tokens_shared")
+            else ""
+        )
+        + f"; {stats.seconds:.1f}s"
     )
 
 
@@ -296,7 +323,7 @@ def prepare_preference_dataset(
             raw, work, tokenizer=tokenizer, seq_len=seq_len, options=options, num_proc=num_proc, window=window
         )
 
-    settings = {"data_format": "preference", "preference": asdict(options)}
+    settings = {"data_format": "preference", "preference": options.settings()}
     return run.publish(pack, key=key, settings=settings, no_rows=no_rows, summary=preference_summary)
 
 

@@ -275,6 +275,12 @@ def _record_documents(mixer: nn.Module) -> Callable[..., None]:
                 f"{type(mixer).__name__} carries a recurrent / convolution state that usp's sharded KV-cache "
                 "decoding does not keep; evaluate hybrid models by perplexity (eval=ppl)."
             )
+        if kwargs.get("usp_shared_prefix") is not None:
+            raise ValueError(
+                f"{type(mixer).__name__} is a recurrent / convolution mixer: a document linked to a shared prefix "
+                "(trainer.dpo.shared_prompt) would need the prefix's final state, which usp does not carry; set "
+                "trainer.dpo.shared_prompt=false (and prepare the data without --shared-prompt)."
+            )
         setattr(mixer, _DOCUMENTS_ATTR, _documents(kwargs))
 
     return hook

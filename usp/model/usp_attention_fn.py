@@ -96,6 +96,7 @@ def usp_attention_forward(
     cu_seq_lens_q: torch.Tensor | None = None,
     cu_seq_lens_k: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    usp_shared_prefix: torch.Tensor | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """The function registered as ``"usp"`` (transformers' attention-function signature).
@@ -104,7 +105,9 @@ def usp_attention_forward(
     applied with global positions). Document boundaries arrive under transformers' packed-sequence names
     (:func:`packed_sequence_kwargs`): ``cu_seq_lens_q`` = ``cu_seq_lens_k``, int32 ``[num_docs + 1]`` *global*
     offsets (on the host), or ``None`` for one causal sequence; ``cu_seqlens`` is accepted as an alias.
-    ``max_length_q/k`` are not needed here (the ring plans blocks from the offsets). Returns
+    ``max_length_q/k`` are not needed here (the ring plans blocks from the offsets). ``usp_shared_prefix``
+    (int ``[num_docs]`` on the host, or None): per document, the leading tokens of the document before it that
+    it also attends to (DPO's shared prompt, :func:`usp.attention.usp_attention`'s ``shared_prefix``). Returns
     ``([B, S_local, Hq, D], None)`` as transformers expects.
 
     The forward kwarg ``usp_kv_cache`` (a :class:`usp.eval.decode.ShardedKVCache`, distributed decoding) keeps
@@ -184,6 +187,7 @@ def usp_attention_forward(
         chunk=layer.chunk,
         softcap=softcap,
         sinks=sinks,
+        shared_prefix=usp_shared_prefix,
     )
     if v_dim != out.size(-1):
         out = out[..., :v_dim]
@@ -192,23 +196,30 @@ def usp_attention_forward(
     return out, None  # out: [B, S_local, Hq, D]
 
 
-def packed_sequence_kwargs(cu_seqlens: torch.Tensor | None) -> dict[str, object]:
+def packed_sequence_kwargs(
+    cu_seqlens: torch.Tensor | None, shared_prefix: torch.Tensor | None = None
+) -> dict[str, object]:
     """The model-call keywords that carry packed-document boundaries, under transformers' own names.
 
     ``cu_seqlens``: int32 ``[num_docs + 1]`` global offsets of the packed row (``None``: one causal sequence,
     no keywords). Returns ``{cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k}``, the names
     transformers' flash-attention path reads for packed sequences, so the same call works with the ``usp``
-    attention (sequence-parallel) and with stock ``flash_attention_2`` on one GPU.
+    attention (sequence-parallel) and with stock ``flash_attention_2`` on one GPU. ``shared_prefix`` (int
+    ``[num_docs]``, DPO's shared prompt) adds ``usp_shared_prefix``, which only the ``usp`` attention reads.
     """
     if cu_seqlens is None:
+        assert shared_prefix is None, "a shared prefix links documents: it needs cu_seqlens"
         return {}
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
-    return {
+    out: dict[str, object] = {
         "cu_seq_lens_q": cu_seqlens,
         "cu_seq_lens_k": cu_seqlens,
         "max_length_q": longest,
         "max_length_k": longest,
     }
+    if shared_prefix is not None:
+        out["usp_shared_prefix"] = shared_prefix
+    return out
 
 
 def _check_forward_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:

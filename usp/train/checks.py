@@ -162,6 +162,11 @@ def check_objective(cfg: TrainConfig, model_config: Any) -> None:
     if objective not in OBJECTIVES:
         raise ValueError(f"trainer.objective={objective!r} is invalid; choose one of {list(OBJECTIVES)}.")
     if objective != "dpo":
+        if cfg.trainer.dpo.shared_prompt:
+            raise ValueError(
+                "trainer.dpo.shared_prompt=true lays out preference pairs for trainer.objective=dpo; set "
+                "trainer.objective=dpo or trainer.dpo.shared_prompt=false."
+            )
         if cfg.data.format == "preference":
             raise ValueError(
                 "data.format=preference holds chosen/rejected pairs for trainer.objective=dpo; set "
@@ -193,6 +198,8 @@ def check_objective(cfg: TrainConfig, model_config: Any) -> None:
                 "(the router's load-balancing loss would be dropped); set model.router_aux_loss_coef=0 to "
                 "train without it on purpose."
             )
+    if cfg.trainer.dpo.shared_prompt:
+        _check_shared_prompt(model_config, cfg.trainer.seq_len)
     ref = cfg.trainer.dpo.reference_path
     if ref is not None and spec.needs_reference:
         try:
@@ -210,6 +217,29 @@ def check_objective(cfg: TrainConfig, model_config: Any) -> None:
                 f"The reference must be the same model family and size (e.g. the SFT checkpoint the policy "
                 f"starts from)."
             )
+
+
+def _check_shared_prompt(model_config: Any, seq_len: int) -> None:
+    """``trainer.dpo.shared_prompt``: the rejected completion attends to the prompt through a link that
+    softmax attention over the whole sequence honours (:func:`usp.attention.usp_attention`'s
+    ``shared_prefix``); recurrent / convolution mixers, sliding windows and chunks shorter than the row do not."""
+    from usp.model.capabilities import model_capabilities
+
+    caps = model_capabilities(model_config)
+    local = sorted(
+        {
+            f"{spec.kind} {spec.window or spec.chunk}"
+            for spec in caps.layers
+            if (spec.window is not None and spec.window < seq_len)
+            or (spec.chunk is not None and spec.chunk < seq_len)
+        }
+    )
+    if caps.mixers or local:
+        what = ", ".join([*caps.mixers, *local])
+        raise ValueError(
+            f"trainer.dpo.shared_prompt=true needs softmax attention over the whole row in every layer; "
+            f"{caps.model_type} has {what}. Set trainer.dpo.shared_prompt=false (each prompt twice)."
+        )
 
 
 def start_up_warnings(cfg: TrainConfig) -> list[str]:

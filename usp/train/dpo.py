@@ -2,6 +2,9 @@
 
 Data: rows of ``data.format=preference`` (:mod:`usp.data`): each pair is two consecutive documents of one row,
 ``prompt + chosen`` (role 1) then ``prompt + rejected`` (role 2); ``loss_mask`` marks the completion tokens.
+With ``trainer.dpo.shared_prompt`` the rejected document holds only the prompt's last token and the completion,
+linked to the prompt in the chosen document (``shared_prefix``, passed to the attention): the same documents,
+roles and targets, so nothing below changes.
 A completion's log-probability ``pi`` is the sum of its target tokens' log-probabilities, which lie on several
 sequence-parallel ranks. Per micro-batch:
 
@@ -138,6 +141,7 @@ def segment_forward(
         cu_seqlens=b["cu_seqlens"],
         segments=segments,
         num_segments=num_segments,
+        shared_prefix=b.get("shared_prefix"),
     )
     return b, segment_ce, segments
 

@@ -132,6 +132,7 @@ def start_job(cfg: TrainConfig, device: torch.device) -> Job:
             micro_batch_size=cfg.trainer.micro_batch_size,
             seed=cfg.trainer.seed,
             cache_dir=cfg.data.cache_dir or str(Path(cfg.run_dir) / "data_cache"),
+            shared_prompt=cfg.trainer.objective == "dpo" and cfg.trainer.dpo.shared_prompt,
         ),
         "building the data loaders",
     )

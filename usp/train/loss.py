@@ -197,6 +197,7 @@ class ChunkedCausalLMLoss(nn.Module):
         routing_only: bool = False,
         segments: torch.Tensor | None = None,
         num_segments: int = 0,
+        shared_prefix: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``sum of this rank's token losses / num_targets`` (fp32 scalar), plus, for a MoE with ``router_aux``,
         ``coef * aux_scale * `` this rank's router-loss share (collective over ``aux_group``).
@@ -210,8 +211,11 @@ class ChunkedCausalLMLoss(nn.Module):
         ``segments`` (int64 ``[B, S_local]``, this rank's slice): return this rank's cross-entropy sums per
         segment, ``[num_segments]``, undivided and without a router term (DPO's sequence log-probabilities,
         :mod:`usp.train.dpo`; through ``forward`` so that FSDP2's root hooks gather ``lm_head``).
+        ``shared_prefix``: with ``cu_seqlens``, DPO's shared prompt (int ``[num_docs]``, on the host; see
+        :func:`usp.attention.usp_attention`).
         """
-        extra = packed_sequence_kwargs(cu_seqlens)  # transformers' names: cu_seq_lens_q/k, max_length_q/k
+        # transformers' names: cu_seq_lens_q/k, max_length_q/k (and usp_shared_prefix)
+        extra = packed_sequence_kwargs(cu_seqlens, shared_prefix)
         decoder = decoder_of(self.model)
         final_norm = deferrable_final_norm(decoder)
         recorder = self._router_recorder

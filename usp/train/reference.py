@@ -111,6 +111,7 @@ def compute_reference_logps(
             b["labels"],
             position_ids=b["position_ids"],
             cu_seqlens=b["cu_seqlens"],
+            shared_prefix=b.get("shared_prefix"),
             segments=batch["document_index"].to(device),
             num_segments=docs,
         ).double()

@@ -63,6 +63,8 @@ def batch_to_device(batch: dict[str, Any], device: torch.device) -> dict[str, An
     out = {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS}
     cu = batch.get("cu_seqlens")
     out["cu_seqlens"] = None if cu is None else cu.to(dtype=torch.int32)  # stays on the CPU: read on the host
+    if batch.get("shared_prefix") is not None:  # DPO's shared prompt: on the CPU too
+        out["shared_prefix"] = batch["shared_prefix"]
     return out
 
 
