@@ -85,13 +85,14 @@ def test_check_heads():
         check_heads(LlamaConfig(hidden_size=96, num_attention_heads=12, num_key_value_heads=5, head_dim=8), 4)
 
 
-def sharded_load_matches(model_dir: str, rope_theta: float) -> dict:
-    """Worker: meta model -> FSDP2 over 4 ranks -> sharded load; compare with from_pretrained on every rank."""
+def sharded_load_matches(model_dir: str, rope_theta: float, degree: int = 2) -> dict:
+    """Worker: meta model -> FSDP2 over ``degree**2`` ranks (one rank: the plain module, no FSDP2) -> sharded
+    load; compare with from_pretrained on every rank."""
     from tests.mesh_cache import cached_sp_mesh
     from usp.model import build_empty_causal_lm, load_sharded_weights
     from usp.train.parallelize import parallelize
 
-    mesh = cached_sp_mesh(2, 2, "zigzag", 1)
+    mesh = cached_sp_mesh(degree, degree, "zigzag", 1)
     config = apply_rope_overrides(check_model_dir(model_dir), rope_theta=rope_theta)
     model = build_empty_causal_lm(config)
     parallelize(model, mesh, param_dtype=torch.float32)
@@ -110,6 +111,16 @@ def test_sharded_load_equals_from_pretrained(dist_pools, tmp_path, tie):
     for out in dist_pools(4).run(sharded_load_matches, model_dir, 77777.0):
         assert out["mismatched"] == [] and out["same_rope"] and out["n"] > 0
         assert out["tied"] == tie
+
+
+def test_world1_plain_load_keeps_tied_embeddings(dist_pools, tmp_path):
+    """One rank in fp32 trains the plain module (usp.train.parallelize.needs_fsdp): materializing it must keep
+    ``lm_head`` tied to the embedding (``to_empty`` would give each its own uninitialised copy, and the load fills
+    the embedding only)."""
+    model_dir = str(build_tiny_llama(tmp_path / "llama", tie_word_embeddings=True))
+    out = dist_pools(1).run(sharded_load_matches, model_dir, 77777.0, 1)[0]
+    assert out["mismatched"] == [] and out["same_rope"] and out["n"] > 0
+    assert out["tied"]
 
 
 def test_weight_devices_put_offloaded_params_on_the_cpu_and_buffers_on_the_compute_device():

@@ -10,7 +10,9 @@ the optimizer, a forward, a backward and the optimizer step; all on ``FakeTensor
 (``torch.testing._internal.distributed.fake_pg``, ``torch.distributed._tools.fake_collectives``). The attention
 kernels allocate what the CUDA kernels allocate (:mod:`usp.bench.fake_kernels`). The optimizer states exist
 before the measured step (as in every step after the first). The peak is
-``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``'s, by category and by module.
+``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``'s, by category and by module (torch's plain
+``MemTracker`` where the trainer skips FSDP2, :func:`usp.train.parallelize.needs_fsdp`: a world of one in the
+weights' own dtype; its parameters, gradients and optimizer states reported as the sharded ones).
 
 It prints the measured peak per category next to the planner's terms (:func:`usp.plan.memory.peak_memory` for
 the same settings); ``--json`` prints one object with the stable fields ``peak_gib`` (the fake-CUDA peak of the
@@ -169,6 +171,16 @@ def _local(t: Any) -> Any:
     return getattr(t, "_local_tensor", t)
 
 
+PLAIN_CATEGORIES = {"Parameter": "Sharded Param", "Gradient": "Sharded Grad", "Optstate": "OptState"}
+"""A plain module's categories (torch's ``MemTracker``, where FSDP2 is skipped) under ``FSDPMemTracker``'s
+names: one rank's whole parameters and gradients are its shards."""
+
+
+def _category(key: Any) -> str:
+    name = getattr(key, "value", str(key))
+    return PLAIN_CATEGORIES.get(name, name)
+
+
 def planned(cfg: Any, world: int, node_size: int, layers: int | None) -> Any:
     """The planner's :class:`usp.plan.memory.MemoryBreakdown` for this run."""
     from dataclasses import replace
@@ -221,6 +233,8 @@ def fake_step(
     import torch.distributed._tools.fake_collectives  # noqa: F401  (fake collectives under FakeTensorMode)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed.fsdp import FSDPModule
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from usp.bench.fake_cuda import fake_cuda_runtime, unsupported_reason
@@ -275,13 +289,17 @@ def fake_step(
             B = t.micro_batch_size
             ids = torch.zeros(B, local, dtype=torch.long, device="cuda")
             pos = torch.arange(local, device="cuda").expand(B, local)
-            tracker = FSDPMemTracker(loss_model)
-            tracker.track_inputs((ids, pos))
+            if isinstance(loss_model, FSDPModule):
+                tracker, opt_ref = FSDPMemTracker(loss_model), _FSDPRefType.OPT
+                tracker.track_inputs((ids, pos))
+            else:  # no FSDP2 (usp.train.parallelize.needs_fsdp: a world of one in the weights' dtype)
+                tracker, opt_ref = MemTracker(), _MemRefType.OPT
+                tracker.track_external(loss_model)
             with tracker:
                 for st in optimizer.state.values():
                     for v in st.values():
                         if isinstance(v, torch.Tensor) and _local(v).numel() > 1:
-                            tracker._update_and_maybe_create_winfos(_local(v), _FSDPRefType.OPT)
+                            tracker._update_and_maybe_create_winfos(_local(v), opt_ref)
                 loss = loss_model(ids, ids, position_ids=pos, num_targets=B * seq)
                 loss.backward()
                 optimizer.step()
@@ -292,7 +310,7 @@ def fake_step(
         modules = _module_peaks(tracker)
     finally:
         dist.destroy_process_group()
-    measured = {getattr(k, "value", str(k)): v / GIB for k, v in cuda.items() if k != "Total"}
+    measured = {_category(k): v / GIB for k, v in cuda.items() if k != "Total"}
     return {
         "seq_len": seq,
         "world_size": world,

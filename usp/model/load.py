@@ -284,6 +284,21 @@ def weight_devices(device: torch.device, *, cpu_offload: bool = False) -> tuple[
     return (torch.device("cpu") if cpu_offload else device), device
 
 
+def _shared_parameters(
+    model: nn.Module,
+) -> list[tuple[nn.Module, str, list[tuple[nn.Module, str]]]]:
+    """Each parameter registered in more than one place: its first ``(module, name)`` and the others."""
+    seen: dict[int, tuple[nn.Module, str, list[tuple[nn.Module, str]]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            entry = seen.setdefault(id(param), (module, name, []))
+            if entry[0] is not module or entry[1] != name:
+                entry[2].append((module, name))
+    return [entry for entry in seen.values() if entry[2]]
+
+
 @torch.no_grad()
 def materialize_empty(
     model: nn.Module, *, device: torch.device, param_device: torch.device | None = None
@@ -291,8 +306,15 @@ def materialize_empty(
     """Allocate a meta-device (possibly FSDP2-sharded) model: parameters and persistent buffers (uninitialised)
     on ``param_device`` (default ``device``), then the non-persistent buffers (RoPE ``inv_freq``, Gemma's
     ``embed_scale``, ...) on ``device``: those :func:`build_empty_causal_lm` kept, else the RoPE buffers
-    rebuilt from the config."""
+    rebuilt from the config. A parameter that several modules share (tied embeddings) stays one parameter:
+    ``to_empty`` gives each module its own copy of a plain one (FSDP2's shards keep the sharing; a world of one
+    without FSDP2, :func:`usp.train.parallelize.needs_fsdp`, has plain ones), and a load fills only the first."""
+    shared = _shared_parameters(model)
     model.to_empty(device=param_device or device)
+    for owner, name, others in shared:
+        param = owner._parameters[name]
+        for module, attr in others:
+            module._parameters[attr] = param
     kept = getattr(model, _BUFFERS_ATTR, None)
     if kept is None:  # not built by build_empty_causal_lm: rebuild the RoPE buffers from the config
         reset_rotary_buffers(model, device)
