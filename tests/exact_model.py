@@ -28,6 +28,41 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def float64_loss_model(
+    model_dir: str | Path, mesh, loss_chunk_size: int, **parallel
+) -> tuple[nn.Module, nn.Module]:
+    """``(model, loss_model)``: the checkpoint in float64 (:func:`load_float64`) through the trainer's
+    :func:`usp.train.parallelize.parallelize` on ``mesh``, computing and reducing in float64 on the ``math``
+    kernel (``cpu_flash`` returns an fp32 lse); ``parallel``: more of its keywords (``lora``, ...)."""
+    from usp.train.parallelize import parallelize
+
+    model = load_float64(model_dir)
+    loss_model = parallelize(
+        model,
+        mesh,
+        param_dtype=torch.float64,
+        reduce_dtype=torch.float64,
+        loss_chunk_size=loss_chunk_size,
+        attention_backend="math",
+        **parallel,
+    )
+    return model, loss_model
+
+
+class CaptureGrads(torch.optim.Optimizer):
+    """An 'optimizer' whose step records the whole gradients (collective under FSDP2: every rank calls step)."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]]):
+        super().__init__([p for _, p in named], {"lr": 0.0})
+        self.names = [n for n, _ in named]
+        self.grads: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ARG002 - the Optimizer signature
+        params = self.param_groups[0]["params"]
+        self.grads = {n: whole(p.grad).clone() for n, p in zip(self.names, params)}
+
+
 def _rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """``LlamaRMSNorm.forward`` computed in ``promote_types(input dtype, fp32)`` instead of fp32."""
     input_dtype = hidden_states.dtype

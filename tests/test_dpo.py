@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.exact_model import load_float64, whole
+from tests.exact_model import CaptureGrads, float64_loss_model, load_float64
 from tests.mesh_cache import cached_sp_mesh
 from tests.run_errors import run_expecting_error
 from tests.tolerance import EXACT_DTYPE, assert_exact, rounding_tolerance
@@ -33,7 +33,6 @@ from usp.data.batch import IGNORE_INDEX, collate_rows
 from usp.data.pack_preference import shared_prefix_length
 from usp.tiny import build_tiny_llama
 from usp.train.dpo import DpoSpec, dpo_step, dpo_validation
-from usp.train.parallelize import parallelize
 from usp.train.reference import ReferenceLogps, compute_reference_logps
 from usp.train.trainer import run
 
@@ -99,29 +98,9 @@ def _batch(rows: list[dict], index: list[int], mesh) -> dict:
     return batch
 
 
-class CaptureGrads(torch.optim.Optimizer):
-    def __init__(self, named):
-        super().__init__([p for _, p in named], {"lr": 0.0})
-        self.names = [n for n, _ in named]
-        self.grads: dict[str, torch.Tensor] = {}
-
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ARG002
-        params = self.param_groups[0]["params"]
-        self.grads = {n: whole(p.grad).clone() for n, p in zip(self.names, params)}
-
-
 def dpo_worker(model_dir: str, rows: list[dict], ref: np.ndarray, ulysses: int, ring: int, dp: int) -> dict:
     mesh = cached_sp_mesh(ulysses, ring, "balanced", dp)
-    model = load_float64(model_dir)
-    loss_model = parallelize(
-        model,
-        mesh,
-        param_dtype=torch.float64,
-        reduce_dtype=torch.float64,
-        loss_chunk_size=7,
-        attention_backend="math",
-    )
+    model, loss_model = float64_loss_model(model_dir, mesh, loss_chunk_size=7)
     optimizer = CaptureGrads(list(model.named_parameters()))
     out: dict = {}
     for key, spec in SPECS.items():
@@ -351,15 +330,7 @@ def dpo_shared_worker(
     out: dict = {}
     for ulysses, ring in layouts:
         mesh = cached_sp_mesh(ulysses, ring, "balanced")
-        model = load_float64(model_dir)
-        loss_model = parallelize(
-            model,
-            mesh,
-            param_dtype=torch.float64,
-            reduce_dtype=torch.float64,
-            loss_chunk_size=7,
-            attention_backend="math",
-        )
+        model, loss_model = float64_loss_model(model_dir, mesh, loss_chunk_size=7)
         optimizer = CaptureGrads(list(model.named_parameters()))
         got: dict = {}
         for key in SHARED_SPECS:

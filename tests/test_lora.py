@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tests.exact_model import load_float64
+from tests.exact_model import float64_loss_model, load_float64
 from tests.mesh_cache import cached_sp_mesh
 from tests.run_errors import run_expecting_error
 from tests.tolerance import EXACT_DTYPE, assert_close_scaled, assert_exact, rounding_tolerance
@@ -32,7 +32,6 @@ from usp.config import TrainConfig
 from usp.data.batch import IGNORE_INDEX, collate_rows
 from usp.model.lora import LoraSpec, is_adapter_key, peft_adapter_state
 from usp.tiny import build_tiny_llama
-from usp.train.parallelize import parallelize
 from usp.train.step import train_step
 from usp.train.trainer import run
 
@@ -102,16 +101,7 @@ def lora_worker(model_dir: str, rows: list[dict], ulysses: int, ring: int, dp: i
     mesh = cached_sp_mesh(ulysses, ring, "balanced", dp)
     out = {}
     for key, spec in SPECS.items():
-        model = load_float64(model_dir)
-        loss_model = parallelize(
-            model,
-            mesh,
-            param_dtype=torch.float64,
-            reduce_dtype=torch.float64,
-            loss_chunk_size=9,
-            attention_backend="math",
-            lora=spec,
-        )
+        model, loss_model = float64_loss_model(model_dir, mesh, loss_chunk_size=9, lora=spec)
         with torch.no_grad():
             for name, value in adapter_values(model, seed=1).items():
                 p = dict(model.named_parameters())[name]

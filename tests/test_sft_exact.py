@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.exact_model import load_float64, whole
+from tests.exact_model import CaptureGrads, float64_loss_model, load_float64
 from tests.mesh_cache import cached_sp_mesh
 from tests.tolerance import EXACT_DTYPE, assert_exact
 from usp.data.batch import IGNORE_INDEX, collate_rows
@@ -27,24 +27,9 @@ from usp.data.chat_prepare import MESSAGES, ChatOptions, encode_conversations
 from usp.data.pack import PackStats
 from usp.data.pack_chat import pack_conversations
 from usp.tiny import _chat, build_tiny_llama
-from usp.train.parallelize import parallelize
 from usp.train.step import train_step
 
 SEQ_LEN = 64
-
-
-class CaptureGrads(torch.optim.Optimizer):
-    """An 'optimizer' whose step records the full gradients (collective: every rank calls step)."""
-
-    def __init__(self, named: list[tuple[str, torch.nn.Parameter]]):
-        super().__init__([p for _, p in named], {"lr": 0.0})
-        self.names = [n for n, _ in named]
-        self.grads: dict[str, torch.Tensor] = {}
-
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ARG002 - the Optimizer signature
-        params = self.param_groups[0]["params"]
-        self.grads = {n: whole(p.grad).clone() for n, p in zip(self.names, params)}
 
 
 def make_rows(tokenizer) -> list[dict]:
@@ -80,15 +65,7 @@ def steps_for(dp: int) -> list[list[list[int]]]:
 
 def sft_worker(model_dir: str, rows: list[dict], ulysses: int, ring: int, dp: int) -> dict | None:
     mesh = cached_sp_mesh(ulysses, ring, "balanced", dp)
-    model = load_float64(model_dir)
-    loss_model = parallelize(
-        model,
-        mesh,
-        param_dtype=torch.float64,
-        reduce_dtype=torch.float64,
-        loss_chunk_size=9,
-        attention_backend="math",
-    )  # float64 throughout (cpu_flash returns an fp32 lse)
+    model, loss_model = float64_loss_model(model_dir, mesh, loss_chunk_size=9)
     optimizer = CaptureGrads(list(model.named_parameters()))
     out = []
     for step in steps_for(mesh.dp_degree):
