@@ -100,6 +100,7 @@ def test_keyword_forms_map_every_argument():
         mlp_tiles=4,
         micro_batch_size=2,
         compute_bytes=4,
+        loss_chunk_size=1024,
     )
     assert held == held_bytes(WORK, CAND)
     off = dict(

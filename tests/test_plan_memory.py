@@ -271,6 +271,7 @@ def test_planner_terms_match_the_measured_step(activation_checkpointing, mlp_til
         activation_checkpointing=activation_checkpointing,
         mlp_tiles=mlp_tiles,
         compute_bytes=4,
+        loss_chunk_size=1024,  # the step's (four chunks; the last one kept, not recomputed)
     )
     predicted = held_activation_bytes(spec, **kw)
     predicted_held = predicted["total"]
@@ -284,7 +285,6 @@ def test_planner_terms_match_the_measured_step(activation_checkpointing, mlp_til
         replace(GPUS["cpu"], reserved_gib=0.0),
         world_size=1,
         node_size=1,
-        loss_chunk_size=1024,
         overhead_frac=0.0,
         **kw,
     )

@@ -40,6 +40,46 @@ def test_chunked_loss_equals_full_cross_entropy(chunk_size, with_bias):
         assert_exact(a, b, f"{name} gradient")
 
 
+@pytest.mark.parametrize("chunk_size", [5, 24])  # 3 chunks (the last shorter); one chunk
+def test_chunked_loss_recomputes_all_chunks_but_the_last_with_the_same_bits(monkeypatch, chunk_size):
+    """Every chunk but the last is recomputed in backward (the last one's backward comes first, where its
+    recompute would allocate what it keeps); fp32, the loss and gradients are bitwise those of checkpointing
+    every chunk."""
+    from torch.utils.checkpoint import checkpoint
+
+    from usp.train import loss as loss_module
+
+    g = torch.Generator().manual_seed(0)
+    hidden0 = torch.randn(1, 12, 16, generator=g)
+    weight0 = torch.randn(50, 16, generator=g)
+    labels = torch.randint(0, 50, (1, 12), generator=g)
+    labels[0, 2:4] = -100
+    inner = loss_module._chunk_ce_sum
+    calls: list[int] = []
+
+    def counted(h, *args):
+        calls.append(h.size(0))
+        return inner(h, *args)
+
+    monkeypatch.setattr(loss_module, "_chunk_ce_sum", counted)
+    hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+    got = chunked_cross_entropy_sum(hidden, weight, labels, chunk_size=chunk_size)
+    got.backward()
+    chunks = -(-12 // chunk_size)
+    assert len(calls) == 2 * chunks - 1  # forward: every chunk; backward: all but the last
+
+    hidden_ref, weight_ref = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+    h, y = hidden_ref.reshape(-1, 16), labels.reshape(-1)
+    ref = hidden_ref.new_zeros(())
+    for start in range(0, 12, chunk_size):  # the former rule: every chunk checkpointed
+        end = min(start + chunk_size, 12)
+        ref = ref + checkpoint(inner, h[start:end], weight_ref, None, y[start:end], use_reentrant=False)
+    ref.backward()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch.testing.assert_close(hidden.grad, hidden_ref.grad, rtol=0, atol=0)
+    torch.testing.assert_close(weight.grad, weight_ref.grad, rtol=0, atol=0)
+
+
 def test_chunked_loss_rejects_bad_chunk_size():
     with pytest.raises(ValueError, match="trainer.loss_chunk_size=0"):
         chunked_cross_entropy_sum(

@@ -16,7 +16,9 @@ replication), as autograd keeps them for the Hugging Face layer (measured in ``t
     4 I B            gate, up, silu(gate), silu(gate) * up
 
 Outside the layers a forward keeps the rotary tables (cos and sin, ``2 d B`` per token, shared by every layer)
-and the final RMSNorm's ``h (4 + 2B)`` (as a layer's norm; its output is what the chunked loss keeps).
+and the final RMSNorm's ``h (4 + 2B)`` (as a layer's norm; its output is what the chunked loss keeps). The
+loss's last chunk is not recomputed (its backward comes first): it keeps its fp32 log-probabilities, ``4 V`` per
+token of that chunk, until the backward starts.
 
 With ``full`` checkpointing a layer keeps only its input (``h``) and one layer is recomputed at a time.
 With ``offload`` those inputs live in host memory: the device holds :data:`OFFLOAD_DEVICE_CHECKPOINTS` of them
@@ -87,6 +89,7 @@ its experts (:attr:`ModelSpec.layer_params`), so a MoE's per-layer gathers are i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -346,8 +349,9 @@ def held_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
     """Bytes autograd keeps on the device at the end of a training forward, per rank (what
     :func:`usp.bench.track_memory.track_memory` measures as held bytes): ``layers`` (every saved activation of the
     layers that are not checkpointed, the input of those that are, nothing of the inputs ``offload`` moved to
-    the host), ``rotary`` (cos and sin) and ``final_norm`` (what the final norm and the loss keep: with tiles
-    only the pre-norm hidden, ``B h`` per token); a MoE model also ``router`` (what its router loss keeps,
+    the host), ``rotary`` (cos and sin), ``final_norm`` (what the final norm and the loss keep: with tiles
+    only the pre-norm hidden, ``B h`` per token) and ``loss_chunk`` (the loss's last chunk, which is not
+    recomputed: its fp32 log-probabilities ``4 V`` per token, and under tiles its final norm's tensors); a MoE model also ``router`` (what its router loss keeps,
     :func:`router_held_bytes_per_token`); ``total`` their sum."""
     model, seq_len, micro_batch_size, compute_bytes = (
         work.model,
@@ -385,10 +389,17 @@ def held_bytes(work: Workload, cand: Candidate) -> dict[str, float]:
         kept = sum(per_kind[key] for i, key in enumerate(model.layer_keys) if i not in ckpt)
     # the final norm: its output is the loss chunks' input; a frozen one keeps no normalized input
     final_norm = h * B if tiled else norm_bytes_per_token(model, lora, B, output_kept=True)
+    # the loss's last chunk is not recomputed (usp.train.loss): it keeps its fp32 log-probabilities and, under
+    # tiles, what its final norm keeps
+    last_chunk = s - (math.ceil(s / work.loss_chunk_size) - 1) * work.loss_chunk_size
+    last_chunk_per_token = 4 * model.vocab_size
+    if tiled:
+        last_chunk_per_token += norm_bytes_per_token(model, lora, B, output_kept=True)
     out = {
         "layers": (kept + inputs * h * B) * s,
         "rotary": 2 * model.head_dim * B * s,
         "final_norm": final_norm * s,
+        "loss_chunk": last_chunk_per_token * last_chunk,
     }
     if model.moe is not None:  # the router loss's logits and softmax (module docstring)
         out["router"] = router_held_bytes_per_token(model, B) * s

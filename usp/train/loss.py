@@ -12,7 +12,8 @@ FSDP2 must *sum* the shares (``usp.train.parallelize`` sets its divide factor to
 single-process gradient of the mean loss.
 
 Memory: the final norm'd hidden states ``[B, S_local, H]`` go through ``lm_head`` ``chunk_size`` tokens at a
-time, each chunk under activation checkpointing, so at most one chunk's ``[chunk, vocab]`` fp32 logits exist
+time, each chunk but the last under activation checkpointing (the last one's backward comes first, where its
+recompute would allocate what it keeps), so at most one chunk's ``[chunk, vocab]`` fp32 logits exist
 in forward and in backward. With sequence tiling the final norm runs inside the chunks too, and only the
 pre-norm hidden states are kept.
 
@@ -93,6 +94,10 @@ def chunked_cross_entropy_sum(
     ``hidden`` ``[B, S, H]`` (after the final norm), ``weight`` ``[V, H]`` (``lm_head.weight``), ``labels``
     ``[B, S]``. Returns an fp32 scalar. Differentiable with respect to ``hidden``, ``weight`` and ``bias``;
     each chunk of ``chunk_size`` tokens is recomputed in backward, so peak extra memory is one chunk's logits.
+    Not the last chunk: its backward is the first one, right after the forward (every caller's next step), so
+    it keeps its logits instead, which is what its recompute would allocate at that very point; the same
+    memory peak and, the recompute being exact, the same gradients bit for bit, one ``lm_head`` product less
+    (a whole step's, when one chunk holds every token: a 7% step on SmolLM2-135M, docs/performance.md).
     The result is fp32 (fp64 for fp64 inputs). ``norm`` (per token, ``[n, H] -> [n, H]``): when given,
     ``hidden`` is *before* the final norm and ``norm`` is applied to each chunk inside its checkpoint, so
     only ``hidden`` is kept for backward (:class:`usp.train.tiling.DeferrableNorm`). ``transform``: the model's
@@ -114,18 +119,12 @@ def chunked_cross_entropy_sum(
     total = hidden.new_zeros(() if seg is None else (num_segments,), dtype=dtype)
     for start in range(0, h.size(0), chunk_size):
         end = min(start + chunk_size, h.size(0))
-        total = total + checkpoint(
-            _chunk_ce_sum,
-            h[start:end],
-            weight,
-            bias,
-            y[start:end],
-            norm,
-            transform,
-            None if seg is None else seg[start:end],
-            num_segments,
-            use_reentrant=False,
-        )
+        args = (h[start:end], weight, bias, y[start:end], norm, transform)
+        args += (None if seg is None else seg[start:end], num_segments)
+        if end == h.size(0):  # the last chunk: not recomputed (see below)
+            total = total + _chunk_ce_sum(*args)
+        else:
+            total = total + checkpoint(_chunk_ce_sum, *args, use_reentrant=False)
     return total
 
 
