@@ -191,6 +191,71 @@ def test_ring1_calls_the_kernel_once_per_chunk(dist_pools, chunks, documents):
     assert got == {"fwd": chunks, "bwd": chunks, "bytes_sent": 0}
 
 
+def own_autograd_against_the_ring_function(ulysses: int) -> list[tuple[str, bool, bool]]:
+    """Worker (world ``ulysses``, ring 1): each case's forward + backward twice, as a training step runs it and
+    inside ``record_comm`` (which keeps the ring's autograd ``Function``); ``(case, took aten's own autograd,
+    the same bits)`` per case."""
+    from usp.attention import ring
+
+    taken = []
+    real = ring.attention_own_autograd
+
+    def counted(*a, **kw):
+        taken.append(True)
+        return real(*a, **kw)
+
+    ring.attention_own_autograd = counted
+    mesh = cached_sp_mesh(ulysses, 1)
+    out = []
+    try:
+        for name, dtype, kw in (
+            ("causal fp64", torch.float64, {}),
+            ("full fp32", torch.float32, {"causal": False}),
+            ("one document", torch.float64, {"cu_seqlens": torch.tensor([0, 48], dtype=torch.int32)}),
+            ("documents", torch.float64, {"cu_seqlens": torch.tensor(DOCS, dtype=torch.int32)}),
+            ("head chunks", torch.float64, {"attn_head_chunks": 2}),
+        ):
+            q0, k0, v0, dout = (
+                t.to(dtype) for t in _inputs(_case(0, batch=1, hq=4 * ulysses, hkv=2 * ulysses))
+            )
+            cu = kw.get("cu_seqlens")
+            got = []
+            for recorded in (False, True):
+                q, k, v = (shard_sequence(t, mesh, cu_seqlens=cu).requires_grad_() for t in (q0, k0, v0))
+                taken.clear()
+                if recorded:
+                    with record_comm():
+                        o = usp_attention(q, k, v, mesh=mesh, **kw)
+                else:
+                    o = usp_attention(q, k, v, mesh=mesh, **kw)
+                fast = bool(taken)
+                o.backward(shard_sequence(dout, mesh, cu_seqlens=cu))
+                got.append((fast, [o.detach(), q.grad, k.grad, v.grad]))
+            assert not got[1][0], "record_comm keeps the ring's Function (it counts its work)"
+            same = all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1]))
+            out.append((name, got[0][0], same))
+    finally:
+        ring.attention_own_autograd = real
+    return out
+
+
+@pytest.mark.parametrize("ulysses", [1, 2])
+def test_ring1_one_unmasked_block_runs_the_kernels_own_autograd_with_the_same_bits(dist_pools, ulysses):
+    """Ring degree 1 with one block over every token and no mask (no document, or one): aten's autograd
+    formula for the CPU flash kernel, no Python ``Function``; the output and gradients are bitwise those of the
+    ring's ``Function`` (the same two kernel calls). Documents and head chunks keep the ``Function``."""
+    got = dist_pools(ulysses).run(own_autograd_against_the_ring_function, ulysses)
+    for per_rank in got:
+        assert [(name, fast) for name, fast, _ in per_rank] == [
+            ("causal fp64", True),
+            ("full fp32", True),
+            ("one document", True),
+            ("documents", False),
+            ("head chunks", False),
+        ]
+        assert all(same for _, _, same in per_rank), per_rank
+
+
 # --- bytes ---------------------------------------------------------------------------------------------------
 
 

@@ -52,6 +52,11 @@ def record_comm() -> Iterator[CommStats]:
         _RECORDER.reset(token)
 
 
+def recording() -> bool:
+    """Whether a :func:`record_comm` block is open on this thread."""
+    return _RECORDER.get() is not None
+
+
 def _record_bytes(kind: str, nbytes: int) -> None:
     stats = _RECORDER.get()
     if stats is not None:

@@ -240,6 +240,27 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, segments):
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+OWN_AUTOGRAD_BACKENDS: tuple[str, ...] = ("cpu_flash",)
+"""Backends whose kernel pair aten registers with an autograd formula (the forward saves ``out`` and ``lse``, the
+backward calls the backward kernel on them): :func:`attention_own_autograd` runs them with no Python in the
+backward."""
+
+
+def attention_own_autograd(
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float
+) -> torch.Tensor:
+    """``out [B, S, Hq, D]`` of one unmasked block (``causal`` or full) covering all of ``q``'s rows and
+    ``k``'s keys, differentiated by aten's own formula for the kernel: the same forward and backward kernel
+    calls as :func:`attention_forward` / :func:`attention_backward` on that block (so the same numbers), with
+    the backward in C++ rather than an autograd ``Function``'s Python. ``backend`` in
+    :data:`OWN_AUTOGRAD_BACKENDS`."""
+    assert backend == "cpu_flash", f"no autograd formula registered for backend {backend!r}"
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=softmax_scale
+    )  # [B, Hq, S, D], stored as [B, S, Hq, D]
+    return out.transpose(1, 2)
+
+
 # --- document segments on the dense kernels, one call per segment or group (usp.attention.segmented) -------
 
 _PER_SEGMENT = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "cpu_flash")  # "math" stays the dense reference

@@ -49,8 +49,14 @@ import torch
 import torch.distributed as dist
 
 from usp.attention.blocks import BlockSpec, StepBlocks, step_blocks
-from usp.attention.comm import RingExchange, record_attention_work
-from usp.attention.kernels import accumulation_dtype, attention_backward, attention_forward
+from usp.attention.comm import RingExchange, record_attention_work, recording
+from usp.attention.kernels import (
+    OWN_AUTOGRAD_BACKENDS,
+    accumulation_dtype,
+    attention_backward,
+    attention_forward,
+    attention_own_autograd,
+)
 
 _TAG_KV, _TAG_DKV, _TAG_DKV_HOME = 11, 12, 13
 
@@ -453,4 +459,50 @@ def ring_attention(
     check_head_chunks(head_chunks, q.size(2), k.size(2), setting="head_chunks")
     assert 1 <= len(plans) <= dist.get_world_size(group), "one block plan per ring step, at most R steps"
     assert sinks is None or sinks.shape == (q.size(2),), "one sink per local query head"
+    return ring_attention_checked(
+        q,
+        k,
+        v,
+        group=group,
+        plans=plans,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        head_chunks=head_chunks,
+        sinks=sinks,
+    )
+
+
+def ring_attention_checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    plans: list[BlockSpec | None],
+    softmax_scale: float,
+    backend: str,
+    head_chunks: int = 1,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`ring_attention` once its arguments are known good (:func:`usp.attention.usp_attention` checks
+    them once per kind of call): no check here. When the whole attention is one unmasked block over every
+    query and key (one ring step: ring degree 1 with one document or none, no sinks, one head chunk) and the
+    kernel has aten's own autograd formula, that formula runs it (:func:`attention_own_autograd`: the same
+    kernels, the same numbers, no Python in the backward), except inside :func:`usp.attention.record_comm`,
+    which counts the work of the ring's path."""
+    if head_chunks == 1 and sinks is None and len(plans) == 1 and backend in OWN_AUTOGRAD_BACKENDS:
+        spec = plans[0]
+        if _whole_unmasked_block(spec, q.size(1), k.size(1)) and not recording():
+            return attention_own_autograd(backend, q, k, v, causal=spec.causal, softmax_scale=softmax_scale)
     return _RingAttention.apply(q, k, v, sinks, group, plans, softmax_scale, backend, head_chunks)
+
+
+def _whole_unmasked_block(spec: object, n_q: int, n_k: int) -> bool:
+    """``spec`` is one block over all ``n_q`` query rows and ``n_k`` keys, with no mask but the causal one."""
+    return (
+        isinstance(spec, BlockSpec)
+        and spec.segments is None
+        and spec.softcap is None
+        and _covers(spec.q_slice, n_q)
+        and _covers(spec.k_slice, n_k)
+    )

@@ -34,7 +34,7 @@ from usp.attention.blocks import (
 from usp.attention.heads import UlyssesHeads, ulysses_heads
 from usp.attention.kernels import default_scale, resolve_backend
 from usp.attention.masks import RowRanges
-from usp.attention.ring import check_head_chunks, ring_attention
+from usp.attention.ring import check_head_chunks, ring_attention_checked
 from usp.attention.ulysses import head_to_seq, kv_seq_to_head, seq_to_head
 from usp.parallel import SPMesh, check_sequence_length
 
@@ -423,7 +423,7 @@ def usp_attention(
     qh = seq_to_head(q, ulysses_group, "ulysses_q", heads.q_counts)  # [B, S/R, Hq_u, D]
     kh = kv_seq_to_head(k, ulysses_group, heads, "ulysses_k")  # [B, S/R, Hkv_u, D], Hq_u % Hkv_u == 0
     vh = kv_seq_to_head(v, ulysses_group, heads, "ulysses_v")
-    oh = ring_attention(
+    oh = ring_attention_checked(
         qh,
         kh,
         vh,
