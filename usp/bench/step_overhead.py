@@ -78,7 +78,7 @@ def _instrument() -> _Timer:
 
     timer = _Timer()
     timer.wrap(usp.attention, "usp_attention", "attention")  # what the registered attention function calls
-    for name in ("ring_attention", "seq_to_head", "kv_seq_to_head", "head_to_seq"):
+    for name in ("ring_attention_checked", "seq_to_head", "kv_seq_to_head", "head_to_seq"):
         timer.wrap(usp_module, name, "kernels_and_collectives")
     return timer
 
