@@ -24,7 +24,7 @@ ACCUM = 2
 def _watched() -> dict[str, object]:
     """Name -> code object of each function a step must not call after the first (or, for token indices,
     must call once per micro-batch)."""
-    from usp.attention import heads, kernels
+    from usp.attention import heads, kernels, ring
     from usp.attention import usp as usp_attention
     from usp.parallel import layout, sequence
 
@@ -35,6 +35,7 @@ def _watched() -> dict[str, object]:
         "ulysses_heads": heads.ulysses_heads,
         "resolve_backend": kernels.resolve_backend,
         "check_attn_head_chunks": usp_attention.check_attn_head_chunks,
+        "check_head_chunks": ring.check_head_chunks,  # ring_attention's own check, not on usp_attention's path
         "attention call setup": usp_attention._call_setup,
         "token indices": sequence.mesh_token_indices,  # a micro-batch's shard (block plans compute their own)
     }
@@ -92,6 +93,7 @@ def test_a_training_step_makes_no_checks_after_the_first(dist_pools, tmp_path):
         assert startup["check_sequence_length"] + startup["sequence_length_error"] > 0, startup
         assert startup["ParallelLayout.__post_init__"] > 0, startup
         assert first["attention call setup"] + startup["attention call setup"] >= 1, first
+        assert first["check_head_chunks"] + startup["check_head_chunks"] >= 1, first
         for k, window in enumerate(later, start=2):
             checks = {name: n for name, n in window.items() if name != "token indices" and n}
             assert not checks, f"rank {rank}, step {k} (after start-up and the first step) called {checks}"

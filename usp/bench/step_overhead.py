@@ -12,10 +12,10 @@ train_step` on :func:`usp.data.batch.collate_rows`'s micro-batch) and reports pe
   kernel calls and collectives): validation, planning, head splits, backend resolution;
 - ``overhead_s = collate_s + attention_glue_s``, the host time that is not forward/backward/optimizer math.
 
-At ``1x1`` it also runs the same model as plain Hugging Face (its own SDPA attention, ``model(input_ids,
-labels)``, torch's fused AdamW) on the same row (one document: plain HF has no document masking without
-flash-attn), interleaved step by step with the usp step on the same row, and reports ``usp_over_hf``, the
-median ratio of the two step times. Medians of ``--steps`` steps after one warm-up step. Every figure is a
+At ``1x1`` it then takes the timers off and runs ``--steps`` more usp steps interleaved step by step with
+the same model as plain Hugging Face (its own SDPA attention, ``model(input_ids, labels)``, torch's fused
+AdamW) on the same row (one document: plain HF has no document masking without flash-attn), and reports
+``usp_untimed_step_s``, ``hf_step_s`` and ``usp_over_hf``, the median ratio of the two step times. Medians of ``--steps`` steps after one warm-up step. Every figure is a
 wall-clock time on a shared machine: compare ratios measured in one run.
 """
 
@@ -52,9 +52,11 @@ class _Timer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.wrapped: list[tuple[Any, str, Any]] = []
 
     def wrap(self, module: Any, name: str, label: str) -> None:
         inner = getattr(module, name)
+        self.wrapped.append((module, name, inner))
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
@@ -65,6 +67,12 @@ class _Timer:
                 self.calls[label] = self.calls.get(label, 0) + 1
 
         setattr(module, name, timed)
+
+    def unwrap(self) -> None:
+        """Put the wrapped functions back (the timing costs a few microseconds a call)."""
+        for module, name, inner in reversed(self.wrapped):
+            setattr(module, name, inner)
+        self.wrapped = []
 
     def take(self) -> tuple[dict[str, float], dict[str, int]]:
         out = (self.seconds, self.calls)
@@ -92,7 +100,7 @@ def _row(seq_len: int, vocab: int, documents: int) -> dict[str, Any]:
 
 def _usp_stepper(
     case: Case, mesh: Any, document_masking: bool
-) -> Callable[[dict[str, Any]], dict[str, float]]:
+) -> tuple[Callable[[dict[str, Any]], dict[str, float]], _Timer]:
     from usp.config import OptimConfig
     from usp.data.batch import collate_rows
     from usp.model import load_causal_lm
@@ -130,7 +138,7 @@ def _usp_stepper(
             "overhead_s": collated - start + glue,
         }
 
-    return step
+    return step, timer
 
 
 def _hf_stepper(case: Case) -> Callable[[dict[str, Any]], dict[str, float]]:
@@ -167,16 +175,19 @@ def run_case(case: Case) -> dict[str, Any]:
     mesh = init_sp_mesh(case.ulysses, case.ring, dp_degree=1, ring_layout="balanced")
     vocab = AutoConfig.from_pretrained(case.model_dir).vocab_size
     world1 = case.ulysses * case.ring == 1
-    usp_step = _usp_stepper(case, mesh, document_masking=not world1)
+    usp_step, timer = _usp_stepper(case, mesh, document_masking=not world1)
     row = _row(case.seq_len, vocab, documents=1 if world1 else 2)
-    hf_step = _hf_stepper(case) if world1 else None
-    usp_records, hf_records = [], []
-    for i in range(case.steps + 1):  # the first is a warm-up
-        got = usp_step(row)
-        ref = hf_step(row) if hf_step is not None else None
-        if i:
-            usp_records.append(got)
-            if ref is not None:
+    try:
+        usp_records = [usp_step(row) for _ in range(case.steps + 1)][1:]  # the first is a warm-up
+    finally:
+        timer.unwrap()
+    hf_records, plain_records = [], []
+    if world1:  # then the ratio: the timers off, usp and HF interleaved step by step on the same row
+        hf_step = _hf_stepper(case)
+        for i in range(case.steps + 1):
+            got, ref = usp_step(row), hf_step(row)
+            if i:
+                plain_records.append(got)
                 hf_records.append(ref)
     out: dict[str, Any] = {
         "model": os.path.basename(case.model_dir.rstrip("/")),
@@ -189,9 +200,10 @@ def run_case(case: Case) -> dict[str, Any]:
         out[key] = _median(usp_records, key)
     out["overhead_fraction"] = out["overhead_s"] / out["step_s"]
     if hf_records:
+        out["usp_untimed_step_s"] = _median(plain_records, "step_s")
         out["hf_step_s"] = _median(hf_records, "step_s")
         out["usp_over_hf"] = statistics.median(
-            u["step_s"] / h["step_s"] for u, h in zip(usp_records, hf_records, strict=True)
+            u["step_s"] / h["step_s"] for u, h in zip(plain_records, hf_records, strict=True)
         )
     return out
 

@@ -136,10 +136,12 @@ def count_targets(labels: torch.Tensor) -> int:
 def global_target_count(
     local_count: int, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
 ) -> int:
-    """Sum of ``local_count`` over ``group`` (every rank of the job: dp x ring x ulysses); one all_reduce."""
+    """Sum of ``local_count`` over ``group`` (every rank of the job: dp x ring x ulysses); one all_reduce
+    (none in a world of one)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return int(local_count)
     t = torch.tensor([local_count], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
+    dist.all_reduce(t, group=group)
     return int(t.item())
 
 
