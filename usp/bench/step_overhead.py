@@ -15,8 +15,9 @@ train_step` on :func:`usp.data.batch.collate_rows`'s micro-batch) and reports pe
 At ``1x1`` it then takes the timers off and runs ``--steps`` more usp steps interleaved step by step with
 the same model as plain Hugging Face (its own SDPA attention, ``model(input_ids, labels)``, torch's fused
 AdamW) on the same row (one document: plain HF has no document masking without flash-attn), and reports
-``usp_untimed_step_s``, ``hf_step_s`` and ``usp_over_hf``, the median ratio of the two step times. Medians of ``--steps`` steps after one warm-up step. Every figure is a
-wall-clock time on a shared machine: compare ratios measured in one run.
+``usp_untimed_step_s``, ``hf_step_s`` and ``usp_over_hf``, the median ratio of the two step times. Medians
+of ``--steps`` steps after one warm-up step. Every figure is a wall-clock time on a shared machine: compare
+ratios measured in one run.
 """
 
 from __future__ import annotations
